@@ -1,0 +1,38 @@
+# `make demo` and `make test` each create .venv if missing and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# Shared cache for converted model weights (the SmolLM2 GGUF is converted once).
+export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
+DEMO_HOME := $(CURDIR)/demo-swarm
+
+.PHONY: demo test bench sysdeps clean
+
+sysdeps:
+	@# libp2p builds fastecdsa from source: it needs a compiler and GMP headers.
+	@if ! dpkg -s libgmp-dev >/dev/null 2>&1 || ! command -v gcc >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq build-essential libgmp-dev; \
+	  else echo "please install build-essential and libgmp-dev"; fi; fi
+
+$(STAMP): pyproject.toml | sysdeps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+demo: $(STAMP)
+	$(VENV)/bin/compushare swarm up --nodes 3 --model smollm2-135m --home $(DEMO_HOME)
+	$(VENV)/bin/compushare run --model smollm2-135m --verbose --home $(DEMO_HOME)/client \
+	  --swarm-home $(DEMO_HOME) "What is the capital of France?"; \
+	status=$$?; $(VENV)/bin/compushare swarm down --home $(DEMO_HOME); exit $$status
+
+bench: $(STAMP)
+	$(PY) bench/pipeline_overhead.py
+
+clean:
+	rm -rf $(VENV) .cache demo-swarm

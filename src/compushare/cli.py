@@ -1,0 +1,215 @@
+"""Command line: parse, then call into node / pipeline / model / swarm."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import NodeConfig, ServerLimits, Span, load_toml, resolve_data_dir
+from .errors import CompushareError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
+swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
+models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
+app.add_typer(swarm_app, name="swarm")
+app.add_typer(models_app, name="models")
+err = Console(stderr=True)
+
+DATA_DIR = typer.Option(None, "--data-dir", "--home", help="Data dir (default: $COMPUSHARE_HOME or the platform's).")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@app.command()
+def node(
+    model: str = typer.Option(None, help="Model name or id (default smollm2-135m)."),
+    blocks: str = typer.Option(None, help="Half-open span of blocks to serve, e.g. 10:20."),
+    data_dir: Path = DATA_DIR,
+    listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
+    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
+    kv_budget: int = typer.Option(None, help="KV cache budget in tokens over all sessions."),
+    idle_timeout: float = typer.Option(None, help="Seconds before an idle session is dropped."),
+    record_ttl: float = typer.Option(None, help="Lifetime of the DHT server record (refreshed at 1/3)."),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Serve a span of a model's blocks to the swarm (runs in the foreground)."""
+    import trio
+
+    from .node import Node
+
+    _setup_logging(log_level)
+    home = resolve_data_dir(data_dir)
+    base = NodeConfig.build(home)
+    limits = ServerLimits(**{
+        **base.limits.__dict__,
+        **({"kv_budget_tokens": kv_budget} if kv_budget else {}),
+        **({"session_idle_timeout_s": idle_timeout} if idle_timeout else {}),
+    })
+    config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
+                              listen=listen, bootstrap=bootstrap, limits=limits, record_ttl_s=record_ttl)
+    _run_or_exit(lambda: trio.run(Node(config).run))
+
+
+def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:
+    from .errors import SwarmUnreachable
+    from .swarm import read_swarm
+
+    if flags:
+        return tuple(flags)
+    configured = load_toml(home).get("node", {}).get("bootstrap")
+    if configured:
+        return tuple(configured)
+    swarm = read_swarm(swarm_home or resolve_data_dir(None) / "swarm")
+    if swarm:
+        return tuple(swarm["bootstrap"])
+    raise SwarmUnreachable(
+        "no swarm to join: pass --bootstrap /ip4/.../tcp/.../p2p/ID, set [node] bootstrap in config.toml, "
+        "or start a local swarm with `compushare swarm up`."
+    )
+
+
+@app.command()
+def run(
+    prompt: str = typer.Argument(..., help="The prompt."),
+    model: str = typer.Option("smollm2-135m", help="Model name or id."),
+    data_dir: Path = DATA_DIR,
+    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr (repeatable)."),
+    swarm_home: Path = typer.Option(None, help="Join the local swarm started with this --home."),
+    max_tokens: int = typer.Option(128, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(None),
+    chat_template: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
+    log_level: str = typer.Option("warning"),
+) -> None:
+    """Answer PROMPT through the swarm, streaming tokens as they come."""
+    import trio
+
+    from .pipeline.consumer import RunRequest, run_prompt
+    from .pipeline.sampling import SamplingParams
+
+    _setup_logging(log_level)
+    home = resolve_data_dir(data_dir)
+
+    def show_route(route) -> None:
+        if verbose:
+            err.print(f"[bold]route[/bold] ({len(route)} hops):")
+            for hop in route:
+                err.print(f"  blocks {hop.start:>3}:{hop.end:<3} -> {hop.peer_id}")
+
+    def main_run():
+        request = RunRequest(model=model, prompt=prompt, chat_template=chat_template,
+                             params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                                                   max_new_tokens=max_tokens))
+        boot = _bootstrap_for(home, bootstrap, swarm_home)
+        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route))
+        sys.stdout.write("\n")
+        if verbose:
+            err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
+                      f"{outcome.decode_tok_s:.1f} tok/s")
+
+    _run_or_exit(main_run)
+
+
+def _stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _run_or_exit(fn) -> None:
+    try:
+        fn()
+    except CompushareError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+@app.command("id")
+def show_id(data_dir: Path = DATA_DIR) -> None:
+    """Print this data dir's peer id."""
+    from .net.identity import load_or_create_identity, peer_id_of
+
+    print(peer_id_of(load_or_create_identity(resolve_data_dir(data_dir))).to_string())
+
+
+@swarm_app.command("up")
+def swarm_up_cmd(
+    nodes: int = typer.Option(3, help="Number of node processes."),
+    model: str = typer.Option("smollm2-135m"),
+    home: Path = typer.Option(None, help="Directory holding the nodes' data dirs (default <data dir>/swarm)."),
+) -> None:
+    """Start N nodes on 127.0.0.1 splitting the model's blocks between them."""
+    from .swarm import swarm_up
+
+    _setup_logging("warning")
+    target = home or resolve_data_dir(None) / "swarm"
+
+    def up():
+        swarm = swarm_up(target, nodes, model)
+        for n in swarm["nodes"]:
+            err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
+        err.print(f"bootstrap: {swarm['bootstrap'][0]}")
+
+    _run_or_exit(up)
+
+
+@swarm_app.command("down")
+def swarm_down_cmd(home: Path = typer.Option(None)) -> None:
+    """Stop the local swarm's nodes (by pid)."""
+    from .swarm import swarm_down
+
+    count = swarm_down(home or resolve_data_dir(None) / "swarm")
+    err.print(f"stopped {count} nodes")
+
+
+@models_app.command("list")
+def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Models in the local store, and the catalog."""
+    from .model.catalog import CATALOG
+    from .model.store import ModelStore
+
+    stored = ModelStore(resolve_data_dir(data_dir)).list()
+    if as_json:
+        print(json.dumps([{"names": n, "id": m.model_id, "blocks": m.num_blocks, "dtype": m.dtype}
+                          for n, m in stored]))
+        return
+    table = Table("names", "id", "blocks", "dtype")
+    for names, m in stored:
+        table.add_row(", ".join(names), m.model_id[:16], str(m.num_blocks), m.dtype)
+    Console().print(table)
+    for entry in CATALOG.values():
+        print(f"catalog: {entry.name:14} {entry.description}")
+
+
+@models_app.command("import")
+def models_import(path: Path, name: str = typer.Option(None, help="Alias for the model."),
+                  data_dir: Path = DATA_DIR) -> None:
+    """Import a safetensors / Hugging Face directory or a GGUF file."""
+    from .model.catalog import import_path
+
+    def do():
+        model = import_path(path, resolve_data_dir(data_dir), alias=name)
+        print(model.model_id)
+
+    _run_or_exit(do)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Configuration: frozen dataclasses, data-dir resolution and the TOML file.
+
+Precedence, highest first: command-line flags, environment (COMPUSHARE_HOME,
+COMPUSHARE_CACHE), `<data dir>/config.toml`, defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+
+import platformdirs
+
+from .errors import UsageError
+
+APP_NAME = "compushare"
+
+
+def resolve_data_dir(flag: str | Path | None = None) -> Path:
+    """The node's data dir: --data-dir, else $COMPUSHARE_HOME, else platformdirs."""
+    if flag:
+        path = Path(flag)
+    elif os.environ.get("COMPUSHARE_HOME"):
+        path = Path(os.environ["COMPUSHARE_HOME"])
+    else:
+        path = Path(platformdirs.user_data_dir(APP_NAME))
+    path = path.expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_cache_dir() -> Path:
+    """Cache shared by every node of this user (converted weights): $COMPUSHARE_CACHE."""
+    env = os.environ.get("COMPUSHARE_CACHE")
+    path = Path(env) if env else Path(platformdirs.user_cache_dir(APP_NAME))
+    path = path.expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_toml(data_dir: Path) -> dict:
+    path = data_dir / "config.toml"
+    if not path.exists():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: invalid TOML: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A half-open range of transformer blocks, like a Python slice."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start < self.end):
+            raise UsageError(f"invalid block span {self.start}:{self.end}")
+
+    @classmethod
+    def parse(cls, text: str) -> Span:
+        try:
+            start, end = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise UsageError(f"--blocks wants START:END (half-open), got {text!r}") from None
+        return cls(start, end)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Admission and lifetime limits of the inference server."""
+
+    kv_budget_tokens: int = 8192  # sum of every open session's max_tokens
+    max_session_tokens: int = 4096  # one session's ceiling
+    max_step_tokens: int = 2048  # tokens in one step (prefill chunk)
+    session_idle_timeout_s: float = 120.0
+    max_frame_bytes: int = 16 * 1024 * 1024
+    compute_threads: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    data_dir: Path
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    bootstrap: tuple[str, ...] = ()
+    model: str | None = None
+    blocks: Span | None = None
+    torch_threads: int = 1
+    record_ttl_s: float = 60.0  # a server record's lifetime, refreshed at a third of it
+    limits: ServerLimits = ServerLimits()
+
+    @classmethod
+    def build(cls, data_dir: Path, **flags) -> NodeConfig:
+        """Merge `config.toml` under explicit flags (None means "not given")."""
+        toml = load_toml(data_dir)
+        node = toml.get("node", {})
+        merged = {
+            "listen": tuple(node.get("listen", cls.listen)),
+            "bootstrap": tuple(node.get("bootstrap", ())),
+            "model": node.get("model"),
+            "blocks": Span.parse(node["blocks"]) if "blocks" in node else None,
+            "torch_threads": int(node.get("torch_threads", 1)),
+        }
+        limit_fields = {f.name for f in dataclasses.fields(ServerLimits)}
+        limits = ServerLimits(**{k: v for k, v in toml.get("limits", {}).items() if k in limit_fields})
+        for key, value in flags.items():
+            if value is None or value == () or value == []:
+                continue
+            if key == "limits":
+                limits = value
+            else:
+                merged[key] = tuple(value) if isinstance(value, list) else value
+        return cls(data_dir=data_dir, limits=limits, **merged)

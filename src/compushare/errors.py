@@ -1,0 +1,60 @@
+"""The CompushareError tree.
+
+    CompushareError
+    ├── UsageError          the user's mistake: a bad flag, a bad path (clear message)
+    ├── ModelUnavailable    a model that is neither stored nor obtainable here
+    ├── SwarmUnreachable    no bootstrap peer answered
+    ├── RouteError          the DHT holds no chain of servers covering every block
+    ├── RemoteError         a server answered with an error reply (code + message)
+    │   └── ServerBusy      ... the "busy" reply: its KV budget is full
+    └── PeerMisbehaved      a peer sent something malformed (costs it trust)
+        └── FrameError      a frame that fails decoding or validation
+
+"Closed by us" (cancellation, shutdown) never raises one of these.
+"""
+
+
+class CompushareError(Exception):
+    """Base of every error CompuShare raises on purpose."""
+
+
+class UsageError(CompushareError):
+    """Raised for a user's mistake: bad flag, missing file, bad config."""
+
+
+class ModelUnavailable(CompushareError):
+    """Raised when a model is not stored locally and cannot be obtained here."""
+
+
+class SwarmUnreachable(CompushareError):
+    """Raised when none of the bootstrap peers could be reached."""
+
+
+class RouteError(CompushareError):
+    """Raised when no chain of live servers covers every block of a model."""
+
+
+class RemoteError(CompushareError):
+    """Raised on the client side when a server replies with an error frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ServerBusy(RemoteError):
+    """The server's KV budget cannot admit the session right now."""
+
+
+class PeerMisbehaved(CompushareError):
+    """Raised when a peer sends something malformed or forged."""
+
+
+class FrameError(PeerMisbehaved):
+    """A frame that fails decoding or validation. `code` goes into the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

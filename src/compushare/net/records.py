@@ -1,0 +1,141 @@
+"""Signed server records: what a provider tells the DHT it serves. Pure, no I/O.
+
+Wire: msgpack {"body": <msgpack map>, "sig": <64-byte Ed25519 signature of body>}.
+The DHT key names the owner (`/csserver/<model_id>/<peer_id>`); an Ed25519 peer id
+embeds its public key, so anyone can check the signature without another lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import msgpack
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from ..errors import PeerMisbehaved
+
+RECORD_NAMESPACE = "csserver"
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 8 * 1024
+MAX_ADDRS = 8
+MAX_BLOCKS = 4096
+ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def record_key(model_id: str, peer_id: str) -> str:
+    return f"/{RECORD_NAMESPACE}/{model_id}/{peer_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerRecord:
+    peer_id: str
+    model_id: str
+    start: int
+    end: int
+    dtype: str
+    addrs: tuple[str, ...]
+    expires: float  # unix seconds; consumers ignore the record after this
+    seq: int  # strictly increasing per owner; the DHT keeps the highest
+    throughput: float = 0.0  # measured tokens/s of this span, 0 if unknown
+
+    def covers(self, block: int) -> bool:
+        return self.start <= block < self.end
+
+    def is_live(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) < self.expires
+
+    def _body(self) -> dict:
+        return {
+            "v": RECORD_VERSION,
+            "peer": self.peer_id,
+            "model": self.model_id,
+            "start": self.start,
+            "end": self.end,
+            "dtype": self.dtype,
+            "addrs": list(self.addrs),
+            "expires": self.expires,
+            "seq": self.seq,
+            "tps": self.throughput,
+        }
+
+    def sign(self, key_pair: KeyPair) -> bytes:
+        body = msgpack.packb(self._body(), use_bin_type=True)
+        signature = key_pair.private_key.sign(body)
+        return msgpack.packb({"body": body, "sig": signature}, use_bin_type=True)
+
+
+def _field(body: dict, name: str, kind: type | tuple[type, ...]):
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PeerMisbehaved(f"server record field {name!r} missing or of the wrong type")
+    return value
+
+
+def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expired: bool = False) -> ServerRecord:
+    """Check signature, then schema, then freshness; return the record or raise."""
+    if len(value) > MAX_RECORD_BYTES:
+        raise PeerMisbehaved(f"server record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0] != "" or parts[1] != RECORD_NAMESPACE:
+        raise PeerMisbehaved(f"not a server record key: {key!r}")
+    _, _, key_model, key_peer = parts
+    try:
+        envelope = msgpack.unpackb(value, raw=False, strict_map_key=True)
+        body_bytes, signature = envelope["body"], envelope["sig"]
+        if not isinstance(body_bytes, bytes) or not isinstance(signature, bytes):
+            raise TypeError("body and sig must be bytes")
+        owner_key = ID.from_base58(key_peer).extract_public_key()
+    except Exception as exc:
+        raise PeerMisbehaved(f"malformed server record: {exc}") from None
+    if owner_key is None:
+        raise PeerMisbehaved("record owner's peer id does not embed a public key")
+    try:
+        valid = owner_key.verify(body_bytes, signature)
+    except Exception:
+        valid = False
+    if not valid:
+        raise PeerMisbehaved("server record signature does not match the owner in its key")
+    try:
+        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise PeerMisbehaved(f"malformed server record body: {exc}") from None
+    if not isinstance(body, dict) or body.get("v") != RECORD_VERSION:
+        raise PeerMisbehaved("server record of an unknown version")
+    addrs = _field(body, "addrs", list)
+    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+        raise PeerMisbehaved("server record addrs malformed")
+    record = ServerRecord(
+        peer_id=_field(body, "peer", str),
+        model_id=_field(body, "model", str),
+        start=_field(body, "start", int),
+        end=_field(body, "end", int),
+        dtype=_field(body, "dtype", str),
+        addrs=tuple(addrs),
+        expires=float(_field(body, "expires", (int, float))),
+        seq=_field(body, "seq", int),
+        throughput=float(_field(body, "tps", (int, float))),
+    )
+    if record.peer_id != key_peer or record.model_id != key_model:
+        raise PeerMisbehaved("server record body disagrees with its key")
+    if not (0 <= record.start < record.end <= MAX_BLOCKS):
+        raise PeerMisbehaved(f"server record span {record.start}:{record.end} is invalid")
+    if record.dtype not in ALLOWED_DTYPES:
+        raise PeerMisbehaved(f"server record dtype {record.dtype!r} not allowed")
+    if not allow_expired and not record.is_live(now):
+        raise PeerMisbehaved("server record has expired")
+    return record
+
+
+def newest_index(key: str, values: list[bytes]) -> int:
+    """DHT select(): the valid record with the highest seq wins."""
+    best, best_seq = 0, -1
+    for index, value in enumerate(values):
+        try:
+            seq = parse_record(key, value, allow_expired=True).seq
+        except PeerMisbehaved:
+            continue
+        if seq > best_seq:
+            best, best_seq = index, seq
+    return best

@@ -1,0 +1,136 @@
+"""A short-lived consumer: join the swarm, find a chain through the DHT, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from ..errors import RouteError
+from ..model.catalog import resolve_model
+from ..model.head import ConsumerHead
+from ..net.dht import connect_bootstrap, open_dht
+from ..net.host import open_host
+from ..net.identity import load_or_create_identity
+from .client import open_chain
+from .discovery import discover_servers
+from .generate import generate
+from .routing import Hop, plan_chain
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_ATTEMPTS = 4
+DISCOVERY_RETRY_S = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    model: str
+    prompt: str | list[int]  # text, or token ids (used as-is, no template)
+    params: SamplingParams = SamplingParams()
+    chat_template: bool = True
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    tokens: list[int]
+    text: str
+    route: list[Hop]
+    first_token_s: float  # from the call to the first token
+    decode_tok_s: float
+
+
+def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
+    if isinstance(request.prompt, list):
+        return list(request.prompt)
+    if request.chat_template and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(request.prompt)
+
+
+def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    import json
+
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return frozenset(ids)
+
+
+async def find_route(dht, model_id: str, num_blocks: int) -> list[Hop]:
+    """Look up servers and plan a chain, retrying briefly while a swarm settles."""
+    for attempt in range(DISCOVERY_ATTEMPTS):
+        records = await discover_servers(dht, model_id, num_blocks)
+        try:
+            return plan_chain(records, num_blocks, now=time.time())
+        except RouteError:
+            if attempt == DISCOVERY_ATTEMPTS - 1:
+                raise
+            await trio.sleep(DISCOVERY_RETRY_S)
+    raise AssertionError("unreachable")
+
+
+async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
+                     on_text: Callable[[str], None] = lambda _t: None,
+                     on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
+    began = time.perf_counter()
+    model = await trio.to_thread.run_sync(resolve_model, request.model, data_dir)
+    loaded: dict = {}
+
+    async def load_local_parts() -> None:
+        def load():
+            from transformers import AutoTokenizer
+
+            tokenizer = None if isinstance(request.prompt, list) else AutoTokenizer.from_pretrained(str(model.path))
+            return tokenizer, ConsumerHead.load(model.path)
+
+        loaded["tokenizer"], loaded["head"] = await trio.to_thread.run_sync(load)
+
+    key_pair = load_or_create_identity(data_dir)
+    async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(load_local_parts)
+            await connect_bootstrap(host, dht, bootstrap)
+            route = await find_route(dht, model.model_id, model.num_blocks)
+        on_route(route)
+        tokenizer, head = loaded["tokenizer"], loaded["head"]
+        prompt_ids = _prompt_ids(tokenizer, request)
+        eos = eos_ids_of(tokenizer, model.path)
+        produced: list[int] = []
+        shown = ""
+        times: list[float] = []
+
+        def on_token(token: int) -> None:
+            nonlocal shown
+            times.append(time.perf_counter())
+            produced.append(token)
+            if tokenizer is not None:
+                text = tokenizer.decode(produced, skip_special_tokens=True)
+                if len(text) > len(shown) and not text.endswith("\ufffd"):
+                    on_text(text[len(shown):])
+                    shown = text
+
+        max_tokens = len(prompt_ids) + request.params.max_new_tokens
+        async with open_chain(host, route, model.model_id, max_tokens=max_tokens,
+                              hidden_size=model.hidden_size) as chain:
+            await generate(chain, head, prompt_ids, request.params, eos_ids=eos, on_token=on_token)
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    return RunOutcome(
+        tokens=produced,
+        text=tokenizer.decode(produced, skip_special_tokens=True) if tokenizer is not None else "",
+        route=route,
+        first_token_s=times[0] - began,
+        decode_tok_s=(len(times) - 1) / decode_s if decode_s > 0 else 0.0,
+    )

@@ -1,0 +1,22 @@
+"""/compushare/infer/1.0.0 — see protocol.md for the full description."""
+
+INFER_PROTOCOL = "/compushare/infer/1.0.0"
+SESSION_ID_BYTES = 16
+
+# Error codes carried in {"type": "error", "code": ...} replies.
+BUSY = "busy"
+UNKNOWN_SESSION = "unknown_session"
+OUT_OF_ORDER = "out_of_order"
+SESSION_EXISTS = "session_exists"
+BAD_REQUEST = "bad_request"
+WRONG_MODEL = "wrong_model"
+BAD_SPAN = "bad_span"
+TOO_LONG = "too_long"
+INTERNAL = "internal"
+
+
+def error(code: str, message: str, session: bytes | None = None) -> dict:
+    reply = {"type": "error", "code": code, "message": message}
+    if session is not None:
+        reply["session"] = session
+    return reply

@@ -1,0 +1,40 @@
+"""Next-token choice: greedy, or temperature + top-p with a seeded generator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not (0 < self.top_p <= 1) or self.max_new_tokens < 1:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def choose(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            keep = cumulative - sorted_probs < self.params.top_p  # always keeps the top token
+            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=self.generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=self.generator))

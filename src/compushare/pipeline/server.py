@@ -1,0 +1,159 @@
+"""The provider: serves a span of blocks over /compushare/infer/1.0.0.
+
+One handler task per stream reads frames in order; a stream may carry several
+sessions. Torch runs in worker threads behind a CapacityLimiter so the event loop
+keeps reading every stream (yamux resets a stream whose reader stalls for 5 s).
+Bad input gets an error reply and costs nothing else: the stream stays usable,
+except after an oversized frame, whose remaining bytes cannot be skipped safely.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.network.stream.exceptions import StreamError
+
+from ..config import ServerLimits
+from ..errors import FrameError
+from ..model.blocks import SpanRunner
+from ..net.codec import TORCH_TO_WIRE, WIRE_DTYPES, decode_tensor, encode_tensor
+from ..net.framing import FramedStream
+from . import protocol
+from .session import Rejected, SessionTable
+
+log = logging.getLogger(__name__)
+
+REPLY_TIMEOUT_S = 10.0
+EXPIRY_PERIOD_S = 1.0
+
+
+class InferenceServer:
+    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits) -> None:
+        self.runner = runner
+        self.model_id = model_id
+        self.limits = limits
+        self.sessions = SessionTable(
+            budget_tokens=limits.kv_budget_tokens,
+            max_session_tokens=limits.max_session_tokens,
+            max_step_tokens=limits.max_step_tokens,
+            idle_timeout_s=limits.session_idle_timeout_s,
+        )
+        self.compute_limiter = trio.CapacityLimiter(limits.compute_threads)
+        self.tokens_served = 0
+
+    async def expire_loop(self) -> None:
+        while True:
+            await trio.sleep(min(EXPIRY_PERIOD_S, self.limits.session_idle_timeout_s / 2))
+            for session in self.sessions.expire(time.monotonic()):
+                log.info("session %s expired after idling; freed %d tokens", session.session_id.hex()[:8],
+                         session.max_tokens)
+
+    async def rpc_infer(self, stream: INetStream) -> None:
+        """Stream handler (task boundary: logs and swallows unexpected errors)."""
+        framed = FramedStream(stream, self.limits.max_frame_bytes)
+        try:
+            await self._serve(framed)
+        except StreamError as exc:
+            log.debug("infer stream ended: %s", exc)
+        except Exception:
+            log.exception("infer handler failed")
+            await _quiet_reset(framed)
+
+    async def _serve(self, framed: FramedStream) -> None:
+        while True:
+            try:
+                message = await framed.receive()
+            except FrameError as exc:
+                await self._reply(framed, protocol.error(exc.code, exc.message))
+                if exc.code == "frame_too_large":
+                    await _quiet_reset(framed)  # the rest of the frame cannot be skipped
+                    return
+                continue
+            if message is None:
+                await framed.close()
+                return
+            await self._reply(framed, await self.handle(message))
+
+    async def _reply(self, framed: FramedStream, reply: dict) -> None:
+        with trio.fail_after(REPLY_TIMEOUT_S):
+            await framed.send(reply)
+
+    async def handle(self, message: dict) -> dict:
+        session_id = message.get("session")
+        try:
+            if not isinstance(session_id, bytes) or len(session_id) != protocol.SESSION_ID_BYTES:
+                raise Rejected(protocol.BAD_REQUEST, f"'session' must be {protocol.SESSION_ID_BYTES} bytes")
+            kind = message["type"]
+            if kind == "step":
+                return await self._step(session_id, message)
+            if kind == "open":
+                return self._open(session_id, message)
+            if kind == "truncate":
+                position = _int(message, "position")
+                session = self.sessions.truncate(session_id, position, time.monotonic())
+                self.runner.truncate(session.cache, position)
+                return {"type": "truncated", "session": session_id, "position": position}
+            if kind == "close":
+                self.sessions.close(session_id)
+                return {"type": "closed", "session": session_id}
+            raise Rejected(protocol.BAD_REQUEST, f"unknown message type {kind!r}")
+        except (Rejected, FrameError) as exc:
+            return protocol.error(exc.code, exc.message, session_id if isinstance(session_id, bytes) else None)
+
+    def _open(self, session_id: bytes, message: dict) -> dict:
+        if message.get("model") != self.model_id:
+            raise Rejected(protocol.WRONG_MODEL, f"this server serves model {self.model_id}")
+        start, end = _int(message, "start"), _int(message, "end")
+        if not (self.runner.start <= start < end <= self.runner.end):
+            raise Rejected(protocol.BAD_SPAN, f"{start}:{end} is not within {self.runner.start}:{self.runner.end}")
+        session = self.sessions.open(session_id, start, end, _int(message, "max_tokens"), time.monotonic())
+        session.cache = self.runner.new_cache()
+        return {"type": "opened", "session": session_id, "free_tokens": self.sessions.free_tokens}
+
+    async def _step(self, session_id: bytes, message: dict) -> dict:
+        position = _int(message, "position")
+        self.sessions.get(session_id)  # unknown session before decoding the tensor
+        hidden = decode_tensor(
+            message.get("hidden"), hidden_size=self.runner.hidden_size, max_tokens=self.limits.max_step_tokens
+        )
+        tokens = hidden.shape[1]
+        session = self.sessions.begin_step(session_id, position, tokens, time.monotonic())
+        ok = False
+        try:
+            began = time.perf_counter()
+            output = await trio.to_thread.run_sync(
+                self.runner.forward, hidden, session.cache, position, session.start, session.end,
+                limiter=self.compute_limiter,
+            )
+            compute_ms = (time.perf_counter() - began) * 1000
+            ok = True
+        finally:
+            if not ok:  # a failed forward may have half-appended: roll the cache back
+                self.runner.truncate(session.cache, position)
+            self.sessions.end_step(session, tokens, time.monotonic(), ok=ok)
+        self.tokens_served += tokens
+        reply_dtype = WIRE_DTYPES[TORCH_TO_WIRE[hidden.dtype]][0]
+        return {
+            "type": "result",
+            "session": session_id,
+            "position": position,
+            "hidden": encode_tensor(output.to(reply_dtype)),
+            "compute_ms": compute_ms,
+        }
+
+
+def _int(message: dict, name: str) -> int:
+    value = message.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise Rejected(protocol.BAD_REQUEST, f"{name!r} must be a non-negative integer")
+    return value
+
+
+async def _quiet_reset(framed: FramedStream) -> None:
+    try:
+        await framed.reset()
+    except Exception:
+        pass

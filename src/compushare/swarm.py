@@ -1,0 +1,141 @@
+"""A local swarm: N node processes on 127.0.0.1, each with its own data dir.
+
+`<home>/swarm.json` lists the processes (by pid) and the bootstrap address; `down`
+stops exactly those pids (after checking each is still a compushare node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import CompushareError, UsageError
+from .model.catalog import resolve_model
+from .node import STATE_FILE
+
+SWARM_FILE = "swarm.json"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+
+
+def split_blocks(num_blocks: int, parts: int) -> list[tuple[int, int]]:
+    if not (1 <= parts <= num_blocks):
+        raise UsageError(f"cannot split {num_blocks} blocks over {parts} nodes")
+    bounds = [round(i * num_blocks / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def node_command(model: str, span: tuple[int, int], data_dir: Path, bootstrap: list[str],
+                 extra: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "compushare", "node", "--model", model, "--blocks", f"{span[0]}:{span[1]}",
+           "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    for addr in bootstrap:
+        cmd += ["--bootstrap", addr]
+    return cmd + (extra or [])
+
+
+def start_node(cmd: list[str], data_dir: Path) -> subprocess.Popen:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
+    log = open(data_dir / "node.log", "ab")
+    # Own session: a Ctrl-C in the terminal that started the swarm does not reach it.
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, data_dir: Path, timeout: float = START_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout
+    path = data_dir / STATE_FILE
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            tail = (data_dir / "node.log").read_text(errors="replace")[-2000:]
+            raise CompushareError(f"node in {data_dir} exited with {proc.returncode}:\n{tail}")
+        time.sleep(0.1)
+    raise CompushareError(f"node in {data_dir} not ready after {timeout:.0f}s")
+
+
+def is_our_node(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"compushare" in cmdline and b"node" in cmdline
+
+
+def stop_pids(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM each pid, wait, then SIGKILL what is left."""
+    live = [p for p in pids if is_our_node(p)]
+    for pid in live:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while live and time.monotonic() < deadline:
+        live = [p for p in live if _alive(p)]
+        time.sleep(0.1)
+    for pid in live:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def read_swarm(home: Path) -> dict | None:
+    path = home / SWARM_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = None) -> dict:
+    home = home.resolve()
+    existing = read_swarm(home)
+    if existing and any(is_our_node(n["pid"]) for n in existing["nodes"]):
+        raise UsageError(f"a swarm is already running in {home}; `compushare swarm down` first")
+    dirs = [home / f"node-{i}" for i in range(nodes)]
+    stored = resolve_model(model, dirs[0])  # converts once into the shared cache
+    spans = split_blocks(stored.num_blocks, nodes)
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(start_node(node_command(model, spans[0], dirs[0], [], extra_args), dirs[0]))
+        first = wait_ready(procs[0], dirs[0])
+        bootstrap = first["addrs"][:1]
+        for span, data_dir in zip(spans[1:], dirs[1:]):
+            procs.append(start_node(node_command(model, span, data_dir, bootstrap, extra_args), data_dir))
+        states = [first] + [wait_ready(p, d) for p, d in zip(procs[1:], dirs[1:])]
+    except BaseException:
+        stop_pids([p.pid for p in procs])
+        raise
+    swarm = {
+        "model": model,
+        "model_id": stored.model_id,
+        "bootstrap": bootstrap,
+        "nodes": [{"pid": s["pid"], "data_dir": str(d), "peer_id": s["peer_id"], "addrs": s["addrs"],
+                   "blocks": f"{s['start']}:{s['end']}"} for s, d in zip(states, dirs)],
+    }
+    (home / SWARM_FILE).write_text(json.dumps(swarm, indent=2))
+    return swarm
+
+
+def swarm_down(home: Path) -> int:
+    swarm = read_swarm(home.resolve())
+    if not swarm:
+        return 0
+    pids = [n["pid"] for n in swarm["nodes"]]
+    stop_pids(pids)
+    (home / SWARM_FILE).unlink(missing_ok=True)
+    return len(pids)

@@ -1,0 +1,37 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import Processes, make_tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    """Tests never touch the user's data dir; converted weights share the repo cache."""
+    monkeypatch.setenv("COMPUSHARE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COMPUSHARE_CACHE", os.environ.get("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "model", seed=1)
+
+
+@pytest.fixture
+def processes(tmp_path):
+    procs = Processes(tmp_path / "nodes")
+    try:
+        yield procs
+    finally:
+        procs.close()

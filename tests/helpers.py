@@ -1,0 +1,86 @@
+"""Shared test helpers: the tiny random Llama, node processes, cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from compushare.model.catalog import import_path
+from compushare.swarm import node_command, start_node, wait_ready
+
+TINY_LAYERS = 4
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = TINY_LAYERS, tie: bool = False) -> Path:
+    """DESIGN.md's tiny random Llama: deterministic across processes, ~20 ms to build."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie, attn_implementation="sdpa", bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(path))
+    return path
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """Single-process transformers generation on the same weights and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+class Processes:
+    """Starts node processes and always stops them, by pid."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+
+    def node(self, name: str, model_dir: Path, blocks: str, *, alias: str = "tiny",
+             bootstrap: list[str] | tuple = (), extra: list[str] | None = None, wait: bool = True):
+        data_dir = self.root / name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        import_path(model_dir, data_dir, alias=alias)
+        start, end = (int(x) for x in blocks.split(":"))
+        proc = start_node(node_command(alias, (start, end), data_dir, list(bootstrap), extra), data_dir)
+        self.procs.append(proc)
+        state = wait_ready(proc, data_dir, timeout=120) if wait else None
+        return proc, state
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
