@@ -19,7 +19,7 @@ swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node proces
 models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 DATA_DIR = typer.Option(None, "--data-dir", "--home", help="Data dir (default: $COMPUSHARE_HOME or the platform's).")
 

@@ -26,6 +26,11 @@ def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
     lib.handlers.clear()
     lib.propagate = True
     lib.setLevel(level)
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("libp2p.") and isinstance(logger, logging.Logger):
+            logger.handlers.clear()
+            logger.propagate = True
+            logger.setLevel(logging.NOTSET)  # inherit "libp2p"'s level
 
 
 def build_host(key_pair: KeyPair) -> IHost:
@@ -34,7 +39,13 @@ def build_host(key_pair: KeyPair) -> IHost:
         sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)},
         muxer_preference="YAMUX",
         # Without this every first dial waits an extra 250 ms.
-        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        connection_config=ConnectionConfig(
+            max_connections_per_peer=1,
+            # The default auto-connector dials up to 200 known peers every 30 s; a
+            # node needs only its routing-table neighbours and its chain.
+            min_connections=4,
+            low_watermark=8,
+        ),
         enable_mDNS=False,
     )
 
@@ -44,6 +55,7 @@ async def open_host(key_pair: KeyPair, listen: Sequence[str]) -> AsyncIterator[I
     """A running host listening on `listen` (empty: dial-only)."""
     quiet_libp2p_logs()
     host = build_host(key_pair)
+    quiet_libp2p_logs()  # building the host imports modules that set their own levels
     addrs = [multiaddr.Multiaddr(a) for a in listen]
     async with host.run(listen_addrs=addrs):
         yield host
