@@ -9,13 +9,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import Processes, make_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# Converted SmolLM2 weights are shared by every test (and `make demo`): convert once.
+os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
-    """Tests never touch the user's data dir; converted weights share the repo cache."""
+    """Tests never touch the user's data dir."""
     monkeypatch.setenv("COMPUSHARE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("COMPUSHARE_CACHE", os.environ.get("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare")))
 
 
 @pytest.fixture(scope="session")

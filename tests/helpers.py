@@ -62,6 +62,15 @@ class Processes:
         state = wait_ready(proc, data_dir, timeout=120) if wait else None
         return proc, state
 
+    def ready(self, name: str, proc) -> dict:
+        return wait_ready(proc, self.root / name, timeout=120)
+
+    def nodes(self, specs, model_dir: Path, *, bootstrap=(), alias: str = "tiny", extra=None) -> list[dict]:
+        """Start several nodes at once (names and block spans), then wait for all."""
+        started = [(name, self.node(name, model_dir, blocks, alias=alias, bootstrap=bootstrap, extra=extra,
+                                    wait=False)[0]) for name, blocks in specs]
+        return [self.ready(name, proc) for name, proc in started]
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:

@@ -126,15 +126,28 @@ def _stream(text: str) -> None:
     sys.stdout.flush()
 
 
+def _all(exc: BaseException, kind: type) -> list[BaseException]:
+    """trio nurseries wrap errors in exception groups: find the ones that matter."""
+    if isinstance(exc, kind):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        return [found for inner in exc.exceptions for found in _all(inner, kind)]
+    return []
+
+
 def _run_or_exit(fn) -> None:
     try:
         fn()
-    except CompushareError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        raise typer.Exit(130) from None
+    except BaseException as exc:
+        if _all(exc, KeyboardInterrupt):
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+        known = _all(exc, CompushareError)
+        if known:
+            for message in dict.fromkeys(str(e) for e in known):
+                err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+            raise typer.Exit(2) from None
+        raise
 
 
 @app.command("id")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 
 import multiaddr
@@ -19,9 +20,11 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 log = logging.getLogger(__name__)
 
 
-def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
-    """`import libp2p` installs its own handlers and logs failed dials as WARNING
-    by the dozen; route its records into ours and keep only real errors."""
+def quiet_libp2p_logs() -> None:
+    """`import libp2p` installs its own handlers and logs every failed dial or
+    refused stream (ERROR included) by the dozen; we report what matters ourselves.
+    Route its records into ours at $COMPUSHARE_LIBP2P_LOG (default CRITICAL)."""
+    level = getattr(logging, os.environ.get("COMPUSHARE_LIBP2P_LOG", "CRITICAL").upper(), logging.CRITICAL)
     lib = logging.getLogger("libp2p")
     lib.handlers.clear()
     lib.propagate = True

@@ -86,24 +86,26 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
                      on_text: Callable[[str], None] = lambda _t: None,
                      on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
     began = time.perf_counter()
-    model = await trio.to_thread.run_sync(resolve_model, request.model, data_dir)
     loaded: dict = {}
 
-    async def load_local_parts() -> None:
-        def load():
-            from transformers import AutoTokenizer
+    def load_local_parts() -> None:
+        from transformers import AutoTokenizer
 
-            tokenizer = None if isinstance(request.prompt, list) else AutoTokenizer.from_pretrained(str(model.path))
-            return tokenizer, ConsumerHead.load(model.path)
-
-        loaded["tokenizer"], loaded["head"] = await trio.to_thread.run_sync(load)
+        model = resolve_model(request.model, data_dir)
+        loaded["model"] = model
+        loaded["tokenizer"] = (
+            None if isinstance(request.prompt, list) else AutoTokenizer.from_pretrained(str(model.path))
+        )
+        loaded["head"] = ConsumerHead.load(model.path)
 
     key_pair = load_or_create_identity(data_dir)
     async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
+        # Joining the swarm and loading the local parts overlap: both take seconds.
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(load_local_parts)
+            nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
             await connect_bootstrap(host, dht, bootstrap)
-            route = await find_route(dht, model.model_id, model.num_blocks)
+        model = loaded["model"]
+        route = await find_route(dht, model.model_id, model.num_blocks)
         on_route(route)
         tokenizer, head = loaded["tokenizer"], loaded["head"]
         prompt_ids = _prompt_ids(tokenizer, request)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 REPLY_TIMEOUT_S = 10.0
 EXPIRY_PERIOD_S = 1.0
+OVERSIZE_GRACE_S = 0.5
 
 
 class InferenceServer:
@@ -69,7 +70,11 @@ class InferenceServer:
             except FrameError as exc:
                 await self._reply(framed, protocol.error(exc.code, exc.message))
                 if exc.code == "frame_too_large":
-                    await _quiet_reset(framed)  # the rest of the frame cannot be skipped
+                    # The rest of that frame cannot be skipped: end the stream, but give
+                    # the error reply a moment to arrive before the reset discards it.
+                    await framed.close()
+                    await trio.sleep(OVERSIZE_GRACE_S)
+                    await _quiet_reset(framed)
                     return
                 continue
             if message is None:

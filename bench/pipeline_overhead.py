@@ -1,0 +1,453 @@
+"""Pipeline overhead: a 3-process swarm against the same span code in one process.
+
+    .venv/bin/python bench/pipeline_overhead.py [--trials 3] [--tokens 64]
+
+On SmolLM2-135M (30 blocks, fp32 everywhere, the wire included, one torch thread in
+every process) this measures greedy decode speed three ways:
+
+  swarm  3 node processes on 127.0.0.1 serving blocks 0:10, 10:20, 20:30, driven by
+         a libp2p client in this process through the real consumer loop
+         (pipeline.generate.generate over pipeline.client.open_chain);
+  local  three SpanRunner objects (0:10, 10:20, 20:30) + ConsumerHead in this
+         process: the same span code, no network;
+  hf     transformers' AutoModelForCausalLM.generate on the same weights.
+
+Timing covers the decode only: prefill, model loading and start-up are excluded. A
+"decode step" feeds the previous token through all 30 blocks and picks the next one
+(argmax). One step turns the prefill's output into token 0; then DECODE_TOKENS steps
+produce tokens 1..DECODE_TOKENS, and only those steps are timed:
+tok/s = DECODE_TOKENS / (time of token DECODE_TOKENS - time of token 0).
+HF is timed the same way, with a streamer that timestamps each token as generate
+emits it (not as a difference of two generate calls). Trials are interleaved
+(swarm, local, hf, swarm, ...) after one untimed warm-up of each; the median is
+reported. tokens_match compares all DECODE_TOKENS + 1 greedy tokens.
+
+first_token_s is the wall time from Popen of `compushare run` (a fresh Python
+process, a fresh client data dir) to the first byte on its stdout.
+
+Human-readable lines first; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import os
+import platform
+import selectors
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    try:
+        import compushare  # noqa: F401  (installed editable in the venv)
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from compushare.model.blocks import SpanRunner  # noqa: E402
+from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.model.head import ConsumerHead  # noqa: E402
+from compushare.pipeline.client import open_chain  # noqa: E402
+from compushare.pipeline.consumer import RunRequest, _prompt_ids, find_route  # noqa: E402
+from compushare.pipeline.generate import generate  # noqa: E402
+from compushare.pipeline.sampling import Sampler, SamplingParams  # noqa: E402
+from compushare.net.dht import connect_bootstrap, open_dht  # noqa: E402
+from compushare.net.host import open_host  # noqa: E402
+from compushare.net.identity import load_or_create_identity  # noqa: E402
+from compushare.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready  # noqa: E402
+
+MODEL = "smollm2-135m"
+PROMPT = "What is the capital of France?"
+NODES = 3
+TARGET_RATIO = 0.90
+TARGET_FIRST_TOKEN_S = 15.0
+WARMUP_TOKENS = 8
+CLI_MAX_TOKENS = 8
+CLI_TIMEOUT_S = 120.0
+
+
+def log(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+class Cleanup:
+    """Stops every node process we started (SIGTERM, then SIGKILL, by pid) and removes
+    the temp dir. Runs from `finally`, atexit and on SIGTERM/SIGHUP; idempotent."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="compushare-bench-"))
+        self._done = False
+        atexit.register(self.run)
+
+    def run(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        live = [p for p in self.procs if p.poll() is None]
+        with contextlib.suppress(Exception):
+            stop_pids([p.pid for p in live])
+        for proc in self.procs:  # stop_pids only signals processes that look like nodes
+            if proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+# --------------------------------------------------------------------------- swarm
+
+
+def start_swarm(cleanup: Cleanup, model_path_dir: Path) -> tuple[list[str], list[dict]]:
+    stored = resolve_model(MODEL, model_path_dir)
+    spans = split_blocks(stored.num_blocks, NODES)
+    dirs = [cleanup.tmp / f"node-{i}" for i in range(NODES)]
+    first = start_node(node_command(MODEL, spans[0], dirs[0], []), dirs[0])
+    cleanup.procs.append(first)
+    states = [wait_ready(first, dirs[0])]
+    bootstrap = states[0]["addrs"][:1]
+    rest = []
+    for span, data_dir in zip(spans[1:], dirs[1:]):
+        proc = start_node(node_command(MODEL, span, data_dir, bootstrap), data_dir)
+        cleanup.procs.append(proc)
+        rest.append((proc, data_dir))
+    states += [wait_ready(proc, data_dir) for proc, data_dir in rest]
+    return bootstrap, states
+
+
+class SwarmClient:
+    """A libp2p client host (with a DHT client) living in its own thread's trio loop,
+    so it keeps serving its connections while the main thread runs the local and HF
+    trials. The main thread submits swarm trials with trio.from_thread."""
+
+    def __init__(self, data_dir: Path, bootstrap: list[str], model, head: ConsumerHead,
+                 prompt_ids: list[int]) -> None:
+        self.data_dir, self.bootstrap, self.model = data_dir, bootstrap, model
+        self.head, self.prompt_ids = head, prompt_ids
+        self.route = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._token = None
+        self._scope: trio.CancelScope | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="swarm-client", daemon=True)
+
+    def start(self, timeout: float = 120.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"swarm client not ready after {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # reported to the main thread by start()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        key_pair = load_or_create_identity(self.data_dir)
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                    open_dht(host, server=False) as dht:
+                self.host = host
+                await connect_bootstrap(host, dht, self.bootstrap)
+                self.route = await find_route(dht, self.model.model_id, self.model.num_blocks)
+                self._token = trio.lowlevel.current_trio_token()
+                self._ready.set()
+                await trio.sleep_forever()
+
+    async def _trial(self, decode_tokens: int) -> dict:
+        produced: list[int] = []
+        times: list[float] = []
+
+        def on_token(token: int) -> None:
+            times.append(time.perf_counter())
+            produced.append(token)
+
+        steps = decode_tokens + 1  # the prefill's step yields token 0, untimed
+        max_tokens = len(self.prompt_ids) + steps
+        async with open_chain(self.host, self.route, self.model.model_id, max_tokens=max_tokens,
+                              hidden_size=self.model.hidden_size) as chain:
+            # The production consumer loop: embeddings + head local, blocks remote,
+            # head.logits + sampling in a worker thread, one chain.step per token.
+            await generate(chain, self.head, self.prompt_ids,
+                           SamplingParams(max_new_tokens=steps, stop_at_eos=False), on_token=on_token)
+        return _result(produced, times)
+
+    def trial(self, decode_tokens: int) -> dict:
+        return trio.from_thread.run(self._trial, decode_tokens, trio_token=self._token)
+
+    def close(self) -> None:
+        if self._token is not None and self._scope is not None:
+            with contextlib.suppress(Exception):
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+        self._thread.join(timeout=10)
+
+
+# --------------------------------------------------------------------------- local, hf
+
+
+def _result(tokens: list[int], times: list[float]) -> dict:
+    steps = [b - a for a, b in zip(times, times[1:])]
+    decode_s = times[-1] - times[0]
+    return {
+        "tokens": tokens,
+        "decode_s": decode_s,
+        "tok_s": (len(times) - 1) / decode_s,
+        "step_ms_median": 1000 * statistics.median(steps),
+        "step_ms_max": 1000 * max(steps),
+    }
+
+
+def local_trial(runners: list[SpanRunner], head: ConsumerHead, prompt_ids: list[int], decode_tokens: int) -> dict:
+    """The same spans and head in-process, mirroring pipeline/generate.py without the
+    network (and without its worker-thread hop for the head)."""
+    sampler = Sampler(SamplingParams(max_new_tokens=decode_tokens + 1, stop_at_eos=False))
+    caches = [runner.new_cache() for runner in runners]  # one per "server", as in the swarm
+
+    def through(hidden: torch.Tensor, position: int) -> torch.Tensor:
+        for runner, cache in zip(runners, caches):
+            hidden = runner.forward(hidden, cache, position)
+        return hidden
+
+    hidden = through(head.embed_tokens(prompt_ids), 0)
+    position = len(prompt_ids)
+    token = sampler.choose(head.logits(hidden))
+    tokens, times = [token], [time.perf_counter()]
+    for _ in range(decode_tokens):
+        hidden = through(head.embed_tokens([token]), position)
+        position += 1
+        token = sampler.choose(head.logits(hidden))
+        tokens.append(token)
+        times.append(time.perf_counter())
+    return _result(tokens, times)
+
+
+class _TokenClock:
+    """A generate() streamer that timestamps each new token (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_trial(model, prompt_ids: list[int], decode_tokens: int) -> dict:
+    """HF generate, greedy, decode_tokens + 1 new tokens (min = max, so no EOS stop).
+    Timed with a streamer: from the emission of new token 0 (end of prefill) to the
+    emission of the last one, i.e. decode_tokens decode steps."""
+    clock = _TokenClock()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode_tokens + 1,
+                             min_new_tokens=decode_tokens + 1, do_sample=False, temperature=None, top_p=None,
+                             top_k=None, pad_token_id=0, streamer=clock)
+    tokens = out[0, len(prompt_ids):].tolist()
+    assert len(clock.times) == len(tokens) == decode_tokens + 1, (len(clock.times), len(tokens))
+    return _result(tokens, clock.times)
+
+
+# --------------------------------------------------------------------------- first token
+
+
+def cli_first_token(client_dir: Path, bootstrap: str, stderr_path: Path) -> float:
+    """Wall time from Popen of `compushare run` to the first byte on its stdout."""
+    cmd = [sys.executable, "-m", "compushare", "run", "--model", MODEL, "--home", str(client_dir),
+           "--bootstrap", bootstrap, "--max-tokens", str(CLI_MAX_TOKENS), PROMPT]
+    with open(stderr_path, "wb") as err:
+        began = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+        try:
+            first = None
+            with selectors.DefaultSelector() as sel:
+                sel.register(proc.stdout, selectors.EVENT_READ)
+                deadline = began + CLI_TIMEOUT_S
+                while first is None and time.perf_counter() < deadline:
+                    if sel.select(timeout=max(0.0, deadline - time.perf_counter())):
+                        chunk = os.read(proc.stdout.fileno(), 1)
+                        if not chunk:
+                            break  # EOF before any output
+                        first = time.perf_counter() - began
+            rest, _ = proc.communicate(timeout=CLI_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0 or first is None:
+        raise RuntimeError(f"`compushare run` failed (exit {proc.returncode}, first byte {first}):\n"
+                           + stderr_path.read_text(errors="replace")[-2000:])
+    return first
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import libp2p  # noqa: F401
+    import transformers
+    from importlib.metadata import version
+
+    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "libp2p": version("libp2p"),
+            "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64, help="timed decode tokens per trial")
+    args = parser.parse_args()
+
+    wall_began = time.perf_counter()
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    cleanup = Cleanup()
+    client = None
+    try:
+        log(f"pipeline overhead bench: {MODEL}, {NODES} nodes, {args.tokens} decode tokens, "
+            f"{args.trials} interleaved trials, fp32, 1 torch thread per process")
+        log(f"cache {os.environ['COMPUSHARE_CACHE']}, temp {cleanup.tmp}")
+
+        began = time.perf_counter()
+        bench_dir = cleanup.tmp / "bench"
+        model = resolve_model(MODEL, bench_dir)
+        bootstrap, states = start_swarm(cleanup, cleanup.tmp)
+        log(f"swarm up in {time.perf_counter() - began:.1f}s: "
+            + ", ".join(f"pid {s['pid']} [{s['start']}:{s['end']}]" for s in states))
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+        prompt_ids = _prompt_ids(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
+        head = ConsumerHead.load(model.path)
+        runners = [SpanRunner.load(model.path, start, end) for start, end in split_blocks(model.num_blocks, NODES)]
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+        log(f"prompt: {len(prompt_ids)} tokens (chat template of {PROMPT!r})")
+
+        client = SwarmClient(bench_dir, bootstrap, model, head, prompt_ids)
+        client.start()
+        route = [(h.start, h.end) for h in client.route]
+        log(f"route: {route}")
+        if route != split_blocks(model.num_blocks, NODES):
+            raise RuntimeError(f"unexpected route {route}")
+
+        runs = {
+            "swarm": lambda n: client.trial(n),
+            "local": lambda n: local_trial(runners, head, prompt_ids, n),
+            "hf": lambda n: hf_trial(hf_model, prompt_ids, n),
+        }
+        for name, run in runs.items():  # warm-up: first-call costs, connections, caches
+            run(WARMUP_TOKENS)
+        results: dict[str, list[dict]] = {name: [] for name in runs}
+        for trial in range(args.trials):
+            for name, run in runs.items():
+                result = run(args.tokens)
+                results[name].append(result)
+                log(f"trial {trial + 1} {name:5} {result['tok_s']:7.2f} tok/s  "
+                    f"step median {result['step_ms_median']:6.2f} ms  max {result['step_ms_max']:6.2f} ms")
+
+        med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in results.items()}
+        step_med = {name: statistics.median(r["step_ms_median"] for r in rs) for name, rs in results.items()}
+        local_tokens = results["local"][0]["tokens"]
+        local_stable = all(r["tokens"] == local_tokens for r in results["local"])
+        tokens_match = local_stable and all(r["tokens"] == local_tokens for r in results["swarm"])
+        tokens_match_hf = all(r["tokens"] == local_tokens for r in results["hf"])
+        ratio = med["swarm"] / med["local"]
+
+        first_token: list[float] = []
+        client_dir = cleanup.tmp / "cli-client"
+        for attempt in range(2):  # 1st: fresh data dir (identity + model import); 2nd: same dir
+            first_token.append(cli_first_token(client_dir, bootstrap[0], cleanup.tmp / f"cli-{attempt}.err"))
+            log(f"compushare run: first byte on stdout after {first_token[-1]:.2f}s "
+                f"({'fresh' if attempt == 0 else 'reused'} client dir)")
+        first_token_s = statistics.median(first_token)
+
+        log()
+        log(f"swarm  {med['swarm']:7.2f} tok/s  ({step_med['swarm']:.2f} ms/token)")
+        log(f"local  {med['local']:7.2f} tok/s  ({step_med['local']:.2f} ms/token)")
+        log(f"hf     {med['hf']:7.2f} tok/s  ({step_med['hf']:.2f} ms/token)")
+        log(f"ratio swarm/local {ratio:.3f} (target >= {TARGET_RATIO:.2f}): "
+            f"{'OK' if ratio >= TARGET_RATIO else 'BELOW TARGET'}; "
+            f"swarm overhead {step_med['swarm'] - step_med['local']:.2f} ms/token")
+        log(f"tokens_match {tokens_match} (target true); HF tokens equal too: {tokens_match_hf}")
+        log(f"first_token_s {first_token_s:.2f} (target <= {TARGET_FIRST_TOKEN_S:.0f}): "
+            f"{'OK' if first_token_s <= TARGET_FIRST_TOKEN_S else 'ABOVE TARGET'}")
+        log(f"text: {tokenizer.decode(local_tokens, skip_special_tokens=True)!r}")
+        wall_s = time.perf_counter() - wall_began
+        log(f"wall time {wall_s:.1f}s")
+
+        summary = {
+            "swarm_tok_s": round(med["swarm"], 3),
+            "local_tok_s": round(med["local"], 3),
+            "hf_generate_tok_s": round(med["hf"], 3),
+            "ratio": round(ratio, 4),
+            "tokens_match": tokens_match,
+            "tokens_match_hf": tokens_match_hf,
+            "first_token_s": round(first_token_s, 3),
+            "targets": {"ratio": TARGET_RATIO, "tokens_match": True, "first_token_s": TARGET_FIRST_TOKEN_S},
+            "targets_met": {"ratio": ratio >= TARGET_RATIO, "tokens_match": tokens_match,
+                            "first_token_s": first_token_s <= TARGET_FIRST_TOKEN_S},
+            "step_ms_median": {k: round(v, 3) for k, v in step_med.items()},
+            "swarm_overhead_ms_per_token": round(step_med["swarm"] - step_med["local"], 3),
+            "trials": {name: [round(r["tok_s"], 3) for r in rs] for name, rs in results.items()},
+            "first_token_s_trials": [round(t, 3) for t in first_token],
+            "decode_tokens": args.tokens,
+            "prompt_tokens": len(prompt_ids),
+            "model": MODEL,
+            "model_id": model.model_id,
+            "nodes": NODES,
+            "route": route,
+            "machine": machine_info(),
+            "wall_s": round(wall_s, 1),
+        }
+        print(json.dumps(summary), flush=True)
+        return 0
+    finally:
+        if client is not None:
+            client.close()
+        cleanup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The CLI's answers when there is no swarm, or nothing to serve."""
+
+import socket
+import subprocess
+import sys
+
+from compushare.model.catalog import import_path
+
+SOME_PEER = "12D3KooWPNeT5huwyjSsfqfLgne7ZU9RfyLNy9gBiLLvDpe9QvAs"
+
+
+def _cli(*args, env_home):
+    import os
+
+    env = dict(os.environ, COMPUSHARE_HOME=str(env_home))
+    return subprocess.run([sys.executable, "-m", "compushare", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_run_without_any_swarm_says_how_to_get_one(tmp_path):
+    result = _cli("run", "hello", env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert "no swarm to join" in result.stderr
+    assert "swarm up" in result.stderr
+
+
+def test_run_with_unreachable_bootstrap_says_so(tmp_path, tiny_model):
+    home = tmp_path / "home"
+    import_path(tiny_model, home, alias="tiny")
+    addr = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{SOME_PEER}"
+    result = _cli("run", "--model", "tiny", "--bootstrap", addr, "hello", env_home=home)
+    assert result.returncode == 2
+    assert "bootstrap peers answered" in result.stderr
+
+
+def test_unobtainable_model_gives_actionable_error(tmp_path):
+    addr = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{SOME_PEER}"
+    result = _cli("run", "--model", "tinyllama", "--bootstrap", addr, "hello", env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert "tinyllama" in result.stderr and "models import" in result.stderr
+
+
+def test_node_with_unknown_model_fails_clearly(tmp_path):
+    result = _cli("node", "--model", "no-such-model", "--blocks", "0:1", env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert "unknown model 'no-such-model'" in result.stderr
+
+
+def test_models_import_and_list(tmp_path, tiny_model):
+    home = tmp_path / "home"
+    imported = _cli("models", "import", str(tiny_model), "--name", "tiny", env_home=home)
+    assert imported.returncode == 0, imported.stderr
+    model_id = imported.stdout.strip()
+    assert len(model_id) == 64
+    listed = _cli("models", "list", "--json", env_home=home)
+    import json
+
+    (entry,) = json.loads(listed.stdout)
+    assert entry == {"names": ["tiny"], "id": model_id, "blocks": 4, "dtype": "float32"}

@@ -1,0 +1,88 @@
+"""Consumers find chains through the DHT only: bootstrap address in, route out."""
+
+import time
+
+import msgpack
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from compushare.model.catalog import import_path
+from compushare.net.dht import connect_bootstrap, model_key, open_dht
+from compushare.net.host import full_addrs, open_host
+from compushare.net.records import ServerRecord, record_key
+from compushare.pipeline.consumer import RunRequest, run_prompt
+from compushare.pipeline.discovery import discover_servers
+from compushare.pipeline.sampling import SamplingParams
+from helpers import reference_greedy
+
+
+@pytest.fixture
+def unrelated_bootstrap(processes, other_tiny_model):
+    """A node serving a different model: none of the blocks the consumer needs."""
+    _, state = processes.node("boot", other_tiny_model, "0:4", alias="other")
+    return state["addrs"][:1], state
+
+
+async def test_consumer_finds_chain_through_node_serving_nothing_it_needs(
+        processes, tiny_model, unrelated_bootstrap, tmp_path):
+    boot, boot_state = unrelated_bootstrap
+    states = processes.nodes([("a", "0:2"), ("b", "2:4")], tiny_model, bootstrap=boot)
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    prompt = [1, 9, 8, 7]
+    outcome = await run_prompt(client, tuple(boot), RunRequest(
+        model="tiny", prompt=prompt, params=SamplingParams(max_new_tokens=12, stop_at_eos=False)))
+    assert outcome.tokens == reference_greedy(tiny_model, prompt, 12)
+    assert [h.peer_id for h in outcome.route] == [s["peer_id"] for s in states]
+    assert boot_state["peer_id"] not in {h.peer_id for h in outcome.route}
+
+
+async def test_late_provider_found_by_next_lookup(processes, tiny_model, unrelated_bootstrap):
+    boot, _ = unrelated_bootstrap
+    (first,) = processes.nodes([("a", "0:4")], tiny_model, bootstrap=boot)
+    model_id = first["model_id"]
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_dht(host, server=False) as dht:
+        await connect_bootstrap(host, dht, boot)
+        with trio.fail_after(20):
+            records = await discover_servers(dht, model_id, 4)
+        assert {r.peer_id for r in records} == {first["peer_id"]}
+
+        (late,) = processes.nodes([("late", "1:3")], tiny_model, bootstrap=boot)
+        with trio.fail_after(20):
+            records = await discover_servers(dht, model_id, 4)
+        assert {r.peer_id for r in records} == {first["peer_id"], late["peer_id"]}
+        assert {(r.start, r.end) for r in records} == {(0, 4), (1, 3)}
+
+
+async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unrelated_bootstrap):
+    boot, _ = unrelated_bootstrap
+    (honest,) = processes.nodes([("a", "0:4")], tiny_model, bootstrap=boot)
+    model_id = honest["model_id"]
+    forger_key, other_key = create_new_key_pair(), create_new_key_pair()
+    async with open_host(forger_key, ["/ip4/127.0.0.1/tcp/0"]) as forger, open_dht(forger, server=True) as fdht:
+        await connect_bootstrap(forger, fdht, boot)
+        forger_id = forger.get_id().to_string()
+        forged = ServerRecord(peer_id=forger_id, model_id=model_id, start=0, end=4, dtype="float32",
+                              addrs=tuple(full_addrs(forger)), expires=time.time() + 600, seq=time.time_ns(),
+                              throughput=1e9)  # would win every tie
+        value = forged.sign(other_key)  # signed by a key that is not the forger's peer id
+        # The validator refuses to store it even locally ...
+        with pytest.raises(Exception):
+            await fdht.put_value(record_key(model_id, forger_id), value)
+        # ... so the forger bypasses it, serves the record from its store and
+        # advertises itself as a provider of the model.
+        fdht.value_store.put(record_key(model_id, forger_id).encode(), value)
+        envelope = msgpack.unpackb(value)
+        assert len(envelope["sig"]) == 64
+        await fdht.provide(model_key(model_id))
+
+        async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+                open_dht(host, server=False) as dht:
+            await connect_bootstrap(host, dht, boot)
+            with trio.fail_after(20):
+                records = await discover_servers(dht, model_id, 4)
+    peers = {r.peer_id for r in records}
+    assert honest["peer_id"] in peers
+    assert forger_id not in peers

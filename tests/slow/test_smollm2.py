@@ -1,0 +1,103 @@
+"""The real SmolLM2-135M-Instruct through a 3-process local swarm."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from compushare.model.catalog import resolve_model
+from compushare.pipeline.consumer import RunRequest, run_prompt
+from compushare.pipeline.sampling import SamplingParams
+from compushare.swarm import swarm_down, swarm_up
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smol_swarm(tmp_path_factory):
+    home = tmp_path_factory.mktemp("smol-swarm")
+    try:
+        swarm = swarm_up(home, 3, "smollm2-135m")
+        yield home, swarm
+    finally:
+        swarm_down(home)
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "compushare", *args]
+
+
+async def test_smollm2_chat_matches_transformers(smol_swarm, tmp_path):
+    home, swarm = smol_swarm
+    client = tmp_path / "client"
+    model = resolve_model("smollm2-135m", client)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    outcome = await run_prompt(client, tuple(swarm["bootstrap"]), RunRequest(
+        model="smollm2-135m", prompt=QUESTION, params=SamplingParams(max_new_tokens=32, stop_at_eos=False)))
+    assert outcome.tokens == expected
+    assert "Paris" in outcome.text
+    assert [(h.start, h.end) for h in outcome.route] == [(0, 10), (10, 20), (20, 30)]
+
+
+def test_smollm2_nodes_hold_only_their_span(smol_swarm):
+    home, swarm = smol_swarm
+    for node in swarm["nodes"]:
+        state = json.loads((home / os.path.basename(node["data_dir"]) / "node.json").read_text())
+        # SmolLM2: 3,540,096 parameters per decoder layer; 10 layers per node.
+        assert state["parameters"] == 10 * 3_540_096
+
+
+def test_run_cli_streams_answer_with_route(smol_swarm, tmp_path):
+    home, swarm = smol_swarm
+    result = subprocess.run(
+        _cli("run", "--verbose", "--home", str(tmp_path / "cli"), "--swarm-home", str(home), QUESTION),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    for node in swarm["nodes"]:
+        assert node["peer_id"] in result.stderr  # --verbose prints the route
+    assert "blocks   0:10" in result.stderr
+
+
+def test_ctrl_c_in_run_leaves_no_stray_process(smol_swarm, tmp_path):
+    home, swarm = smol_swarm
+    proc = subprocess.Popen(
+        _cli("run", "--home", str(tmp_path / "cli"), "--swarm-home", str(home), "--max-tokens", "1000",
+             "Write a very long story about a dragon."),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        first = proc.stdout.read(1)  # generation has started
+        assert first
+        children = psutil.Process(proc.pid).children(recursive=True)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        assert time.monotonic() - began < 5
+        assert proc.returncode == 130, proc.stderr.read().decode()[-3000:]
+        assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        for child in children:
+            assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    # The swarm is unharmed: every node is still up.
+    for node in swarm["nodes"]:
+        assert psutil.pid_exists(node["pid"])
