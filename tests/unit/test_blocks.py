@@ -232,10 +232,6 @@ def test_sub_span_decode_matches_the_dedicated_stage(whole, stages):
         position += hidden.shape[1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG blocks.py:108-114: cached_length/truncate read the cache length at self.start; a session "
-    "running a suffix sub-span (server 0:4, session 2:4, as routing.plan_chain produces) never fills "
-    "layer self.start, so cached_length is 0 and truncate() is a no-op: rollback is silently skipped"))
 def test_truncate_rolls_back_a_sub_span_session(whole, stages):
     _, second = stages
     torch.manual_seed(2)

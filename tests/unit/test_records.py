@@ -346,9 +346,6 @@ def test_newest_index_all_invalid_is_zero():
     assert newest_index(key_for(make()), [b"a", b"b"]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG records.py:133: newest_index starts best_seq at -1, but parse_record accepts any int seq; "
-    "a valid record with seq < 0 never wins, so index 0 (here: garbage) is selected"))
 def test_newest_index_with_negative_seq_still_prefers_a_valid_record():
     key = key_for(make())
     assert newest_index(key, [b"junk", make(seq=-1).sign(ALICE)]) == 1
@@ -357,3 +354,9 @@ def test_newest_index_with_negative_seq_still_prefers_a_valid_record():
 def test_records_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         make().seq = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("tps", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_throughput_rejected(tps):
+    record = make(throughput=tps)
+    rejected(key_for(record), record.sign(ALICE))

@@ -134,3 +134,16 @@ def test_plan_is_a_minimal_contiguous_cover(records, n):
         assert hop.record.is_live(NOW)
         position = hop.end
     assert position == n
+
+
+@given(record_lists, st.integers(1, 10), st.randoms(use_true_random=False))
+def test_plan_does_not_depend_on_record_order(records, n, rng):
+    shuffled = list(records)
+    rng.shuffle(shuffled)
+    try:
+        expected = spans(plan_chain(records, n, now=NOW))
+    except RouteError:
+        with pytest.raises(RouteError):
+            plan_chain(shuffled, n, now=NOW)
+        return
+    assert spans(plan_chain(shuffled, n, now=NOW)) == expected

@@ -105,7 +105,9 @@ class SpanRunner:
         return hidden
 
     def cached_length(self, cache: DynamicCache) -> int:
-        return cache.get_seq_length(self.start)
+        """Tokens held. A session may run only a suffix of the span, leaving the
+        span's first layers empty: take the longest layer."""
+        return max(cache.get_seq_length(index) for index in self.layers)
 
     def truncate(self, cache: DynamicCache, length: int) -> None:
         """Roll the cache back to its first `length` tokens (speculative decoding)."""

@@ -103,7 +103,7 @@ def decode_tensor(obj: object, *, hidden_size: int, max_tokens: int) -> torch.Te
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
         raise FrameError("bad_tensor", "a tensor is a map of exactly dtype, shape, data")
     dtype_name, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if dtype_name not in WIRE_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
         raise FrameError("bad_dtype", f"dtype {dtype_name!r} is not one of {sorted(WIRE_DTYPES)}")
     if (
         not isinstance(shape, list)

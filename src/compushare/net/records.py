@@ -8,6 +8,7 @@ embeds its public key, so anyone can check the signature without another lookup.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import msgpack
@@ -121,6 +122,8 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
         raise PeerMisbehaved("server record body disagrees with its key")
     if not (0 <= record.start < record.end <= MAX_BLOCKS):
         raise PeerMisbehaved(f"server record span {record.start}:{record.end} is invalid")
+    if not (math.isfinite(record.throughput) and record.throughput >= 0 and math.isfinite(record.expires)):
+        raise PeerMisbehaved("server record throughput / expiry must be finite (throughput >= 0)")
     if record.dtype not in ALLOWED_DTYPES:
         raise PeerMisbehaved(f"server record dtype {record.dtype!r} not allowed")
     if not allow_expired and not record.is_live(now):
@@ -130,12 +133,12 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
 
 def newest_index(key: str, values: list[bytes]) -> int:
     """DHT select(): the valid record with the highest seq wins."""
-    best, best_seq = 0, -1
+    best, best_seq = 0, None
     for index, value in enumerate(values):
         try:
             seq = parse_record(key, value, allow_expired=True).seq
         except PeerMisbehaved:
             continue
-        if seq > best_seq:
+        if best_seq is None or seq > best_seq:
             best, best_seq = index, seq
     return best

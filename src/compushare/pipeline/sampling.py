@@ -24,7 +24,10 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = torch.Generator()
-        self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        if params.seed is None:
+            self.generator.seed()  # fresh entropy without touching torch's global RNG
+        else:
+            self.generator.manual_seed(params.seed)
 
     def choose(self, logits: torch.Tensor) -> int:
         if self.params.temperature == 0:
