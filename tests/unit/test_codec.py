@@ -366,7 +366,7 @@ hashable = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_s
                      st.binary(max_size=10), st.sampled_from(["float32", "float16", "bfloat16"]))
 wire_like = st.fixed_dictionaries(
     {
-        "dtype": hashable,
+        "dtype": st.one_of(hashable, values),
         "shape": st.one_of(values, st.lists(st.integers(-2, 10), min_size=0, max_size=4)),
         "data": st.one_of(values, st.binary(max_size=4 * 3 * H)),
     }
