@@ -120,9 +120,10 @@ def _raise_interrupt(signum, _frame):
 # --------------------------------------------------------------------------- swarm
 
 
-def start_swarm(cleanup: Cleanup, model_path_dir: Path) -> tuple[list[str], list[dict]]:
-    stored = resolve_model(MODEL, model_path_dir)
-    spans = split_blocks(stored.num_blocks, NODES)
+def start_swarm(cleanup: Cleanup, num_blocks: int) -> tuple[list[str], list[dict]]:
+    """NODES node processes, each with its own data dir under the temp dir (the model
+    is hard-linked from the shared cache); the first is every other's bootstrap."""
+    spans = split_blocks(num_blocks, NODES)
     dirs = [cleanup.tmp / f"node-{i}" for i in range(NODES)]
     first = start_node(node_command(MODEL, spans[0], dirs[0], []), dirs[0])
     cleanup.procs.append(first)
@@ -224,6 +225,15 @@ def _result(tokens: list[int], times: list[float]) -> dict:
     }
 
 
+def _first_mismatch(reference: list[int], results: list[dict]) -> int | None:
+    """The earliest token index where any trial differs from `reference` (None: all equal)."""
+    found = [next((i for i, (a, b) in enumerate(zip(reference, r["tokens"])) if a != b),
+                  None if len(r["tokens"]) == len(reference) else min(len(reference), len(r["tokens"])))
+             for r in results]
+    found = [i for i in found if i is not None]
+    return min(found) if found else None
+
+
 def local_trial(runners: list[SpanRunner], head: ConsumerHead, prompt_ids: list[int], decode_tokens: int) -> dict:
     """The same spans and head in-process, mirroring pipeline/generate.py without the
     network (and without its worker-thread hop for the head)."""
@@ -266,15 +276,21 @@ class _TokenClock:
 
 
 def hf_trial(model, prompt_ids: list[int], decode_tokens: int) -> dict:
-    """HF generate, greedy, decode_tokens + 1 new tokens (min = max, so no EOS stop).
+    """HF generate, greedy, decode_tokens + 1 new tokens, never stopping at EOS.
     Timed with a streamer: from the emission of new token 0 (end of prefill) to the
-    emission of the last one, i.e. decode_tokens decode steps."""
+    emission of the last one, i.e. decode_tokens decode steps.
+
+    eos_token_id=None matters: with the model's EOS id set, min_new_tokens makes HF
+    mask EOS out of the logits, so HF would pick a different token wherever greedy
+    decoding wants EOS (SmolLM2 does at token 7 of this prompt). Our loop with
+    stop_at_eos=False emits EOS and carries on; so does HF without an EOS id (and
+    min_new_tokens is then a no-op, kept as a guard)."""
     clock = _TokenClock()
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=decode_tokens + 1,
-                             min_new_tokens=decode_tokens + 1, do_sample=False, temperature=None, top_p=None,
-                             top_k=None, pad_token_id=0, streamer=clock)
+                             min_new_tokens=decode_tokens + 1, eos_token_id=None, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=0, streamer=clock)
     tokens = out[0, len(prompt_ids):].tolist()
     assert len(clock.times) == len(tokens) == decode_tokens + 1, (len(clock.times), len(tokens))
     return _result(tokens, clock.times)
@@ -339,6 +355,9 @@ def main() -> int:
 
     wall_began = time.perf_counter()
     torch.set_num_threads(1)
+    # Ctrl-C (also when started with SIGINT ignored, e.g. `cmd &` from a script),
+    # SIGTERM and SIGHUP all unwind through the `finally` below.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
     cleanup = Cleanup()
@@ -351,7 +370,7 @@ def main() -> int:
         began = time.perf_counter()
         bench_dir = cleanup.tmp / "bench"
         model = resolve_model(MODEL, bench_dir)
-        bootstrap, states = start_swarm(cleanup, cleanup.tmp)
+        bootstrap, states = start_swarm(cleanup, model.num_blocks)
         log(f"swarm up in {time.perf_counter() - began:.1f}s: "
             + ", ".join(f"pid {s['pid']} [{s['start']}:{s['end']}]" for s in states))
 
@@ -393,6 +412,7 @@ def main() -> int:
         local_stable = all(r["tokens"] == local_tokens for r in results["local"])
         tokens_match = local_stable and all(r["tokens"] == local_tokens for r in results["swarm"])
         tokens_match_hf = all(r["tokens"] == local_tokens for r in results["hf"])
+        mismatch = {name: _first_mismatch(local_tokens, rs) for name, rs in results.items() if name != "local"}
         ratio = med["swarm"] / med["local"]
 
         first_token: list[float] = []
@@ -410,7 +430,8 @@ def main() -> int:
         log(f"ratio swarm/local {ratio:.3f} (target >= {TARGET_RATIO:.2f}): "
             f"{'OK' if ratio >= TARGET_RATIO else 'BELOW TARGET'}; "
             f"swarm overhead {step_med['swarm'] - step_med['local']:.2f} ms/token")
-        log(f"tokens_match {tokens_match} (target true); HF tokens equal too: {tokens_match_hf}")
+        log(f"tokens_match {tokens_match} (target true); HF tokens equal too: {tokens_match_hf}"
+            + "".join(f"; {n} differs first at token {i}" for n, i in mismatch.items() if i is not None))
         log(f"first_token_s {first_token_s:.2f} (target <= {TARGET_FIRST_TOKEN_S:.0f}): "
             f"{'OK' if first_token_s <= TARGET_FIRST_TOKEN_S else 'ABOVE TARGET'}")
         log(f"text: {tokenizer.decode(local_tokens, skip_special_tokens=True)!r}")
@@ -424,6 +445,7 @@ def main() -> int:
             "ratio": round(ratio, 4),
             "tokens_match": tokens_match,
             "tokens_match_hf": tokens_match_hf,
+            "first_mismatch": mismatch,
             "first_token_s": round(first_token_s, 3),
             "targets": {"ratio": TARGET_RATIO, "tokens_match": True, "first_token_s": TARGET_FIRST_TOKEN_S},
             "targets_met": {"ratio": ratio >= TARGET_RATIO, "tokens_match": tokens_match,
@@ -431,6 +453,7 @@ def main() -> int:
             "step_ms_median": {k: round(v, 3) for k, v in step_med.items()},
             "swarm_overhead_ms_per_token": round(step_med["swarm"] - step_med["local"], 3),
             "trials": {name: [round(r["tok_s"], 3) for r in rs] for name, rs in results.items()},
+            "trials_step_ms_median": {name: [round(r["step_ms_median"], 2) for r in rs] for name, rs in results.items()},
             "first_token_s_trials": [round(t, 3) for t in first_token],
             "decode_tokens": args.tokens,
             "prompt_tokens": len(prompt_ids),
@@ -450,4 +473,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({str(exc) or 'SIGINT'}); node processes stopped", file=sys.stderr)
+        sys.exit(130)
