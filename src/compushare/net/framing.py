@@ -27,8 +27,11 @@ class FramedStream:
             message = self._decoder.next_message()
             if message is not None:
                 return message
+            self._decoder.needed()  # raises at once for an oversized length prefix
             try:
-                data = await self.stream.read(min(self._decoder.needed(), READ_CHUNK))
+                # Take whatever has arrived: reading the prefix and the body separately
+                # doubles yamux's bookkeeping (and window updates) per message.
+                data = await self.stream.read(READ_CHUNK)
             except StreamEOF:
                 data = b""
             if not data:

@@ -34,21 +34,29 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
     )
 
 
-async def announce_once(host: IHost, dht: KadDHT, key_pair: KeyPair, record: ServerRecord) -> None:
-    await sync_routing_table(host, dht)
-    await dht.put_value(record_key(record.model_id, record.peer_id), record.sign(key_pair))
-    keys = [model_key(record.model_id)] + [block_key(record.model_id, b) for b in range(record.start, record.end)]
-    await provide_all(dht, keys)
+PROVIDE_INTERVAL_S = 300.0
 
 
 async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, model_id: str, start: int, end: int,
                         dtype: str, ttl_s: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Re-put the server record every TTL/3. Provider records (which py-libp2p keeps
+    24 h) are re-sent only when the routing table gained peers that have not had
+    them, or every PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and
+    running it every few seconds steals CPU from inference on small machines."""
+    keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(start, end)]
+    provided_to: set = set()
+    last_provide = -PROVIDE_INTERVAL_S
     started = False
     while True:
         record = build_record(host, model_id, start, end, dtype, ttl_s)
         try:
             with trio.fail_after(ttl_s / 3):
-                await announce_once(host, dht, key_pair, record)
+                await sync_routing_table(host, dht)
+                await dht.put_value(record_key(record.model_id, record.peer_id), record.sign(key_pair))
+                peers = set(dht.routing_table.get_peer_ids())
+                if peers - provided_to or trio.current_time() - last_provide > PROVIDE_INTERVAL_S:
+                    await provide_all(dht, keys)
+                    provided_to, last_provide = peers, trio.current_time()
         except trio.TooSlowError:
             log.warning("announcing took longer than %.0fs; retrying", ttl_s / 3)
         if not started:
