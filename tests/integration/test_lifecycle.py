@@ -3,12 +3,17 @@
 import signal
 import time
 
+import pytest
+import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from safetensors import safe_open
 
 from compushare.net.dht import connect_bootstrap, open_dht
 from compushare.net.host import open_host
+from compushare.errors import RemoteError
+from compushare.pipeline.client import open_chain
+from compushare.pipeline.consumer import find_route
 from compushare.pipeline.discovery import discover_servers
 
 
@@ -54,3 +59,25 @@ async def test_sigterm_stops_node_quickly_and_its_record_lapses(processes, tiny_
         with trio.fail_after(20):
             records = await discover_servers(dht, stays["model_id"], 4)
         assert {r.peer_id for r in records} == {stays["peer_id"]}
+
+
+
+async def test_provider_killed_mid_generation_is_a_clear_error(processes, tiny_model):
+    """Failover is a later issue; until then the consumer must say what happened."""
+    (first,) = processes.nodes([("a", "0:2")], tiny_model)
+    proc, _ = processes.node("b", tiny_model, "2:4", bootstrap=first["addrs"][:1], wait=False)
+    victim = processes.ready("b", proc)
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_dht(host, server=False) as dht:
+        await connect_bootstrap(host, dht, first["addrs"][:1])
+        route = await find_route(dht, first["model_id"], 4)
+        async with open_chain(host, route, first["model_id"], max_tokens=64, hidden_size=64) as chain:
+            for _ in range(10):
+                await chain.step(torch.randn(1, 1, 64))
+            proc.kill()
+            await trio.to_thread.run_sync(proc.wait, 5)
+            with pytest.raises(RemoteError) as info:
+                with trio.fail_after(40):
+                    await chain.step(torch.randn(1, 1, 64))
+    assert info.value.code in ("connection_lost", "closed", "timeout")
+    assert victim["peer_id"] in str(info.value)

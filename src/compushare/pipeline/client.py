@@ -11,6 +11,7 @@ import multiaddr
 import torch
 import trio
 from libp2p.abc import IHost
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
@@ -41,9 +42,17 @@ class RemoteHop:
         self.hidden_size = hidden_size
 
     async def request(self, message: dict, timeout: float = STEP_TIMEOUT_S) -> dict:
-        with trio.fail_after(timeout):
-            await self.framed.send(message)
-            reply = await self.framed.receive()
+        peer = self.hop.peer_id
+        try:
+            with trio.fail_after(timeout):
+                await self.framed.send(message)
+                reply = await self.framed.receive()
+        except trio.TooSlowError:
+            raise RemoteError("timeout", f"{peer} (blocks {self.hop.start}:{self.hop.end}) did not answer "
+                                         f"within {timeout:.0f}s") from None
+        except StreamError as exc:
+            raise RemoteError("connection_lost", f"lost the stream to {peer} (blocks {self.hop.start}:"
+                                                 f"{self.hop.end}): {exc or type(exc).__name__}") from None
         if reply is None:
             raise RemoteError("closed", f"{self.hop.peer_id} closed the stream")
         if reply.get("type") == "error":
