@@ -101,3 +101,18 @@ def test_ctrl_c_in_run_leaves_no_stray_process(smol_swarm, tmp_path):
     # The swarm is unharmed: every node is still up.
     for node in swarm["nodes"]:
         assert psutil.pid_exists(node["pid"])
+
+
+def test_streamed_text_equals_full_decode(tmp_path):
+    from transformers import AutoTokenizer
+
+    from compushare.pipeline.detokenize import IncrementalDetokenizer
+
+    model = resolve_model("smollm2-135m", tmp_path / "client")
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    text = "Hello world!\nThe capital of France is Paris.\n\n  Indented — ünïcödé ✓ 日本語 line\nend"
+    ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert sum(1 for p in pieces if p) > 10  # it really streams

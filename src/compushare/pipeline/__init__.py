@@ -9,4 +9,6 @@
   client.py     the consumer's side of the protocol: one stream per hop
   sampling.py   greedy / temperature / top-p sampling with a seeded generator
   generate.py   the consumer's generation loop (embeddings and head stay local)
+  detokenize.py streaming text from tokens, a line at a time
+  consumer.py   a short-lived consumer: join, discover, route, generate
 """

@@ -17,6 +17,7 @@ from ..net.dht import connect_bootstrap, open_dht
 from ..net.host import open_host
 from ..net.identity import load_or_create_identity
 from .client import open_chain
+from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
 from .generate import generate
 from .routing import Hop, plan_chain
@@ -111,18 +112,16 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
         prompt_ids = _prompt_ids(tokenizer, request)
         eos = eos_ids_of(tokenizer, model.path)
         produced: list[int] = []
-        shown = ""
         times: list[float] = []
+        detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
 
         def on_token(token: int) -> None:
-            nonlocal shown
             times.append(time.perf_counter())
             produced.append(token)
-            if tokenizer is not None:
-                text = tokenizer.decode(produced, skip_special_tokens=True)
-                if len(text) > len(shown) and not text.endswith("\ufffd"):
-                    on_text(text[len(shown):])
-                    shown = text
+            if detokenizer is not None:
+                text = detokenizer.push(token)
+                if text:
+                    on_text(text)
 
         max_tokens = len(prompt_ids) + request.params.max_new_tokens
         async with open_chain(host, route, model.model_id, max_tokens=max_tokens,
