@@ -396,7 +396,7 @@ def main() -> int:
             "local": lambda n: local_trial(runners, head, prompt_ids, n),
             "hf": lambda n: hf_trial(hf_model, prompt_ids, n),
         }
-        for name, run in runs.items():  # warm-up: first-call costs, connections, caches
+        for run in runs.values():  # warm-up: first-call costs, connections, caches
             run(WARMUP_TOKENS)
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for trial in range(args.trials):

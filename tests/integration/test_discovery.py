@@ -7,6 +7,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from compushare.errors import PeerMisbehaved
 from compushare.model.catalog import import_path
 from compushare.net.dht import connect_bootstrap, model_key, open_dht
 from compushare.net.host import full_addrs, open_host
@@ -69,7 +70,7 @@ async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unre
                               throughput=1e9)  # would win every tie
         value = forged.sign(other_key)  # signed by a key that is not the forger's peer id
         # The validator refuses to store it even locally ...
-        with pytest.raises(Exception):
+        with pytest.raises(PeerMisbehaved, match="signature"):
             await fdht.put_value(record_key(model_id, forger_id), value)
         # ... so the forger bypasses it, serves the record from its store and
         # advertises itself as a provider of the model.

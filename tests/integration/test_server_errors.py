@@ -7,7 +7,6 @@ import torch
 import trio
 
 from compushare.net.codec import LENGTH, encode_tensor
-from compushare.net.dht import open_dht
 from compushare.net.framing import FramedStream
 from compushare.net.host import open_host, parse_peer_addr
 from compushare.pipeline.protocol import INFER_PROTOCOL
