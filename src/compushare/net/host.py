@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Sequence
 
 import multiaddr
@@ -69,13 +70,36 @@ async def open_host(key_pair: KeyPair, listen: Sequence[str]) -> AsyncIterator[I
         yield host
 
 
+def local_ipv4_addresses() -> list[str]:
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family == socket.AF_INET and not addr.address.startswith("169.254."):
+                found.append(addr.address)
+    return sorted(set(found), key=lambda ip: (ip.startswith("127."), ip))
+
+
+def expand_unspecified(addr: str, ipv4s: list[str]) -> list[str]:
+    """A listener on 0.0.0.0 is reachable on each interface address, never at
+    0.0.0.0 itself: advertise those instead (pure, for records and logs)."""
+    prefix = "/ip4/0.0.0.0/"
+    if not addr.startswith(prefix):
+        return [addr]
+    return [f"/ip4/{ip}/{addr[len(prefix):]}" for ip in ipv4s]
+
+
 def full_addrs(host: IHost) -> list[str]:
-    """Listen addresses with the /p2p/<id> suffix, as other peers dial them."""
+    """Dialable addresses with the /p2p/<id> suffix, as other peers dial them."""
     peer = host.get_id().to_string()
-    out = []
+    out: list[str] = []
     for addr in host.get_addrs():
         text = str(addr)
-        out.append(text if "/p2p/" in text else f"{text}/p2p/{peer}")
+        if "/p2p/" in text:
+            text = text[: text.index("/p2p/")]
+        ipv4s = local_ipv4_addresses() if text.startswith("/ip4/0.0.0.0/") else []
+        out.extend(f"{a}/p2p/{peer}" for a in expand_unspecified(text, ipv4s))
     return out
 
 

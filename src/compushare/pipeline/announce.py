@@ -14,7 +14,7 @@ from libp2p.kad_dht.kad_dht import KadDHT
 
 from ..net.dht import block_key, model_key, provide_all, sync_routing_table
 from ..net.host import full_addrs
-from ..net.records import ServerRecord, record_key
+from ..net.records import MAX_ADDRS, ServerRecord, record_key
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
         start=start,
         end=end,
         dtype=dtype,
-        addrs=tuple(full_addrs(host)),
+        addrs=tuple(full_addrs(host))[:MAX_ADDRS],  # loopback sorts last: dropped first
         expires=time.time() + ttl_s,
         seq=time.time_ns(),
         throughput=throughput,
