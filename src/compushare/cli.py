@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -11,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import NodeConfig, ServerLimits, Span, load_toml, resolve_data_dir
+from .config import NodeConfig, Span, load_toml, resolve_data_dir
 from .errors import CompushareError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
@@ -48,14 +49,11 @@ def node(
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
-    base = NodeConfig.build(home)
-    limits = ServerLimits(**{
-        **base.limits.__dict__,
-        **({"kv_budget_tokens": kv_budget} if kv_budget else {}),
-        **({"session_idle_timeout_s": idle_timeout} if idle_timeout else {}),
-    })
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
-                              listen=listen, bootstrap=bootstrap, limits=limits, record_ttl_s=record_ttl)
+                              listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl)
+    overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
+    config = dataclasses.replace(config, limits=dataclasses.replace(
+        config.limits, **{k: v for k, v in overrides.items() if v is not None}))
     _run_or_exit(lambda: trio.run(Node(config).run))
 
 

@@ -80,6 +80,11 @@ def test_changing_one_weight_value_changes_the_id(tiny_model, tmp_path):
     assert model_id_of(before) != model_id_of(after)
 
 
+def to_bf16(tensors):
+    for name in tensors:
+        tensors[name] = tensors[name].to(torch.bfloat16)
+
+
 def test_renaming_a_tensor_changes_the_id(tiny_model, tmp_path):
     edited = copy_model(tiny_model, tmp_path / "edited")
     edit_weights(edited, lambda t: t.__setitem__("model.norm.weight2", t.pop("model.norm.weight")))
@@ -88,10 +93,6 @@ def test_renaming_a_tensor_changes_the_id(tiny_model, tmp_path):
 
 def test_changing_the_dtype_changes_the_id(tiny_model, tmp_path):
     edited = copy_model(tiny_model, tmp_path / "edited")
-
-    def to_bf16(tensors):
-        for name in tensors:
-            tensors[name] = tensors[name].to(torch.bfloat16)
 
     edit_weights(edited, to_bf16)
     assert id_of(edited) != id_of(tiny_model)
@@ -240,10 +241,6 @@ def test_import_dir_without_weights_raises_usage_error(tmp_path):
 
 def test_dtype_property(tiny_model, tmp_path):
     bf16 = copy_model(tiny_model, tmp_path / "bf16")
-
-    def to_bf16(tensors):
-        for name in tensors:
-            tensors[name] = tensors[name].to(torch.bfloat16)
 
     edit_weights(bf16, to_bf16)
     mixed = copy_model(tiny_model, tmp_path / "mixed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,8 +60,6 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None) -> StoredM
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     description = None
     cached = path / "description.json"
-    if cached.exists() and str(path).startswith(str(resolve_cache_dir())):
-        import json
-
+    if cached.exists() and path.resolve().is_relative_to(resolve_cache_dir()):
         description = json.loads(cached.read_text())  # written by our own conversion
     return store.import_dir(path, alias=alias, description=description)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -101,8 +102,6 @@ def fetch_smollm2(cache_dir: Path) -> Path:
 
 
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
-    import hashlib
-
     digest = hashlib.sha256(f"{Path(gguf_path).resolve()}:{Path(gguf_path).stat().st_size}".encode()).hexdigest()[:16]
     target = cache_dir / "converted" / f"gguf-{digest}"
     with file_lock(cache_dir / "locks" / f"gguf-{digest}.lock"):

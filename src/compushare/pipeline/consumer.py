@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -50,10 +51,11 @@ def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
     if isinstance(request.prompt, list):
         return list(request.prompt)
     if request.chat_template and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=True
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": request.prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=True,
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(encoded["input_ids"])
     return tokenizer.encode(request.prompt)
 
 
@@ -61,8 +63,6 @@ def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
     ids = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    import json
-
     gen = model_path / "generation_config.json"
     if gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -72,15 +72,13 @@ def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
 
 async def find_route(dht, model_id: str, num_blocks: int) -> list[Hop]:
     """Look up servers and plan a chain, retrying briefly while a swarm settles."""
-    for attempt in range(DISCOVERY_ATTEMPTS):
+    for _ in range(DISCOVERY_ATTEMPTS - 1):
         records = await discover_servers(dht, model_id, num_blocks)
         try:
             return plan_chain(records, num_blocks, now=time.time())
         except RouteError:
-            if attempt == DISCOVERY_ATTEMPTS - 1:
-                raise
             await trio.sleep(DISCOVERY_RETRY_S)
-    raise AssertionError("unreachable")
+    return plan_chain(await discover_servers(dht, model_id, num_blocks), num_blocks, now=time.time())
 
 
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,

@@ -19,7 +19,7 @@ from libp2p.network.stream.exceptions import StreamError
 from ..config import ServerLimits
 from ..errors import FrameError
 from ..model.blocks import SpanRunner
-from ..net.codec import TORCH_TO_WIRE, WIRE_DTYPES, decode_tensor, encode_tensor
+from ..net.codec import decode_tensor, encode_tensor
 from ..net.framing import FramedStream
 from . import protocol
 from .session import Rejected, SessionTable
@@ -140,12 +140,11 @@ class InferenceServer:
                 self.runner.truncate(session.cache, position)
             self.sessions.end_step(session, tokens, time.monotonic(), ok=ok)
         self.tokens_served += tokens
-        reply_dtype = WIRE_DTYPES[TORCH_TO_WIRE[hidden.dtype]][0]
         return {
             "type": "result",
             "session": session_id,
             "position": position,
-            "hidden": encode_tensor(output.to(reply_dtype)),
+            "hidden": encode_tensor(output.to(hidden.dtype)),  # reply in the request's dtype
             "compute_ms": compute_ms,
         }
 
