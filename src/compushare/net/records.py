@@ -1,6 +1,6 @@
 """Signed server records: what a provider tells the DHT it serves. Pure, no I/O.
 
-Wire: msgpack {"body": <msgpack map>, "sig": <64-byte Ed25519 signature of body>}.
+Wire: a sealed envelope (net/signed.py) signed by the peer the key names.
 The DHT key names the owner (`/csserver/<model_id>/<peer_id>`); an Ed25519 peer id
 embeds its public key, so anyone can check the signature without another lookup.
 """
@@ -11,11 +11,10 @@ import dataclasses
 import math
 import time
 
-import msgpack
 from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
+from .signed import open_sealed, seal
 
 RECORD_NAMESPACE = "csserver"
 RECORD_VERSION = 1
@@ -62,9 +61,7 @@ class ServerRecord:
         }
 
     def sign(self, key_pair: KeyPair) -> bytes:
-        body = msgpack.packb(self._body(), use_bin_type=True)
-        signature = key_pair.private_key.sign(body)
-        return msgpack.packb({"body": body, "sig": signature}, use_bin_type=True)
+        return seal(self._body(), key_pair)
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...]):
@@ -76,32 +73,11 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...]):
 
 def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expired: bool = False) -> ServerRecord:
     """Check signature, then schema, then freshness; return the record or raise."""
-    if len(value) > MAX_RECORD_BYTES:
-        raise PeerMisbehaved(f"server record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
     parts = key.split("/")
     if len(parts) != 4 or parts[0] != "" or parts[1] != RECORD_NAMESPACE:
         raise PeerMisbehaved(f"not a server record key: {key!r}")
     _, _, key_model, key_peer = parts
-    try:
-        envelope = msgpack.unpackb(value, raw=False, strict_map_key=True)
-        body_bytes, signature = envelope["body"], envelope["sig"]
-        if not isinstance(body_bytes, bytes) or not isinstance(signature, bytes):
-            raise TypeError("body and sig must be bytes")
-        owner_key = ID.from_base58(key_peer).extract_public_key()
-    except Exception as exc:
-        raise PeerMisbehaved(f"malformed server record: {exc}") from None
-    if owner_key is None:
-        raise PeerMisbehaved("record owner's peer id does not embed a public key")
-    try:
-        valid = owner_key.verify(body_bytes, signature)
-    except Exception:
-        valid = False
-    if not valid:
-        raise PeerMisbehaved("server record signature does not match the owner in its key")
-    try:
-        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise PeerMisbehaved(f"malformed server record body: {exc}") from None
+    body = open_sealed(value, key_peer, max_bytes=MAX_RECORD_BYTES, what="server record")
     if not isinstance(body, dict) or body.get("v") != RECORD_VERSION:
         raise PeerMisbehaved("server record of an unknown version")
     addrs = _field(body, "addrs", list)

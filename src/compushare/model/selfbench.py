@@ -1,0 +1,121 @@
+"""How fast this node decodes one block of a model: a short benchmark, cached on disk.
+
+The rate is per block (decode steps per second through one block), so a node can
+estimate its throughput for any span: rate / span length. Measuring takes about a
+second, so results are kept in `<cache dir>/selfbench.json`, keyed by everything
+that changes them: the model, torch's thread count and the hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..hardware import detect_hardware
+from .arch import load_config
+from .blocks import SpanRunner
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "selfbench.json"
+CACHE_VERSION = 1
+PREFILL_TOKENS = 16
+
+
+def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warmup: int = 2,
+                       threads: int | None = None) -> float:
+    """Decode steps per second for ONE block: load `blocks` consecutive blocks (0:blocks,
+    or fewer if the model is smaller), prefill a short random hidden state (16 tokens),
+    then time `steps` single-token decode steps after `warmup` untimed ones; return
+    steps_per_second * blocks (the per-block rate). Runs torch in the calling thread:
+    callers use trio.to_thread. `threads` sets torch's thread count for the run (it is
+    process-wide, so it is restored afterwards); None keeps the current one."""
+    if blocks < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
+    blocks = min(blocks, load_config(model_dir).num_hidden_layers)
+    runner = SpanRunner.load(model_dir, 0, blocks)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            # A private generator: the benchmark must not move the global RNG that sampling uses.
+            generator = torch.Generator().manual_seed(0)
+            prompt = torch.randn(1, PREFILL_TOKENS, runner.hidden_size, generator=generator)
+            token = torch.randn(1, 1, runner.hidden_size, generator=generator)
+            cache = runner.new_cache()
+            runner.forward(prompt, cache, 0)
+            position = PREFILL_TOKENS
+            for _ in range(warmup):
+                runner.forward(token, cache, position)
+                position += 1
+            began = time.perf_counter()
+            for _ in range(steps):
+                runner.forward(token, cache, position)
+                position += 1
+            elapsed = time.perf_counter() - began
+    finally:
+        torch.set_num_threads(previous_threads)
+    return steps / elapsed * blocks
+
+
+def cache_key(model_id: str, threads: int) -> str:
+    hardware = detect_hardware()
+    return f"{model_id}|threads={threads}|cpu={hardware.cpu_cores}|gpu={hardware.gpu}|torch={torch.__version__}"
+
+
+def _read_entries(path: Path) -> dict:
+    """The cached rates, or {} when the file is missing, unreadable or malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # ValueError covers bad JSON and bad UTF-8
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("rates"), dict):
+        return {}
+    return {key: rate for key, rate in data["rates"].items() if _valid_rate(rate)}
+
+
+def _valid_rate(value) -> bool:
+    return type(value) is float and math.isfinite(value) and value > 0
+
+
+def _write_entries(path: Path, rates: dict) -> None:
+    """Replace the file atomically: a reader sees the old or the new file, never half."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_FILE}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"version": CACHE_VERSION, "rates": rates}, handle, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cached_block_rate(model, cache_dir: Path, *, threads: int, measure=measure_block_rate) -> float:
+    """Look up `<cache_dir>/selfbench.json` keyed by model.model_id + torch thread count +
+    a hardware fingerprint (cpu_cores, gpu, torch version); measure and store on a miss.
+    A corrupt or unreadable cache file is ignored (re-measured), never fatal."""
+    path = Path(cache_dir) / CACHE_FILE
+    key = cache_key(model.model_id, threads)
+    rates = _read_entries(path)
+    if key in rates:
+        return rates[key]
+    rate = float(measure(model.path, threads=threads))
+    if not _valid_rate(rate):
+        raise ValueError(f"self-benchmark of {model.model_id} gave an invalid rate {rate!r}")
+    # Re-read just before writing so entries another node added meanwhile survive
+    # (a simultaneous writer can still win the race; its loss is one re-measurement).
+    rates = _read_entries(path) | {key: rate}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_entries(path, rates)
+    except OSError as exc:
+        log.warning("could not save the self-benchmark to %s: %s", path, exc)
+    return rate

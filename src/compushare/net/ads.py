@@ -1,0 +1,200 @@
+"""Capability ads: what a node tells the swarm over GossipSub. Pure, no I/O.
+
+An ad is a sealed envelope (net/signed.py) signed by the peer it describes: its
+addresses, hardware, software version and, per model span it serves, free KV
+tokens, load and measured speed. Nodes publish one every AD_PERIOD_S (and at once
+after a change); an ad expires AD_TTL_S after it was sent, so a peer that stops
+advertising drops out of every view within that bound.
+
+Checks, in order: size, envelope and signature (the signer must be the pubsub
+sender), version and schema, then freshness (not expired, not from the future,
+lifetime at most MAX_AD_TTL_S). The per-peer rate is the view's job (net/view.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from libp2p.crypto.keys import KeyPair
+
+from ..errors import PeerMisbehaved
+from ..hardware import Hardware
+from .records import ALLOWED_DTYPES, MAX_ADDRS, MAX_BLOCKS
+from .signed import open_sealed, seal, signer_of
+
+AD_TOPIC = "/compushare/ads/1"  # the version is part of the topic: v2 ads get a new one
+AD_VERSION = 1
+AD_PERIOD_S = 5.0
+AD_TTL_S = 3 * AD_PERIOD_S  # three missed periods and the peer is gone
+MAX_AD_TTL_S = 60.0
+MAX_CLOCK_SKEW_S = 30.0
+MAX_AD_BYTES = 4096
+MAX_SERVING = 8
+SERVING_STATES = ("loading", "serving")
+MAX_TOKENS = 1 << 31
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """One span a node serves (or is loading) and how much room it has left."""
+
+    model_id: str
+    start: int
+    end: int
+    dtype: str
+    free_tokens: int  # KV budget not yet promised to sessions
+    load: float  # share of the last seconds its compute was busy, 0..1
+    block_rate: float  # measured single-token steps per second through ONE block; 0 if unknown
+    state: str = "serving"
+
+    def covers(self, block: int) -> bool:
+        return self.start <= block < self.end
+
+    def step_s(self, blocks: int) -> float | None:
+        """Expected compute time of one decode step through `blocks` of its blocks."""
+        return blocks / self.block_rate if self.block_rate > 0 else None
+
+    def to_wire(self) -> dict:
+        return {"model": self.model_id, "start": self.start, "end": self.end, "dtype": self.dtype,
+                "free": self.free_tokens, "load": self.load, "rate": self.block_rate, "state": self.state}
+
+
+@dataclasses.dataclass(frozen=True)
+class CapabilityAd:
+    peer_id: str
+    addrs: tuple[str, ...]
+    hardware: Hardware
+    serving: tuple[Serving, ...]
+    version: str  # software version
+    seq: int  # strictly increasing per peer (ns since the epoch at signing)
+    sent: float  # unix seconds
+    expires: float  # unix seconds
+    raw: bytes = b""  # the signed bytes, so views can be relayed and re-checked
+
+    def is_live(self, now: float) -> bool:
+        return now < self.expires
+
+    def serving_of(self, model_id: str) -> list[Serving]:
+        return [s for s in self.serving if s.model_id == model_id]
+
+    def _body(self) -> dict:
+        return {
+            "v": AD_VERSION,
+            "peer": self.peer_id,
+            "addrs": list(self.addrs),
+            "hw": self.hardware.to_wire(),
+            "serves": [s.to_wire() for s in self.serving],
+            "sw": self.version,
+            "seq": self.seq,
+            "sent": self.sent,
+            "expires": self.expires,
+        }
+
+    def sign(self, key_pair: KeyPair) -> bytes:
+        return seal(self._body(), key_pair)
+
+
+def make_ad(key_pair: KeyPair, peer_id: str, addrs: list[str], hardware: Hardware,
+            serving: list[Serving], version: str, *, now: float | None = None,
+            ttl_s: float = AD_TTL_S) -> CapabilityAd:
+    """Build, sign and return an ad (its `raw` holds the signed bytes)."""
+    now = time.time() if now is None else now
+    ad = CapabilityAd(peer_id, tuple(addrs[:MAX_ADDRS]), hardware, tuple(serving), version,
+                      seq=time.time_ns(), sent=now, expires=now + ttl_s)
+    return dataclasses.replace(ad, raw=ad.sign(key_pair))
+
+
+def _get(body: dict, name: str, kind: type | tuple[type, ...]):
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PeerMisbehaved(f"ad field {name!r} missing or of the wrong type")
+    return value
+
+
+def _finite(value: float, name: str, low: float = 0.0, high: float = math.inf) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise PeerMisbehaved(f"ad field {name!r} out of range")
+    return value
+
+
+def _serving(obj: object) -> Serving:
+    if not isinstance(obj, dict) or set(obj) != {"model", "start", "end", "dtype", "free", "load", "rate", "state"}:
+        raise PeerMisbehaved("ad 'serves' entry must have exactly model, start, end, dtype, free, load, rate, state")
+    serving = Serving(
+        model_id=_get(obj, "model", str),
+        start=_get(obj, "start", int),
+        end=_get(obj, "end", int),
+        dtype=_get(obj, "dtype", str),
+        free_tokens=_get(obj, "free", int),
+        load=_finite(_get(obj, "load", (int, float)), "load", 0.0, 1.0),
+        block_rate=_finite(_get(obj, "rate", (int, float)), "rate", 0.0, 1e9),
+        state=_get(obj, "state", str),
+    )
+    if not (len(serving.model_id) == 64 and all(c in "0123456789abcdef" for c in serving.model_id)):
+        raise PeerMisbehaved("ad model id must be 64 lowercase hex digits")
+    if not (0 <= serving.start < serving.end <= MAX_BLOCKS):
+        raise PeerMisbehaved(f"ad span {serving.start}:{serving.end} is invalid")
+    if serving.dtype not in ALLOWED_DTYPES or serving.state not in SERVING_STATES:
+        raise PeerMisbehaved("ad dtype or state not allowed")
+    if not (0 <= serving.free_tokens < MAX_TOKENS):
+        raise PeerMisbehaved("ad free tokens out of range")
+    return serving
+
+
+def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> CapabilityAd:
+    """Check an ad (signature → schema → freshness) and return it, or raise PeerMisbehaved.
+
+    `sender` is the peer the message came from (the pubsub originator, already
+    checked against its own signature); None only when re-checking a relayed view,
+    where the signature against the ad's own peer id is the whole proof.
+    """
+    if not isinstance(value, bytes | bytearray):
+        raise PeerMisbehaved("an ad must be bytes")
+    value = bytes(value)
+    claimed = sender
+    if claimed is None:
+        claimed = signer_of(value)
+        if claimed is None:
+            raise PeerMisbehaved("malformed ad: no signer")
+    body = open_sealed(value, claimed, max_bytes=MAX_AD_BYTES, what="ad")
+    if body.get("v") != AD_VERSION:
+        raise PeerMisbehaved("ad of an unknown version")
+    if set(body) != {"v", "peer", "addrs", "hw", "serves", "sw", "seq", "sent", "expires"}:
+        raise PeerMisbehaved("ad fields are not exactly those of version 1")
+    addrs = _get(body, "addrs", list)
+    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+        raise PeerMisbehaved("ad addrs malformed")
+    serves = _get(body, "serves", list)
+    if len(serves) > MAX_SERVING:
+        raise PeerMisbehaved(f"ad lists more than {MAX_SERVING} spans")
+    try:
+        hardware = Hardware.from_wire(body.get("hw"))
+    except ValueError as exc:
+        raise PeerMisbehaved(f"ad hardware malformed: {exc}") from None
+    version = _get(body, "sw", str)
+    if len(version) > 32:
+        raise PeerMisbehaved("ad software version too long")
+    ad = CapabilityAd(
+        peer_id=_get(body, "peer", str),
+        addrs=tuple(addrs),
+        hardware=hardware,
+        serving=tuple(_serving(s) for s in serves),
+        version=version,
+        seq=_get(body, "seq", int),
+        sent=_finite(_get(body, "sent", (int, float)), "sent"),
+        expires=_finite(_get(body, "expires", (int, float)), "expires"),
+        raw=value,
+    )
+    if ad.peer_id != claimed:
+        raise PeerMisbehaved(f"ad names peer {ad.peer_id} but was signed by {claimed}")
+    now = time.time() if now is None else now
+    if ad.sent > now + MAX_CLOCK_SKEW_S:
+        raise PeerMisbehaved("ad sent in the future")
+    if not (ad.sent < ad.expires <= ad.sent + MAX_AD_TTL_S):
+        raise PeerMisbehaved(f"ad lifetime must be within (0, {MAX_AD_TTL_S:.0f}] s")
+    if not ad.is_live(now):
+        raise PeerMisbehaved("ad has expired")
+    return ad

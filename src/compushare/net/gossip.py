@@ -1,0 +1,247 @@
+"""GossipSub glue for capability ads, and the view protocol that hands them out.
+
+GossipSub v1.1 only (v1.2's IDONTWANT path stalls under load, DESIGN.md §4), with
+pubsub-level signing on. A topic validator runs net/ads.parse_ad and the view's
+rate/replay rules on every ad before it is forwarded, so an invalid ad neither
+enters this node's view nor travels further through it.
+
+`/compushare/view/1.0.0` lets a short-lived client (`compushare status`, a
+consumer choosing its route) ask any node for the ads it holds instead of waiting
+a whole period on the topic. The reply is the signed ads themselves: the client
+re-checks every signature and trusts the relaying node for nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from ..errors import FrameError, PeerMisbehaved
+from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
+from .framing import FramedStream
+from .host import parse_peer_addr
+from .view import SwarmView
+
+log = logging.getLogger(__name__)
+
+VIEW_PROTOCOL = "/compushare/view/1.0.0"
+MAX_VIEW_ADS = 1024
+MAX_VIEW_FRAME = MAX_VIEW_ADS * (MAX_AD_BYTES + 16) + 1024
+VIEW_TIMEOUT_S = 5.0
+HEARTBEAT_S = 1  # GossipSub's spec default; py-libp2p's own default is 120 s
+MESH_DEGREE = (6, 4, 12)  # D, D_low, D_high
+DIAL_TIMEOUT_S = 5.0
+
+
+class Gossip:
+    """Publishes this node's ad every period (and on demand) and keeps `view` fed.
+
+    `make_ad` is called for every publication; None makes a listen-only member
+    (a consumer or `status`).
+    """
+
+    def __init__(self, host: IHost, view: SwarmView, make_ad: Callable[[], CapabilityAd] | None = None,
+                 *, period_s: float = AD_PERIOD_S, on_ad: Callable[[CapabilityAd], None] | None = None) -> None:
+        self.host = host
+        self.view = view
+        self.make_ad = make_ad
+        self.period_s = period_s
+        self.on_ad = on_ad
+        self.pubsub: Pubsub | None = None
+        self._publish_now = trio.Event()
+        self._last_publish = -float("inf")
+        self.published = 0
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, _forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        """Topic validator: False drops the message here and stops its spread."""
+        now = time.time()
+        try:
+            ad = parse_ad(msg.data, sender=ID(msg.from_id).to_base58(), now=now)
+        except (PeerMisbehaved, ValueError) as exc:
+            self.view.rejected += 1
+            log.info("rejected an ad from %s: %s", _short(msg.from_id), exc)
+            return False
+        offer = self.view.offer(ad, now)
+        if not offer.accepted:
+            log.debug("ad from %s not taken: %s", ad.peer_id, offer.reason)
+            return False
+        if self.on_ad is not None:
+            self.on_ad(ad)
+        return True
+
+    # ------------------------------------------------------------------ tasks
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        degree, low, high = MESH_DEGREE
+        router = GossipSub(protocols=[PROTOCOL_ID_V11], degree=degree, degree_low=low, degree_high=high,
+                           heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1)
+        pubsub = Pubsub(self.host, router, strict_signing=True)
+        pubsub.set_topic_validator(AD_TOPIC, self._validate, is_async_validator=False)
+        self.host.set_stream_handler(VIEW_PROTOCOL, self._serve_view)
+        async with background_trio_service(pubsub), background_trio_service(router):
+            await pubsub.wait_until_ready()
+            # Pubsub learns of peers from connection events only: connections made
+            # before it started would never carry gossip. (Private in the pinned 0.8.1.)
+            for peer in list(self.host.get_network().connections):
+                pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer)
+            subscription = await pubsub.subscribe(AD_TOPIC)
+            self.pubsub = pubsub
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._drain, subscription)
+                nursery.start_soon(self._expire_loop)
+                nursery.start_soon(self._mesh_loop)
+                if self.make_ad is not None:
+                    nursery.start_soon(self._publish_loop)
+                task_status.started(self)
+                await trio.sleep_forever()
+
+    async def _drain(self, subscription) -> None:
+        # Validated ads are already in the view; the subscription must still be
+        # read or its channel fills up and pubsub stalls.
+        while True:
+            await subscription.get()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            for peer in self.view.expire(time.time()):
+                log.info("peer %s stopped advertising: dropped from the view", peer)
+
+    async def _mesh_loop(self) -> None:
+        """Keep at least D_low gossip neighbours: dial peers learned from ads."""
+        while True:
+            await trio.sleep(self.period_s / 2)
+            missing = MESH_DEGREE[1] - len(self.subscribed_peers())
+            if missing > 0:
+                await dial_ad_peers(self.host, self.view, missing)
+
+    def publish_soon(self) -> None:
+        """Publish a fresh ad now (rate permitting), e.g. after a change of span."""
+        self._publish_now.set()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            wait = self._last_publish + self.view.min_interval_s - trio.current_time()
+            if wait > 0:  # our own validator would refuse a faster ad
+                await trio.sleep(wait)
+            await self.publish_once()
+            # Jitter keeps a swarm started at once from publishing in lockstep.
+            with trio.move_on_after(self.period_s * random.uniform(0.9, 1.1)):
+                await self._publish_now.wait()
+            self._publish_now = trio.Event()
+
+    async def publish_once(self) -> None:
+        assert self.pubsub is not None and self.make_ad is not None
+        ad = self.make_ad()
+        self._last_publish = trio.current_time()
+        try:
+            await self.pubsub.publish(AD_TOPIC, ad.raw)
+            self.published += 1
+        except Exception as exc:  # pubsub raises assorted errors while peers come and go
+            log.warning("publishing our ad failed: %s", exc)
+
+    def subscribed_peers(self) -> set[ID]:
+        if self.pubsub is None:
+            return set()
+        return set(self.pubsub.peer_topics.get(AD_TOPIC, set()))
+
+    # ------------------------------------------------------------------ view protocol
+
+    async def _serve_view(self, stream: INetStream) -> None:
+        framed = FramedStream(stream, 4096)
+        try:
+            with trio.fail_after(VIEW_TIMEOUT_S):
+                request = await framed.receive()
+                if request is None or request.get("type") != "view":
+                    await framed.send({"type": "error", "code": "bad_request", "message": "expected a view request"})
+                else:
+                    ads = [ad.raw for ad in self.view.live(time.time())][:MAX_VIEW_ADS]
+                    await framed.send({"type": "view", "ads": ads})
+                await framed.close()
+        except (trio.TooSlowError, StreamError, FrameError) as exc:
+            log.debug("view request failed: %s", exc)
+            with contextlib.suppress(Exception):
+                await framed.reset()
+
+
+async def fetch_view(host: IHost, peer_id: ID, view: SwarmView) -> int:
+    """Ask `peer_id` for its ads and offer each to `view` after checking it; return
+    how many were taken."""
+    with trio.fail_after(VIEW_TIMEOUT_S):
+        stream = await host.new_stream(peer_id, [VIEW_PROTOCOL])
+        framed = FramedStream(stream, MAX_VIEW_FRAME)
+        try:
+            await framed.send({"type": "view"})
+            reply = await framed.receive()
+        finally:
+            with contextlib.suppress(Exception):
+                await framed.close()
+    if reply is None or reply.get("type") != "view" or not isinstance(reply.get("ads"), list):
+        raise PeerMisbehaved(f"{peer_id} answered a view request with {reply and reply.get('type')}")
+    taken = 0
+    now = time.time()
+    for raw in reply["ads"][:MAX_VIEW_ADS]:
+        try:
+            ad = parse_ad(raw, sender=None, now=now)
+        except PeerMisbehaved as exc:
+            log.info("%s relayed a bad ad: %s", peer_id, exc)
+            continue
+        taken += view.replace(ad, now)
+    return taken
+
+
+async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
+    """Connect to up to `want` peers known from ads we are not connected to, so the
+    gossip mesh has enough members beyond the bootstrap peers."""
+    connected = set(host.get_network().connections)
+    me = host.get_id().to_string()
+    candidates = [ad for ad in view.live(time.time())
+                  if ad.peer_id != me and ID.from_base58(ad.peer_id) not in connected and ad.addrs]
+    random.shuffle(candidates)
+    dialed = 0
+
+    async def dial(ad: CapabilityAd) -> None:
+        nonlocal dialed
+        for addr in ad.addrs:
+            with contextlib.suppress(Exception), trio.move_on_after(DIAL_TIMEOUT_S):
+                info = parse_peer_addr(addr if "/p2p/" in addr else f"{addr}/p2p/{ad.peer_id}")
+                await host.connect(info)
+                dialed += 1
+                return
+
+    async with trio.open_nursery() as nursery:
+        for ad in candidates[:want]:
+            nursery.start_soon(dial, ad)
+    return dialed
+
+
+@contextlib.asynccontextmanager
+async def open_gossip(host: IHost, view: SwarmView, make_ad=None, **kwargs) -> AsyncIterator[Gossip]:
+    gossip = Gossip(host, view, make_ad, **kwargs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(gossip.run)
+        try:
+            yield gossip
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def _short(peer_bytes: bytes) -> str:
+    try:
+        return ID(peer_bytes).to_base58()
+    except Exception:
+        return "?"

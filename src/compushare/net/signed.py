@@ -1,0 +1,63 @@
+"""Owner-signed envelopes, shared by DHT server records and gossip ads. Pure, no I/O.
+
+Wire: msgpack {"body": <msgpack map as bytes>, "sig": <Ed25519 signature of body>}.
+The signer is named by a peer id; an Ed25519 peer id embeds its public key, so
+anyone can check an envelope without another look-up. Order of checks: size,
+structure, signature, then the body is decoded (schema checks are the caller's).
+"""
+
+from __future__ import annotations
+
+import msgpack
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from ..errors import PeerMisbehaved
+
+
+def seal(body: dict, key_pair: KeyPair) -> bytes:
+    body_bytes = msgpack.packb(body, use_bin_type=True)
+    signature = key_pair.private_key.sign(body_bytes)
+    return msgpack.packb({"body": body_bytes, "sig": signature}, use_bin_type=True)
+
+
+def open_sealed(value: bytes, signer: str, *, max_bytes: int, what: str) -> dict:
+    """The body of `value` if `signer` signed it; raise PeerMisbehaved otherwise."""
+    if not isinstance(value, bytes | bytearray):
+        raise PeerMisbehaved(f"{what} must be bytes")
+    if len(value) > max_bytes:
+        raise PeerMisbehaved(f"{what} of {len(value)} bytes exceeds {max_bytes}")
+    try:
+        envelope = msgpack.unpackb(value, raw=False, strict_map_key=True)
+        body_bytes, signature = envelope["body"], envelope["sig"]
+        if not isinstance(body_bytes, bytes) or not isinstance(signature, bytes):
+            raise TypeError("body and sig must be bytes")
+        owner_key = ID.from_base58(signer).extract_public_key()
+    except Exception as exc:
+        raise PeerMisbehaved(f"malformed {what}: {exc}") from None
+    if owner_key is None:
+        raise PeerMisbehaved(f"{what}: the signer's peer id does not embed a public key")
+    try:
+        valid = owner_key.verify(body_bytes, signature)
+    except Exception:
+        valid = False
+    if not valid:
+        raise PeerMisbehaved(f"{what} signature does not match {signer}")
+    try:
+        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise PeerMisbehaved(f"malformed {what} body: {exc}") from None
+    if not isinstance(body, dict):
+        raise PeerMisbehaved(f"{what} body must be a map")
+    return body
+
+
+def signer_of(value: bytes) -> str | None:
+    """The "peer" field a sealed body claims, unverified (to pick the key to check)."""
+    try:
+        envelope = msgpack.unpackb(value, raw=False, strict_map_key=True)
+        body = msgpack.unpackb(envelope["body"], raw=False, strict_map_key=True)
+        peer = body["peer"]
+    except Exception:
+        return None
+    return peer if isinstance(peer, str) else None
