@@ -177,7 +177,7 @@ class SwarmClient:
                     open_dht(host, server=False) as dht:
                 self.host = host
                 await connect_bootstrap(host, dht, self.bootstrap)
-                self.route = await find_route(dht, self.model.model_id, self.model.num_blocks)
+                self.route = await find_route(host, dht, self.model.model_id, self.model.num_blocks)
                 self._token = trio.lowlevel.current_trio_token()
                 self._ready.set()
                 await trio.sleep_forever()

@@ -51,13 +51,13 @@ class Processes:
         self.root = root
         self.procs: list[subprocess.Popen] = []
 
-    def node(self, name: str, model_dir: Path, blocks: str, *, alias: str = "tiny",
+    def node(self, name: str, model_dir: Path, blocks: str | None, *, alias: str = "tiny",
              bootstrap: list[str] | tuple = (), extra: list[str] | None = None, wait: bool = True):
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
         import_path(model_dir, data_dir, alias=alias)
-        start, end = (int(x) for x in blocks.split(":"))
-        proc = start_node(node_command(alias, (start, end), data_dir, list(bootstrap), extra), data_dir)
+        span = tuple(int(x) for x in blocks.split(":")) if blocks else None  # None: automatic placement
+        proc = start_node(node_command(alias, span, data_dir, list(bootstrap), extra), data_dir)
         self.procs.append(proc)
         state = wait_ready(proc, data_dir, timeout=120) if wait else None
         return proc, state

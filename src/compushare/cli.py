@@ -33,16 +33,23 @@ def _setup_logging(level: str) -> None:
 @app.command()
 def node(
     model: str = typer.Option(None, help="Model name or id (default smollm2-135m)."),
-    blocks: str = typer.Option(None, help="Half-open span of blocks to serve, e.g. 10:20."),
+    blocks: str = typer.Option(None, help="Half-open span of blocks to serve, e.g. 10:20. "
+                                          "Without it the node chooses where the swarm is weakest, and moves."),
+    max_blocks: int = typer.Option(None, help="Automatic placement: serve at most this many blocks."),
+    memory_budget_mb: int = typer.Option(None, help="Automatic placement: memory for weights "
+                                                    "(default: half the RAM free at start)."),
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
     bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
     kv_budget: int = typer.Option(None, help="KV cache budget in tokens over all sessions."),
     idle_timeout: float = typer.Option(None, help="Seconds before an idle session is dropped."),
     record_ttl: float = typer.Option(None, help="Lifetime of the DHT server record (refreshed at 1/3)."),
+    ad_period: float = typer.Option(None, help="Seconds between capability ads on gossip."),
+    debug_slowdown: float = typer.Option(None, hidden=True,
+                                         help="Fault injection: make compute this many times slower."),
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Serve a span of a model's blocks to the swarm (runs in the foreground)."""
+    """Serve blocks of a model to the swarm (runs in the foreground)."""
     import trio
 
     from .node import Node
@@ -50,7 +57,8 @@ def node(
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
-                              listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl)
+                              listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
+                              memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
@@ -101,9 +109,11 @@ def run(
 
     def show_route(route) -> None:
         if verbose:
-            err.print(f"[bold]route[/bold] ({len(route)} hops):")
-            for hop in route:
-                err.print(f"  blocks {hop.start:>3}:{hop.end:<3} -> {hop.peer_id}")
+            from .pipeline.routing import describe_route
+
+            err.print(f"[bold]route[/bold] ({len(route)} hops, chosen for the least expected latency):")
+            for line in describe_route(route):
+                err.print(f"  {line}", highlight=False)
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template,

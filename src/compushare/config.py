@@ -97,6 +97,10 @@ class NodeConfig:
     blocks: Span | None = None
     torch_threads: int = 1
     record_ttl_s: float = 60.0  # a server record's lifetime, refreshed at a third of it
+    max_blocks: int | None = None  # automatic placement: at most this many blocks
+    memory_budget_mb: int | None = None  # automatic placement: weights must fit (default: half the free RAM)
+    ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
+    slowdown: float = 1.0  # fault injection: compute takes this many times as long
     limits: ServerLimits = ServerLimits()
 
     @classmethod
@@ -110,6 +114,8 @@ class NodeConfig:
             "model": node.get("model"),
             "blocks": Span.parse(node["blocks"]) if "blocks" in node else None,
             "torch_threads": int(node.get("torch_threads", 1)),
+            "max_blocks": node.get("max_blocks"),
+            "memory_budget_mb": node.get("memory_budget_mb"),
         }
         limit_fields = {f.name for f in dataclasses.fields(ServerLimits)}
         limits = ServerLimits(**{k: v for k, v in toml.get("limits", {}).items() if k in limit_fields})

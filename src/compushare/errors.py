@@ -6,7 +6,8 @@
     ├── SwarmUnreachable    no bootstrap peer answered
     ├── RouteError          the DHT holds no chain of servers covering every block
     ├── RemoteError         a server answered with an error reply (code + message)
-    │   └── ServerBusy      ... the "busy" reply: its KV budget is full
+    │   ├── ServerBusy      ... the "busy" reply: its KV budget is full
+    │   └── HopUnavailable  ... a server of the route could not open a session
     └── PeerMisbehaved      a peer sent something malformed (costs it trust)
         └── FrameError      a frame that fails decoding or validation
 
@@ -45,6 +46,14 @@ class RemoteError(CompushareError):
 
 class ServerBusy(RemoteError):
     """The server's KV budget cannot admit the session right now."""
+
+
+class HopUnavailable(RemoteError):
+    """Opening a session on one hop of a route failed; the consumer routes around it."""
+
+    def __init__(self, peer_id: str, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.peer_id = peer_id
 
 
 class PeerMisbehaved(CompushareError):

@@ -30,10 +30,13 @@ def split_blocks(num_blocks: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def node_command(model: str, span: tuple[int, int], data_dir: Path, bootstrap: list[str],
+def node_command(model: str, span: tuple[int, int] | None, data_dir: Path, bootstrap: list[str],
                  extra: list[str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "compushare", "node", "--model", model, "--blocks", f"{span[0]}:{span[1]}",
-           "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    """The command line of a node process; span None lets the node place itself."""
+    cmd = [sys.executable, "-m", "compushare", "node", "--model", model, "--data-dir", str(data_dir),
+           "--listen", "/ip4/127.0.0.1/tcp/0"]
+    if span is not None:
+        cmd += ["--blocks", f"{span[0]}:{span[1]}"]
     for addr in bootstrap:
         cmd += ["--bootstrap", addr]
     return cmd + (extra or [])

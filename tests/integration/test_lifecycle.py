@@ -70,7 +70,7 @@ async def test_provider_killed_mid_generation_is_a_clear_error(processes, tiny_m
     async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
             open_dht(host, server=False) as dht:
         await connect_bootstrap(host, dht, first["addrs"][:1])
-        route = await find_route(dht, first["model_id"], 4)
+        route = await find_route(host, dht, first["model_id"], 4)
         async with open_chain(host, route, first["model_id"], max_tokens=64, hidden_size=64) as chain:
             for _ in range(10):
                 await chain.step(torch.randn(1, 1, 64))

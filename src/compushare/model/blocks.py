@@ -7,6 +7,7 @@ entries 10..19 fill up. Runs synchronously: callers put it in a worker thread.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,9 @@ class SpanRunner:
             layer.load_state_dict(layer_state, strict=True, assign=True)
             layer.eval()
             self.layers[index] = layer
+        # Fault injection for tests and demos: >1 makes every forward take that many
+        # times as long (emulates slower hardware; seen by the self-benchmark too).
+        self.slowdown = 1.0
 
     @classmethod
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
@@ -72,11 +76,20 @@ class SpanRunner:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
                 start: int | None = None, end: int | None = None) -> torch.Tensor:
         """Run layers start..end-1 (default: the whole span) on `hidden` [1, n, H],
         whose first token sits at `position`; appends to `cache`."""
+        if self.slowdown <= 1.0:
+            return self._forward(hidden, cache, position, start, end)
+        began = time.perf_counter()
+        out = self._forward(hidden, cache, position, start, end)
+        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
+                 start: int | None, end: int | None) -> torch.Tensor:
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not (self.start <= start < end <= self.end):

@@ -30,7 +30,7 @@ PREFILL_TOKENS = 16
 
 
 def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warmup: int = 2,
-                       threads: int | None = None) -> float:
+                       threads: int | None = None, slowdown: float = 1.0) -> float:
     """Decode steps per second for ONE block: load `blocks` consecutive blocks (0:blocks,
     or fewer if the model is smaller), prefill a short random hidden state (16 tokens),
     then time `steps` single-token decode steps after `warmup` untimed ones; return
@@ -41,6 +41,7 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
         raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
     blocks = min(blocks, load_config(model_dir).num_hidden_layers)
     runner = SpanRunner.load(model_dir, 0, blocks)
+    runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

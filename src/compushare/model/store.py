@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -41,6 +42,17 @@ class StoredModel:
     @property
     def hidden_size(self) -> int:
         return int(self.description["config"]["hidden_size"])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one decoder block's weights (the largest, if they differ)."""
+        sizes: dict[str, int] = {}
+        for name, tensor in self.description["tensors"].items():
+            if name.startswith("model.layers."):
+                block = name.split(".")[2]
+                itemsize = {"F32": 4, "F16": 2, "BF16": 2}.get(tensor["dtype"], 4)
+                sizes[block] = sizes.get(block, 0) + itemsize * math.prod(tensor["shape"])
+        return max(sizes.values(), default=0)
 
     @property
     def dtype(self) -> str:

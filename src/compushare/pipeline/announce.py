@@ -1,5 +1,6 @@
 """Keeps a provider's DHT entries fresh: its signed server record (own expiry,
 increasing seq) and provider records for the model key and each block it holds.
+The DHT stays the source of truth for short-lived clients; gossip ads add live load.
 When the node stops, the loop stops and the record lapses within its TTL."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from ..net.dht import block_key, model_key, provide_all, sync_routing_table
 from ..net.host import full_addrs
 from ..net.records import MAX_ADDRS, ServerRecord, record_key
+from .provider import Provider
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +39,39 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
 PROVIDE_INTERVAL_S = 300.0
 
 
-async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, model_id: str, start: int, end: int,
-                        dtype: str, ttl_s: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Re-put the server record every TTL/3. Provider records (which py-libp2p keeps
-    24 h) are re-sent only when the routing table gained peers that have not had
-    them, or every PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and
-    running it every few seconds steals CPU from inference on small machines."""
-    keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(start, end)]
-    provided_to: set = set()
+async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: Provider, dtype: str,
+                        ttl_s: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Re-put the server record every TTL/3, and at once when the provider's span
+    changes. Provider records (which py-libp2p keeps 24 h) are re-sent when the span
+    changed, when the routing table gained peers that have not had them, or every
+    PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and running it every
+    few seconds steals CPU from inference on small machines."""
+    model_id = provider.model.model_id
+    provided: tuple = ((), frozenset())  # (keys, peers they went to)
     last_provide = -PROVIDE_INTERVAL_S
     started = False
     while True:
-        record = build_record(host, model_id, start, end, dtype, ttl_s)
+        span = provider.span
+        changed = provider.changed
+        if span is None or provider.state != "serving":  # the DHT learns only of loaded spans
+            await changed.wait()
+            continue
+        record = build_record(host, model_id, span.start, span.end, dtype, ttl_s,
+                              throughput=provider.span_throughput())
+        keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(span.start, span.end)]
         try:
             with trio.fail_after(ttl_s / 3):
                 await sync_routing_table(host, dht)
                 await dht.put_value(record_key(record.model_id, record.peer_id), record.sign(key_pair))
-                peers = set(dht.routing_table.get_peer_ids())
-                if peers - provided_to or trio.current_time() - last_provide > PROVIDE_INTERVAL_S:
+                peers = frozenset(dht.routing_table.get_peer_ids())
+                stale = trio.current_time() - last_provide > PROVIDE_INTERVAL_S
+                if tuple(keys) != provided[0] or peers - provided[1] or stale:
                     await provide_all(dht, keys)
-                    provided_to, last_provide = peers, trio.current_time()
+                    provided, last_provide = (tuple(keys), peers), trio.current_time()
         except trio.TooSlowError:
             log.warning("announcing took longer than %.0fs; retrying", ttl_s / 3)
         if not started:
             task_status.started(record)
             started = True
-        await trio.sleep(ttl_s / 3)
+        with trio.move_on_after(ttl_s / 3):
+            await changed.wait()

@@ -15,7 +15,7 @@ from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..errors import PeerMisbehaved, RemoteError, ServerBusy
+from ..errors import HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
 from ..net.codec import DEFAULT_MAX_FRAME, decode_tensor, encode_tensor
 from ..net.framing import FramedStream
 from . import protocol
@@ -111,12 +111,28 @@ async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens:
     opened: dict[int, RemoteHop] = {}
 
     async def open_one(index: int, hop: Hop) -> None:
-        opened[index] = await _open_hop(host, hop, model_id, session_id, max_tokens, hidden_size)
+        try:
+            opened[index] = await _open_hop(host, hop, model_id, session_id, max_tokens, hidden_size)
+        except RemoteError as exc:
+            raise HopUnavailable(hop.peer_id, exc.code, f"{hop.peer_id} (blocks {hop.start}:{hop.end}): "
+                                                        f"{exc.message}") from None
+        except Exception as exc:  # dial and stream failures come in many types
+            raise HopUnavailable(hop.peer_id, "unreachable", f"could not reach {hop.peer_id} (blocks "
+                                 f"{hop.start}:{hop.end}): {exc or type(exc).__name__}") from None
 
     try:
-        async with trio.open_nursery() as nursery:
-            for index, hop in enumerate(hops):
-                nursery.start_soon(open_one, index, hop)
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, hop in enumerate(hops):
+                    nursery.start_soon(open_one, index, hop)
+        except BaseExceptionGroup as group:  # report one failed hop, not a group
+            failed = group.subgroup(HopUnavailable)
+            if failed is None:
+                raise
+            first = failed
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
         yield InferenceChain([opened[i] for i in range(len(hops))], session_id)
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(2):

@@ -11,23 +11,26 @@ from pathlib import Path
 
 import trio
 
-from ..errors import RouteError
+from ..errors import HopUnavailable, RouteError
 from ..model.catalog import resolve_model
 from ..model.head import ConsumerHead
 from ..net.dht import connect_bootstrap, open_dht
 from ..net.host import open_host
 from ..net.identity import load_or_create_identity
+from ..net.view import SwarmView
 from .client import open_chain
 from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
 from .generate import generate
-from .routing import Hop, plan_chain
+from .measure import measure_servers
+from .routing import Hop, plan_route
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_ATTEMPTS = 4
 DISCOVERY_RETRY_S = 1.5
+OPEN_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +73,22 @@ def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
-async def find_route(dht, model_id: str, num_blocks: int) -> list[Hop]:
-    """Look up servers and plan a chain, retrying briefly while a swarm settles."""
-    for _ in range(DISCOVERY_ATTEMPTS - 1):
+async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
+                     exclude: frozenset[str] = frozenset(), view: SwarmView | None = None) -> list[Hop]:
+    """Look up servers, measure them (pings, ads) and plan the fastest chain,
+    retrying briefly while a swarm settles."""
+    view = SwarmView() if view is None else view
+    for attempt in range(DISCOVERY_ATTEMPTS):
         records = await discover_servers(dht, model_id, num_blocks)
+        measures, unreachable = await measure_servers(host, records, view)
         try:
-            return plan_chain(records, num_blocks, now=time.time())
+            return plan_route(records, num_blocks, now=time.time(), measures=measures,
+                              needed_tokens=needed_tokens, exclude=exclude | unreachable)
         except RouteError:
+            if attempt == DISCOVERY_ATTEMPTS - 1:
+                raise
             await trio.sleep(DISCOVERY_RETRY_S)
-    return plan_chain(await discover_servers(dht, model_id, num_blocks), num_blocks, now=time.time())
+    raise AssertionError("unreachable")
 
 
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
@@ -104,8 +114,6 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
             nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
             await connect_bootstrap(host, dht, bootstrap)
         model = loaded["model"]
-        route = await find_route(dht, model.model_id, model.num_blocks)
-        on_route(route)
         tokenizer, head = loaded["tokenizer"], loaded["head"]
         prompt_ids = _prompt_ids(tokenizer, request)
         eos = eos_ids_of(tokenizer, model.path)
@@ -122,9 +130,22 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
                     on_text(text)
 
         max_tokens = len(prompt_ids) + request.params.max_new_tokens
-        async with open_chain(host, route, model.model_id, max_tokens=max_tokens,
-                              hidden_size=model.hidden_size) as chain:
-            await generate(chain, head, prompt_ids, request.params, eos_ids=eos, on_token=on_token)
+        failed: set[str] = set()
+        view = SwarmView()
+        for attempt in range(OPEN_ATTEMPTS):
+            route = await find_route(host, dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
+                                     exclude=frozenset(failed), view=view)
+            on_route(route)
+            try:
+                async with open_chain(host, route, model.model_id, max_tokens=max_tokens,
+                                      hidden_size=model.hidden_size) as chain:
+                    await generate(chain, head, prompt_ids, request.params, eos_ids=eos, on_token=on_token)
+                break
+            except HopUnavailable as exc:  # busy, gone or refusing: route around it
+                if attempt == OPEN_ATTEMPTS - 1:
+                    raise
+                log.warning("%s; choosing another route", exc)
+                failed.add(exc.peer_id)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     return RunOutcome(
         tokens=produced,

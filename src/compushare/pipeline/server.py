@@ -9,6 +9,7 @@ except after an oversized frame, whose remaining bytes cannot be skipped safely.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -29,21 +30,51 @@ log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 10.0
 EXPIRY_PERIOD_S = 1.0
 OVERSIZE_GRACE_S = 0.5
+LOAD_WINDOW_S = 10.0
+RATE_EWMA = 0.2
 
 
 class InferenceServer:
-    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits) -> None:
+    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, block_rate: float = 0.0) -> None:
         self.runner = runner
         self.model_id = model_id
         self.limits = limits
-        self.sessions = SessionTable(
+        self.sessions = self._new_table()
+        self.compute_limiter = trio.CapacityLimiter(limits.compute_threads)
+        self.tokens_served = 0
+        self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
+
+    def _new_table(self) -> SessionTable:
+        limits = self.limits
+        return SessionTable(
             budget_tokens=limits.kv_budget_tokens,
             max_session_tokens=limits.max_session_tokens,
             max_step_tokens=limits.max_step_tokens,
             idle_timeout_s=limits.session_idle_timeout_s,
         )
-        self.compute_limiter = trio.CapacityLimiter(limits.compute_threads)
-        self.tokens_served = 0
+
+    def replace_runner(self, runner: SpanRunner) -> int:
+        """Serve another span. Open sessions cannot follow (their caches belong to the
+        old span): they are dropped, and their next step gets "unknown session"."""
+        dropped = len(self.sessions)
+        self.runner = runner
+        self.sessions = self._new_table()
+        return dropped
+
+    def load(self, now: float | None = None) -> float:
+        """Share of the last LOAD_WINDOW_S this server spent computing, 0..1."""
+        now = time.monotonic() if now is None else now
+        while self._busy and self._busy[0][0] < now - LOAD_WINDOW_S:
+            self._busy.popleft()
+        busy = sum(min(seconds, end - (now - LOAD_WINDOW_S)) for end, seconds in self._busy)
+        return min(1.0, max(0.0, busy / LOAD_WINDOW_S))
+
+    def _observe(self, tokens: int, blocks: int, seconds: float) -> None:
+        self._busy.append((time.monotonic(), seconds))
+        if tokens == 1 and seconds > 0:  # decode steps are what the rate predicts
+            sample = blocks / seconds
+            self.block_rate = sample if self.block_rate <= 0 else (1 - RATE_EWMA) * self.block_rate + RATE_EWMA * sample
 
     async def expire_loop(self) -> None:
         while True:
@@ -120,25 +151,28 @@ class InferenceServer:
 
     async def _step(self, session_id: bytes, message: dict) -> dict:
         position = _int(message, "position")
-        self.sessions.get(session_id)  # unknown session before decoding the tensor
+        # A move to another span swaps both mid-step: this step finishes on the old ones.
+        sessions, runner = self.sessions, self.runner
+        sessions.get(session_id)  # unknown session before decoding the tensor
         hidden = decode_tensor(
-            message.get("hidden"), hidden_size=self.runner.hidden_size, max_tokens=self.limits.max_step_tokens
+            message.get("hidden"), hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens
         )
         tokens = hidden.shape[1]
-        session = self.sessions.begin_step(session_id, position, tokens, time.monotonic())
+        session = sessions.begin_step(session_id, position, tokens, time.monotonic())
         ok = False
         try:
             began = time.perf_counter()
             output = await trio.to_thread.run_sync(
-                self.runner.forward, hidden, session.cache, position, session.start, session.end,
+                runner.forward, hidden, session.cache, position, session.start, session.end,
                 limiter=self.compute_limiter,
             )
             compute_ms = (time.perf_counter() - began) * 1000
             ok = True
+            self._observe(tokens, session.end - session.start, compute_ms / 1000)
         finally:
             if not ok:  # a failed forward may have half-appended: roll the cache back
-                self.runner.truncate(session.cache, position)
-            self.sessions.end_step(session, tokens, time.monotonic(), ok=ok)
+                runner.truncate(session.cache, position)
+            sessions.end_step(session, tokens, time.monotonic(), ok=ok)
         self.tokens_served += tokens
         return {
             "type": "result",

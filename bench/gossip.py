@@ -1,0 +1,618 @@
+"""Gossip delivery: how fast a capability ad reaches every other node of a 30-node swarm.
+
+    .venv/bin/python bench/gossip.py [--nodes 30] [--period 5] [--window-periods 4]
+
+Every node is a separate OS process (this file run with --member): its own temp
+data dir and Ed25519 identity, one libp2p host on 127.0.0.1:0 built by
+net/host.open_host, and the project's real gossip code, net/gossip.open_gossip
+(GossipSub v1.1, the ad topic validator, the view's rate/replay rules, the
+dial-from-ads mesh keeper), publishing a realistic signed ad (net/ads.make_ad: this
+machine's hardware, detected once by the parent, and one Serving entry for a fake
+model span) every `--period` seconds, the production AD_PERIOD_S by default. The
+parent runs no libp2p host: it only starts, watches and stops the members.
+
+Start-up: the first `--bootstraps` members start one after another (each dials the
+ones before it); every later member dials `--joins` of them (rotating pairs) once
+its gossip is running, then finds the rest of the swarm through ads like a real
+node. Members are launched with at most `--concurrency` of them still starting,
+so 30 interpreters importing libp2p (~4 s of CPU each) do not starve the running
+ones. Each member writes a ready file, then a status file every second.
+
+Measurement: every member appends, flushed line by line, one JSON record per ad it
+signs ("pub": seq, sent) and per ad accepted into its view ("recv": publisher,
+seq, sent, arrival = time.time() inside the on_ad callback, i.e. after signature
+and view checks). All processes share one machine clock. After the last member is
+ready the swarm gets `--warmup` seconds to form its mesh; then a window of
+`--window-periods` publish periods opens. Every ad whose `sent` lies in the window
+is expected at each of the other N-1 members:
+    latency = arrival - sent, over the (ad, receiver) pairs that arrived;
+    delivered_fraction = arrived pairs / (ads in window x (N-1)).
+Arrivals are collected until `--drain` seconds after the window closes: a later one
+counts as lost. p50/p95 are nearest-rank percentiles of the latencies. Ads a
+receiver never logged but for which it did log a newer ad of the same publisher
+are reported separately ("superseded"); they still count as lost.
+
+Also reported: the GossipSub mesh size, the number of subscribed peers
+(Gossip.subscribed_peers) and connections per member at the end, the members'
+GossipSub heartbeat interval and network-health score (py-libp2p adapts the
+former to the latter), and the members' CPU use during the window.
+
+Human-readable lines first; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    try:
+        import compushare  # noqa: F401  (installed editable in the venv)
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+
+TARGET_DELIVERED = 0.95
+TARGET_P95_S = 2.0
+FAKE_MODEL_ID = "5e" * 32  # 64 hex digits; what is served does not matter for delivery
+READY_FILE = "ready.json"
+STATUS_FILE = "status.json"
+EVENTS_FILE = "events.jsonl"
+STOP_TIMEOUT_S = 8.0
+
+
+def log(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# =========================================================================== member
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM this member when the bench process dies, even
+    by SIGKILL (the member also polls its parent pid, for other systems)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def member_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gossip.py --member")
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--bootstrap", action="append", default=[])
+    parser.add_argument("--period", type=float, required=True)
+    parser.add_argument("--hardware", required=True, help="Hardware.to_wire() as JSON")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--max-lifetime", type=float, default=1200.0)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent_pid:
+        return 1  # the bench died while we were starting
+
+    import trio
+
+    try:
+        trio.run(_member, args)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _member(args) -> None:
+    import trio
+
+    from compushare import __version__
+    from compushare.hardware import Hardware
+    from compushare.net.ads import AD_TOPIC, Serving, make_ad
+    from compushare.net.gossip import open_gossip
+    from compushare.net.host import full_addrs, open_host, parse_peer_addr
+    from compushare.net.identity import load_or_create_identity
+    from compushare.net.view import SwarmView
+
+    data_dir = Path(args.dir)
+    hardware = Hardware.from_wire(json.loads(args.hardware))
+    key_pair = load_or_create_identity(data_dir)
+    events = open(data_dir / EVENTS_FILE, "w", buffering=1)  # noqa: SIM115  (line-buffered: one write per record)
+    serving = [Serving(FAKE_MODEL_ID, 0, 10, "float32", free_tokens=4096, load=0.1, block_rate=40.0)]
+
+    def record(obj: dict) -> None:
+        events.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host:
+        me = host.get_id().to_string()
+        addrs = full_addrs(host)
+
+        def new_ad():
+            ad = make_ad(key_pair, me, addrs, hardware, serving, __version__)
+            record({"e": "pub", "q": ad.seq, "s": ad.sent})
+            return ad
+
+        def on_ad(ad) -> None:
+            arrival = time.time()
+            if ad.peer_id != me:  # our own publication passes our validator too
+                record({"e": "recv", "p": ad.peer_id, "q": ad.seq, "s": ad.sent, "a": arrival})
+
+        class CountingView(SwarmView):
+            """The project's view, unchanged, counting why it turns ads away (for the report)."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.reasons: collections.Counter = collections.Counter()
+
+            def offer(self, ad, now):
+                offer = super().offer(ad, now)
+                if not offer.accepted:
+                    self.reasons[offer.reason.split(" ")[0]] += 1
+                return offer
+
+        view = CountingView()
+        async with open_gossip(host, view, new_ad, period_s=args.period, on_ad=on_ad) as gossip, \
+                trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def watchdog() -> None:
+                deadline = trio.current_time() + args.max_lifetime
+                while os.getppid() == args.parent_pid and trio.current_time() < deadline:
+                    await trio.sleep(1.0)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_signal)
+            nursery.start_soon(watchdog)
+
+            # Bootstrap after gossip has started: pubsub learns peers from connection events.
+            connected = []
+            for text in args.bootstrap:
+                info = parse_peer_addr(text)
+                for attempt in range(5):
+                    try:
+                        with trio.fail_after(10):
+                            await host.connect(info)
+                        connected.append(info.peer_id.to_string())
+                        break
+                    except Exception as exc:  # noqa: BLE001  (retried, then reported in the ready file)
+                        record({"e": "dial_error", "to": text, "error": repr(exc)[:200]})
+                        await trio.sleep(0.5 * (attempt + 1))
+            _write_json_atomic(data_dir / READY_FILE, {"peer": me, "addrs": addrs, "pid": os.getpid(),
+                                                       "bootstrapped": connected, "t": time.time()})
+
+            router = gossip.pubsub.router
+            statuses = open(data_dir / "statuses.jsonl", "w", buffering=1)  # noqa: SIM115
+            while True:
+                status = {
+                    "t": time.time(),
+                    "view_live": len(view.live(time.time())),
+                    "subscribed": len(gossip.subscribed_peers()),
+                    "mesh": len(getattr(router, "mesh", {}).get(AD_TOPIC, ())),
+                    "connections": len(host.get_network().connections),
+                    "heartbeat_s": getattr(router, "heartbeat_interval", None),
+                    "health": getattr(router, "network_health_score", None),
+                    "published": gossip.published,
+                    "rejected": view.rejected,
+                    "reject_reasons": dict(view.reasons),
+                }
+                _write_json_atomic(data_dir / STATUS_FILE, status)
+                statuses.write(json.dumps(status) + "\n")
+                await trio.sleep(1.0)
+    events.close()
+
+
+# =========================================================================== bench
+
+
+class Cleanup:
+    """Stops every member process we started (SIGTERM, then SIGKILL, by pid) and
+    removes the temp dir. Runs from `finally`, atexit and on SIGTERM/SIGHUP; idempotent."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="compushare-gossip-bench-"))
+        self._done = False
+        self.keep = False
+        atexit.register(self.run)
+
+    def stop_members(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=5)
+
+    def run(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(Exception):
+            self.stop_members()
+        if not self.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+class Member:
+    def __init__(self, index: int, data_dir: Path, proc: subprocess.Popen, launched: float) -> None:
+        self.index, self.dir, self.proc, self.launched = index, data_dir, proc, launched
+        self.ready: dict | None = None
+
+    def poll_ready(self) -> bool:
+        if self.ready is None and (self.dir / READY_FILE).exists():
+            self.ready = json.loads((self.dir / READY_FILE).read_text())
+        if self.ready is None and self.proc.poll() is not None:
+            err = (self.dir / "stderr.txt").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"member {self.index} exited with {self.proc.returncode} before ready:\n{err}")
+        return self.ready is not None
+
+    def status(self) -> dict | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.dir / STATUS_FILE).read_text())
+        return None
+
+    def cpu_s(self) -> float | None:
+        """utime + stime of the member, from /proc (Linux)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def launch(cleanup: Cleanup, index: int, bootstrap: list[str], args, hardware_json: str) -> Member:
+    data_dir = cleanup.tmp / f"member-{index:02d}"
+    data_dir.mkdir()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--member", "--dir", str(data_dir),
+           "--index", str(index), "--period", str(args.period), "--hardware", hardware_json,
+           "--parent-pid", str(os.getpid()), "--max-lifetime", str(args.max_wall + 60)]
+    for addr in bootstrap:
+        cmd += ["--bootstrap", addr]
+    env = dict(os.environ)
+    env.setdefault("COMPUSHARE_LIBP2P_LOG", "CRITICAL")
+    with open(data_dir / "stderr.txt", "wb") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                cwd=str(REPO), env=env)
+    cleanup.procs.append(proc)
+    return Member(index, data_dir, proc, time.time())
+
+
+def wait_ready(members: list[Member], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(m.poll_ready() for m in members):
+        if time.monotonic() > deadline:
+            late = [m.index for m in members if m.ready is None]
+            raise RuntimeError(f"members {late} not ready after {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def start_swarm(cleanup: Cleanup, args, hardware_json: str) -> list[Member]:
+    members: list[Member] = []
+    boot_addrs: list[str] = []
+    for index in range(min(args.bootstraps, args.nodes)):  # one after another, each dials the earlier ones
+        member = launch(cleanup, index, boot_addrs[:], args, hardware_json)
+        wait_ready([member], args.start_timeout)
+        members.append(member)
+        boot_addrs.append(member.ready["addrs"][0])
+        log(f"  bootstrap member {index} ready after {member.ready['t'] - member.launched:.1f}s "
+            f"({member.ready['peer'][-8:]}, pid {member.proc.pid})")
+    starting: list[Member] = []
+    for index in range(len(members), args.nodes):
+        while len(starting) >= args.concurrency:
+            starting = [m for m in starting if not m.poll_ready()]
+            time.sleep(0.05)
+        joins = [boot_addrs[(index + k) % len(boot_addrs)] for k in range(min(args.joins, len(boot_addrs)))]
+        member = launch(cleanup, index, joins, args, hardware_json)
+        members.append(member)
+        starting.append(member)
+    wait_ready(members, args.start_timeout)
+    return members
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def read_events(member: Member) -> tuple[list[dict], list[dict], list[dict]]:
+    pubs, recvs, errors = [], [], []
+    with open(member.dir / EVENTS_FILE) as handle:
+        for line in handle:
+            if not line.endswith("\n"):
+                break  # a record cut short by the stop
+            event = json.loads(line)
+            {"pub": pubs, "recv": recvs}.get(event["e"], errors).append(event)
+    return pubs, recvs, errors
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of an ascending list."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def analyse(members: list[Member], window: tuple[float, float]) -> dict:
+    w0, w1 = window
+    peer_of = {m.index: m.ready["peer"] for m in members}
+    arrivals: dict[str, dict[tuple[str, int], float]] = {}  # receiver -> (publisher, seq) -> arrival
+    newest_seq: dict[str, dict[str, list[int]]] = {}  # receiver -> publisher -> seqs received
+    published: list[tuple[str, int, float]] = []
+    dial_errors = 0
+    for m in members:
+        pubs, recvs, errors = read_events(m)
+        dial_errors += sum(1 for e in errors if e.get("e") == "dial_error")
+        me = peer_of[m.index]
+        published += [(me, p["q"], p["s"]) for p in pubs]
+        arrivals[me] = {(r["p"], r["q"]): r["a"] for r in recvs}
+        seqs = collections.defaultdict(list)
+        for r in recvs:
+            seqs[r["p"]].append(r["q"])
+        newest_seq[me] = seqs
+    in_window = [(peer, seq, sent) for peer, seq, sent in published if w0 <= sent < w1]
+    receivers = list(arrivals)
+    latencies: list[float] = []
+    lost = superseded = 0
+    per_ad_reach: list[int] = []
+    per_receiver_lost = collections.Counter()
+    for peer, seq, sent in in_window:
+        reached = 0
+        for receiver in receivers:
+            if receiver == peer:
+                continue
+            arrival = arrivals[receiver].get((peer, seq))
+            if arrival is None:
+                lost += 1
+                per_receiver_lost[receiver] += 1
+                if any(q > seq for q in newest_seq[receiver].get(peer, ())):
+                    superseded += 1
+            else:
+                reached += 1
+                latencies.append(arrival - sent)
+        per_ad_reach.append(reached)
+    latencies.sort()
+    expected = len(in_window) * (len(receivers) - 1)
+    return {
+        "ads_in_window": len(in_window),
+        "expected_pairs": expected,
+        "delivered_pairs": len(latencies),
+        "lost_pairs": lost,
+        "superseded_pairs": superseded,
+        "delivered_fraction": len(latencies) / expected if expected else 0.0,
+        "p50_s": percentile(latencies, 50),
+        "p90_s": percentile(latencies, 90),
+        "p95_s": percentile(latencies, 95),
+        "p99_s": percentile(latencies, 99),
+        "max_s": latencies[-1] if latencies else None,
+        "mean_s": statistics.fmean(latencies) if latencies else None,
+        "ads_reaching_all": sum(1 for r in per_ad_reach if r == len(receivers) - 1),
+        "min_reach": min(per_ad_reach) if per_ad_reach else None,
+        "worst_receivers_lost": per_receiver_lost.most_common(3),
+        "dial_errors": dial_errors,
+        "published_total": len(published),
+    }
+
+
+def spread(values: list) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    from importlib.metadata import version
+
+    return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(), "libp2p": version("libp2p"), "trio": version("trio"),
+            "platform": platform.platform()}
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=30)
+    parser.add_argument("--period", type=float, default=None, help="ad period in seconds (default: AD_PERIOD_S)")
+    parser.add_argument("--window-periods", type=float, default=4.0)
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds after the last member is ready")
+    parser.add_argument("--drain", type=float, default=10.0, help="seconds arrivals may take after the window")
+    parser.add_argument("--bootstraps", type=int, default=3)
+    parser.add_argument("--joins", type=int, default=2, help="bootstrap members each later member dials")
+    parser.add_argument("--concurrency", type=int, default=3, help="members starting at once")
+    parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--max-wall", type=float, default=900.0)
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (member logs) for inspection")
+    args = parser.parse_args()
+
+    wall_began = time.time()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    cleanup = Cleanup()
+    cleanup.keep = args.keep
+    try:
+        from compushare.hardware import detect_hardware
+        from compushare.net.ads import AD_PERIOD_S
+
+        if args.period is None:
+            args.period = AD_PERIOD_S
+        hardware = detect_hardware()
+        hardware_json = json.dumps(hardware.to_wire())
+        cpus = os.cpu_count()
+        log(f"gossip delivery bench: {args.nodes} nodes, one libp2p host per OS process "
+            f"({args.nodes} member processes; this process only coordinates), 127.0.0.1 only")
+        log(f"ad period {args.period:g}s (AD_PERIOD_S = {AD_PERIOD_S:g}), window {args.window_periods:g} periods, "
+            f"warm-up {args.warmup:g}s, drain {args.drain:g}s; {args.bootstraps} bootstrap members, each later "
+            f"member dials {args.joins} of them; machine: {cpus} CPUs; temp {cleanup.tmp}")
+
+        began = time.time()
+        members = start_swarm(cleanup, args, hardware_json)
+        all_ready = max(m.ready["t"] for m in members)
+        startup_s = all_ready - began
+        log(f"all {len(members)} members ready after {startup_s:.1f}s "
+            f"(per member, launch to ready: median {statistics.median(m.ready['t'] - m.launched for m in members):.1f}s)")
+
+        # Warm-up: let the mesh form; report when every view holds every peer.
+        converged_s = None
+        warm_end = all_ready + args.warmup
+        while time.time() < warm_end:
+            if converged_s is None:
+                statuses = [m.status() for m in members]
+                if all(s and s["view_live"] == args.nodes for s in statuses):
+                    converged_s = time.time() - all_ready
+                    log(f"every view holds all {args.nodes} live ads {converged_s:.1f}s after the last member was ready")
+            time.sleep(0.25)
+        if converged_s is None:
+            views = [s["view_live"] if s else None for s in (m.status() for m in members)]
+            log(f"after the warm-up not every view is complete: live ads per view {spread(views)}")
+
+        for m in members:
+            if m.proc.poll() is not None:
+                raise RuntimeError(f"member {m.index} died during the warm-up (exit {m.proc.returncode})")
+        w0 = time.time()
+        cpu0 = [m.cpu_s() for m in members]
+        w1 = w0 + args.window_periods * args.period
+        log(f"measurement window open for {w1 - w0:.1f}s")
+        time.sleep(max(0.0, w1 - time.time()))
+        cpu1 = [m.cpu_s() for m in members]
+        load1 = os.getloadavg()[0]
+        time.sleep(args.drain)
+        statuses = [m.status() or {} for m in members]
+        alive = sum(1 for m in members if m.proc.poll() is None)
+        cleanup.stop_members()
+        member_cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
+        cpu_util = member_cpu / (w1 - w0) / (cpus or 1)
+
+        result = analyse(members, (w0, w1))
+        mesh = spread([s.get("mesh") for s in statuses])
+        subscribed = spread([s.get("subscribed") for s in statuses])
+        connections = spread([s.get("connections") for s in statuses])
+        views = spread([s.get("view_live") for s in statuses])
+        heartbeats = collections.Counter(s.get("heartbeat_s") for s in statuses)
+        health = spread([round(s["health"], 3) for s in statuses if s.get("health") is not None])
+        rejected = sum(s.get("rejected", 0) for s in statuses)
+
+        log()
+        log(f"ads signed in the window: {result['ads_in_window']} "
+            f"(x {args.nodes - 1} receivers = {result['expected_pairs']} expected arrivals)")
+        log(f"delivered {result['delivered_pairs']} / {result['expected_pairs']} = "
+            f"{result['delivered_fraction']:.4f} (target >= {TARGET_DELIVERED}); lost {result['lost_pairs']}, "
+            f"of which superseded by a newer ad of the same peer {result['superseded_pairs']}")
+        log(f"latency publish->arrival: p50 {_fmt(result['p50_s'])}s  p90 {_fmt(result['p90_s'])}s  "
+            f"p95 {_fmt(result['p95_s'])}s (target <= {TARGET_P95_S})  p99 {_fmt(result['p99_s'])}s  "
+            f"max {_fmt(result['max_s'])}s")
+        log(f"ads that reached all {args.nodes - 1} others: {result['ads_reaching_all']} / {result['ads_in_window']}; "
+            f"fewest receivers of one ad: {result['min_reach']}")
+        log(f"at the end: GossipSub mesh size {mesh}, subscribed peers {subscribed}, connections {connections}, "
+            f"live ads per view {views}; {alive}/{len(members)} members alive")
+        log(f"GossipSub heartbeat interval per member (s): {dict(heartbeats)}; network health {health}; "
+            f"ads rejected by views: {rejected}; dial errors: {result['dial_errors']}")
+        log(f"member CPU during the window: {member_cpu:.1f} CPU-s over {w1 - w0:.1f}s = "
+            f"{100 * cpu_util:.0f}% of {cpus} CPUs; load average {load1:.2f}")
+        ok_delivered = result["delivered_fraction"] >= TARGET_DELIVERED
+        ok_p95 = result["p95_s"] is not None and result["p95_s"] <= TARGET_P95_S
+        log(f"targets: delivered_fraction {'OK' if ok_delivered else 'BELOW TARGET'}, "
+            f"p95_s {'OK' if ok_p95 else 'ABOVE TARGET'}")
+        wall_s = time.time() - wall_began
+        log(f"wall time {wall_s:.1f}s")
+
+        summary = {
+            "nodes": args.nodes,
+            "processes": len({m.proc.pid for m in members}),
+            "hosts_per_process": 1,
+            "p50_s": _round(result["p50_s"]),
+            "p95_s": _round(result["p95_s"]),
+            "p90_s": _round(result["p90_s"]),
+            "p99_s": _round(result["p99_s"]),
+            "max_s": _round(result["max_s"]),
+            "mean_s": _round(result["mean_s"]),
+            "delivered_fraction": round(result["delivered_fraction"], 4),
+            "targets": {"delivered_fraction": TARGET_DELIVERED, "p95_s": TARGET_P95_S},
+            "targets_met": {"delivered_fraction": ok_delivered, "p95_s": ok_p95},
+            "ads_in_window": result["ads_in_window"],
+            "expected_pairs": result["expected_pairs"],
+            "delivered_pairs": result["delivered_pairs"],
+            "superseded_pairs": result["superseded_pairs"],
+            "ads_reaching_all": result["ads_reaching_all"],
+            "period_s": args.period,
+            "window_s": round(w1 - w0, 2),
+            "warmup_s": args.warmup,
+            "drain_s": args.drain,
+            "bootstraps": args.bootstraps,
+            "joins": args.joins,
+            "startup_s": round(startup_s, 1),
+            "views_complete_after_s": _round(converged_s, 1),
+            "mesh_degree": mesh,
+            "subscribed_peers": subscribed,
+            "connections": connections,
+            "view_live": views,
+            "heartbeat_s": {str(k): v for k, v in heartbeats.items()},
+            "network_health": health,
+            "view_rejected": rejected,
+            "dial_errors": result["dial_errors"],
+            "member_cpu_util": round(cpu_util, 3),
+            "loadavg_1m": round(load1, 2),
+            "machine": machine_info(),
+            "wall_s": round(wall_s, 1),
+        }
+        print(json.dumps(summary), flush=True)
+        return 0
+    finally:
+        cleanup.run()
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--member":
+        sys.exit(member_main(sys.argv[2:]))
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({str(exc) or 'SIGINT'}); member processes stopped", file=sys.stderr)
+        sys.exit(130)

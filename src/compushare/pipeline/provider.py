@@ -1,0 +1,128 @@
+"""A node's provider role: which span it serves, loading it, and moving it.
+
+With `--blocks` the span is fixed. Without it the node listens to the swarm for a
+moment, takes the window where the swarm is weakest (pipeline/placement.py), and
+then re-checks every few ad periods: when a departed node left a hole that this
+node can fill without opening another, it moves. Before moving it waits a random
+delay and re-checks, so nodes that saw the same hole do not all rush into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import trio
+
+from ..config import Span
+from ..model.blocks import SpanRunner
+from ..model.store import StoredModel
+from ..net.ads import Serving
+from ..net.view import SwarmView
+from .placement import better_span, block_strength, choose_span, span_length
+from .server import InferenceServer
+
+log = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+
+
+def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budget_mb: int | None,
+                      free_mb: int) -> int:
+    """How many blocks this node may hold: --max-blocks, and what its memory budget
+    (default: half the RAM free at start) fits."""
+    budget_mb = memory_budget_mb if memory_budget_mb is not None else free_mb // 2
+    fit = budget_mb * MB // model.block_bytes if model.block_bytes > 0 else model.num_blocks
+    limit = model.num_blocks if max_blocks is None else max_blocks
+    return span_length(model.num_blocks, min(limit, fit))
+
+
+class Provider:
+    def __init__(self, model: StoredModel, server_factory: Callable[[SpanRunner], InferenceServer], *,
+                 block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None) -> None:
+        self.model = model
+        self.server_factory = server_factory
+        self.block_rate = block_rate  # self-benchmark; the server refines it from served steps
+        self.slowdown = slowdown
+        self.rng = rng or random.Random()
+        self.span: Span | None = None
+        self.state = "idle"
+        self.server: InferenceServer | None = None
+        self.moves = 0
+        self.changed = trio.Event()  # set (then replaced) on every change of span or state
+        # The node publishes a fresh ad and rewrites its state file on every change,
+        # so a claim ("loading" a span) is seen by others before the weights load.
+        self.on_change: Callable[[], None] = lambda: None
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+        self.on_change()
+
+    def span_throughput(self) -> float:
+        """Tokens/s through the whole span (the server record's figure), 0 if unknown."""
+        server = self.server
+        rate = server.block_rate if server is not None and server.block_rate > 0 else self.block_rate
+        return rate / len(self.span) if self.span is not None and rate > 0 else 0.0
+
+    def serving(self, dtype: str) -> list[Serving]:
+        """This node's entry for its capability ad."""
+        if self.span is None:
+            return []
+        server = self.server
+        live = server is not None and self.state == "serving"
+        return [Serving(
+            model_id=self.model.model_id,
+            start=self.span.start,
+            end=self.span.end,
+            dtype=dtype,
+            free_tokens=max(0, server.sessions.free_tokens) if live else 0,
+            load=server.load() if live else 0.0,
+            block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
+            state=self.state,
+        )]
+
+    async def serve(self, span: Span) -> None:
+        """Load `span` in a worker thread and switch the server over to it."""
+        previous = self.span
+        self.span, self.state = span, "loading"
+        self._changed()
+        log.info("loading blocks %s of %s", span, self.model.model_id[:12])
+        runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
+        runner.slowdown = self.slowdown
+        if self.server is None:
+            self.server = self.server_factory(runner)
+        else:
+            dropped = self.server.replace_runner(runner)
+            self.moves += 1
+            log.info("moved from blocks %s to %s (%d open sessions dropped)", previous, span, dropped)
+        self.state = "serving"
+        self._changed()
+
+    def _strength_without_me(self, view: SwarmView, me: str) -> list[float]:
+        return block_strength(view.servers(self.model.model_id, time.time()), self.model.num_blocks,
+                              exclude=me, unknown_rate=self.block_rate)
+
+    async def choose_first_span(self, view: SwarmView, me: str, length: int, warmup_s: float) -> Span:
+        """Listen to the swarm for `warmup_s` (randomised, so nodes started together
+        decide one after another and see each other's choice), then pick."""
+        await trio.sleep(warmup_s * self.rng.uniform(0.5, 1.5))
+        span = choose_span(self._strength_without_me(view, me), length, self.rng)
+        log.info("placement: chose blocks %s (max %d blocks)", span, length)
+        return span
+
+    async def rebalance_loop(self, view: SwarmView, me: str, period_s: float) -> None:
+        while True:
+            await trio.sleep(period_s * self.rng.uniform(1.0, 2.0))
+            if self.state != "serving" or self.span is None:
+                continue
+            if better_span(self._strength_without_me(view, me), self.span, self.block_rate, self.rng) is None:
+                continue
+            # Others may have seen the same hole: give them a chance to move first.
+            await trio.sleep(period_s * self.rng.uniform(0.0, 2.0))
+            target = better_span(self._strength_without_me(view, me), self.span, self.block_rate, self.rng)
+            if target is not None:
+                log.info("placement: blocks %s are better served elsewhere; moving to %s", self.span, target)
+                await self.serve(target)
