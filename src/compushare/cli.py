@@ -21,6 +21,7 @@ models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
 err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 DATA_DIR = typer.Option(None, "--data-dir", "--home", help="Data dir (default: $COMPUSHARE_HOME or the platform's).")
 
@@ -156,6 +157,33 @@ def _run_or_exit(fn) -> None:
                 err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
             raise typer.Exit(2) from None
         raise
+
+
+@app.command()
+def status(
+    data_dir: Path = DATA_DIR,
+    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
+    swarm_home: Path = typer.Option(None, help="Local swarm dir to join (default: the data dir's swarm/)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    log_level: str = typer.Option("warning"),
+) -> None:
+    """Peers, coverage per block of each model, and this node's roles."""
+    import trio
+
+    from .status import gather_status, local_node, render
+
+    _setup_logging(log_level)
+    home = resolve_data_dir(data_dir)
+
+    def main_status():
+        boot = () if local_node(home) is not None and not bootstrap else _bootstrap_for(home, bootstrap, swarm_home)
+        result = trio.run(gather_status, home, boot)
+        if as_json:
+            print(json.dumps(result, indent=2))
+        else:
+            render(result, out)
+
+    _run_or_exit(main_status)
 
 
 @app.command("id")

@@ -16,6 +16,7 @@ import platformdirs
 from .errors import UsageError
 
 APP_NAME = "compushare"
+STATE_FILE = "node.json"  # a running node's state in its data dir
 
 
 def resolve_data_dir(flag: str | Path | None = None) -> Path:

@@ -13,7 +13,7 @@ import torch
 import trio
 
 from . import __version__
-from .config import NodeConfig
+from .config import STATE_FILE, NodeConfig
 from .errors import SwarmUnreachable, UsageError
 from .hardware import detect_hardware
 from .model.catalog import DEFAULT_MODEL, resolve_model
@@ -31,7 +31,6 @@ from .pipeline.server import InferenceServer
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "node.json"
 ROUTING_SYNC_PERIOD_S = 2.0
 BOOTSTRAP_RETRY_S = 5.0
 # py-libp2p caps ADD_PROVIDER at 10 per 10 s per peer; a node announcing a span of

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from .errors import CompushareError, UsageError
-from .model.catalog import resolve_model
-from .node import STATE_FILE
+from .config import STATE_FILE
 
 SWARM_FILE = "swarm.json"
 START_TIMEOUT_S = 300.0
@@ -110,6 +109,8 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
     if existing and any(is_our_node(n["pid"]) for n in existing["nodes"]):
         raise UsageError(f"a swarm is already running in {home}; `compushare swarm down` first")
     dirs = [home / f"node-{i}" for i in range(nodes)]
+    from .model.catalog import resolve_model
+
     stored = resolve_model(model, dirs[0])  # converts once into the shared cache
     spans = split_blocks(stored.num_blocks, nodes)
     procs: list[subprocess.Popen] = []

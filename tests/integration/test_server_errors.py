@@ -6,7 +6,8 @@ import pytest
 import torch
 import trio
 
-from compushare.net.codec import LENGTH, encode_tensor
+from compushare.net.codec import LENGTH
+from compushare.net.tensors import encode_tensor
 from compushare.net.framing import FramedStream
 from compushare.net.host import open_host, parse_peer_addr
 from compushare.pipeline.protocol import INFER_PROTOCOL

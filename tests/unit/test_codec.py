@@ -13,15 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from compushare.errors import FrameError
-from compushare.net.codec import (
-    DEFAULT_MAX_FRAME,
-    LENGTH,
-    FrameDecoder,
-    decode_payload,
-    decode_tensor,
-    encode_frame,
-    encode_tensor,
-)
+from compushare.net.codec import DEFAULT_MAX_FRAME, LENGTH, FrameDecoder, decode_payload, encode_frame
+from compushare.net.tensors import decode_tensor, encode_tensor
 
 # ---------------------------------------------------------------- strategies
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
-from compushare.net.codec import encode_tensor
+from compushare.net.tensors import encode_tensor
 from compushare.pipeline.server import InferenceServer
 
 SESSION = os.urandom(16)

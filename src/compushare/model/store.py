@@ -17,7 +17,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from ..errors import UsageError
@@ -68,6 +67,8 @@ def describe(model_dir: Path) -> dict:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{model_dir} holds no .safetensors weights")
+    import torch  # here, not at the top: `status` and `models list` need no torch
+
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():

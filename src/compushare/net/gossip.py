@@ -204,6 +204,18 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView) -> int:
     return taken
 
 
+async def learn_views(host: IHost, view: SwarmView) -> None:
+    """Fill `view` from the views of every peer we are connected to."""
+
+    async def one(peer) -> None:
+        with contextlib.suppress(Exception):
+            await fetch_view(host, peer, view)
+
+    async with trio.open_nursery() as nursery:
+        for peer in list(host.get_network().connections):
+            nursery.start_soon(one, peer)
+
+
 async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
     """Connect to up to `want` peers known from ads we are not connected to, so the
     gossip mesh has enough members beyond the bootstrap peers."""

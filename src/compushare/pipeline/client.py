@@ -16,7 +16,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from ..errors import HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
-from ..net.codec import DEFAULT_MAX_FRAME, decode_tensor, encode_tensor
+from ..net.codec import DEFAULT_MAX_FRAME
+from ..net.tensors import decode_tensor, encode_tensor
 from ..net.framing import FramedStream
 from . import protocol
 from .routing import Hop

@@ -8,7 +8,6 @@ re-checked against its own signer, so a relaying peer cannot invent load figures
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -16,7 +15,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.host.ping import PingService
 
-from ..net.gossip import fetch_view
+from ..net.gossip import learn_views
 from ..net.records import ServerRecord
 from ..net.view import SwarmView
 from .client import peer_info
@@ -37,18 +36,6 @@ async def ping_rtt(host: IHost, record: ServerRecord) -> float:
         stamps.append(time.perf_counter())
     began = stamps[0]
     return stamps[1] - began
-
-
-async def learn_views(host: IHost, view: SwarmView) -> None:
-    """Fill `view` from the views of every peer we are connected to."""
-
-    async def one(peer) -> None:
-        with contextlib.suppress(Exception):
-            await fetch_view(host, peer, view)
-
-    async with trio.open_nursery() as nursery:
-        for peer in list(host.get_network().connections):
-            nursery.start_soon(one, peer)
 
 
 async def measure_servers(host: IHost, records: list[ServerRecord], view: SwarmView) -> tuple[dict[str, Measure], set[str]]:

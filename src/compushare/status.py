@@ -1,0 +1,130 @@
+"""`compushare status`: the swarm as the ads describe it, and this node's part in it.
+
+A short-lived client with a throwaway identity (so it never collides with a node
+running on the same data dir) joins through the local node if one runs, else the
+bootstrap peers, and asks the peers it reaches for their views. Every ad is
+re-checked against its own signer, so a relaying peer cannot invent members.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from .config import STATE_FILE
+from .model.store import ModelStore
+from .net.dht import connect_bootstrap, open_dht
+from .net.host import open_host
+from .net.gossip import learn_views
+from .net.view import SwarmView, coverage
+from .swarm import is_our_node
+
+JOIN_TIMEOUT_S = 15.0
+
+
+def local_node(data_dir: Path) -> dict | None:
+    """The state of a node running on this data dir, if one is."""
+    path = data_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and is_our_node(state.get("pid", -1)) else None
+
+
+def roles_of(state: dict | None) -> list[str]:
+    if state is None:
+        return ["consumer"]
+    span = f"{state.get('start')}:{state.get('end')}"
+    provider = f"provider of blocks {span} ({state.get('state', 'serving')}, {state.get('placement', 'fixed')} placement)"
+    return ["consumer", provider]
+
+
+def summarize(view: SwarmView, data_dir: Path, local: dict | None, *, now: float, asked: int) -> dict:
+    peers = []
+    for ad in view.live(now):
+        peers.append({
+            "peer_id": ad.peer_id,
+            "addrs": list(ad.addrs),
+            "version": ad.version,
+            "hardware": ad.hardware.to_wire(),
+            "age_s": round(max(0.0, now - ad.sent), 1),
+            "serving": [s.to_wire() for s in ad.serving],
+        })
+    store = ModelStore(data_dir)
+    models = {}
+    for model_id in sorted(view.models(now)):
+        servers = [(ad, s) for ad, s in view.servers(model_id, now)]
+        stored = store.get(model_id)
+        num_blocks = stored.num_blocks if stored else max(s.end for _, s in servers)
+        ready = [(ad, s) for ad, s in servers if s.state == "serving"]
+        counts = coverage(ready, num_blocks)
+        models[model_id] = {
+            "name": next((a for a, i in store.aliases().items() if i == model_id), None),
+            "num_blocks": num_blocks,
+            "coverage": counts,
+            "loading": coverage([(ad, s) for ad, s in servers if s.state == "loading"], num_blocks),
+            "holes": [b for b, c in enumerate(counts) if c == 0],
+        }
+    return {
+        "time": now,
+        "peers_asked": asked,
+        "peers": peers,
+        "models": models,
+        "this_node": {"roles": roles_of(local), "state": local},
+    }
+
+
+async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
+    local = local_node(data_dir)
+    if local is not None:
+        bootstrap = tuple(local["addrs"][:1]) + tuple(bootstrap)
+    view = SwarmView()
+    async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
+        with trio.fail_after(JOIN_TIMEOUT_S):
+            await connect_bootstrap(host, dht, bootstrap)
+            await learn_views(host, view)
+        asked = len(host.get_network().connections)
+    return summarize(view, data_dir, local, now=time.time(), asked=asked)
+
+
+def render(status: dict, console) -> None:
+    """Human-readable status with rich: peers, then one bar per block per model."""
+    from rich.table import Table
+
+    roles = status["this_node"]["roles"]
+    console.print(f"[bold]this node[/bold]: {', '.join(roles)}")
+    table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
+    for column in ("peer", "serves", "free KV", "load", "blocks/s", "hardware", "version", "ad age"):
+        table.add_column(column)
+    for peer in status["peers"]:
+        hw = peer["hardware"]
+        gpu = f", {hw['gpu']} {hw['gpu_mb']} MB" if hw["gpu"] else ""
+        for index, s in enumerate(peer["serving"] or [None]):
+            table.add_row(
+                peer["peer_id"][-12:] if index == 0 else "",
+                f"{s['model'][:8]} {s['start']}:{s['end']} {s['state']}" if s else "-",
+                str(s["free"]) if s else "",
+                f"{s['load']:.0%}" if s else "",
+                f"{s['rate']:.0f}" if s else "",
+                f"{hw['cpu']} cpu, {hw['ram_mb'] // 1024} GiB{gpu}" if index == 0 else "",
+                peer["version"] if index == 0 else "",
+                f"{peer['age_s']:.1f}s" if index == 0 else "",
+            )
+    console.print(table)
+    for model_id, model in status["models"].items():
+        name = f" ({model['name']})" if model["name"] else ""
+        console.print(f"[bold]coverage of {model_id[:12]}{name}[/bold]: servers per block")
+        for block, count in enumerate(model["coverage"]):
+            loading = model["loading"][block]
+            bar = "█" * count + "░" * loading
+            color = "red" if count == 0 else "yellow" if count == 1 else "green"
+            extra = f" (+{loading} loading)" if loading else ""
+            console.print(f"  {block:>4} [{color}]{bar or '·'}[/{color}] {count}{extra}", highlight=False)
+        if model["holes"]:
+            console.print(f"  [red]uncovered blocks: {', '.join(map(str, model['holes']))}[/red]")
+
