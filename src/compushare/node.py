@@ -32,7 +32,7 @@ from .pipeline.server import InferenceServer
 log = logging.getLogger(__name__)
 
 ROUTING_SYNC_PERIOD_S = 2.0
-BOOTSTRAP_RETRY_S = 5.0
+BOOTSTRAP_RETRY_S = (0.5, 5.0)  # first and longest wait between attempts (doubling)
 # py-libp2p caps ADD_PROVIDER at 10 per 10 s per peer; a node announcing a span of
 # 30 blocks sends 31. Every CompuShare node raises the cap for its peers.
 PROVIDER_RATE_MAX = 200
@@ -55,11 +55,10 @@ class Node:
         hardware = detect_hardware()
         length = blocks_for_budget(model, max_blocks=config.max_blocks, memory_budget_mb=config.memory_budget_mb,
                                    free_mb=hardware.ram_free_mb)
-        block_rate = await trio.to_thread.run_sync(self._self_benchmark, model)
         provider = self.provider = Provider(
             model,
-            lambda runner: InferenceServer(runner, model.model_id, config.limits, block_rate=block_rate),
-            block_rate=block_rate, slowdown=config.slowdown,
+            lambda runner: InferenceServer(runner, model.model_id, config.limits, block_rate=provider.block_rate),
+            block_rate=0.0, slowdown=config.slowdown,
         )
         key_pair = load_or_create_identity(config.data_dir)
         async with open_host(key_pair, config.listen) as host, open_dht(host, server=True) as dht:
@@ -76,6 +75,12 @@ class Node:
                 if config.bootstrap:
                     await self._join(host, dht)
                 nursery.start_soon(self._routing_sync_loop, host, dht)
+                async with trio.open_nursery() as starting:  # the self-benchmark overlaps the warm-up
+                    starting.start_soon(self._self_benchmark, provider)
+                    if span is None:
+                        await self._learn_swarm(host)
+                        span = await provider.choose_first_span(
+                            self.view, me, length, config.ad_period_s if config.bootstrap else 0.0)
                 self._state = {
                     "pid": os.getpid(),
                     "peer_id": me,
@@ -84,7 +89,7 @@ class Node:
                     "num_blocks": model.num_blocks,
                     "max_blocks": length,
                     "placement": "fixed" if span is not None else "automatic",
-                    "block_rate": block_rate,
+                    "block_rate": provider.block_rate,
                     "started": time.time(),
                 }
 
@@ -94,9 +99,6 @@ class Node:
                         self._write_state(provider)
 
                 provider.on_change = on_change
-                if span is None:
-                    await self._learn_swarm(host)
-                    span = await provider.choose_first_span(self.view, me, length, config.ad_period_s)
                 await provider.serve(span)
                 server = provider.server
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
@@ -113,11 +115,16 @@ class Node:
                 finally:
                     (config.data_dir / STATE_FILE).unlink(missing_ok=True)
 
-    def _self_benchmark(self, model) -> float:
-        measure = functools.partial(measure_block_rate, slowdown=self.config.slowdown)
-        if self.config.slowdown != 1.0:  # an emulated slow node must not poison the cache
-            return measure(model.path, threads=self.config.torch_threads)
-        return cached_block_rate(model, self.config.data_dir, threads=self.config.torch_threads)
+    async def _self_benchmark(self, provider: Provider) -> None:
+        config, model = self.config, provider.model
+        if config.slowdown != 1.0:  # an emulated slow node must not poison the cache
+            measure = functools.partial(measure_block_rate, model.path, threads=config.torch_threads,
+                                        slowdown=config.slowdown)
+        else:
+            measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads)
+        provider.block_rate = await trio.to_thread.run_sync(measure)
+        log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
+                 model.model_id[:12])
 
     async def _learn_swarm(self, host) -> None:
         """Ask the peers we are connected to for their views: a newcomer sees the whole
@@ -134,13 +141,15 @@ class Node:
 
     async def _join(self, host, dht) -> None:
         """Dial the bootstrap peers; keep retrying (a swarm may come up in any order)."""
+        wait, longest = BOOTSTRAP_RETRY_S
         while True:
             try:
                 await connect_bootstrap(host, dht, self.config.bootstrap)
                 return
             except SwarmUnreachable as exc:
-                log.warning("%s; retrying in %.0fs", exc, BOOTSTRAP_RETRY_S)
-                await trio.sleep(BOOTSTRAP_RETRY_S)
+                log.warning("%s; retrying in %.1fs", exc, wait)
+                await trio.sleep(wait)
+                wait = min(2 * wait, longest)
 
     async def _routing_sync_loop(self, host, dht) -> None:
         while True:

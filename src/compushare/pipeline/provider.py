@@ -103,12 +103,12 @@ class Provider:
 
     def _strength_without_me(self, view: SwarmView, me: str) -> list[float]:
         return block_strength(view.servers(self.model.model_id, time.time()), self.model.num_blocks,
-                              exclude=me, unknown_rate=self.block_rate)
+                              exclude=me, unknown_rate=self.block_rate or 1.0)
 
     async def choose_first_span(self, view: SwarmView, me: str, length: int, warmup_s: float) -> Span:
         """Listen to the swarm for `warmup_s` (randomised, so nodes started together
         decide one after another and see each other's choice), then pick."""
-        await trio.sleep(warmup_s * self.rng.uniform(0.5, 1.5))
+        await trio.sleep(warmup_s * self.rng.uniform(0.5, 1.5))  # 0 for the first node of a swarm
         span = choose_span(self._strength_without_me(view, me), length, self.rng)
         log.info("placement: chose blocks %s (max %d blocks)", span, length)
         return span
