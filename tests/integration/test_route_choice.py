@@ -1,0 +1,42 @@
+"""Route choice with real node processes: of two servers for the same span, the
+consumer routes through the fast one (issue 3)."""
+
+from __future__ import annotations
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from compushare.model.catalog import import_path
+from compushare.net.dht import connect_bootstrap, open_dht
+from compushare.net.host import open_host
+from compushare.pipeline.consumer import RunRequest, find_route, run_prompt
+from compushare.pipeline.sampling import SamplingParams
+
+SLOWDOWN = "100"  # its compute takes 100x as long: tens of ms per step instead of a fraction of one
+
+
+async def test_routes_avoid_the_slow_server(processes, tiny_model, tmp_path):
+    (a,) = processes.nodes([("a", "0:2")], tiny_model)
+    boot = a["addrs"][:1]
+    fast_proc, _ = processes.node("fast", tiny_model, "2:4", bootstrap=boot, wait=False)
+    slow_proc, _ = processes.node("slow", tiny_model, "2:4", bootstrap=boot, wait=False,
+                                  extra=["--debug-slowdown", SLOWDOWN])
+    fast, slow = processes.ready("fast", fast_proc), processes.ready("slow", slow_proc)
+
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
+            open_dht(host, server=False) as dht:
+        await connect_bootstrap(host, dht, boot)
+        with trio.fail_after(60):
+            for _ in range(3):
+                route = await find_route(host, dht, a["model_id"], 4)
+                assert [(h.peer_id, h.start, h.end) for h in route] == [(a["peer_id"], 0, 2),
+                                                                        (fast["peer_id"], 2, 4)]
+
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    with trio.fail_after(60):
+        outcome = await run_prompt(client, tuple(boot), RunRequest(
+            model="tiny", prompt=[1, 5, 9], params=SamplingParams(max_new_tokens=4, stop_at_eos=False)))
+    used = [h.peer_id for h in outcome.route]
+    assert fast["peer_id"] in used and slow["peer_id"] not in used
+    assert len(outcome.tokens) == 4
