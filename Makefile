@@ -28,7 +28,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/compushare swarm up --nodes 3 --model smollm2-135m --home $(DEMO_HOME)
 	$(VENV)/bin/compushare run --model smollm2-135m --verbose --home $(DEMO_HOME)/client \
-	  --swarm-home $(DEMO_HOME) "What is the capital of France?"; \
+	  --swarm-home $(DEMO_HOME) "What is the capital of France?" \
+	  && $(VENV)/bin/compushare status --home $(DEMO_HOME)/client --swarm-home $(DEMO_HOME); \
 	status=$$?; $(VENV)/bin/compushare swarm down --home $(DEMO_HOME); exit $$status
 
 bench: $(STAMP)

@@ -114,14 +114,18 @@ def member_main(argv: list[str]) -> int:
 
     import trio
 
-    try:
-        trio.run(_member, args)
-    except KeyboardInterrupt:
-        pass
+    data_dir = Path(args.dir)
+    # Line-buffered: every record is one write(2), readable by the parent at once.
+    with open(data_dir / EVENTS_FILE, "w", buffering=1) as events, \
+            open(data_dir / "statuses.jsonl", "w", buffering=1) as statuses:
+        try:
+            trio.run(_member, args, events, statuses)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
-async def _member(args) -> None:
+async def _member(args, events, statuses) -> None:
     import trio
 
     from compushare import __version__
@@ -135,7 +139,6 @@ async def _member(args) -> None:
     data_dir = Path(args.dir)
     hardware = Hardware.from_wire(json.loads(args.hardware))
     key_pair = load_or_create_identity(data_dir)
-    events = open(data_dir / EVENTS_FILE, "w", buffering=1)  # noqa: SIM115  (line-buffered: one write per record)
     serving = [Serving(FAKE_MODEL_ID, 0, 10, "float32", free_tokens=4096, load=0.1, block_rate=40.0)]
 
     def record(obj: dict) -> None:
@@ -165,7 +168,7 @@ async def _member(args) -> None:
             def offer(self, ad, now):
                 offer = super().offer(ad, now)
                 if not offer.accepted:
-                    self.reasons[offer.reason.split(" ")[0]] += 1
+                    self.reasons[" ".join(offer.reason.split()[:2])] += 1
                 return offer
 
         view = CountingView()
@@ -184,8 +187,18 @@ async def _member(args) -> None:
                     await trio.sleep(1.0)
                 nursery.cancel_scope.cancel()
 
+            lag = {"max": 0.0}
+
+            async def lag_probe() -> None:
+                """How late this process's trio loop wakes up: a sign of CPU starvation."""
+                while True:
+                    began = trio.current_time()
+                    await trio.sleep(0.25)
+                    lag["max"] = max(lag["max"], trio.current_time() - began - 0.25)
+
             nursery.start_soon(stop_on_signal)
             nursery.start_soon(watchdog)
+            nursery.start_soon(lag_probe)
 
             # Bootstrap after gossip has started: pubsub learns peers from connection events.
             connected = []
@@ -204,7 +217,6 @@ async def _member(args) -> None:
                                                        "bootstrapped": connected, "t": time.time()})
 
             router = gossip.pubsub.router
-            statuses = open(data_dir / "statuses.jsonl", "w", buffering=1)  # noqa: SIM115
             while True:
                 status = {
                     "t": time.time(),
@@ -217,11 +229,13 @@ async def _member(args) -> None:
                     "published": gossip.published,
                     "rejected": view.rejected,
                     "reject_reasons": dict(view.reasons),
+                    "cpu_s": time.process_time(),
+                    "loop_lag_max_s": lag["max"],
                 }
+                lag["max"] = 0.0
                 _write_json_atomic(data_dir / STATUS_FILE, status)
                 statuses.write(json.dumps(status) + "\n")
                 await trio.sleep(1.0)
-    events.close()
 
 
 # =========================================================================== bench
@@ -286,6 +300,20 @@ class Member:
             return json.loads((self.dir / STATUS_FILE).read_text())
         return None
 
+    def window_status(self, w0: float, w1: float) -> dict:
+        """From the member's once-a-second status log over the window: the worst trio
+        loop wake-up lag and the median GossipSub mesh size."""
+        rows = []
+        with contextlib.suppress(OSError):
+            for line in (self.dir / "statuses.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if w0 <= row["t"] <= w1 + 1.0:
+                        rows.append(row)
+        if not rows:
+            return {}
+        return {"lag": max(r["loop_lag_max_s"] for r in rows), "mesh": statistics.median(r["mesh"] for r in rows)}
+
     def cpu_s(self) -> float | None:
         """utime + stime of the member, from /proc (Linux)."""
         try:
@@ -293,6 +321,38 @@ class Member:
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             return None
+
+
+PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu_s() -> dict[str, float] | None:
+    """The machine's CPU seconds so far by kind (user, system, softirq, steal, ...), from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return {name: value / tick for name, value in zip(PROC_STAT_FIELDS, fields)}
+
+
+def cpu_breakdown(before: dict | None, after: dict | None, member_cpu: float) -> dict | None:
+    """Shares of the machine's CPU time between two /proc/stat readings. `others` is
+    user+nice+system time not spent by the members (other jobs, this process); softirq
+    (loopback TCP is mostly processed there) and steal (taken by the hypervisor) are
+    reported apart."""
+    if not before or not after:
+        return None
+    delta = {k: after[k] - before[k] for k in PROC_STAT_FIELDS}
+    total = sum(delta.values()) or 1.0
+    task = delta["user"] + delta["nice"] + delta["system"]
+    return {
+        "busy": round(1 - (delta["idle"] + delta["iowait"]) / total, 3),
+        "members": round(member_cpu / total, 3),
+        "others": round(max(0.0, task - member_cpu) / total, 3),
+        "irq_softirq": round((delta["irq"] + delta["softirq"]) / total, 3),
+        "steal": round(delta["steal"] / total, 3),
+    }
 
 
 def launch(cleanup: Cleanup, index: int, bootstrap: list[str], args, hardware_json: str) -> Member:
@@ -514,10 +574,12 @@ def main() -> int:
                 raise RuntimeError(f"member {m.index} died during the warm-up (exit {m.proc.returncode})")
         w0 = time.time()
         cpu0 = [m.cpu_s() for m in members]
+        machine0 = machine_cpu_s()
         w1 = w0 + args.window_periods * args.period
         log(f"measurement window open for {w1 - w0:.1f}s")
         time.sleep(max(0.0, w1 - time.time()))
         cpu1 = [m.cpu_s() for m in members]
+        machine1 = machine_cpu_s()
         load1 = os.getloadavg()[0]
         time.sleep(args.drain)
         statuses = [m.status() or {} for m in members]
@@ -525,6 +587,13 @@ def main() -> int:
         cleanup.stop_members()
         member_cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
         cpu_util = member_cpu / (w1 - w0) / (cpus or 1)
+        shares = cpu_breakdown(machine0, machine1, member_cpu)
+        per_member_cpu = spread([round((b - a) / (w1 - w0), 3) for a, b in zip(cpu0, cpu1)
+                                 if a is not None and b is not None])
+        in_window = [m.window_status(w0, w1) for m in members]
+        lag = spread([round(w["lag"], 3) for w in in_window if w])
+        mesh_window = spread([w["mesh"] for w in in_window if w])
+        busy = shares and shares["busy"]
 
         result = analyse(members, (w0, w1))
         mesh = spread([s.get("mesh") for s in statuses])
@@ -534,6 +603,10 @@ def main() -> int:
         heartbeats = collections.Counter(s.get("heartbeat_s") for s in statuses)
         health = spread([round(s["health"], 3) for s in statuses if s.get("health") is not None])
         rejected = sum(s.get("rejected", 0) for s in statuses)
+        reasons = collections.Counter()
+        for s in statuses:
+            reasons.update(s.get("reject_reasons", {}))
+        reasons["failed parse_ad (bad or expired)"] = rejected - sum(reasons.values())
 
         log()
         log(f"ads signed in the window: {result['ads_in_window']} "
@@ -546,12 +619,17 @@ def main() -> int:
             f"max {_fmt(result['max_s'])}s")
         log(f"ads that reached all {args.nodes - 1} others: {result['ads_reaching_all']} / {result['ads_in_window']}; "
             f"fewest receivers of one ad: {result['min_reach']}")
+        log(f"GossipSub mesh size per member (median over the window): {mesh_window}")
         log(f"at the end: GossipSub mesh size {mesh}, subscribed peers {subscribed}, connections {connections}, "
             f"live ads per view {views}; {alive}/{len(members)} members alive")
         log(f"GossipSub heartbeat interval per member (s): {dict(heartbeats)}; network health {health}; "
-            f"ads rejected by views: {rejected}; dial errors: {result['dial_errors']}")
+            f"ads rejected by validators (whole run): {rejected} {dict(reasons)}; dial errors: {result['dial_errors']}")
         log(f"member CPU during the window: {member_cpu:.1f} CPU-s over {w1 - w0:.1f}s = "
-            f"{100 * cpu_util:.0f}% of {cpus} CPUs; load average {load1:.2f}")
+            f"{100 * cpu_util:.0f}% of {cpus} CPUs (per member, CPUs: {per_member_cpu}); machine CPU shares "
+            f"{shares}; load average {load1:.2f}; "
+            f"worst trio loop wake-up lag per member in the window {lag}")
+        log(f"the machine was {_fmt(busy and 100 * busy, 0)}% busy during the window"
+            + (" (saturated: these latencies measure CPU queueing as much as gossip)" if busy and busy > 0.9 else ""))
         ok_delivered = result["delivered_fraction"] >= TARGET_DELIVERED
         ok_p95 = result["p95_s"] is not None and result["p95_s"] <= TARGET_P95_S
         log(f"targets: delivered_fraction {'OK' if ok_delivered else 'BELOW TARGET'}, "
@@ -586,14 +664,19 @@ def main() -> int:
             "startup_s": round(startup_s, 1),
             "views_complete_after_s": _round(converged_s, 1),
             "mesh_degree": mesh,
+            "mesh_degree_window": mesh_window,
             "subscribed_peers": subscribed,
             "connections": connections,
             "view_live": views,
             "heartbeat_s": {str(k): v for k, v in heartbeats.items()},
             "network_health": health,
             "view_rejected": rejected,
+            "view_reject_reasons": dict(reasons),
             "dial_errors": result["dial_errors"],
             "member_cpu_util": round(cpu_util, 3),
+            "member_cpu_per_member": per_member_cpu,
+            "machine_cpu_shares": shares,
+            "loop_lag_s": lag,
             "loadavg_1m": round(load1, 2),
             "machine": machine_info(),
             "wall_s": round(wall_s, 1),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from ..errors import HopUnavailable, RouteError
+from ..errors import HopUnavailable, RouteError, UsageError
 from ..model.catalog import resolve_model
 from ..model.head import ConsumerHead
 from ..net.dht import connect_bootstrap, open_dht
@@ -62,6 +62,16 @@ def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
     return tokenizer.encode(request.prompt)
 
 
+def _load_tokenizer(model):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model.path))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model {model.model_id[:12]} has no usable tokenizer, so a text prompt cannot be "
+                         f"encoded ({str(exc).splitlines()[0]})") from None
+
+
 def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
     ids = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -98,14 +108,15 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
     loaded: dict = {}
 
     def load_local_parts() -> None:
-        from transformers import AutoTokenizer
-
-        model = resolve_model(request.model, data_dir)
-        loaded["model"] = model
-        loaded["tokenizer"] = (
-            None if isinstance(request.prompt, list) else AutoTokenizer.from_pretrained(str(model.path))
-        )
-        loaded["head"] = ConsumerHead.load(model.path)
+        # Errors wait until the swarm is joined: "no swarm" is reported first, and
+        # the same way every time, whichever of the two overlapping steps ends first.
+        try:
+            model = resolve_model(request.model, data_dir)
+            loaded["model"] = model
+            loaded["tokenizer"] = None if isinstance(request.prompt, list) else _load_tokenizer(model)
+            loaded["head"] = ConsumerHead.load(model.path)
+        except Exception as exc:
+            loaded["error"] = exc
 
     key_pair = load_or_create_identity(data_dir)
     async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
@@ -113,6 +124,8 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
             await connect_bootstrap(host, dht, bootstrap)
+        if "error" in loaded:
+            raise loaded["error"]
         model = loaded["model"]
         tokenizer, head = loaded["tokenizer"], loaded["head"]
         prompt_ids = _prompt_ids(tokenizer, request)
