@@ -355,6 +355,25 @@ def cpu_breakdown(before: dict | None, after: dict | None, member_cpu: float) ->
     }
 
 
+def machine_busy(sample_s: float = 3.0) -> float | None:
+    before = machine_cpu_s()
+    time.sleep(sample_s)
+    after = machine_cpu_s()
+    shares = cpu_breakdown(before, after, 0.0)
+    return shares and shares["busy"]
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.25) -> float | None:
+    """Wait up to `limit_s` for the machine to be less than `threshold` busy (other
+    jobs sharing it would be measured as gossip latency); return the last reading."""
+    deadline = time.monotonic() + limit_s
+    busy = machine_busy()
+    while busy is not None and busy >= threshold and time.monotonic() < deadline:
+        log(f"  machine {100 * busy:.0f}% busy before start: waiting for it to calm down")
+        busy = machine_busy(5.0)
+    return busy
+
+
 def launch(cleanup: Cleanup, index: int, bootstrap: list[str], args, hardware_json: str) -> Member:
     data_dir = cleanup.tmp / f"member-{index:02d}"
     data_dir.mkdir()
@@ -524,6 +543,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=3, help="members starting at once")
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--max-wall", type=float, default=900.0)
+    parser.add_argument("--wait-quiet", type=float, default=60.0,
+                        help="seconds to wait, at most, for the machine to be <25%% busy before starting")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (member logs) for inspection")
     args = parser.parse_args()
 
@@ -548,6 +569,8 @@ def main() -> int:
             f"warm-up {args.warmup:g}s, drain {args.drain:g}s; {args.bootstraps} bootstrap members, each later "
             f"member dials {args.joins} of them; machine: {cpus} CPUs; temp {cleanup.tmp}")
 
+        busy_before = wait_quiet(args.wait_quiet)
+        log(f"machine {_fmt(busy_before and 100 * busy_before, 0)}% busy just before start")
         began = time.time()
         members = start_swarm(cleanup, args, hardware_json)
         all_ready = max(m.ready["t"] for m in members)
@@ -676,6 +699,7 @@ def main() -> int:
             "member_cpu_util": round(cpu_util, 3),
             "member_cpu_per_member": per_member_cpu,
             "machine_cpu_shares": shares,
+            "machine_busy_before_start": busy_before,
             "loop_lag_s": lag,
             "loadavg_1m": round(load1, 2),
             "machine": machine_info(),

@@ -4,7 +4,6 @@ import socket
 import subprocess
 import sys
 
-from compushare.model.catalog import import_path
 
 SOME_PEER = "12D3KooWPNeT5huwyjSsfqfLgne7ZU9RfyLNy9gBiLLvDpe9QvAs"
 
@@ -30,11 +29,10 @@ def test_run_without_any_swarm_says_how_to_get_one(tmp_path):
     assert "swarm up" in result.stderr
 
 
-def test_run_with_unreachable_bootstrap_says_so(tmp_path, tiny_model):
-    home = tmp_path / "home"
-    import_path(tiny_model, home, alias="tiny")
+def test_run_with_unreachable_bootstrap_says_so(tmp_path):
+    # A model with a tokenizer: the tiny one cannot encode text, which is reported first.
     addr = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{SOME_PEER}"
-    result = _cli("run", "--model", "tiny", "--bootstrap", addr, "hello", env_home=home)
+    result = _cli("run", "--model", "smollm2-135m", "--bootstrap", addr, "hello", env_home=tmp_path / "home")
     assert result.returncode == 2
     assert "bootstrap peers answered" in result.stderr
 

@@ -3,6 +3,10 @@ consumer routes through the fast one (issue 3)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -40,3 +44,14 @@ async def test_routes_avoid_the_slow_server(processes, tiny_model, tmp_path):
     used = [h.peer_id for h in outcome.route]
     assert fast["peer_id"] in used and slow["peer_id"] not in used
     assert len(outcome.tokens) == 4
+
+    # `compushare status` shows the three servers, one bar per block, and the roles.
+    shown = subprocess.run([sys.executable, "-m", "compushare", "status", "--bootstrap", boot[0],
+                            "--home", str(tmp_path / "status")],
+                           capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert shown.returncode == 0, shown.stderr
+    assert "this node: consumer" in shown.stdout and "3 peers" in shown.stdout
+    for node in (a, fast, slow):
+        assert node["peer_id"][-12:] in shown.stdout
+    bars = [line for line in shown.stdout.splitlines() if "█" in line]
+    assert len(bars) == 4 and bars[0].split()[-1] == "1" and bars[3].split()[-1] == "2"

@@ -72,7 +72,7 @@ def test_run_cli_streams_answer_with_route(smol_swarm, tmp_path):
     assert "Paris" in result.stdout
     for node in swarm["nodes"]:
         assert node["peer_id"] in result.stderr  # --verbose prints the route
-    assert "blocks   0:10" in result.stderr
+    assert "blocks 0:10: ping" in result.stderr and "expected" in result.stderr
 
 
 def test_ctrl_c_in_run_leaves_no_stray_process(smol_swarm, tmp_path):

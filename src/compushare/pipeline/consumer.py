@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from ..errors import HopUnavailable, RouteError, UsageError
+from ..errors import HopUnavailable, RouteError, SwarmUnreachable, UsageError
 from ..model.catalog import resolve_model
 from ..model.head import ConsumerHead
 from ..net.dht import connect_bootstrap, open_dht
@@ -108,8 +108,8 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
     loaded: dict = {}
 
     def load_local_parts() -> None:
-        # Errors wait until the swarm is joined: "no swarm" is reported first, and
-        # the same way every time, whichever of the two overlapping steps ends first.
+        # Errors are kept until both overlapping steps are done, so the report does
+        # not depend on which ends first: a local problem first, then "no swarm".
         try:
             model = resolve_model(request.model, data_dir)
             loaded["model"] = model
@@ -121,11 +121,17 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
     key_pair = load_or_create_identity(data_dir)
     async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
         # Joining the swarm and loading the local parts overlap: both take seconds.
+        unreachable: SwarmUnreachable | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
-            await connect_bootstrap(host, dht, bootstrap)
+            try:
+                await connect_bootstrap(host, dht, bootstrap)
+            except SwarmUnreachable as exc:
+                unreachable = exc
         if "error" in loaded:
             raise loaded["error"]
+        if unreachable is not None:
+            raise unreachable
         model = loaded["model"]
         tokenizer, head = loaded["tokenizer"], loaded["head"]
         prompt_ids = _prompt_ids(tokenizer, request)
