@@ -118,11 +118,20 @@ class Provider:
             await trio.sleep(period_s * self.rng.uniform(1.0, 2.0))
             if self.state != "serving" or self.span is None:
                 continue
-            if better_span(self._strength_without_me(view, me), self.span, self.block_rate, self.rng) is None:
+            strength = self._strength_without_me(view, me)
+            if better_span(strength, self.span, self.block_rate, self.rng) is None:
                 continue
+            if not _holes_elsewhere(strength, self.span) and self.server is not None and len(self.server.sessions):
+                continue  # a mere rebalance waits for the sessions here to end; a hole does not
+
             # Others may have seen the same hole: give them a chance to move first.
             await trio.sleep(period_s * self.rng.uniform(0.0, 2.0))
             target = better_span(self._strength_without_me(view, me), self.span, self.block_rate, self.rng)
             if target is not None:
                 log.info("placement: blocks %s are better served elsewhere; moving to %s", self.span, target)
                 await self.serve(target)
+
+
+def _holes_elsewhere(strength: list[float], span: Span) -> bool:
+    """Blocks outside `span` that nobody else serves: the model is broken until filled."""
+    return any(s <= 0 and not span.start <= b < span.end for b, s in enumerate(strength))
