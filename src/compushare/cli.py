@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .config import NodeConfig, Span, load_toml, resolve_data_dir
@@ -114,7 +115,7 @@ def run(
 
             err.print(f"[bold]route[/bold] ({len(route)} hops, chosen for the least expected latency):")
             for line in describe_route(route):
-                err.print(f"  {line}", highlight=False)
+                err.print(f"  {line}", highlight=False, markup=False)
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template,
@@ -154,7 +155,7 @@ def _run_or_exit(fn) -> None:
         known = _all(exc, CompushareError)
         if known:
             for message in dict.fromkeys(str(e) for e in known):
-                err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+                err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)  # peers' text
             raise typer.Exit(2) from None
         raise
 

@@ -104,6 +104,14 @@ class NodeConfig:
     slowdown: float = 1.0  # fault injection: compute takes this many times as long
     limits: ServerLimits = ServerLimits()
 
+    def __post_init__(self) -> None:
+        if not (1.0 <= self.ad_period_s <= 20.0):  # net/ads.MIN_AD_PERIOD_S..MAX_AD_PERIOD_S
+            raise UsageError(f"--ad-period must be within 1..20 s, got {self.ad_period_s:g}")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise UsageError("--max-blocks must be at least 1")
+        if not (1.0 <= self.slowdown <= 10_000):
+            raise UsageError("--debug-slowdown must be within 1..10000")
+
     @classmethod
     def build(cls, data_dir: Path, **flags) -> NodeConfig:
         """Merge `config.toml` under explicit flags (None means "not given")."""

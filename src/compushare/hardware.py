@@ -115,3 +115,8 @@ def detect_hardware() -> Hardware:
     gpu, gpu_mb = _detect_gpu()
     return Hardware(cpu_cores=usable_cpu_cores(), ram_mb=ram_mb, ram_free_mb=min(memory.available // MB, ram_mb),
                     gpu=gpu, gpu_mb=gpu_mb)
+
+
+def available_ram_mb(hardware: Hardware) -> int:
+    """RAM available now (for a fresh ad), never above the total `hardware` reported."""
+    return min(psutil.virtual_memory().available // MB, hardware.ram_mb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -15,10 +16,10 @@ import trio
 from . import __version__
 from .config import STATE_FILE, NodeConfig
 from .errors import SwarmUnreachable, UsageError
-from .hardware import detect_hardware
+from .hardware import available_ram_mb, detect_hardware
 from .model.catalog import DEFAULT_MODEL, resolve_model
 from .model.selfbench import cached_block_rate, measure_block_rate
-from .net.ads import make_ad
+from .net.ads import ad_ttl, make_ad
 from .net.dht import connect_bootstrap, open_dht, sync_routing_table
 from .net.gossip import Gossip, fetch_view
 from .net.host import full_addrs, open_host
@@ -65,8 +66,14 @@ class Node:
             dht._provider_rate_max = PROVIDER_RATE_MAX
             me = host.get_id().to_string()
 
+            last_seq = 0
+
             def make_our_ad():
-                return make_ad(key_pair, me, full_addrs(host), hardware, provider.serving(model.dtype), __version__)
+                nonlocal last_seq
+                last_seq = max(last_seq + 1, time.time_ns())
+                now_hardware = dataclasses.replace(hardware, ram_free_mb=available_ram_mb(hardware))
+                return make_ad(key_pair, me, full_addrs(host), now_hardware, provider.serving(), __version__,
+                               ttl_s=ad_ttl(config.ad_period_s), seq=last_seq)
 
             gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
             async with trio.open_nursery() as nursery:
@@ -88,7 +95,7 @@ class Node:
                     "model_id": model.model_id,
                     "num_blocks": model.num_blocks,
                     "max_blocks": length,
-                    "placement": "fixed" if span is not None else "automatic",
+                    "placement": "fixed" if config.blocks is not None else "automatic",
                     "block_rate": provider.block_rate,
                     "started": time.time(),
                 }
@@ -103,7 +110,7 @@ class Node:
                 server = provider.server
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 nursery.start_soon(server.expire_loop)
-                await nursery.start(announce_loop, host, dht, key_pair, provider, model.dtype, config.record_ttl_s)
+                await nursery.start(announce_loop, host, dht, key_pair, provider, config.record_ttl_s)
                 if config.blocks is None:
                     nursery.start_soon(provider.rebalance_loop, self.view, me, config.ad_period_s)
                 state = self._write_state(provider)

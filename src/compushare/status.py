@@ -93,7 +93,9 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
 
 
 def render(status: dict, console) -> None:
-    """Human-readable status with rich: peers, then one bar per block per model."""
+    """Human-readable status with rich: peers, then one bar per block per model.
+    Text from ads (versions, GPU names) is a peer's: escaped, never markup."""
+    from rich.markup import escape
     from rich.table import Table
 
     roles = status["this_node"]["roles"]
@@ -103,7 +105,7 @@ def render(status: dict, console) -> None:
         table.add_column(column)
     for peer in status["peers"]:
         hw = peer["hardware"]
-        gpu = f", {hw['gpu']} {hw['gpu_mb']} MB" if hw["gpu"] else ""
+        gpu = f", {escape(hw['gpu'])} {hw['gpu_mb']} MB" if hw["gpu"] else ""
         for index, s in enumerate(peer["serving"] or [None]):
             table.add_row(
                 peer["peer_id"][-12:] if index == 0 else "",
@@ -112,7 +114,7 @@ def render(status: dict, console) -> None:
                 f"{s['load']:.0%}" if s else "",
                 f"{s['rate']:.0f}" if s else "",
                 f"{hw['cpu']} cpu, {hw['ram_mb'] // 1024} GiB{gpu}" if index == 0 else "",
-                peer["version"] if index == 0 else "",
+                escape(peer["version"]) if index == 0 else "",
                 f"{peer['age_s']:.1f}s" if index == 0 else "",
             )
     console.print(table)

@@ -16,8 +16,10 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from compushare.hardware import detect_hardware
 from compushare.net.ads import AD_TOPIC, MAX_AD_BYTES, Serving, make_ad
-from compushare.net.gossip import fetch_view, open_gossip
+from compushare.net.framing import FramedStream
+from compushare.net.gossip import MAX_VIEW_FRAME, VIEW_PROTOCOL, open_gossip
 from compushare.net.host import open_host, parse_peer_addr
+from compushare.net.signed import signer_of
 from compushare.net.view import SwarmView
 
 HW = detect_hardware()
@@ -109,12 +111,21 @@ async def _run_services(pubsub, router) -> None:
 
 
 async def _view_of(host, node: dict) -> dict[str, int]:
-    """peer id -> seq of the ads a node holds, fetched (and re-checked) over the view protocol."""
-    view = SwarmView()
+    """peer id -> seq of every ad a node holds, read raw from the view protocol: not
+    re-checked here (fetch_view would drop bad ads and hide a broken validator)."""
     info = parse_peer_addr(node["addrs"][0])
     await host.connect(PeerInfo(info.peer_id, info.addrs))
-    await fetch_view(host, info.peer_id, view)
-    return {ad.peer_id: ad.seq for ad in view.live(time.time())}
+    stream = FramedStream(await host.new_stream(info.peer_id, [VIEW_PROTOCOL]), MAX_VIEW_FRAME)
+    with trio.fail_after(10):
+        await stream.send({"type": "view"})
+        reply = await stream.receive()
+    await stream.close()
+    held = {}
+    for raw in reply["ads"]:
+        claimed = signer_of(raw)
+        assert claimed is not None, "a node holds an ad that does not even parse"
+        held[claimed] = msgpack.unpackb(msgpack.unpackb(raw)["body"])["seq"]
+    return held
 
 
 async def _in_view(host, node: dict, peer: str) -> bool:

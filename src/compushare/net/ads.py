@@ -3,8 +3,8 @@
 An ad is a sealed envelope (net/signed.py) signed by the peer it describes: its
 addresses, hardware, software version and, per model span it serves, free KV
 tokens, load and measured speed. Nodes publish one every AD_PERIOD_S (and at once
-after a change); an ad expires AD_TTL_S after it was sent, so a peer that stops
-advertising drops out of every view within that bound.
+after a change); an ad expires three periods after it was sent (at most MAX_AD_TTL_S), so
+a peer that stops advertising drops out of every view within that bound.
 
 Checks, in order: size, envelope and signature (the signer must be the pubsub
 sender), version and schema, then freshness (not expired, not from the future,
@@ -27,8 +27,13 @@ from .signed import open_sealed, seal, signer_of
 AD_TOPIC = "/compushare/ads/1"  # the version is part of the topic: v2 ads get a new one
 AD_VERSION = 1
 AD_PERIOD_S = 5.0
-AD_TTL_S = 3 * AD_PERIOD_S  # three missed periods and the peer is gone
+MIN_AD_PERIOD_S, MAX_AD_PERIOD_S = 1.0, 20.0
 MAX_AD_TTL_S = 60.0
+AD_TTL_S = 3 * AD_PERIOD_S  # three missed periods and the peer is gone
+
+
+def ad_ttl(period_s: float) -> float:
+    return min(3 * period_s, MAX_AD_TTL_S)
 MAX_CLOCK_SKEW_S = 30.0
 MAX_AD_BYTES = 4096
 MAX_SERVING = 8
@@ -98,11 +103,12 @@ class CapabilityAd:
 
 def make_ad(key_pair: KeyPair, peer_id: str, addrs: list[str], hardware: Hardware,
             serving: list[Serving], version: str, *, now: float | None = None,
-            ttl_s: float = AD_TTL_S) -> CapabilityAd:
-    """Build, sign and return an ad (its `raw` holds the signed bytes)."""
+            ttl_s: float = AD_TTL_S, seq: int | None = None) -> CapabilityAd:
+    """Build, sign and return an ad (its `raw` holds the signed bytes). Publishers
+    pass `seq` above their last one, so a clock stepping back cannot stall them."""
     now = time.time() if now is None else now
     ad = CapabilityAd(peer_id, tuple(addrs[:MAX_ADDRS]), hardware, tuple(serving), version,
-                      seq=time.time_ns(), sent=now, expires=now + ttl_s)
+                      seq=time.time_ns() if seq is None else seq, sent=now, expires=now + ttl_s)
     return dataclasses.replace(ad, raw=ad.sign(key_pair))
 
 

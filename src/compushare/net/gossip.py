@@ -21,18 +21,17 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from ..errors import FrameError, PeerMisbehaved
+from ..errors import PeerMisbehaved
 from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .host import parse_peer_addr
-from .view import SwarmView
+from .view import PUBLISH_INTERVAL_S, SwarmView
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +134,8 @@ class Gossip:
 
     async def _publish_loop(self) -> None:
         while True:
-            wait = self._last_publish + self.view.min_interval_s - trio.current_time()
-            if wait > 0:  # our own validator would refuse a faster ad
+            wait = self._last_publish + PUBLISH_INTERVAL_S - trio.current_time()
+            if wait > 0:  # receivers refuse a faster ad
                 await trio.sleep(wait)
             await self.publish_once()
             # Jitter keeps a swarm started at once from publishing in lockstep.
@@ -148,6 +147,11 @@ class Gossip:
         assert self.pubsub is not None and self.make_ad is not None
         ad = self.make_ad()
         self._last_publish = trio.current_time()
+        try:  # pubsub would drop our own bad ad silently: say so instead
+            parse_ad(ad.raw, sender=ad.peer_id)
+        except PeerMisbehaved as exc:
+            log.error("our own ad is invalid, not publishing it: %s", exc)
+            return
         try:
             await self.pubsub.publish(AD_TOPIC, ad.raw)
             self.published += 1
@@ -172,7 +176,7 @@ class Gossip:
                     ads = [ad.raw for ad in self.view.live(time.time())][:MAX_VIEW_ADS]
                     await framed.send({"type": "view", "ads": ads})
                 await framed.close()
-        except (trio.TooSlowError, StreamError, FrameError) as exc:
+        except Exception as exc:  # a handler must not raise into py-libp2p's connection task
             log.debug("view request failed: %s", exc)
             with contextlib.suppress(Exception):
                 await framed.reset()

@@ -2,7 +2,10 @@
 
 The view keeps the newest valid ad of every peer and forgets a peer when that ad
 expires. It enforces what one ad cannot show by itself: a peer may not replay an
-older ad (seq must grow) nor advertise faster than MIN_AD_INTERVAL_S.
+older ad (seq must grow) nor advertise faster than MIN_AD_INTERVAL_S. Publishers
+space their ads PUBLISH_INTERVAL_S apart, twice the rule, so an ad that travelled a
+longer path than the previous one is not mistaken for a flood. The view holds at
+most MAX_PEERS peers: a flood of fresh identities cannot grow it without bound.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import dataclasses
 
 from .ads import CapabilityAd, Serving
 
-MIN_AD_INTERVAL_S = 1.0
+MIN_AD_INTERVAL_S = 0.5
+PUBLISH_INTERVAL_S = 2 * MIN_AD_INTERVAL_S
+MAX_PEERS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +42,15 @@ class SwarmView:
         if not ad.is_live(now):
             return self._reject("expired")
         known = self._peers.get(ad.peer_id)
+        if known is None and len(self._peers) >= MAX_PEERS:
+            self.expire(now)
+            if len(self._peers) >= MAX_PEERS:
+                return self._reject(f"the view is full ({MAX_PEERS} peers)")
         if known is not None:
             if ad.seq <= known.ad.seq:
                 return self._reject("not newer than the ad already held")
             if now - known.received < self.min_interval_s:
-                return self._reject(f"advertising faster than once per {self.min_interval_s:.0f}s")
+                return self._reject(f"advertising faster than once per {self.min_interval_s:g}s")
         self._peers[ad.peer_id] = _Entry(ad, now)
         return Offer(True)
 
@@ -51,7 +60,11 @@ class SwarmView:
         known = self._peers.get(ad.peer_id)
         if not ad.is_live(now) or (known is not None and ad.seq <= known.ad.seq):
             return False
-        self._peers[ad.peer_id] = _Entry(ad, now)
+        if known is None and len(self._peers) >= MAX_PEERS:
+            return False
+        # A relayed copy says nothing of when its sender last published: it must not
+        # make the sender's next gossip ad look like a flood.
+        self._peers[ad.peer_id] = _Entry(ad, known.received if known else -float("inf"))
         return True
 
     def _reject(self, reason: str) -> Offer:
@@ -67,10 +80,6 @@ class SwarmView:
     def get(self, peer_id: str, now: float) -> CapabilityAd | None:
         entry = self._peers.get(peer_id)
         return entry.ad if entry is not None and entry.ad.is_live(now) else None
-
-    def received_at(self, peer_id: str) -> float | None:
-        entry = self._peers.get(peer_id)
-        return entry.received if entry is not None else None
 
     def live(self, now: float) -> list[CapabilityAd]:
         return sorted((e.ad for e in self._peers.values() if e.ad.is_live(now)), key=lambda ad: ad.peer_id)

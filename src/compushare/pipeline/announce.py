@@ -39,8 +39,8 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
 PROVIDE_INTERVAL_S = 300.0
 
 
-async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: Provider, dtype: str,
-                        ttl_s: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: Provider, ttl_s: float, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Re-put the server record every TTL/3, and at once when the provider's span
     changes. Provider records (which py-libp2p keeps 24 h) are re-sent when the span
     changed, when the routing table gained peers that have not had them, or every
@@ -56,7 +56,7 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
         if span is None or provider.state != "serving":  # the DHT learns only of loaded spans
             await changed.wait()
             continue
-        record = build_record(host, model_id, span.start, span.end, dtype, ttl_s,
+        record = build_record(host, model_id, span.start, span.end, provider.dtype, ttl_s,
                               throughput=provider.span_throughput())
         keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(span.start, span.end)]
         try:

@@ -53,7 +53,7 @@ class RemoteHop:
                                          f"within {timeout:.0f}s") from None
         except StreamError as exc:
             raise RemoteError("connection_lost", f"lost the stream to {peer} (blocks {self.hop.start}:"
-                                                 f"{self.hop.end}): {exc or type(exc).__name__}") from None
+                                                 f"{self.hop.end}): {str(exc) or type(exc).__name__}") from None
         if reply is None:
             raise RemoteError("closed", f"{self.hop.peer_id} closed the stream")
         if reply.get("type") == "error":
@@ -119,7 +119,7 @@ async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens:
                                                         f"{exc.message}") from None
         except Exception as exc:  # dial and stream failures come in many types
             raise HopUnavailable(hop.peer_id, "unreachable", f"could not reach {hop.peer_id} (blocks "
-                                 f"{hop.start}:{hop.end}): {exc or type(exc).__name__}") from None
+                                 f"{hop.start}:{hop.end}): {str(exc) or type(exc).__name__}") from None
 
     try:
         try:

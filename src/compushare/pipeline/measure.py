@@ -38,8 +38,11 @@ async def ping_rtt(host: IHost, record: ServerRecord) -> float:
     return stamps[1] - began
 
 
-async def measure_servers(host: IHost, records: list[ServerRecord], view: SwarmView) -> tuple[dict[str, Measure], set[str]]:
-    """Measures per peer id, and the peers that did not answer a ping (unreachable)."""
+async def measure_servers(host: IHost, records: list[ServerRecord],
+                          view: SwarmView) -> tuple[dict[str, Measure], set[str]]:
+    """Measures per peer id, and the peers not to use: those that did not answer a
+    ping, and those whose live ad no longer serves the span their DHT record names
+    (they moved, or are loading a move; the record lags by up to a TTL)."""
     rtts: dict[str, float] = {}
     unreachable: set[str] = set()
     peers = {r.peer_id: r for r in records}
@@ -60,7 +63,12 @@ async def measure_servers(host: IHost, records: list[ServerRecord], view: SwarmV
     measures = {}
     for peer, record in peers.items():
         ad = view.get(peer, now)
-        serving = next((s for s in ad.serving_of(record.model_id) if s.state == "serving"), None) if ad else None
+        serving = None
+        if ad is not None:
+            serving = next((s for s in ad.serving_of(record.model_id) if s.state == "serving"
+                            and (s.start, s.end) == (record.start, record.end)), None)
+            if serving is None:
+                unreachable.add(peer)
         measures[peer] = Measure(
             rtt_s=rtts.get(peer),
             block_rate=serving.block_rate if serving else 0.0,

@@ -10,29 +10,36 @@ helps the swarm, judged on the view without itself:
     than `min_gain` (hysteresis: servers do not flap over small differences).
 
 Ties are broken at random, so nodes that start together spread out, and a node
-waits a random delay and re-checks before moving (net/placement loop in node.py),
+waits a random delay and re-checks before moving (Provider.rebalance_loop, pipeline/provider.py),
 so several nodes do not all rush into the same hole.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Iterable
 
 from ..config import Span
 from ..net.ads import CapabilityAd, Serving
 
 MIN_GAIN = 0.2
+RATE_CAP = 4.0
 
 
 def block_strength(servers: Iterable[tuple[CapabilityAd, Serving]], num_blocks: int, *,
                    exclude: str | None = None, unknown_rate: float = 1.0) -> list[float]:
-    """Summed decode rate per block (a server with no measured rate counts `unknown_rate`)."""
+    """Summed decode rate per block (a server with no measured rate counts `unknown_rate`).
+
+    Rates are self-reported: one counts at most RATE_CAP times the median, so a peer
+    boasting an absurd rate cannot make its blocks look so strong that nobody ever
+    moves there to help."""
+    servers = [(ad, s) for ad, s in servers if ad.peer_id != exclude]
+    rates = [s.block_rate if s.block_rate > 0 else unknown_rate for _, s in servers]
+    cap = RATE_CAP * statistics.median(rates) if rates else 0.0
     strength = [0.0] * num_blocks
-    for ad, serving in servers:
-        if ad.peer_id == exclude:
-            continue
-        rate = serving.block_rate if serving.block_rate > 0 else unknown_rate
+    for (_ad, serving), rate in zip(servers, rates):
+        rate = min(rate, cap)
         for block in range(serving.start, min(serving.end, num_blocks)):
             strength[block] += rate
     return strength

@@ -20,6 +20,7 @@ from ..config import Span
 from ..model.blocks import SpanRunner
 from ..model.store import StoredModel
 from ..net.ads import Serving
+from ..net.tensors import TORCH_TO_WIRE
 from ..net.view import SwarmView
 from .placement import better_span, block_strength, choose_span, span_length
 from .server import InferenceServer
@@ -67,7 +68,12 @@ class Provider:
         rate = server.block_rate if server is not None and server.block_rate > 0 else self.block_rate
         return rate / len(self.span) if self.span is not None and rate > 0 else 0.0
 
-    def serving(self, dtype: str) -> list[Serving]:
+    @property
+    def dtype(self) -> str:
+        """The dtype the span computes in (and answers in, for a float32 request)."""
+        return TORCH_TO_WIRE[self.server.runner.dtype] if self.server is not None else "float32"
+
+    def serving(self) -> list[Serving]:
         """This node's entry for its capability ad."""
         if self.span is None:
             return []
@@ -77,7 +83,7 @@ class Provider:
             model_id=self.model.model_id,
             start=self.span.start,
             end=self.span.end,
-            dtype=dtype,
+            dtype=self.dtype,
             free_tokens=max(0, server.sessions.free_tokens) if live else 0,
             load=server.load() if live else 0.0,
             block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
@@ -85,12 +91,24 @@ class Provider:
         )]
 
     async def serve(self, span: Span) -> None:
-        """Load `span` in a worker thread and switch the server over to it."""
-        previous = self.span
+        """Load `span` in a worker thread and switch the server over to it. If a move's
+        load fails, the node stays on its old span (and says so)."""
+        previous, previous_state = self.span, self.state
         self.span, self.state = span, "loading"
+        if self.server is not None:
+            self.server.moving = True  # no new sessions on a span about to go
         self._changed()
         log.info("loading blocks %s of %s", span, self.model.model_id[:12])
-        runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
+        try:
+            runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
+        except Exception:
+            if self.server is None:
+                raise  # nothing to fall back on: the node cannot start
+            log.exception("loading blocks %s failed; staying on %s", span, previous)
+            self.span, self.state = previous, previous_state
+            self.server.moving = False
+            self._changed()
+            return
         runner.slowdown = self.slowdown
         if self.server is None:
             self.server = self.server_factory(runner)
@@ -113,20 +131,24 @@ class Provider:
         log.info("placement: chose blocks %s (max %d blocks)", span, length)
         return span
 
+    def _target(self, view: SwarmView, me: str) -> Span | None:
+        strength = self._strength_without_me(view, me)
+        target = better_span(strength, self.span, self.block_rate, self.rng)
+        if target is not None and not _holes_elsewhere(strength, self.span) and self.server is not None \
+                and len(self.server.sessions):
+            return None  # a mere rebalance waits for the sessions here to end; a hole does not
+        return target
+
     async def rebalance_loop(self, view: SwarmView, me: str, period_s: float) -> None:
         while True:
             await trio.sleep(period_s * self.rng.uniform(1.0, 2.0))
             if self.state != "serving" or self.span is None:
                 continue
-            strength = self._strength_without_me(view, me)
-            if better_span(strength, self.span, self.block_rate, self.rng) is None:
+            if self._target(view, me) is None:
                 continue
-            if not _holes_elsewhere(strength, self.span) and self.server is not None and len(self.server.sessions):
-                continue  # a mere rebalance waits for the sessions here to end; a hole does not
-
             # Others may have seen the same hole: give them a chance to move first.
             await trio.sleep(period_s * self.rng.uniform(0.0, 2.0))
-            target = better_span(self._strength_without_me(view, me), self.span, self.block_rate, self.rng)
+            target = self._target(view, me)
             if target is not None:
                 log.info("placement: blocks %s are better served elsewhere; moving to %s", self.span, target)
                 await self.serve(target)

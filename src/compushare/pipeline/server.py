@@ -43,6 +43,7 @@ class InferenceServer:
         self.compute_limiter = trio.CapacityLimiter(limits.compute_threads)
         self.tokens_served = 0
         self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
+        self.moving = False  # set while the node loads another span: new sessions would be dropped
         self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
 
     def _new_table(self) -> SessionTable:
@@ -60,6 +61,7 @@ class InferenceServer:
         dropped = len(self.sessions)
         self.runner = runner
         self.sessions = self._new_table()
+        self.moving = False
         return dropped
 
     def load(self, now: float | None = None) -> float:
@@ -140,6 +142,8 @@ class InferenceServer:
             return protocol.error(exc.code, exc.message, session_id if isinstance(session_id, bytes) else None)
 
     def _open(self, session_id: bytes, message: dict) -> dict:
+        if self.moving:
+            raise Rejected(protocol.BUSY, "this server is moving to other blocks")
         if message.get("model") != self.model_id:
             raise Rejected(protocol.WRONG_MODEL, f"this server serves model {self.model_id}")
         start, end = _int(message, "start"), _int(message, "end")
@@ -159,16 +163,18 @@ class InferenceServer:
         )
         tokens = hidden.shape[1]
         session = sessions.begin_step(session_id, position, tokens, time.monotonic())
+        def compute() -> tuple:
+            # Timed in the worker: waiting for the limiter is queueing (load), not speed.
+            began = time.perf_counter()
+            out = runner.forward(hidden, session.cache, position, session.start, session.end)
+            return out, time.perf_counter() - began
+
         ok = False
         try:
-            began = time.perf_counter()
-            output = await trio.to_thread.run_sync(
-                runner.forward, hidden, session.cache, position, session.start, session.end,
-                limiter=self.compute_limiter,
-            )
-            compute_ms = (time.perf_counter() - began) * 1000
+            output, seconds = await trio.to_thread.run_sync(compute, limiter=self.compute_limiter)
+            compute_ms = seconds * 1000
             ok = True
-            self._observe(tokens, session.end - session.start, compute_ms / 1000)
+            self._observe(tokens, session.end - session.start, seconds)
         finally:
             if not ok:  # a failed forward may have half-appended: roll the cache back
                 runner.truncate(session.cache, position)
