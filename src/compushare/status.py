@@ -18,8 +18,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from .config import STATE_FILE
 from .model.store import ModelStore
 from .net.dht import connect_bootstrap, open_dht
-from .net.host import open_host
 from .net.gossip import learn_views
+from .net.host import open_host
 from .net.view import SwarmView, coverage
 from .swarm import is_our_node
 
@@ -40,7 +40,8 @@ def roles_of(state: dict | None) -> list[str]:
     if state is None:
         return ["consumer"]
     span = f"{state.get('start')}:{state.get('end')}"
-    provider = f"provider of blocks {span} ({state.get('state', 'serving')}, {state.get('placement', 'fixed')} placement)"
+    mode = f"{state.get('state', 'serving')}, {state.get('placement', 'fixed')} placement"
+    provider = f"provider of blocks {span} ({mode})"
     return ["consumer", provider]
 
 

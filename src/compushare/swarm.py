@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import CompushareError, UsageError
 from .config import STATE_FILE
+from .errors import CompushareError, UsageError
 
 SWARM_FILE = "swarm.json"
 START_TIMEOUT_S = 300.0

@@ -146,7 +146,8 @@ def test_arbitrary_bytes_never_crash_the_parser(data):
 
 @settings(max_examples=200)
 @given(st.dictionaries(st.sampled_from(["v", "peer", "addrs", "hw", "serves", "sw", "seq", "sent", "expires", "x"]),
-                       st.one_of(st.none(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=8), st.binary(max_size=8),
+                       st.one_of(st.none(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=8),
+                                 st.binary(max_size=8),
                                  st.lists(st.integers(-5, 5), max_size=3)), max_size=10))
 def test_arbitrary_signed_bodies_are_rejected_cleanly(body):
     with pytest.raises(PeerMisbehaved):

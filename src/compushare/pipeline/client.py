@@ -17,8 +17,8 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from ..errors import HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
 from ..net.codec import DEFAULT_MAX_FRAME
-from ..net.tensors import decode_tensor, encode_tensor
 from ..net.framing import FramedStream
+from ..net.tensors import decode_tensor, encode_tensor
 from . import protocol
 from .routing import Hop
 

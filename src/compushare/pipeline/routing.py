@@ -10,7 +10,6 @@ import statistics
 from ..errors import RouteError
 from ..net.records import ServerRecord
 
-
 HOP_OVERHEAD_S = 0.003  # framing, crypto and waking two processes, measured per hop on loopback
 DEFAULT_RTT_S = 0.05  # a server we could not ping yet: assume a typical WAN hop
 DEFAULT_BLOCK_RATE = 40.0  # decode steps/s through one block when nothing was measured

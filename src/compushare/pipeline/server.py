@@ -20,8 +20,8 @@ from libp2p.network.stream.exceptions import StreamError
 from ..config import ServerLimits
 from ..errors import FrameError
 from ..model.blocks import SpanRunner
-from ..net.tensors import decode_tensor, encode_tensor
 from ..net.framing import FramedStream
+from ..net.tensors import decode_tensor, encode_tensor
 from . import protocol
 from .session import Rejected, SessionTable
 
