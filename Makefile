@@ -34,6 +34,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pipeline_overhead.py
+	$(PY) bench/gossip.py
 
 clean:
 	rm -rf $(VENV) .cache demo-swarm

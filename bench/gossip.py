@@ -1,22 +1,24 @@
 """Gossip delivery: how fast a capability ad reaches every other node of a 30-node swarm.
 
-    .venv/bin/python bench/gossip.py [--nodes 30] [--period 5] [--window-periods 4]
+    .venv/bin/python bench/gossip.py [--nodes 30] [--period 5] [--window-periods 4] [--keep]
 
-Every node is a separate OS process (this file run with --member): its own temp
-data dir and Ed25519 identity, one libp2p host on 127.0.0.1:0 built by
-net/host.open_host, and the project's real gossip code, net/gossip.open_gossip
-(GossipSub v1.1, the ad topic validator, the view's rate/replay rules, the
-dial-from-ads mesh keeper), publishing a realistic signed ad (net/ads.make_ad: this
-machine's hardware, detected once by the parent, and one Serving entry for a fake
-model span) every `--period` seconds, the production AD_PERIOD_S by default. The
-parent runs no libp2p host: it only starts, watches and stops the members.
+Every node is a separate OS process: its own temp data dir and Ed25519 identity, its
+own trio loop, one libp2p host on 127.0.0.1:0 built by net/host.open_host, and the
+project's real gossip code, net/gossip.open_gossip (GossipSub v1.1, the ad topic
+validator, the view's rate/replay rules, the dial-from-ads mesh keeper), publishing
+a realistic signed ad (net/ads.make_ad: this machine's hardware, detected once, and
+one Serving entry for a fake model span) every `--period` seconds, the production
+AD_PERIOD_S by default. The bench process runs no libp2p host: it imports the
+libp2p stack once and forks the members from itself (no trio loop, socket or thread
+exists in it before the fork), so 30 interpreters do not each burn seconds of CPU on
+imports while the others already gossip; `--launch exec` starts a fresh interpreter
+per member instead (this file run with --member).
 
 Start-up: the first `--bootstraps` members start one after another (each dials the
-ones before it); every later member dials `--joins` of them (rotating pairs) once
-its gossip is running, then finds the rest of the swarm through ads like a real
-node. Members are launched with at most `--concurrency` of them still starting,
-so 30 interpreters importing libp2p (~4 s of CPU each) do not starve the running
-ones. Each member writes a ready file, then a status file every second.
+ones before it); every later member, launched one per `--join-interval` seconds,
+dials `--joins` of them (rotating pairs) once its gossip is running and finds the
+rest of the swarm through ads, like a real node. Each member writes a ready file,
+then a status line every second.
 
 Measurement: every member appends, flushed line by line, one JSON record per ad it
 signs ("pub": seq, sent) and per ad accepted into its view ("recv": publisher,
@@ -28,14 +30,25 @@ is expected at each of the other N-1 members:
     latency = arrival - sent, over the (ad, receiver) pairs that arrived;
     delivered_fraction = arrived pairs / (ads in window x (N-1)).
 Arrivals are collected until `--drain` seconds after the window closes: a later one
-counts as lost. p50/p95 are nearest-rank percentiles of the latencies. Ads a
-receiver never logged but for which it did log a newer ad of the same publisher
-are reported separately ("superseded"); they still count as lost.
+counts as lost (so does every expected arrival at a member that crashed). p50/p95
+are nearest-rank percentiles of the latencies. Ads a receiver never logged but for
+which it did log a newer ad of the same publisher are reported separately
+("superseded"); they still count as lost. The same figures are also given for the
+receivers other than the bootstrap members, and per receiver for the slowest five.
+
+This machine may be shared: the bench waits (up to `--wait-quiet` s) for it to be
+under 25% busy before starting, and accounts the CPU of every window from
+/proc/stat: members, other jobs, softirq, steal. Should other jobs take more than
+10% of the CPU in a window, another window follows (up to `--max-windows`) and the
+least disturbed one is reported; every window's numbers are in the JSON too. All
+30 members share the machine's cores: when they need more CPU than it has, the
+latencies measure CPU queueing as much as gossip, and the bench says so.
 
 Also reported: the GossipSub mesh size, the number of subscribed peers
-(Gossip.subscribed_peers) and connections per member at the end, the members'
-GossipSub heartbeat interval and network-health score (py-libp2p adapts the
-former to the latter), and the members' CPU use during the window.
+(Gossip.subscribed_peers) and connections per member, the members' GossipSub
+heartbeat interval and network-health score (py-libp2p adapts the former to the
+latter), why the validators rejected ads, each member's CPU in the window and the
+worst wake-up lag of its trio loop.
 
 Human-readable lines first; the last line is one JSON object.
 """
@@ -50,6 +63,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -131,7 +145,7 @@ async def _member(args, events, statuses) -> None:
 
     from compushare import __version__
     from compushare.hardware import Hardware
-    from compushare.net.ads import AD_TOPIC, Serving, make_ad
+    from compushare.net.ads import AD_TOPIC, Serving, ad_ttl, make_ad
     from compushare.net.gossip import open_gossip
     from compushare.net.host import full_addrs, open_host, parse_peer_addr
     from compushare.net.identity import load_or_create_identity
@@ -149,8 +163,13 @@ async def _member(args, events, statuses) -> None:
         me = host.get_id().to_string()
         addrs = full_addrs(host)
 
-        def new_ad():
-            ad = make_ad(key_pair, me, addrs, hardware, serving, __version__)
+        last_seq = 0
+
+        def new_ad():  # as node.py's make_our_ad: growing seq, TTL from the period
+            nonlocal last_seq
+            last_seq = max(last_seq + 1, time.time_ns())
+            ad = make_ad(key_pair, me, addrs, hardware, serving, __version__,
+                         ttl_s=ad_ttl(args.period), seq=last_seq)
             record({"e": "pub", "q": ad.seq, "s": ad.sent})
             return ad
 
@@ -375,21 +394,97 @@ def wait_quiet(limit_s: float, threshold: float = 0.25) -> float | None:
     return busy
 
 
+class ForkedChild:
+    """The part of subprocess.Popen's interface the bench uses, for a forked member."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+            else:
+                if done:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"member pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def preload_member_modules() -> None:
+    """Import the libp2p stack once, in this process, before forking the members
+    (the parent never starts trio, opens no socket and runs no thread)."""
+    import trio  # noqa: F401
+
+    import compushare.net.ads
+    import compushare.net.gossip
+    import compushare.net.host
+    import compushare.net.identity
+    import compushare.net.view  # noqa: F401
+
+
+def fork_member(argv: list[str], stderr_path: Path) -> ForkedChild:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedChild(pid)
+    code = 1  # the child: never return into the bench (nor run its atexit handlers)
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err, 2)
+        code = member_main(argv)
+    except BaseException:  # noqa: BLE001  (reported on the member's stderr)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
+
+
 def launch(cleanup: Cleanup, index: int, bootstrap: list[str], args, hardware_json: str) -> Member:
     data_dir = cleanup.tmp / f"member-{index:02d}"
     data_dir.mkdir()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--member", "--dir", str(data_dir),
-           "--index", str(index), "--period", str(args.period), "--hardware", hardware_json,
-           "--parent-pid", str(os.getpid()), "--max-lifetime", str(args.max_wall + 60)]
+    argv = ["--dir", str(data_dir), "--index", str(index), "--period", str(args.period),
+            "--hardware", hardware_json, "--parent-pid", str(os.getpid()),
+            "--max-lifetime", str(args.max_wall + 60)]
     for addr in bootstrap:
-        cmd += ["--bootstrap", addr]
-    env = dict(os.environ)
-    env.setdefault("COMPUSHARE_LIBP2P_LOG", "CRITICAL")
-    with open(data_dir / "stderr.txt", "wb") as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                cwd=str(REPO), env=env)
+        argv += ["--bootstrap", addr]
+    if args.launch == "fork":
+        proc = fork_member(argv, data_dir / "stderr.txt")
+    else:
+        with open(data_dir / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--member", *argv],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                    cwd=str(REPO))
     cleanup.procs.append(proc)
     return Member(index, data_dir, proc, time.time())
+
+
+def detect_hardware_wire() -> str:
+    """detect_hardware() in a short-lived interpreter: it imports torch, which must not
+    be in the process the members are forked from."""
+    code = ("import json; from compushare.hardware import detect_hardware; "
+            "print(json.dumps(detect_hardware().to_wire()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return out.stdout.strip().splitlines()[-1]
 
 
 def wait_ready(members: list[Member], timeout: float) -> None:
@@ -412,10 +507,13 @@ def start_swarm(cleanup: Cleanup, args, hardware_json: str) -> list[Member]:
         log(f"  bootstrap member {index} ready after {member.ready['t'] - member.launched:.1f}s "
             f"({member.ready['peer'][-8:]}, pid {member.proc.pid})")
     starting: list[Member] = []
+    next_launch = time.monotonic()
     for index in range(len(members), args.nodes):
-        while len(starting) >= args.concurrency:
+        # A steady join rate, and never more than --concurrency members starting at once.
+        while len(starting) >= args.concurrency or time.monotonic() < next_launch:
             starting = [m for m in starting if not m.poll_ready()]
             time.sleep(0.05)
+        next_launch = time.monotonic() + args.join_interval
         joins = [boot_addrs[(index + k) % len(boot_addrs)] for k in range(min(args.joins, len(boot_addrs)))]
         member = launch(cleanup, index, joins, args, hardware_json)
         members.append(member)
@@ -425,6 +523,34 @@ def start_swarm(cleanup: Cleanup, args, hardware_json: str) -> list[Member]:
 
 
 # --------------------------------------------------------------------------- analysis
+
+
+def last_error(member: Member) -> str:
+    """The last exception line in a member's stderr (tracebacks there are ExceptionGroups)."""
+    found = ""
+    with contextlib.suppress(OSError):
+        for line in (member.dir / "stderr.txt").read_text(errors="replace").splitlines():
+            text = line.strip(" |+-")
+            if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b.*", text) and "Group" not in text:
+                found = text
+    return found[:300]
+
+
+_REPORTED_DEATHS: set[int] = set()
+
+
+def report_deaths(members: list[Member]) -> list[dict]:
+    """Members that exited on their own. They stay in the count: a crashed node's
+    missing arrivals are losses, as in a real swarm."""
+    died = []
+    for m in members:
+        if m.proc.poll() is not None:
+            died.append({"member": m.index, "exit": m.proc.returncode, "error": last_error(m)})
+            if m.index not in _REPORTED_DEATHS:
+                _REPORTED_DEATHS.add(m.index)
+                log(f"  WARNING: member {m.index} (pid {m.proc.pid}) exited with {m.proc.returncode}: "
+                    f"{died[-1]['error'] or 'no error on stderr'}")
+    return died
 
 
 def read_events(member: Member) -> tuple[list[dict], list[dict], list[dict]]:
@@ -446,52 +572,11 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
-def analyse(members: list[Member], window: tuple[float, float]) -> dict:
-    w0, w1 = window
-    peer_of = {m.index: m.ready["peer"] for m in members}
-    arrivals: dict[str, dict[tuple[str, int], float]] = {}  # receiver -> (publisher, seq) -> arrival
-    newest_seq: dict[str, dict[str, list[int]]] = {}  # receiver -> publisher -> seqs received
-    published: list[tuple[str, int, float]] = []
-    dial_errors = 0
-    for m in members:
-        pubs, recvs, errors = read_events(m)
-        dial_errors += sum(1 for e in errors if e.get("e") == "dial_error")
-        me = peer_of[m.index]
-        published += [(me, p["q"], p["s"]) for p in pubs]
-        arrivals[me] = {(r["p"], r["q"]): r["a"] for r in recvs}
-        seqs = collections.defaultdict(list)
-        for r in recvs:
-            seqs[r["p"]].append(r["q"])
-        newest_seq[me] = seqs
-    in_window = [(peer, seq, sent) for peer, seq, sent in published if w0 <= sent < w1]
-    receivers = list(arrivals)
-    latencies: list[float] = []
-    lost = superseded = 0
-    per_ad_reach: list[int] = []
-    per_receiver_lost = collections.Counter()
-    for peer, seq, sent in in_window:
-        reached = 0
-        for receiver in receivers:
-            if receiver == peer:
-                continue
-            arrival = arrivals[receiver].get((peer, seq))
-            if arrival is None:
-                lost += 1
-                per_receiver_lost[receiver] += 1
-                if any(q > seq for q in newest_seq[receiver].get(peer, ())):
-                    superseded += 1
-            else:
-                reached += 1
-                latencies.append(arrival - sent)
-        per_ad_reach.append(reached)
-    latencies.sort()
-    expected = len(in_window) * (len(receivers) - 1)
+def summarise(latencies: list[float], expected: int) -> dict:
+    latencies = sorted(latencies)
     return {
-        "ads_in_window": len(in_window),
         "expected_pairs": expected,
         "delivered_pairs": len(latencies),
-        "lost_pairs": lost,
-        "superseded_pairs": superseded,
         "delivered_fraction": len(latencies) / expected if expected else 0.0,
         "p50_s": percentile(latencies, 50),
         "p90_s": percentile(latencies, 90),
@@ -499,12 +584,61 @@ def analyse(members: list[Member], window: tuple[float, float]) -> dict:
         "p99_s": percentile(latencies, 99),
         "max_s": latencies[-1] if latencies else None,
         "mean_s": statistics.fmean(latencies) if latencies else None,
+    }
+
+
+def analyse(members: list[Member], window: tuple[float, float], bootstraps: int) -> dict:
+    w0, w1 = window
+    index_of = {m.ready["peer"]: m.index for m in members}
+    arrivals: dict[str, dict[tuple[str, int], float]] = {}  # receiver -> (publisher, seq) -> arrival
+    newest_seq: dict[str, dict[str, int]] = {}  # receiver -> publisher -> newest seq received
+    published: list[tuple[str, int, float]] = []
+    dial_errors = 0
+    for m in members:
+        pubs, recvs, errors = read_events(m)
+        dial_errors += sum(1 for e in errors if e.get("e") == "dial_error")
+        me = m.ready["peer"]
+        published += [(me, p["q"], p["s"]) for p in pubs]
+        arrivals[me] = {(r["p"], r["q"]): r["a"] for r in recvs}
+        newest: dict[str, int] = {}
+        for r in recvs:
+            newest[r["p"]] = max(newest.get(r["p"], 0), r["q"])
+        newest_seq[me] = newest
+    in_window = [(peer, seq, sent) for peer, seq, sent in published if w0 <= sent < w1]
+    receivers = list(arrivals)
+    per_receiver: dict[str, list[float]] = {r: [] for r in receivers}
+    lost = collections.Counter()
+    superseded = 0
+    per_ad_reach: list[int] = []
+    for peer, seq, sent in in_window:
+        reached = 0
+        for receiver in receivers:
+            if receiver == peer:
+                continue
+            arrival = arrivals[receiver].get((peer, seq))
+            if arrival is None:
+                lost[receiver] += 1
+                superseded += newest_seq[receiver].get(peer, 0) > seq
+            else:
+                reached += 1
+                per_receiver[receiver].append(arrival - sent)
+        per_ad_reach.append(reached)
+    expected = {r: sum(1 for peer, _, _ in in_window if peer != r) for r in receivers}
+    result = summarise([x for r in receivers for x in per_receiver[r]], sum(expected.values()))
+    others = [r for r in receivers if index_of[r] >= bootstraps]
+    result.update({
+        "ads_in_window": len(in_window),
+        "lost_pairs": sum(lost.values()),
+        "superseded_pairs": superseded,
         "ads_reaching_all": sum(1 for r in per_ad_reach if r == len(receivers) - 1),
         "min_reach": min(per_ad_reach) if per_ad_reach else None,
-        "worst_receivers_lost": per_receiver_lost.most_common(3),
+        "per_receiver": {index_of[r]: summarise(per_receiver[r], expected[r]) for r in receivers},
+        "non_bootstrap_receivers": summarise([x for r in others for x in per_receiver[r]],
+                                             sum(expected[r] for r in others)),
         "dial_errors": dial_errors,
         "published_total": len(published),
-    }
+    })
+    return result
 
 
 def spread(values: list) -> dict:
@@ -542,12 +676,17 @@ def main() -> int:
     parser.add_argument("--bootstraps", type=int, default=3)
     parser.add_argument("--joins", type=int, default=2, help="bootstrap members each later member dials")
     parser.add_argument("--concurrency", type=int, default=3, help="members starting at once")
+    parser.add_argument("--join-interval", type=float, default=1.0,
+                        help="seconds between the launches of the non-bootstrap members")
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--max-wall", type=float, default=900.0)
     parser.add_argument("--wait-quiet", type=float, default=60.0,
                         help="seconds to wait, at most, for the machine to be <25%% busy before starting")
     parser.add_argument("--max-windows", type=int, default=3,
                         help="measure another window while other jobs take more than 10%% of the CPU")
+    parser.add_argument("--launch", choices=("fork", "exec"), default="fork",
+                        help="fork members from this process after importing libp2p once (default), or exec a "
+                             "fresh interpreter per member")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (member logs) for inspection")
     args = parser.parse_args()
 
@@ -558,19 +697,21 @@ def main() -> int:
     cleanup = Cleanup()
     cleanup.keep = args.keep
     try:
-        from compushare.hardware import detect_hardware
         from compushare.net.ads import AD_PERIOD_S
 
         if args.period is None:
             args.period = AD_PERIOD_S
-        hardware = detect_hardware()
-        hardware_json = json.dumps(hardware.to_wire())
+        hardware_json = detect_hardware_wire()
+        if args.launch == "fork":
+            preload_member_modules()
         cpus = os.cpu_count()
         log(f"gossip delivery bench: {args.nodes} nodes, one libp2p host per OS process "
-            f"({args.nodes} member processes; this process only coordinates), 127.0.0.1 only")
+            f"({args.nodes} member processes, {'forked from' if args.launch == 'fork' else 'exec-ed by'} this one, "
+            "which only coordinates), 127.0.0.1 only")
         log(f"ad period {args.period:g}s (AD_PERIOD_S = {AD_PERIOD_S:g}), window {args.window_periods:g} periods, "
             f"warm-up {args.warmup:g}s, drain {args.drain:g}s; {args.bootstraps} bootstrap members, each later "
-            f"member dials {args.joins} of them; machine: {cpus} CPUs; temp {cleanup.tmp}")
+            f"member (one every {args.join_interval:g}s) dials {args.joins} of them; machine: {cpus} CPUs; "
+            f"temp {cleanup.tmp}")
 
         busy_before = wait_quiet(args.wait_quiet)
         log(f"machine {_fmt(busy_before and 100 * busy_before, 0)}% busy just before start")
@@ -578,8 +719,9 @@ def main() -> int:
         members = start_swarm(cleanup, args, hardware_json)
         all_ready = max(m.ready["t"] for m in members)
         startup_s = all_ready - began
+        launch_to_ready = statistics.median(m.ready["t"] - m.launched for m in members)
         log(f"all {len(members)} members ready after {startup_s:.1f}s "
-            f"(per member, launch to ready: median {statistics.median(m.ready['t'] - m.launched for m in members):.1f}s)")
+            f"(per member, launch to ready: median {launch_to_ready:.1f}s)")
 
         # Warm-up: let the mesh form; report when every view holds every peer.
         converged_s = None
@@ -589,15 +731,14 @@ def main() -> int:
                 statuses = [m.status() for m in members]
                 if all(s and s["view_live"] == args.nodes for s in statuses):
                     converged_s = time.time() - all_ready
-                    log(f"every view holds all {args.nodes} live ads {converged_s:.1f}s after the last member was ready")
+                    log(f"every view holds all {args.nodes} live ads {converged_s:.1f}s "
+                        "after the last member was ready")
             time.sleep(0.25)
         if converged_s is None:
             views = [s["view_live"] if s else None for s in (m.status() for m in members)]
             log(f"after the warm-up not every view is complete: live ads per view {spread(views)}")
 
-        for m in members:
-            if m.proc.poll() is not None:
-                raise RuntimeError(f"member {m.index} died during the warm-up (exit {m.proc.returncode})")
+        report_deaths(members)
         # Measurement windows back to back. Other jobs on this machine (it may be
         # shared) would be measured as gossip latency: a window in which they took more
         # than OTHERS_LIMIT of the CPU is followed by another, up to --max-windows; the
@@ -612,11 +753,12 @@ def main() -> int:
             log(f"  other jobs took {100 * others:.0f}% of the machine's CPU in this window")
         time.sleep(args.drain)
         statuses = [m.status() or {} for m in members]
-        alive = sum(1 for m in members if m.proc.poll() is None)
+        died = report_deaths(members)
+        alive = len(members) - len(died)
         cleanup.stop_members()
 
         for window in windows:
-            window["result"] = analyse(members, (window["w0"], window["w1"]))
+            window["result"] = analyse(members, (window["w0"], window["w1"]), args.bootstraps)
         chosen = min(windows, key=lambda w: w["shares"]["others"] if w["shares"] else 0.0)
         w0, w1, shares = chosen["w0"], chosen["w1"], chosen["shares"]
         member_cpu, load1 = chosen["member_cpu"], chosen["load"]
@@ -656,6 +798,22 @@ def main() -> int:
             f"max {_fmt(result['max_s'])}s")
         log(f"ads that reached all {args.nodes - 1} others: {result['ads_reaching_all']} / {result['ads_in_window']}; "
             f"fewest receivers of one ad: {result['min_reach']}")
+        nb = result["non_bootstrap_receivers"]
+        log(f"receivers other than the {args.bootstraps} bootstrap members: delivered {nb['delivered_fraction']:.4f}, "
+            f"p50 {_fmt(nb['p50_s'])}s, p95 {_fmt(nb['p95_s'])}s")
+        slowest = sorted(result["per_receiver"].items(), key=lambda kv: -(kv[1]["p95_s"] or math.inf))[:5]
+        slowest_out = []
+        for index, r in slowest:
+            st = statuses[index]
+            slowest_out.append({"member": index, "bootstrap": index < args.bootstraps,
+                                "connections": st.get("connections"), "mesh": st.get("mesh"),
+                                "cpu": _round(chosen["cpu_by_member"].get(index), 3),
+                                "delivered_fraction": round(r["delivered_fraction"], 4),
+                                "p50_s": _round(r["p50_s"]), "p95_s": _round(r["p95_s"])})
+        log("slowest receivers: " + "; ".join(
+            f"member {o['member']}{' (bootstrap)' if o['bootstrap'] else ''} {o['connections']} connections, "
+            f"mesh {o['mesh']}, {_fmt(o['cpu'], 3)} CPUs: delivered {o['delivered_fraction']:.3f}, "
+            f"p95 {_fmt(o['p95_s'], 2)}s" for o in slowest_out))
         log(f"GossipSub mesh size per member (median over the window): {mesh_window}")
         log(f"at the end: GossipSub mesh size {mesh}, subscribed peers {subscribed}, connections {connections}, "
             f"live ads per view {views}; {alive}/{len(members)} members alive")
@@ -678,6 +836,7 @@ def main() -> int:
             "nodes": args.nodes,
             "processes": len({m.proc.pid for m in members}),
             "hosts_per_process": 1,
+            "launch": args.launch,
             "p50_s": _round(result["p50_s"]),
             "p95_s": _round(result["p95_s"]),
             "p90_s": _round(result["p90_s"]),
@@ -692,12 +851,15 @@ def main() -> int:
             "delivered_pairs": result["delivered_pairs"],
             "superseded_pairs": result["superseded_pairs"],
             "ads_reaching_all": result["ads_reaching_all"],
+            "non_bootstrap_receivers": {k: _round(nb[k]) for k in ("delivered_fraction", "p50_s", "p95_s")},
+            "slowest_receivers": slowest_out,
             "period_s": args.period,
             "window_s": round(w1 - w0, 2),
             "warmup_s": args.warmup,
             "drain_s": args.drain,
             "bootstraps": args.bootstraps,
             "joins": args.joins,
+            "join_interval_s": args.join_interval,
             "startup_s": round(startup_s, 1),
             "views_complete_after_s": _round(converged_s, 1),
             "mesh_degree": mesh,
@@ -710,6 +872,7 @@ def main() -> int:
             "view_rejected": rejected,
             "view_reject_reasons": dict(reasons),
             "dial_errors": result["dial_errors"],
+            "members_died": died,
             "member_cpu_util": round(cpu_util, 3),
             "member_cpu_per_member": per_member_cpu,
             "machine_cpu_shares": shares,
@@ -742,7 +905,8 @@ def measure_window(members: list[Member], seconds: float) -> dict:
     machine1 = machine_cpu_s()
     used = [b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None]
     member_cpu = sum(used)
-    return {"w0": w0, "w1": w1, "member_cpu": member_cpu, "load": os.getloadavg()[0],
+    by_member = {m.index: (b - a) / seconds for m, a, b in zip(members, cpu0, cpu1) if a is not None and b is not None}
+    return {"w0": w0, "w1": w1, "member_cpu": member_cpu, "load": os.getloadavg()[0], "cpu_by_member": by_member,
             "per_member_cpu": spread([round(u / seconds, 3) for u in used]),
             "shares": cpu_breakdown(machine0, machine1, member_cpu)}
 

@@ -130,3 +130,19 @@ async def _view_of(host, node: dict) -> dict[str, int]:
 
 async def _in_view(host, node: dict, peer: str) -> bool:
     return peer in await _view_of(host, node)
+
+
+async def test_garbage_on_the_gossip_stream_does_not_take_the_node_down(processes, tiny_model):
+    proc, a = processes.node("a", tiny_model, "0:2")
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+        info = parse_peer_addr(a["addrs"][0])
+        await host.connect(info)
+        for junk in (b"\x05\xff\xff\xff\xff\xff", b"\x7f" + b"\x0a\xff" * 63, b"\x00"):
+            with trio.fail_after(10):
+                stream = await host.new_stream(info.peer_id, [PROTOCOL_ID_V11])
+                await stream.write(junk)
+            await trio.sleep(0.5)
+        await trio.sleep(1)
+        assert proc.poll() is None, "the node died of a malformed pubsub message"
+        with trio.fail_after(20):
+            assert a["peer_id"] in await _view_of(host, a)

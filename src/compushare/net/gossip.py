@@ -86,10 +86,15 @@ class Gossip:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         degree, low, high = MESH_DEGREE
+        # Adaptive gossip off: with peer scoring unweighted its health score stays low
+        # and it stretches the heartbeat to 30-60 s, so meshes stop being pruned and
+        # the nodes everyone joined through fall behind (measured by bench/gossip.py).
         router = GossipSub(protocols=[PROTOCOL_ID_V11], degree=degree, degree_low=low, degree_high=high,
-                           heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1)
+                           heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1,
+                           adaptive_gossip_enabled=False)
         pubsub = Pubsub(self.host, router, strict_signing=True)
         pubsub.set_topic_validator(AD_TOPIC, self._validate, is_async_validator=False)
+        self.host.set_stream_handler(PROTOCOL_ID_V11, _guarded(pubsub))
         self.host.set_stream_handler(VIEW_PROTOCOL, self._serve_view)
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()
@@ -121,9 +126,14 @@ class Gossip:
                 log.info("peer %s stopped advertising: dropped from the view", peer)
 
     async def _mesh_loop(self) -> None:
-        """Keep at least D_low gossip neighbours: dial peers learned from ads."""
+        """Keep at least D_low gossip neighbours: retry the pubsub handshake with
+        connected peers that never completed it, and dial peers learned from ads."""
         while True:
             await trio.sleep(self.period_s / 2)
+            pubsub = self.pubsub
+            for peer in list(self.host.get_network().connections):
+                if pubsub is not None and peer not in pubsub.peers:  # private in the pinned 0.8.1
+                    pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer)
             missing = MESH_DEGREE[1] - len(self.subscribed_peers())
             if missing > 0:
                 await dial_ad_peers(self.host, self.view, missing)
@@ -254,6 +264,24 @@ async def open_gossip(host: IHost, view: SwarmView, make_ad=None, **kwargs) -> A
             yield gossip
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _guarded(pubsub: Pubsub):
+    """py-libp2p's pubsub stream handler lets a protobuf DecodeError (any peer can
+    send garbage) escape into the connection's task, which takes the whole node
+    down. This one drops that stream and peer instead."""
+
+    async def handler(stream: INetStream) -> None:
+        try:
+            await pubsub.stream_handler(stream)
+        except Exception as exc:
+            peer = stream.muxed_conn.peer_id
+            log.info("dropping the gossip stream of %s: %s", peer, exc)
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            pubsub._handle_dead_peer(peer)  # private in the pinned 0.8.1
+
+    return handler
 
 
 def _short(peer_bytes: bytes) -> str:
