@@ -82,12 +82,14 @@ class Node:
                 if config.bootstrap:
                     await self._join(host, dht)
                 nursery.start_soon(self._routing_sync_loop, host, dht)
-                async with trio.open_nursery() as starting:  # the self-benchmark overlaps the warm-up
-                    starting.start_soon(self._self_benchmark, provider)
-                    if span is None:
-                        await self._learn_swarm(host)
-                        span = await provider.choose_first_span(
-                            self.view, me, length, config.ad_period_s if config.bootstrap else 0.0)
+                await self._self_benchmark(provider)
+                if span is None:
+                    # The random warm-up starts after the benchmark: nodes started together
+                    # (and slowed alike) then choose one after another, each seeing the
+                    # claims published before it.
+                    await self._learn_swarm(host)
+                    span = await provider.choose_first_span(
+                        self.view, me, length, config.ad_period_s if config.bootstrap else 0.0)
                 self._state = {
                     "pid": os.getpid(),
                     "peer_id": me,

@@ -6,6 +6,8 @@ py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
 - the per-subnet diversity cap (2 per /24) would refuse a loopback swarm;
 - `find_providers` and `get_value` answer from the local store first and cache
   what they find, so a second look-up never sees a provider that came later.
+- a peer whose addresses all failed once is not redialled for a while (its
+  "negative cache"): bootstrap dials clear it first.
   `find_providers_fresh` / `get_record_fresh` always ask the network.
 """
 
@@ -77,6 +79,10 @@ async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> i
     async def dial(info: PeerInfo) -> None:
         nonlocal connected
         try:
+            # py-libp2p refuses, for a while, to redial a peer whose addresses all
+            # failed once: a bootstrap peer that was still starting stays unreachable.
+            with contextlib.suppress(Exception):
+                host.get_network().unblock_peer(info.peer_id)
             with trio.fail_after(DIAL_TIMEOUT_S):
                 await host.connect(info)
             await dht.add_peer(info.peer_id)
