@@ -85,10 +85,14 @@ def test_six_nodes_without_spans_cover_the_model_and_heal_after_two_die(processe
     healed = wait_covered(processes, left, killed_at + COVER_WITHIN_S)
     print(f"whole again after {time.monotonic() - killed_at:.1f}s: {healed}")
 
-    # `compushare status --json` sees the same: every block served, the dead gone
-    # once their ads expire.
-    status = json.loads(subprocess.run(
-        [sys.executable, "-m", "compushare", "status", "--json", "--bootstrap", bootstrap],
-        capture_output=True, text=True, timeout=60, check=True).stdout)
-    (model_status,) = status["models"].values()
+    # `compushare status --json` sees the same: every block served. Polled, because
+    # nodes that saw the same hole may still be shifting for a moment (a move that
+    # fills one hole can open a smaller one, filled in turn), all within the bound.
+    while True:
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "compushare", "status", "--json", "--bootstrap", bootstrap],
+            capture_output=True, text=True, timeout=60, check=True).stdout)
+        (model_status,) = status["models"].values()
+        if model_status["holes"] == [] or time.monotonic() > killed_at + COVER_WITHIN_S:
+            break
     assert model_status["holes"] == [] and len(model_status["coverage"]) == LAYERS

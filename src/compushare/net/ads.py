@@ -22,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
 from .records import ALLOWED_DTYPES, MAX_ADDRS, MAX_BLOCKS
-from .signed import open_sealed, seal, signer_of
+from .signed import addrs_field, field, open_sealed, seal, signer_of
 
 AD_TOPIC = "/compushare/ads/1"  # the version is part of the topic: v2 ads get a new one
 AD_VERSION = 1
@@ -53,9 +53,6 @@ class Serving:
     load: float  # share of the last seconds its compute was busy, 0..1
     block_rate: float  # measured single-token steps per second through ONE block; 0 if unknown
     state: str = "serving"
-
-    def covers(self, block: int) -> bool:
-        return self.start <= block < self.end
 
     def step_s(self, blocks: int) -> float | None:
         """Expected compute time of one decode step through `blocks` of its blocks."""
@@ -113,10 +110,7 @@ def make_ad(key_pair: KeyPair, peer_id: str, addrs: list[str], hardware: Hardwar
 
 
 def _get(body: dict, name: str, kind: type | tuple[type, ...]):
-    value = body.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise PeerMisbehaved(f"ad field {name!r} missing or of the wrong type")
-    return value
+    return field(body, name, kind, "ad")
 
 
 def _finite(value: float, name: str, low: float = 0.0, high: float = math.inf) -> float:
@@ -170,9 +164,7 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
         raise PeerMisbehaved("ad of an unknown version")
     if set(body) != {"v", "peer", "addrs", "hw", "serves", "sw", "seq", "sent", "expires"}:
         raise PeerMisbehaved("ad fields are not exactly those of version 1")
-    addrs = _get(body, "addrs", list)
-    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
-        raise PeerMisbehaved("ad addrs malformed")
+    addrs = addrs_field(body, "ad", max_addrs=MAX_ADDRS)
     serves = _get(body, "serves", list)
     if len(serves) > MAX_SERVING:
         raise PeerMisbehaved(f"ad lists more than {MAX_SERVING} spans")
@@ -185,7 +177,7 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
         raise PeerMisbehaved("ad software version too long")
     ad = CapabilityAd(
         peer_id=_get(body, "peer", str),
-        addrs=tuple(addrs),
+        addrs=addrs,
         hardware=hardware,
         serving=tuple(_serving(s) for s in serves),
         version=version,

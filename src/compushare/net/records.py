@@ -14,7 +14,7 @@ import time
 from libp2p.crypto.keys import KeyPair
 
 from ..errors import PeerMisbehaved
-from .signed import open_sealed, seal
+from .signed import addrs_field, field, open_sealed, seal
 
 RECORD_NAMESPACE = "csserver"
 RECORD_VERSION = 1
@@ -65,10 +65,7 @@ class ServerRecord:
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...]):
-    value = body.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise PeerMisbehaved(f"server record field {name!r} missing or of the wrong type")
-    return value
+    return field(body, name, kind, "server record")
 
 
 def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expired: bool = False) -> ServerRecord:
@@ -80,16 +77,14 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
     body = open_sealed(value, key_peer, max_bytes=MAX_RECORD_BYTES, what="server record")
     if not isinstance(body, dict) or body.get("v") != RECORD_VERSION:
         raise PeerMisbehaved("server record of an unknown version")
-    addrs = _field(body, "addrs", list)
-    if len(addrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
-        raise PeerMisbehaved("server record addrs malformed")
+    addrs = addrs_field(body, "server record", max_addrs=MAX_ADDRS)
     record = ServerRecord(
         peer_id=_field(body, "peer", str),
         model_id=_field(body, "model", str),
         start=_field(body, "start", int),
         end=_field(body, "end", int),
         dtype=_field(body, "dtype", str),
-        addrs=tuple(addrs),
+        addrs=addrs,
         expires=float(_field(body, "expires", (int, float))),
         seq=_field(body, "seq", int),
         throughput=float(_field(body, "tps", (int, float))),

@@ -61,3 +61,18 @@ def signer_of(value: bytes) -> str | None:
     except Exception:
         return None
     return peer if isinstance(peer, str) else None
+
+
+def field(body: dict, name: str, kind: type | tuple[type, ...], what: str):
+    """`body[name]` if it has type `kind` (a bool never passes for an int)."""
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PeerMisbehaved(f"{what} field {name!r} missing or of the wrong type")
+    return value
+
+
+def addrs_field(body: dict, what: str, *, max_addrs: int) -> tuple[str, ...]:
+    addrs = field(body, "addrs", list, what)
+    if len(addrs) > max_addrs or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
+        raise PeerMisbehaved(f"{what} addrs malformed")
+    return tuple(addrs)

@@ -88,17 +88,19 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     """Look up servers, measure them (pings, ads) and plan the fastest chain,
     retrying briefly while a swarm settles."""
     view = SwarmView() if view is None else view
-    for attempt in range(DISCOVERY_ATTEMPTS):
+
+    async def attempt() -> list[Hop]:
         records = await discover_servers(dht, model_id, num_blocks)
         measures, unreachable = await measure_servers(host, records, view)
+        return plan_route(records, num_blocks, now=time.time(), measures=measures,
+                          needed_tokens=needed_tokens, exclude=exclude | unreachable)
+
+    for _ in range(DISCOVERY_ATTEMPTS - 1):
         try:
-            return plan_route(records, num_blocks, now=time.time(), measures=measures,
-                              needed_tokens=needed_tokens, exclude=exclude | unreachable)
+            return await attempt()
         except RouteError:
-            if attempt == DISCOVERY_ATTEMPTS - 1:
-                raise
             await trio.sleep(DISCOVERY_RETRY_S)
-    raise AssertionError("unreachable")
+    return await attempt()
 
 
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,

@@ -74,6 +74,11 @@ def _holes(strength: list[float]) -> int:
     return sum(1 for s in strength if s <= 0)
 
 
+def holes_outside(strength: list[float], span: Span) -> bool:
+    """Blocks outside `span` that nobody else serves: the model is broken until filled."""
+    return any(s <= 0 and not span.start <= b < span.end for b, s in enumerate(strength))
+
+
 def better_span(strength_without_me: list[float], current: Span, my_rate: float, rng: random.Random,
                 *, min_gain: float = MIN_GAIN) -> Span | None:
     """A span to move to, or None to stay. `strength_without_me` excludes this node."""

@@ -22,7 +22,7 @@ from ..model.store import StoredModel
 from ..net.ads import Serving
 from ..net.tensors import TORCH_TO_WIRE
 from ..net.view import SwarmView
-from .placement import better_span, block_strength, choose_span, span_length
+from .placement import better_span, block_strength, choose_span, holes_outside, span_length
 from .server import InferenceServer
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Provider:
     def _target(self, view: SwarmView, me: str) -> Span | None:
         strength = self._strength_without_me(view, me)
         target = better_span(strength, self.span, self.block_rate, self.rng)
-        if target is not None and not _holes_elsewhere(strength, self.span) and self.server is not None \
+        if target is not None and not holes_outside(strength, self.span) and self.server is not None \
                 and len(self.server.sessions):
             return None  # a mere rebalance waits for the sessions here to end; a hole does not
         return target
@@ -153,7 +153,3 @@ class Provider:
                 log.info("placement: blocks %s are better served elsewhere; moving to %s", self.span, target)
                 await self.serve(target)
 
-
-def _holes_elsewhere(strength: list[float], span: Span) -> bool:
-    """Blocks outside `span` that nobody else serves: the model is broken until filled."""
-    return any(s <= 0 and not span.start <= b < span.end for b, s in enumerate(strength))
