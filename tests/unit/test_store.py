@@ -1,10 +1,11 @@
-"""model/store.py: model id = content hash of the weights' description; the on-disk store."""
+"""model/layout.py and model/store.py: model id = hash of the manifest; the on-disk store."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compushare.errors import UsageError
-from compushare.model.store import DESCRIPTION_FILE, ModelStore, describe, model_id_of
+from compushare.model.layout import lay_out
+from compushare.model.store import MANIFEST_FILE, ModelStore
+from compushare.torrent.manifest import parse
 from helpers import make_tiny_llama
 
 WEIGHTS = "model.safetensors"
@@ -24,8 +27,13 @@ def copy_model(src: Path, dst: Path) -> Path:
     return dst
 
 
+def manifest_of(path: Path, **kwargs):
+    with tempfile.TemporaryDirectory() as out:
+        return lay_out(path, Path(out) / "m", **kwargs)
+
+
 def id_of(path: Path) -> str:
-    return model_id_of(describe(path))
+    return manifest_of(path).model_id
 
 
 def edit_weights(path: Path, edit) -> None:
@@ -42,19 +50,40 @@ def edit_config(path: Path, **changes) -> None:
 # ---------------------------------------------------------------- ids
 
 
-def test_description_shape(tiny_model):
-    desc = describe(tiny_model)
-    assert desc["format"] == "compushare-model/1"
-    assert desc["config"]["num_hidden_layers"] == 4
-    assert "transformers_version" not in desc["config"] and "dtype" not in desc["config"]
-    names = list(desc["tensors"])
-    assert names == sorted(names)
-    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
-    assert sum(n.startswith("model.layers.") for n in names) == 4 * 9
-    entry = desc["tensors"][SOME_TENSOR]
-    assert entry["dtype"] == "F32" and entry["shape"] == [64, 128] and entry["file"] == WEIGHTS
-    assert re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
-    assert re.fullmatch(r"[0-9a-f]{64}", model_id_of(desc))
+def test_manifest_shape(tiny_model):
+    manifest = manifest_of(tiny_model)
+    assert parse(manifest.raw, expected_id=manifest.model_id).model_id == manifest.model_id
+    doc = json.loads(manifest.raw)
+    assert doc["format"] == "compushare-manifest/1"
+    assert doc["config"]["num_hidden_layers"] == 4
+    assert "transformers_version" not in doc["config"] and "dtype" not in doc["config"]
+    assert manifest.piece_size == 16 * 1024  # the smallest automatic size, for a tiny model
+    names = [f.name for f in manifest.files]
+    assert names[:5] == ["head.safetensors"] + [f"block-{b:04d}.safetensors" for b in range(4)]
+    assert [f.role for f in manifest.files[:5]] == ["head"] + ["block"] * 4
+    head, block2 = manifest.files[0], manifest.files[3]
+    assert set(head.tensors) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert len(block2.tensors) == 9 and all(n.startswith("model.layers.2.") for n in block2.tensors)
+    entry = block2.tensors[SOME_TENSOR]
+    assert entry.dtype == "F32" and entry.shape == (64, 128) and entry.end - entry.begin == 64 * 128 * 4
+    assert all(re.fullmatch(r"[0-9a-f]{64}", p) for f in manifest.files for p in f.pieces)
+    assert re.fullmatch(r"[0-9a-f]{64}", manifest.model_id)
+    # Every piece says which tensors it holds, and every tensor is in some piece.
+    covered = {t for i in range(len(manifest.pieces)) for t in manifest.tensors_in_piece(i)}
+    assert covered == set(manifest.tensors())
+    assert manifest.pieces_for(blocks=(2, 3)) == set(manifest.file_pieces(3))
+
+
+def test_laid_out_files_are_plain_safetensors(tiny_model, tmp_path):
+    manifest = lay_out(tiny_model, tmp_path / "out")
+    original = load_file(str(tiny_model / WEIGHTS))
+    regrouped = {}
+    for f in manifest.files:
+        if f.name.endswith(".safetensors"):
+            regrouped |= load_file(str(tmp_path / "out" / f.name))
+    assert set(regrouped) == set(original)
+    assert all(torch.equal(regrouped[n], original[n]) for n in original)
+    assert (tmp_path / "out" / "manifest.json").read_bytes() == manifest.raw
 
 
 def test_same_weights_same_id(tiny_model, tmp_path):
@@ -74,10 +103,10 @@ def test_changing_one_weight_value_changes_the_id(tiny_model, tmp_path):
         tensors[SOME_TENSOR][17, 3] += 1e-3
 
     edit_weights(edited, nudge)
-    before, after = describe(tiny_model), describe(edited)
-    changed = [n for n in before["tensors"] if before["tensors"][n] != after["tensors"][n]]
-    assert changed == [SOME_TENSOR]
-    assert model_id_of(before) != model_id_of(after)
+    before, after = manifest_of(tiny_model), manifest_of(edited)
+    changed = [f.name for f, g in zip(before.files, after.files, strict=True) if f.pieces != g.pieces]
+    assert changed == ["block-0002.safetensors"]
+    assert before.model_id != after.model_id
 
 
 def to_bf16(tensors):
@@ -96,7 +125,7 @@ def test_changing_the_dtype_changes_the_id(tiny_model, tmp_path):
 
     edit_weights(edited, to_bf16)
     assert id_of(edited) != id_of(tiny_model)
-    assert {t["dtype"] for t in describe(edited)["tensors"].values()} == {"BF16"}
+    assert {t.dtype for t in manifest_of(edited).tensors().values()} == {"BF16"}
 
 
 def test_reshaping_a_tensor_changes_the_id(tiny_model, tmp_path):
@@ -136,24 +165,18 @@ def test_file_layout_does_not_change_the_id(tiny_model, tmp_path):
     names = sorted(tensors)
     save_file({n: tensors[n] for n in names[::2]}, str(sharded / "part-1.safetensors"), metadata={"format": "pt"})
     save_file({n: tensors[n] for n in names[1::2]}, str(sharded / "part-2.safetensors"), metadata={"format": "pt"})
-    desc = describe(sharded)
-    assert {t["file"] for t in desc["tensors"].values()} == {"part-1.safetensors", "part-2.safetensors"}
-    assert model_id_of(desc) == id_of(tiny_model)
+    assert id_of(sharded) == id_of(tiny_model)
 
 
-def test_model_id_ignores_file_names_and_tensor_order(tiny_model):
-    desc = describe(tiny_model)
-    shuffled = desc | {"tensors": {n: t | {"file": "x"} for n, t in reversed(list(desc["tensors"].items()))}}
-    assert model_id_of(shuffled) == model_id_of(desc)
-    tweaked = json.loads(json.dumps(desc))
-    tweaked["tensors"][SOME_TENSOR]["sha256"] = "0" * 64
-    assert model_id_of(tweaked) != model_id_of(desc)
+def test_piece_size_is_part_of_the_id(tiny_model):
+    small, large = manifest_of(tiny_model, piece_size=16 * 1024), manifest_of(tiny_model, piece_size=64 * 1024)
+    assert small.model_id != large.model_id and len(small.pieces) > len(large.pieces)
 
 
-def test_describe_without_weights_raises_usage_error(tmp_path):
+def test_lay_out_without_weights_raises_usage_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
     with pytest.raises(UsageError, match="safetensors"):
-        describe(tmp_path)
+        manifest_of(tmp_path)
 
 
 # ---------------------------------------------------------------- the store
@@ -164,10 +187,10 @@ def test_import_dir(tiny_model, tmp_path):
     model = store.import_dir(tiny_model, alias="tiny")
     assert model.model_id == id_of(tiny_model)
     assert model.path == tmp_path / "data" / "models" / model.model_id
-    assert json.loads((model.path / DESCRIPTION_FILE).read_text()) == describe(tiny_model) == model.description
-    assert (model.path / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
-    assert (model.path / WEIGHTS).read_bytes() == (tiny_model / WEIGHTS).read_bytes()
+    assert (model.path / MANIFEST_FILE).read_bytes() == manifest_of(tiny_model).raw == model.manifest.raw
+    assert json.loads((model.path / "config.json").read_text()) == model.manifest.config
     assert model.num_blocks == 4 and model.hidden_size == 64 and model.dtype == "float32"
+    assert model.holds(blocks=(0, 4), head=True) and model.held_blocks() == [0, 1, 2, 3]
     assert not list((tmp_path / "data" / "models").glob(".import-*"))  # no staging left behind
 
 
@@ -204,10 +227,24 @@ def test_import_without_alias(tiny_model, tmp_path):
     assert store.list() == [([], model)]
 
 
-def test_import_uses_a_given_description(tiny_model, tmp_path):
-    store = ModelStore(tmp_path / "data")
-    desc = describe(tiny_model)
-    assert store.import_dir(tiny_model, description=desc).model_id == model_id_of(desc)
+def test_import_of_a_laid_out_directory_links_its_files(tiny_model, tmp_path):
+    laid = tmp_path / "laid"
+    manifest = lay_out(tiny_model, laid)
+    model = ModelStore(tmp_path / "data").import_dir(laid, laid_out=True)
+    assert model.model_id == manifest.model_id
+    block = model.path / "block-0001.safetensors"
+    assert block.stat().st_ino == (laid / "block-0001.safetensors").stat().st_ino
+
+
+def test_a_model_known_only_by_its_manifest_holds_no_files(tiny_model, tmp_path):
+    manifest = manifest_of(tiny_model)
+    model = ModelStore(tmp_path / "data").add_manifest(manifest, alias="tiny")
+    assert model.model_id == manifest.model_id and model.held_files() == set()
+    assert model.missing_files(blocks=(1, 3)) == [2, 3]
+    assert not model.holds(head=True)
+    # A later full import fills the directory in.
+    full = ModelStore(tmp_path / "data").import_dir(tiny_model)
+    assert full == model and full.holds(blocks=(0, 4), head=True)
 
 
 def test_unknown_names_are_none(tiny_model, tmp_path):

@@ -66,6 +66,20 @@ class SpanRunner:
         state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
         return cls(config, start, end, state, dtype)
 
+    @classmethod
+    def random(cls, model_dir: Path, start: int, end: int, seed: int = 0) -> SpanRunner:
+        """The span with freshly initialised weights: as fast as the real ones (dense
+        compute does not care about the values), for benchmarking blocks not held."""
+        config = load_config(model_dir)
+        arch = architecture_of(config)
+        state = {}
+        with torch.random.fork_rng():  # sampling's global RNG must not move
+            torch.manual_seed(seed)
+            for index in range(start, end):
+                layer = arch.decoder_layer(config, layer_idx=index)
+                state |= {f"{LAYER_PREFIX}{index}.{k}": v for k, v in layer.state_dict().items()}
+        return cls(config, start, end, state)
+
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size

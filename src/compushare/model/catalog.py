@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
-from .store import ModelStore, StoredModel
+from .store import MANIFEST_FILE, ModelStore, StoredModel
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -58,8 +57,6 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None) -> StoredM
         path = sources.convert_gguf_cached(path, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
-    description = None
-    cached = path / "description.json"
-    if cached.exists() and path.resolve().is_relative_to(resolve_cache_dir()):
-        description = json.loads(cached.read_text())  # written by our own conversion
-    return store.import_dir(path, alias=alias, description=description)
+    # Our own conversions are already laid out: hard-link them instead of rewriting.
+    laid_out = (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(resolve_cache_dir())
+    return store.import_dir(path, alias=alias, laid_out=laid_out)

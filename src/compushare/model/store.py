@@ -1,96 +1,82 @@
 """The on-disk model store: `<data dir>/models/<model id>/` plus `aliases.json`.
 
-A model's id is the SHA-256 of its *description*: the architecture config and, for
-every stored tensor, its name, dtype, shape and the SHA-256 of its bytes. Two
-differently converted copies of "the same" model therefore get different ids, and
-peers never mix them. Names like `smollm2-135m` are only local aliases.
+A model directory holds `manifest.json` (torrent/manifest.py: every file, piece and
+tensor of the model), a `config.json` derived from it, and whichever of the
+model's files this node holds in full: a provider holds only its span's block
+files, a consumer the head and tokenizer. The model id is the SHA-256 of the
+manifest, so two differently converted copies of "the same" model get different
+ids and peers never mix them. Names like `smollm2-135m` are only local aliases.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
+from functools import cached_property
 from pathlib import Path
 
-from safetensors import safe_open
+from ..errors import FrameError, UsageError
+from ..torrent.manifest import Manifest, parse
+from .layout import lay_out, write_config
 
-from ..errors import UsageError
-
-DESCRIPTION_FILE = "description.json"
-FORMAT = "compushare-model/1"
-# config.json keys that say nothing about the computation.
-VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache"}
-COPIED_SUFFIXES = (".json", ".safetensors", ".jinja", ".model", ".txt")
+MANIFEST_FILE = "manifest.json"
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
-@dataclasses.dataclass(frozen=True)
 class StoredModel:
-    model_id: str
-    path: Path
-    description: dict
+    def __init__(self, model_id: str, path: Path, manifest: Manifest) -> None:
+        self.model_id, self.path, self.manifest = model_id, path, manifest
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StoredModel) and (self.model_id, self.path) == (other.model_id, other.path)
+
+    def __hash__(self) -> int:
+        return hash((self.model_id, self.path))
+
+    def __repr__(self) -> str:
+        return f"StoredModel({self.model_id[:12]}, {self.path})"
 
     @property
     def num_blocks(self) -> int:
-        return int(self.description["config"]["num_hidden_layers"])
+        return self.manifest.num_blocks
 
     @property
     def hidden_size(self) -> int:
-        return int(self.description["config"]["hidden_size"])
+        return int(self.manifest.config["hidden_size"])
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one decoder block's weights (the largest, if they differ)."""
-        sizes: dict[str, int] = {}
-        for name, tensor in self.description["tensors"].items():
-            if name.startswith("model.layers."):
-                block = name.split(".")[2]
-                itemsize = {"F32": 4, "F16": 2, "BF16": 2}.get(tensor["dtype"], 4)
-                sizes[block] = sizes.get(block, 0) + itemsize * math.prod(tensor["shape"])
-        return max(sizes.values(), default=0)
+        return max(self.manifest.block_bytes().values(), default=0)
 
-    @property
+    @cached_property
     def dtype(self) -> str:
-        dtypes = {t["dtype"] for t in self.description["tensors"].values()}
+        dtypes = {t.dtype for t in self.manifest.tensors().values()}
         return "float32" if dtypes == {"F32"} else "bfloat16" if dtypes == {"BF16"} else "mixed"
 
+    def held_files(self) -> set[int]:
+        """Indexes of the manifest's files present here in full (files only ever
+        appear complete: they are verified before being renamed into place)."""
+        held = set()
+        for i, entry in enumerate(self.manifest.files):
+            try:
+                if (self.path / entry.name).stat().st_size == entry.size:
+                    held.add(i)
+            except OSError:
+                pass
+        return held
 
-def describe(model_dir: Path) -> dict:
-    """Hash every tensor's bytes; this is what the model id commits to."""
-    config = json.loads((model_dir / "config.json").read_text())
-    config = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
-    tensors: dict[str, dict] = {}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{model_dir} holds no .safetensors weights")
-    import torch  # here, not at the top: `status` and `models list` need no torch
+    def missing_files(self, *, blocks: tuple[int, int] | None = None, head: bool = False) -> list[int]:
+        return sorted(set(self.manifest.files_for(blocks=blocks, head=head)) - self.held_files())
 
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                raw = handle.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy()
-                sl = handle.get_slice(name)
-                tensors[name] = {
-                    "dtype": sl.get_dtype(),
-                    "shape": list(sl.get_shape()),
-                    "sha256": hashlib.sha256(raw).hexdigest(),
-                    "file": path.name,
-                }
-    return {"format": FORMAT, "config": config, "tensors": dict(sorted(tensors.items()))}
+    def held_blocks(self) -> list[int]:
+        files = self.manifest.files
+        return sorted(files[i].block for i in self.held_files() if files[i].role == "block")
 
-
-def model_id_of(description: dict) -> str:
-    canonical = json.dumps(
-        {k: v for k, v in description.items() if k != "tensors"}
-        | {"tensors": {n: {k: v for k, v in t.items() if k != "file"} for n, t in description["tensors"].items()}},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    def holds(self, *, blocks: tuple[int, int] | None = None, head: bool = False) -> bool:
+        return not self.missing_files(blocks=blocks, head=head)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -120,41 +106,76 @@ class ModelStore:
     def get(self, name_or_id: str) -> StoredModel | None:
         model_id = self.aliases().get(name_or_id, name_or_id)
         path = self.root / model_id
-        desc = path / DESCRIPTION_FILE
-        if "/" in model_id or not desc.exists():
+        if "/" in model_id or model_id.startswith(".") or not (path / MANIFEST_FILE).exists():
             return None
-        return StoredModel(model_id, path, json.loads(desc.read_text()))
+        try:
+            manifest = parse((path / MANIFEST_FILE).read_bytes(), expected_id=model_id)
+        except FrameError as exc:
+            raise UsageError(f"the stored manifest of {model_id[:12]} is damaged ({exc}); remove {path}") from None
+        return StoredModel(model_id, path, manifest)
 
     def list(self) -> list[tuple[list[str], StoredModel]]:
         names: dict[str, list[str]] = {}
         for alias, model_id in self.aliases().items():
             names.setdefault(model_id, []).append(alias)
         out = []
-        for desc in sorted(self.root.glob(f"*/{DESCRIPTION_FILE}")):
-            model = self.get(desc.parent.name)
+        for manifest in sorted(self.root.glob(f"*/{MANIFEST_FILE}")):
+            model = self.get(manifest.parent.name)
             if model:
                 out.append((sorted(names.get(model.model_id, [])), model))
         return out
 
-    def import_dir(self, source: Path, alias: str | None = None, description: dict | None = None) -> StoredModel:
-        """Import an HF-style directory (config.json + safetensors). Files are hard-linked
-        when possible. `description` may be passed when the caller already computed it
-        for exactly these files (the shared conversion cache)."""
-        source = Path(source)
-        if not (source / "config.json").exists():
-            raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
-        description = description or describe(source)
-        model_id = model_id_of(description)
-        target = self.root / model_id
-        if not (target / DESCRIPTION_FILE).exists():
-            staging = Path(tempfile.mkdtemp(prefix=".import-", dir=self.root))
-            for item in source.iterdir():
-                if item.is_file() and item.name.endswith(COPIED_SUFFIXES) and item.name != DESCRIPTION_FILE:
-                    _link_or_copy(item, staging / item.name)
-            (staging / DESCRIPTION_FILE).write_text(json.dumps(description, indent=1, sort_keys=True))
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
+    def add_manifest(self, manifest: Manifest, alias: str | None = None) -> StoredModel:
+        """Make room for a model fetched from the swarm: its manifest, no files yet."""
+        target = self.root / manifest.model_id
+        if not (target / MANIFEST_FILE).exists():
+            staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=self.root))
+            (staging / MANIFEST_FILE).write_bytes(manifest.raw)
+            write_config(staging, manifest)
+            self._install(staging, target)
         if alias:
-            self.set_alias(alias, model_id)
-        return self.get(model_id)
+            self.set_alias(alias, manifest.model_id)
+        return self.get(manifest.model_id)
+
+    def import_dir(self, source: Path, alias: str | None = None, *, piece_size: int | None = None,
+                   laid_out: bool = False) -> StoredModel:
+        """Import an HF-style directory (config.json + safetensors + tokenizer files),
+        laying it out as the store holds models. `laid_out=True` marks a directory
+        this program laid out itself (the shared conversion cache): its files are
+        hard-linked instead of rewritten."""
+        source = Path(source)
+        if laid_out:
+            manifest = parse((source / MANIFEST_FILE).read_bytes())
+            target = self.root / manifest.model_id
+            if not (target / MANIFEST_FILE).exists():
+                staging = Path(tempfile.mkdtemp(prefix=".import-", dir=self.root))
+                for entry in manifest.files:
+                    _link_or_copy(source / entry.name, staging / entry.name)
+                (staging / MANIFEST_FILE).write_bytes(manifest.raw)
+                write_config(staging, manifest)
+                self._install(staging, target)
+        else:
+            if not (source / "config.json").exists():
+                raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
+            staging = Path(tempfile.mkdtemp(prefix=".import-", dir=self.root))
+            try:
+                manifest = lay_out(source, staging, piece_size=piece_size)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            self._install(staging, self.root / manifest.model_id)
+        if alias:
+            self.set_alias(alias, manifest.model_id)
+        return self.get(manifest.model_id)
+
+    def _install(self, staging: Path, target: Path) -> None:
+        """Move a staged model directory into place; files already held there (say,
+        blocks fetched before a full import) are replaced by the staged ones."""
+        if (target / MANIFEST_FILE).exists():
+            for item in staging.iterdir():
+                os.replace(item, target / item.name)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
