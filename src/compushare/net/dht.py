@@ -108,10 +108,20 @@ async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
                 await dht.add_peer(peer_id)
 
 
+def seed_key(model_id: str) -> str:
+    """Provider key for "holds pieces of this model" (seeders)."""
+    return hashlib.sha256(f"compushare/seed/v1/{model_id}".encode()).hexdigest()
+
+
 async def find_providers_fresh(dht: KadDHT, key: str) -> set[ID]:
     """Ask the peers closest to `key` for providers; never trust a cached answer."""
+    return set(await find_provider_infos_fresh(dht, key))
+
+
+async def find_provider_infos_fresh(dht: KadDHT, key: str) -> dict[ID, PeerInfo]:
+    """Like find_providers_fresh, with the addresses each provider record carries."""
     key_bytes = bytes.fromhex(key)
-    found: set[ID] = {info.peer_id for info in dht.provider_store.get_providers(key_bytes)}
+    found: dict[ID, PeerInfo] = {info.peer_id: info for info in dht.provider_store.get_providers(key_bytes)}
     with trio.move_on_after(LOOKUP_TIMEOUT_S):
         closest = await dht.peer_routing.find_closest_peers_network(key_bytes)
     # py-libp2p exposes no "ask this peer" call without local caching; this private
@@ -121,7 +131,9 @@ async def find_providers_fresh(dht: KadDHT, key: str) -> set[ID]:
     async def query(peer: ID) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(LOOKUP_TIMEOUT_S):
             providers, _closer = await ask(peer, key_bytes)
-            found.update(info.peer_id for info in providers)
+            for info in providers:
+                if info.addrs or info.peer_id not in found:
+                    found[info.peer_id] = info
 
     async with trio.open_nursery() as nursery:
         for peer in closest:

@@ -1,0 +1,118 @@
+"""/compushare/pieces/1.0.0 messages: constructors and checks. Pure, no I/O.
+
+One stream per downloader and seeder pair. The downloader says `hello` with the
+model id; the seeder answers with its `bitfield` (or an error), then sends `have`
+for pieces it gains. The downloader may ask for the `manifest`, then `request`s
+pieces (several in flight) and `cancel`s requests it no longer needs; the seeder
+answers each request with a `piece` or a `reject`. See protocol.md.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import FrameError
+from .manifest import MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES
+
+PIECES_PROTOCOL = "/compushare/pieces/1.0.0"
+# Downloaders send only small control messages; seeders send pieces and manifests.
+MAX_CONTROL_FRAME = 64 * 1024
+MAX_DATA_FRAME = max(MAX_PIECE_SIZE, MAX_MANIFEST_BYTES) + 64 * 1024
+REJECT_CODES = ("not_held", "too_many_requests")
+_MODEL_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _bad(message: str) -> FrameError:
+    return FrameError("bad_message", message)
+
+
+def _index(message: dict, num_pieces: int) -> int:
+    index = message.get("index")
+    if type(index) is not int or not 0 <= index < num_pieces:
+        raise _bad(f"{message.get('type')}: index must be an integer in [0, {num_pieces})")
+    return index
+
+
+def _keys(message: dict, keys: set[str]) -> None:
+    if set(message) != keys | {"type"}:
+        raise _bad(f"{message['type']}: expected keys {sorted(keys | {'type'})}")
+
+
+# ---------------------------------------------------------------- bitfields
+
+
+def encode_bitfield(have, num_pieces: int) -> bytes:
+    field = bytearray((num_pieces + 7) // 8)
+    for i in have:
+        field[i >> 3] |= 0x80 >> (i & 7)
+    return bytes(field)
+
+
+def decode_bitfield(field: bytes, num_pieces: int) -> set[int]:
+    if not isinstance(field, bytes) or len(field) != (num_pieces + 7) // 8:
+        raise _bad(f"a bitfield of {num_pieces} pieces is {(num_pieces + 7) // 8} bytes")
+    if num_pieces % 8 and field[-1] & (0xFF >> (num_pieces % 8)):
+        raise _bad("a bitfield's spare bits must be zero")
+    return {i for i in range(num_pieces) if field[i >> 3] & (0x80 >> (i & 7))}
+
+
+# ---------------------------------------------------------------- downloader -> seeder
+
+
+def parse_request(message: dict, num_pieces: int | None) -> tuple[str, object]:
+    """A downloader's message as (type, argument). `num_pieces` is None before hello."""
+    kind = message["type"]
+    if kind == "hello":
+        _keys(message, {"model"})
+        if not isinstance(message["model"], str) or not _MODEL_ID.fullmatch(message["model"]):
+            raise _bad("hello: model must be a 64-hex-digit model id")
+        return kind, message["model"]
+    if num_pieces is None:
+        raise _bad(f"{kind} before hello")
+    if kind == "manifest":
+        _keys(message, set())
+        return kind, None
+    if kind in ("request", "cancel"):
+        _keys(message, {"index"})
+        return kind, _index(message, num_pieces)
+    raise _bad(f"unknown message type {kind!r}")
+
+
+# ---------------------------------------------------------------- seeder -> downloader
+
+
+def parse_reply(message: dict, num_pieces: int | None) -> tuple[str, object]:
+    """A seeder's message as (type, argument); sizes are checked by the caller against
+    the manifest (data lengths) and by the framing (frame limit)."""
+    kind = message["type"]
+    if kind == "error":
+        code, text = message.get("code"), message.get("message", "")
+        return kind, f"{code}: {text}" if isinstance(code, str) and isinstance(text, str) else "malformed error"
+    if kind == "bitfield":
+        _keys(message, {"pieces", "have"})
+        pieces = message["pieces"]
+        if type(pieces) is not int or not 0 <= pieces <= MAX_PIECES or (num_pieces is not None
+                                                                        and pieces != num_pieces):
+            raise _bad("bitfield: wrong piece count")
+        return kind, (pieces, decode_bitfield(message["have"], pieces))
+    if kind == "manifest":
+        _keys(message, {"data"})
+        if not isinstance(message["data"], bytes):
+            raise _bad("manifest: data must be bytes")
+        return kind, message["data"]
+    if num_pieces is None:
+        raise _bad(f"{kind} before the bitfield")
+    if kind == "have":
+        _keys(message, {"index"})
+        return kind, _index(message, num_pieces)
+    if kind == "piece":
+        _keys(message, {"index", "data"})
+        if not isinstance(message["data"], bytes):
+            raise _bad("piece: data must be bytes")
+        return kind, (_index(message, num_pieces), message["data"])
+    if kind == "reject":
+        _keys(message, {"index", "code"})
+        if message["code"] not in REJECT_CODES:
+            raise _bad(f"reject: code must be one of {REJECT_CODES}")
+        return kind, (_index(message, num_pieces), message["code"])
+    raise _bad(f"unknown message type {kind!r}")

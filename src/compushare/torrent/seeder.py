@@ -1,0 +1,166 @@
+"""The seeding side of /compushare/pieces/1.0.0: serve the pieces this node holds.
+
+Every stream is one downloader: its requests queue up (at most MAX_REQUESTS and
+MAX_QUEUED_BYTES at once; more are rejected with "too_many_requests"), a writer
+sends them in order, and a cancel drops a queued request that has not gone out.
+Pieces the node gains while the stream is open are announced with `have`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import trio
+from libp2p.abc import INetStream
+
+from ..errors import FrameError
+from ..net.framing import FramedStream
+from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request
+from .storage import Library, ModelPieces
+
+log = logging.getLogger(__name__)
+
+MAX_STREAMS = 64  # downloaders served at once
+MAX_STREAMS_PER_PEER = 2
+MAX_REQUESTS = 64  # queued requests per stream
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
+IDLE_TIMEOUT_S = 60.0  # a stream with nothing queued and nothing said is closed
+SEND_TIMEOUT_S = 60.0  # a downloader that stops reading is dropped
+
+
+class Seeder:
+    def __init__(self, library: Library) -> None:
+        self.library = library
+        self.streams: collections.Counter[str] = collections.Counter()
+        self.sent_bytes: collections.Counter[str] = collections.Counter()  # peer id -> piece bytes sent
+
+    async def handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_string()
+        framed = FramedStream(stream, MAX_CONTROL_FRAME)
+        if sum(self.streams.values()) >= MAX_STREAMS or self.streams[peer] >= MAX_STREAMS_PER_PEER:
+            await self._error_and_close(framed, "busy", "too many downloads at once; try later")
+            return
+        self.streams[peer] += 1
+        try:
+            await _Upload(self, framed, peer).run()
+        except FrameError as exc:
+            await self._error_and_close(framed, exc.code, str(exc))
+        except Exception as exc:  # the peer went away or broke the stream: its problem
+            log.debug("pieces stream with %s ended: %r", peer[:12], exc)
+            await _quietly(framed.reset)
+        finally:
+            self.streams[peer] -= 1
+            if not self.streams[peer]:
+                del self.streams[peer]
+
+    @staticmethod
+    async def _error_and_close(framed: FramedStream, code: str, message: str) -> None:
+        with trio.move_on_after(5):
+            await _quietly(framed.send, {"type": "error", "code": code, "message": message})
+        await _quietly(framed.close)
+
+
+async def _quietly(fn, *args) -> None:
+    try:
+        await fn(*args)
+    except Exception:  # the stream is going away anyway
+        pass
+
+
+class _Upload:
+    """One downloader's stream."""
+
+    def __init__(self, seeder: Seeder, framed: FramedStream, peer: str) -> None:
+        self.seeder, self.framed, self.peer = seeder, framed, peer
+        self.pieces: ModelPieces | None = None
+        self.queue: collections.OrderedDict[int, int] = collections.OrderedDict()  # index -> length
+        self.haves: collections.deque[int] = collections.deque()
+        self.wake = trio.Event()
+        self.send_lock = trio.Lock()  # reader and writer both send; frames must not interleave
+
+    def _wake(self) -> None:
+        self.wake.set()
+
+    def _on_have(self, index: int) -> None:
+        self.haves.append(index)
+        self._wake()
+
+    async def run(self) -> None:
+        model_id = None
+        while model_id is None:
+            message = await self._receive()
+            if message is None:
+                return
+            kind, model_id = parse_request(message, None)
+        pieces = self.pieces = self.seeder.library.pieces(model_id)
+        if pieces is None:
+            raise FrameError("unknown_model", f"this node holds no pieces of {model_id[:12]}")
+        pieces.listeners.add(self._on_have)
+        try:
+            await self.framed.send({"type": "bitfield", "pieces": pieces.num_pieces,
+                                    "have": encode_bitfield(set(pieces.have), pieces.num_pieces)})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer)
+                await self._reader()
+                nursery.cancel_scope.cancel()
+        finally:
+            pieces.listeners.discard(self._on_have)
+        await _quietly(self.framed.close)
+
+    async def _receive(self) -> dict | None:
+        while True:
+            with trio.move_on_after(IDLE_TIMEOUT_S):
+                return await self.framed.receive()
+            if not self.queue:
+                log.debug("closing idle pieces stream with %s", self.peer[:12])
+                return None
+
+    async def _reader(self) -> None:
+        pieces = self.pieces
+        while (message := await self._receive()) is not None:
+            kind, value = parse_request(message, pieces.num_pieces)
+            if kind == "manifest":
+                await self._send({"type": "manifest", "data": pieces.manifest.raw})
+            elif kind == "cancel":
+                self.queue.pop(value, None)
+            elif kind == "request" and value not in self.queue:
+                length = pieces.manifest.pieces[value].length
+                if len(self.queue) >= MAX_REQUESTS or sum(self.queue.values()) + length > MAX_QUEUED_BYTES:
+                    await self._send({"type": "reject", "index": value, "code": "too_many_requests"})
+                elif value not in pieces.have:
+                    await self._send({"type": "reject", "index": value, "code": "not_held"})
+                else:
+                    self.queue[value] = length
+                    self._wake()
+            elif kind == "hello":
+                raise FrameError("bad_message", "one hello per stream")
+
+    async def _writer(self) -> None:
+        pieces = self.pieces
+        while True:
+            await self.wake.wait()
+            self.wake = trio.Event()
+            while self.haves:
+                await self._send({"type": "have", "index": self.haves.popleft()})
+            while self.queue:
+                index = next(iter(self.queue))
+                try:
+                    data = await trio.to_thread.run_sync(pieces.read, index)
+                except (KeyError, OSError) as exc:
+                    log.warning("cannot read piece %d of %s: %r", index, pieces.model.model_id[:12], exc)
+                    self.queue.pop(index, None)
+                    await self._send({"type": "reject", "index": index, "code": "not_held"})
+                    continue
+                if self.queue.pop(index, None) is None:
+                    continue  # cancelled while it was being read
+                await self._send({"type": "piece", "index": index, "data": data})
+                self.seeder.sent_bytes[self.peer] += len(data)
+                while self.haves:
+                    await self._send({"type": "have", "index": self.haves.popleft()})
+
+    async def _send(self, message: dict) -> None:
+        async with self.send_lock:
+            with trio.fail_after(SEND_TIMEOUT_S):
+                await self.framed.send(message)
+

@@ -1,0 +1,91 @@
+"""A node's torrent role: seed every model it holds, find seeders, fetch pieces.
+
+Seeders are found two ways, merged: DHT provider records under the model's seed
+key (every node that holds pieces of a model provides it), and the capability ads
+of the swarm view (a server holds the blocks it serves).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.peer.peerinfo import PeerInfo
+
+from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, sync_routing_table
+from ..net.view import SwarmView
+from .fetch import Bans, FetchResult, Progress, fetch_model, peer_info
+from .protocol import PIECES_PROTOCOL
+from .seeder import Seeder
+from .storage import Library
+
+log = logging.getLogger(__name__)
+
+PROVIDE_INTERVAL_S = 300.0
+CHECK_PERIOD_S = 2.0
+
+
+class Torrent:
+    def __init__(self, host: IHost, dht: KadDHT | None, data_dir: Path, view: SwarmView | None = None) -> None:
+        self.host, self.dht, self.view = host, dht, view
+        self.library = Library(data_dir)
+        self.seeder = Seeder(self.library)
+        self.bans = Bans()
+        self.changed = trio.Event()  # set when this node starts holding a new model
+
+    def start_seeding(self) -> None:
+        self.host.set_stream_handler(PIECES_PROTOCOL, self.seeder.handle)
+
+    async def discover(self, model_id: str) -> list[PeerInfo]:
+        found: dict[str, PeerInfo] = {}
+        if self.view is not None:
+            for ad, _serving in self.view.servers(model_id, time.time()):
+                found[ad.peer] = peer_info(ad.peer, ad.addrs)
+        if self.dht is not None:
+            for peer_id, info in (await find_provider_infos_fresh(self.dht, seed_key(model_id))).items():
+                found.setdefault(peer_id.to_string(), info)
+        found.pop(self.host.get_id().to_string(), None)
+        return list(found.values())
+
+    async def fetch(self, model_id: str, *, blocks: tuple[int, int] | None = None, head: bool = False,
+                    everything: bool = False, progress: Progress | None = None,
+                    alias: str | None = None) -> FetchResult:
+        known = set(self.library.model_ids())
+        result = await fetch_model(self.host, self.library, model_id, lambda: self.discover(model_id),
+                                   blocks=blocks, head=head, everything=everything, bans=self.bans,
+                                   progress=progress, alias=alias)
+        if model_id not in known:
+            self.changed.set()
+            self.changed = trio.Event()
+        return result
+
+    def seeded_models(self) -> list[str]:
+        """Models of which this node holds at least one piece."""
+        out = []
+        for model_id in self.library.model_ids():
+            pieces = self.library.pieces(model_id)
+            if pieces is not None and pieces.have:
+                out.append(model_id)
+        return out
+
+    async def announce_loop(self) -> None:
+        """Provide the seed key of every model held: again when that set changes, when the
+        routing table gains peers that have not had the records, and every 5 minutes."""
+        provided: tuple[frozenset, frozenset] = (frozenset(), frozenset())
+        last = -PROVIDE_INTERVAL_S
+        while True:
+            changed = self.changed
+            models = frozenset(self.seeded_models())
+            if self.dht is not None and models:
+                await sync_routing_table(self.host, self.dht)
+                peers = frozenset(self.dht.routing_table.get_peer_ids())
+                if models != provided[0] or peers - provided[1] or trio.current_time() - last > PROVIDE_INTERVAL_S:
+                    with trio.move_on_after(30):
+                        await provide_all(self.dht, [seed_key(m) for m in models])
+                        provided, last = (models, peers), trio.current_time()
+            with trio.move_on_after(CHECK_PERIOD_S):
+                await changed.wait()
