@@ -14,10 +14,11 @@ import torch
 import trio
 
 from . import __version__
-from .config import STATE_FILE, NodeConfig
+from .config import STATE_FILE, NodeConfig, Span
 from .errors import SwarmUnreachable, UsageError
 from .hardware import available_ram_mb, detect_hardware
 from .model.catalog import DEFAULT_MODEL, resolve_model
+from .model.store import ModelStore, is_model_id
 from .model.selfbench import cached_block_rate, measure_block_rate
 from .net.ads import ad_ttl, make_ad
 from .net.dht import connect_bootstrap, open_dht, sync_routing_table
@@ -29,6 +30,7 @@ from .pipeline.announce import announce_loop
 from .pipeline.protocol import INFER_PROTOCOL
 from .pipeline.provider import Provider, blocks_for_budget
 from .pipeline.server import InferenceServer
+from .torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +46,26 @@ class Node:
         self.config = config
         self.view = SwarmView()
         self.provider: Provider | None = None
+        self.torrent: Torrent | None = None
+        self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._state: dict = {}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         torch.set_num_threads(config.torch_threads)
-        model = resolve_model(config.model or DEFAULT_MODEL, config.data_dir)
-        span = config.blocks
-        if span is not None and span.end > model.num_blocks:
-            raise UsageError(f"--blocks {span} exceeds the model's {model.num_blocks} blocks")
+        name = config.model or DEFAULT_MODEL
+        # A model id this node has never seen comes from the swarm: first its manifest,
+        # then the pieces of whatever span the node takes.
+        model = None if is_model_id(name) and ModelStore(config.data_dir).get(name) is None \
+            else resolve_model(name, config.data_dir)
+        self._check_span(model)
         hardware = detect_hardware()
-        length = blocks_for_budget(model, max_blocks=config.max_blocks, memory_budget_mb=config.memory_budget_mb,
-                                   free_mb=hardware.ram_free_mb)
-        provider = self.provider = Provider(
-            model,
-            lambda runner: InferenceServer(runner, model.model_id, config.limits, block_rate=provider.block_rate),
-            block_rate=0.0, slowdown=config.slowdown,
-        )
         key_pair = load_or_create_identity(config.data_dir)
         async with open_host(key_pair, config.listen) as host, open_dht(host, server=True) as dht:
             dht._provider_rate_max = PROVIDER_RATE_MAX
             me = host.get_id().to_string()
+            torrent = self.torrent = Torrent(host, dht, config.data_dir, self.view)
+            torrent.start_seeding()
 
             last_seq = 0
 
@@ -72,17 +73,32 @@ class Node:
                 nonlocal last_seq
                 last_seq = max(last_seq + 1, time.time_ns())
                 now_hardware = dataclasses.replace(hardware, ram_free_mb=available_ram_mb(hardware))
-                return make_ad(key_pair, me, full_addrs(host), now_hardware, provider.serving(), __version__,
+                serving = self.provider.serving() if self.provider is not None else []
+                return make_ad(key_pair, me, full_addrs(host), now_hardware, serving, __version__,
                                ttl_s=ad_ttl(config.ad_period_s), seq=last_seq)
 
             gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
+                nursery.start_soon(stop_on_signal, nursery.cancel_scope)
                 await nursery.start(gossip.run)  # before dialling: pubsub learns peers from connections
                 if config.bootstrap:
-                    await self._join(host, dht)
-                nursery.start_soon(self._routing_sync_loop, host, dht)
+                    await join_swarm(host, dht, config.bootstrap)
+                nursery.start_soon(routing_sync_loop, host, dht)
+                nursery.start_soon(torrent.announce_loop)
+                if model is None:
+                    await self._learn_swarm(host)
+                    model = await torrent.obtain_manifest(name)
+                    self._check_span(model)
+                length = blocks_for_budget(model, max_blocks=config.max_blocks,
+                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb)
+                provider = self.provider = Provider(
+                    model,
+                    lambda runner: InferenceServer(runner, model.model_id, config.limits,
+                                                   block_rate=provider.block_rate),
+                    block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
+                )
                 await self._self_benchmark(provider)
+                span = config.blocks
                 if span is None:
                     # The random warm-up starts after the benchmark: nodes started together
                     # (and slowed alike) then choose one after another, each seeing the
@@ -124,6 +140,30 @@ class Node:
                 finally:
                     (config.data_dir / STATE_FILE).unlink(missing_ok=True)
 
+    def _check_span(self, model) -> None:
+        span = self.config.blocks
+        if model is not None and span is not None and span.end > model.num_blocks:
+            raise UsageError(f"--blocks {span} exceeds the model's {model.num_blocks} blocks")
+
+    async def _fetch_span(self, span: Span) -> None:
+        """Fetch the weights of `span` from the swarm's seeders if this node lacks them."""
+        model = self.provider.model
+        if model.holds(blocks=(span.start, span.end)):
+            return
+        logged = [-1]
+
+        def progress(done: int, total: int) -> None:
+            tenth = 10 * done // max(1, total)
+            if tenth != logged[0]:
+                logged[0] = tenth
+                log.info("fetching blocks %s: %d/%d MB", span, done // 10**6, total // 10**6)
+
+        result = await self.torrent.fetch(model.model_id, blocks=(span.start, span.end), progress=progress)
+        self.fetched.append({"blocks": [span.start, span.end], "bytes": result.bytes, "seconds": result.seconds,
+                             "bytes_from": result.bytes_from, "banned": result.banned})
+        log.info("fetched blocks %s: %.1f MB in %.1fs from %d seeders", span, result.bytes / 1e6,
+                 result.seconds, len(result.bytes_from))
+
     async def _self_benchmark(self, provider: Provider) -> None:
         config, model = self.config, provider.model
         if config.slowdown != 1.0:  # an emulated slow node must not poison the cache
@@ -148,37 +188,81 @@ class Node:
         except Exception as exc:  # an old or hostile peer: its view is optional
             log.debug("no view from %s: %s", peer, exc)
 
-    async def _join(self, host, dht) -> None:
-        """Dial the bootstrap peers; keep retrying (a swarm may come up in any order)."""
-        wait, longest = BOOTSTRAP_RETRY_S
-        while True:
-            try:
-                await connect_bootstrap(host, dht, self.config.bootstrap)
-                return
-            except SwarmUnreachable as exc:
-                log.warning("%s; retrying in %.1fs", exc, wait)
-                await trio.sleep(wait)
-                wait = min(2 * wait, longest)
-
-    async def _routing_sync_loop(self, host, dht) -> None:
-        while True:
-            await sync_routing_table(host, dht)
-            await trio.sleep(ROUTING_SYNC_PERIOD_S)
-
-    async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("received %s: stopping", signal.Signals(signum).name)
-                scope.cancel()
-                return
-
     def _write_state(self, provider: Provider) -> dict:
-        """`<data dir>/node.json`: what `swarm`, `status` and tests read about this node."""
         span = provider.span
         state = dict(self._state, start=span.start, end=span.end, state=provider.state, moves=provider.moves,
+                     fetched=self.fetched,
                      parameters=provider.server.runner.parameter_count() if provider.server else 0)
-        path = self.config.data_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, path)
+        write_state(self.config.data_dir, state)
         return state
+
+
+async def join_swarm(host, dht, bootstrap) -> None:
+    """Dial the bootstrap peers; keep retrying (a swarm may come up in any order)."""
+    wait, longest = BOOTSTRAP_RETRY_S
+    while True:
+        try:
+            await connect_bootstrap(host, dht, bootstrap)
+            return
+        except SwarmUnreachable as exc:
+            log.warning("%s; retrying in %.1fs", exc, wait)
+            await trio.sleep(wait)
+            wait = min(2 * wait, longest)
+
+
+async def routing_sync_loop(host, dht) -> None:
+    while True:
+        await sync_routing_table(host, dht)
+        await trio.sleep(ROUTING_SYNC_PERIOD_S)
+
+
+async def stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: stopping", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def write_state(data_dir, state: dict) -> None:
+    """`<data dir>/node.json`: what `swarm`, `status` and tests read about a node."""
+    path = data_dir / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
+
+
+async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None = None,
+                       upload_limit: float | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A node that only seeds: `compushare models seed`. It serves the pieces of every
+    model in its store (or of `models`) and announces them in the DHT."""
+    store = ModelStore(data_dir)
+    model_ids = None
+    if models:
+        model_ids = set()
+        for name in models:
+            model = store.get(name)
+            if model is None:
+                raise UsageError(f"{name!r} is not in the local store (see `compushare models list`)")
+            model_ids.add(model.model_id)
+    key_pair = load_or_create_identity(data_dir)
+    async with open_host(key_pair, listen) as host, open_dht(host, server=True) as dht:
+        dht._provider_rate_max = PROVIDER_RATE_MAX
+        torrent = Torrent(host, dht, data_dir, only=model_ids, upload_limit=upload_limit)
+        torrent.start_seeding()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_on_signal, nursery.cancel_scope)
+            if bootstrap:
+                await join_swarm(host, dht, bootstrap)
+            nursery.start_soon(routing_sync_loop, host, dht)
+            nursery.start_soon(torrent.announce_loop)
+            state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),
+                     "role": "seeder", "models": torrent.seeded_models(), "started": time.time()}
+            write_state(data_dir, state)
+            log.info("seeding %d models as %s on %s", len(state["models"]), state["peer_id"],
+                     ", ".join(state["addrs"]))
+            task_status.started(state)
+            try:
+                await trio.sleep_forever()
+            finally:
+                (data_dir / STATE_FILE).unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -119,17 +120,17 @@ def test_no_duplicates_while_some_piece_is_unrequested():
 
 def test_endgame_duplicates_then_first_copy_wins():
     picker = make(6, depth=4, random_first=0, max_duplicates=2)
-    for peer in "abcdefg":
+    for peer in "abcd":
         picker.add_peer(peer, range(6))
-    a, b = picker.pick("a"), picker.pick("b")
-    assert len(a) == 4 and len(b) == 2 and not set(a) & set(b)  # b may not duplicate yet
+    a, b, c = picker.pick("a"), picker.pick("b"), picker.pick("c")  # fair shares of 6 / 4
+    assert len(a) == len(b) == len(c) == 2 and len(set(a + b + c)) == 6
     assert all(len(h) == 1 for h in picker.requested.values())
-    c = picker.pick("b")
-    assert len(c) == 2 and not set(c) & set(b)  # now everything is requested: duplicates
-    assert len(picker.pick("c")) == 4
-    assert len(picker.pick("d")) == 4
-    assert len(picker.pick("e")) == 2  # 6 pieces × (1 + max_duplicates) holders = 18 requests
-    assert picker.pick("f") == []  # free slots, but every piece has its full set of holders
+    assert picker.pick("a") == []  # free slots, but only an idle peer may duplicate
+    assert len(picker.pick("d")) == 4  # idle and everything requested: endgame
+    for peer in "efg":
+        picker.add_peer(peer, range(6))
+    assert len(picker.pick("e")) == 4 and len(picker.pick("f")) == 4  # 6 × (1 + 2) = 18 requests
+    assert picker.pick("g") == []
     assert all(len(h) == 3 for h in picker.requested.values())
 
     index = a[0]
@@ -143,12 +144,24 @@ def test_endgame_duplicates_then_first_copy_wins():
     assert not late.accepted and late.cancel == {}
 
 
-def test_no_duplicates_when_max_duplicates_is_zero():
-    picker = make(3, depth=4, random_first=0, max_duplicates=0)
+@pytest.mark.parametrize("max_duplicates, expected", [(0, 0), (1, 3)])
+def test_max_duplicates_bounds_the_endgame(max_duplicates, expected):
+    picker = make(3, depth=4, random_first=0, max_duplicates=max_duplicates)
     picker.add_peer("a", range(3))
-    picker.add_peer("b", range(3))
     assert len(picker.pick("a")) == 3
-    assert picker.pick("b") == []
+    picker.add_peer("b", range(3))
+    picker.add_peer("c", range(3))
+    assert len(picker.pick("b")) == expected
+    assert picker.pick("c") == []
+
+
+def test_fair_share_leaves_work_for_other_seeders():
+    picker = make(6, depth=8, random_first=0)
+    for peer in "abc":
+        picker.add_peer(peer, range(6))
+    assert [len(picker.pick(peer)) for peer in "abc"] == [2, 2, 2]
+    picker.remove_peer("c")
+    assert [len(picker.pick(peer)) for peer in "ab"] == [1, 1]  # c's pieces, split between a and b
 
 
 # ---------------------------------------------------------------- hash failures
@@ -224,13 +237,13 @@ def test_rejected_otherwise_shrinks_the_pipeline():
 
 
 def test_timeout_drops_to_one_and_releases_the_piece():
-    picker = make(2, depth=4, random_first=0)
+    picker = make(1, depth=4, random_first=0, max_duplicates=0)
     picker.add_peer("slow", [0])
-    picker.add_peer("other", [0, 1])
-    assert picker.pick("slow") == [0]
+    picker.add_peer("other", [0])
+    assert picker.pick("slow") == [0] and picker.pick("other") == []
     picker.timed_out("slow", 0)
     assert picker.peers["slow"].depth == 1 and 0 not in picker.requested
-    assert 0 in picker.pick("other")
+    assert picker.pick("other") == [0]
 
 
 def test_good_deliveries_grow_depth_one_at_a_time():
@@ -241,7 +254,8 @@ def test_good_deliveries_grow_depth_one_at_a_time():
     for depth in (2, 3, 4, 4):  # never above the configured depth
         assert picker.received("a", min(picker.inflight("a")), valid=True).accepted
         assert picker.peers["a"].depth == depth
-        assert len(picker.pick("a")) == max(0, depth - len(picker.inflight("a")))
+        free = depth - len(picker.inflight("a"))
+        assert len(picker.pick("a")) == max(0, free)
 
 
 # ---------------------------------------------------------------- leaving peers, unavailable
@@ -270,6 +284,8 @@ def test_remove_peer_releases_requests_and_availability():
 PIECES = 30  # wanted; peers also hold a few pieces beyond, which must never be picked
 HONEST = ["p0", "p1", "p2", "p3", "p4"]
 HOSTILE = ["h0", "h1"]  # always send corrupted data
+ALL = frozenset(range(PIECES + 3))
+BITFIELDS = st.one_of(st.sets(st.sampled_from(sorted(ALL))), st.sets(st.sampled_from(sorted(ALL))).map(ALL.difference))
 
 
 class PickerMachine(RuleBasedStateMachine):
@@ -288,7 +304,7 @@ class PickerMachine(RuleBasedStateMachine):
         any_index = st.integers(0, PIECES + 2)
         return data.draw(st.one_of(st.sampled_from(inflight), any_index) if inflight else any_index)
 
-    @rule(peer=st.sampled_from(HONEST + HOSTILE), has=st.sets(st.integers(0, PIECES + 2)))
+    @rule(peer=st.sampled_from(HONEST + HOSTILE), has=BITFIELDS)
     def add_peer(self, peer, has):
         expected = peer not in self.picker.banned and peer not in self.picker.peers
         assert self.picker.add_peer(peer, has) is expected
@@ -305,14 +321,39 @@ class PickerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.picker.peers)
     @rule(data=st.data())
     def pick(self, data):
-        picker = self.picker
+        self.check_pick(self.connected(data))
+
+    @precondition(lambda self: self.picker.peers)
+    @rule(data=st.data(), corrupt=st.integers(0, 9))
+    def received(self, data, corrupt):
         peer = self.connected(data)
+        self.check_received(peer, self.index_for(data, peer), valid=peer in HONEST and corrupt > 0)
+
+    @rule()
+    def pick_all(self):
+        """With deliver_all, reaches the endgame within a few steps."""
+        for peer in sorted(self.picker.peers):
+            self.check_pick(peer)
+
+    @rule()
+    def deliver_all(self):
+        for peer in sorted(self.picker.peers):
+            for index in sorted(self.picker.inflight(peer)):
+                if peer in self.picker.peers:  # not banned meanwhile
+                    self.check_received(peer, index, valid=peer in HONEST)
+
+    def check_pick(self, peer):
+        picker = self.picker
         state = picker.peers[peer]
         inflight = set(state.inflight)
         pool = fresh(picker, peer)
         holders = {i: len(h) for i, h in picker.requested.items()}
+        copyable = {i for i in state.has & picker.missing - inflight - pool
+                    if peer not in picker.bad_from.get(i, ()) and holders[i] <= picker.max_duplicates}
         all_requested = all(i in picker.requested for i in picker.missing)
         slots = max(0, state.depth - len(inflight))
+        useful = sum(1 for s in picker.peers.values() if s.has & picker.missing)
+        share = max(1, math.ceil(len(picker.missing) / max(1, useful))) - len(inflight)
 
         chosen = picker.pick(peer)
         assert len(chosen) == len(set(chosen)) <= slots
@@ -320,20 +361,17 @@ class PickerMachine(RuleBasedStateMachine):
         assert all(peer not in picker.bad_from.get(i, ()) for i in chosen)
         new = [i for i in chosen if i not in holders]
         duplicates = [i for i in chosen if i in holders]
-        assert len(new) == min(slots, len(pool))
-        if duplicates:
-            assert all_requested and all(holders[i] <= picker.max_duplicates for i in duplicates)
+        assert len(new) == max(0, min(slots, share, len(pool)))
+        if new or inflight or not all_requested:
+            assert not duplicates  # strict endgame: only an idle peer, only once all is requested
+        else:
+            assert set(duplicates) <= copyable and len(duplicates) == min(slots, len(copyable))
         if picker.completed >= picker.random_first:
             assert_rarest(picker, new, pool)
         assert picker.inflight(peer) == inflight | set(chosen)
 
-    @precondition(lambda self: self.picker.peers)
-    @rule(data=st.data(), corrupt=st.integers(0, 9))
-    def received(self, data, corrupt):
+    def check_received(self, peer, index, valid):
         picker = self.picker
-        peer = self.connected(data)
-        index = self.index_for(data, peer)
-        valid = peer in HONEST and corrupt > 0
         asked, wanted = index in picker.inflight(peer), index in picker.missing
         holders = set(picker.requested.get(index, ()))
         failures = picker.failures(peer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from functools import cached_property
@@ -22,7 +23,12 @@ from ..torrent.manifest import Manifest, parse
 from .layout import lay_out, write_config
 
 MANIFEST_FILE = "manifest.json"
+_MODEL_ID = re.compile(r"[0-9a-f]{64}")
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def is_model_id(name: str) -> bool:
+    return bool(_MODEL_ID.fullmatch(name))
 
 
 class StoredModel:

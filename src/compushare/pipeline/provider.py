@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -42,8 +42,11 @@ def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budg
 
 class Provider:
     def __init__(self, model: StoredModel, server_factory: Callable[[SpanRunner], InferenceServer], *,
-                 block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None) -> None:
+                 block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None,
+                 prepare: Callable[[Span], Awaitable[None]] | None = None) -> None:
         self.model = model
+        # Runs before a span loads: fetches the span's weights from the swarm if missing.
+        self.prepare = prepare
         self.server_factory = server_factory
         self.block_rate = block_rate  # self-benchmark; the server refines it from served steps
         self.slowdown = slowdown
@@ -100,6 +103,8 @@ class Provider:
         self._changed()
         log.info("loading blocks %s of %s", span, self.model.model_id[:12])
         try:
+            if self.prepare is not None:
+                await self.prepare(span)
             runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
         except Exception:
             if self.server is None:

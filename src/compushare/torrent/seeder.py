@@ -29,9 +29,29 @@ IDLE_TIMEOUT_S = 60.0  # a stream with nothing queued and nothing said is closed
 SEND_TIMEOUT_S = 60.0  # a downloader that stops reading is dropped
 
 
+class UploadLimit:
+    """At most `rate` bytes/s over all downloaders: a token bucket holding one second's
+    worth; a sender that overdraws it sleeps off its debt before sending."""
+
+    def __init__(self, rate: float) -> None:
+        if rate <= 0:
+            raise ValueError("an upload limit must be positive")
+        self.rate, self.allowance, self.last = rate, rate, None
+
+    async def take(self, size: int) -> None:
+        now = trio.current_time()
+        if self.last is not None:
+            self.allowance = min(self.rate, self.allowance + (now - self.last) * self.rate)
+        self.last = now
+        self.allowance -= size
+        if self.allowance < 0:
+            await trio.sleep(-self.allowance / self.rate)
+
+
 class Seeder:
-    def __init__(self, library: Library) -> None:
+    def __init__(self, library: Library, upload_limit: float | None = None) -> None:
         self.library = library
+        self.limit = UploadLimit(upload_limit) if upload_limit else None
         self.streams: collections.Counter[str] = collections.Counter()
         self.sent_bytes: collections.Counter[str] = collections.Counter()  # peer id -> piece bytes sent
 
@@ -152,8 +172,10 @@ class _Upload:
                     self.queue.pop(index, None)
                     await self._send({"type": "reject", "index": index, "code": "not_held"})
                     continue
+                if self.seeder.limit is not None:
+                    await self.seeder.limit.take(len(data))
                 if self.queue.pop(index, None) is None:
-                    continue  # cancelled while it was being read
+                    continue  # cancelled while it was being read (or while waiting its turn)
                 await self._send({"type": "piece", "index": index, "data": data})
                 self.seeder.sent_bytes[self.peer] += len(data)
                 while self.haves:

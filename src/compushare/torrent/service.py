@@ -18,7 +18,9 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, sync_routing_table
 from ..net.view import SwarmView
-from .fetch import Bans, FetchResult, Progress, fetch_model, peer_info
+from ..errors import ModelUnavailable
+from ..model.store import StoredModel
+from .fetch import Bans, FetchError, FetchResult, Progress, fetch_manifest, fetch_model, peer_info
 from .protocol import PIECES_PROTOCOL
 from .seeder import Seeder
 from .storage import Library
@@ -30,10 +32,11 @@ CHECK_PERIOD_S = 2.0
 
 
 class Torrent:
-    def __init__(self, host: IHost, dht: KadDHT | None, data_dir: Path, view: SwarmView | None = None) -> None:
+    def __init__(self, host: IHost, dht: KadDHT | None, data_dir: Path, view: SwarmView | None = None, *,
+                 only: set[str] | None = None, upload_limit: float | None = None) -> None:
         self.host, self.dht, self.view = host, dht, view
-        self.library = Library(data_dir)
-        self.seeder = Seeder(self.library)
+        self.library = Library(data_dir, only=only)
+        self.seeder = Seeder(self.library, upload_limit=upload_limit)
         self.bans = Bans()
         self.changed = trio.Event()  # set when this node starts holding a new model
 
@@ -51,9 +54,26 @@ class Torrent:
         found.pop(self.host.get_id().to_string(), None)
         return list(found.values())
 
+    async def obtain_manifest(self, model_id: str, *, attempts: int = 6, wait_s: float = 5.0) -> StoredModel:
+        """The model's manifest from the swarm (seeders may still be announcing: retry)."""
+        for attempt in range(attempts):
+            seeders = await self.discover(model_id)
+            try:
+                if seeders:
+                    manifest = await fetch_manifest(self.host, model_id, seeders)
+                    return self.library.models.add_manifest(manifest)
+                reason = "no seeder found"
+            except FetchError as exc:
+                reason = str(exc)
+            log.warning("manifest of %s: %s (attempt %d of %d)", model_id[:12], reason, attempt + 1, attempts)
+            await trio.sleep(wait_s)
+        raise ModelUnavailable(f"no peer in the swarm holds model {model_id[:12]} (or none answered)")
+
     async def fetch(self, model_id: str, *, blocks: tuple[int, int] | None = None, head: bool = False,
                     everything: bool = False, progress: Progress | None = None,
                     alias: str | None = None) -> FetchResult:
+        if self.library.only is not None:
+            self.library.only.add(model_id)
         known = set(self.library.model_ids())
         result = await fetch_model(self.host, self.library, model_id, lambda: self.discover(model_id),
                                    blocks=blocks, head=head, everything=everything, bans=self.bans,
@@ -89,3 +109,25 @@ class Torrent:
                         provided, last = (models, peers), trio.current_time()
             with trio.move_on_after(CHECK_PERIOD_S):
                 await changed.wait()
+
+
+async def fetch_from_swarm(data_dir: Path, bootstrap, model_id: str, *, blocks: tuple[int, int] | None = None,
+                           head: bool = False, everything: bool = False, progress: Progress | None = None,
+                           alias: str | None = None, upload_limit: float | None = None) -> FetchResult:
+    """`compushare models fetch`: join as a short-lived peer, fetch, and seed to the
+    peers we are connected to while the download runs."""
+    from ..net.dht import connect_bootstrap, open_dht
+    from ..net.gossip import learn_views
+    from ..net.host import open_host
+    from ..net.identity import load_or_create_identity
+
+    key_pair = load_or_create_identity(data_dir)
+    async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
+        await connect_bootstrap(host, dht, bootstrap)
+        view = SwarmView()
+        with trio.move_on_after(5):
+            await learn_views(host, view)
+        torrent = Torrent(host, dht, data_dir, view, upload_limit=upload_limit)
+        torrent.start_seeding()
+        return await torrent.fetch(model_id, blocks=blocks, head=head, everything=everything, progress=progress,
+                                   alias=alias)

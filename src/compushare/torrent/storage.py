@@ -169,9 +169,10 @@ class Library:
     """Every model this node can seed, by id, with one ModelPieces each (so a download
     and the seeding of the same model share one bitfield)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, only: set[str] | None = None) -> None:
         from ..model.store import ModelStore
 
+        self.only = only  # seed and fetch just these model ids (None: every model stored)
         self.models = ModelStore(Path(data_dir))
         self.store = PieceStore(Path(data_dir))
         self.store.clean()
@@ -180,7 +181,7 @@ class Library:
     def pieces(self, model_id: str) -> ModelPieces | None:
         if model_id in self._open:
             return self._open[model_id]
-        if len(model_id) != 64:
+        if len(model_id) != 64 or (self.only is not None and model_id not in self.only):
             return None  # seeding and fetching go by full id, never by local alias
         model = self.models.get(model_id)
         if model is None:
@@ -189,4 +190,4 @@ class Library:
         return self._open[model_id]
 
     def model_ids(self) -> list[str]:
-        return [model.model_id for _names, model in self.models.list()]
+        return [m.model_id for _names, m in self.models.list() if self.only is None or m.model_id in self.only]
