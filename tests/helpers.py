@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,16 +52,34 @@ class Processes:
         self.root = root
         self.procs: list[subprocess.Popen] = []
 
-    def node(self, name: str, model_dir: Path, blocks: str | None, *, alias: str = "tiny",
+    def node(self, name: str, model_dir: Path | None, blocks: str | None, *, alias: str = "tiny",
              bootstrap: list[str] | tuple = (), extra: list[str] | None = None, wait: bool = True):
+        """A node process; with model_dir None it holds nothing and `alias` must be a
+        model id (the node fetches the manifest and its span from the swarm)."""
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
-        import_path(model_dir, data_dir, alias=alias)
+        if model_dir is not None:
+            import_path(model_dir, data_dir, alias=alias)
         span = tuple(int(x) for x in blocks.split(":")) if blocks else None  # None: automatic placement
         proc = start_node(node_command(alias, span, data_dir, list(bootstrap), extra), data_dir)
         self.procs.append(proc)
         state = wait_ready(proc, data_dir, timeout=120) if wait else None
         return proc, state
+
+    def seeder(self, name: str, model_dir: Path | None, *, bootstrap=(), extra: list[str] | None = None,
+               wait: bool = True):
+        """A `compushare models seed` process holding the whole of `model_dir`."""
+        data_dir = self.root / name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        if model_dir is not None:
+            import_path(model_dir, data_dir, alias="tiny")
+        cmd = [sys.executable, "-m", "compushare", "models", "seed", "--data-dir", str(data_dir),
+               "--listen", "/ip4/127.0.0.1/tcp/0"]
+        for addr in bootstrap:
+            cmd += ["--bootstrap", addr]
+        proc = start_node(cmd + (extra or []), data_dir)
+        self.procs.append(proc)
+        return proc, (wait_ready(proc, data_dir, timeout=120) if wait else None)
 
     def ready(self, name: str, proc) -> dict:
         return wait_ready(proc, self.root / name, timeout=120)

@@ -342,7 +342,7 @@ def models_seed(
     """Seed models to the swarm without serving inference (runs in the foreground)."""
     import trio
 
-    from .node import seed_forever
+    from .torrent.service import seed_forever
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
-import signal
 import time
 
 import torch
@@ -15,13 +13,13 @@ import trio
 
 from . import __version__
 from .config import STATE_FILE, NodeConfig, Span
-from .errors import SwarmUnreachable, UsageError
+from .errors import UsageError
 from .hardware import available_ram_mb, detect_hardware
 from .model.catalog import DEFAULT_MODEL, resolve_model
 from .model.store import ModelStore, is_model_id
 from .model.selfbench import cached_block_rate, measure_block_rate
 from .net.ads import ad_ttl, make_ad
-from .net.dht import connect_bootstrap, open_dht, sync_routing_table
+from .net.dht import open_dht
 from .net.gossip import Gossip, fetch_view
 from .net.host import full_addrs, open_host
 from .net.identity import load_or_create_identity
@@ -30,15 +28,11 @@ from .pipeline.announce import announce_loop
 from .pipeline.protocol import INFER_PROTOCOL
 from .pipeline.provider import Provider, blocks_for_budget
 from .pipeline.server import InferenceServer
+from .runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
 from .torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 
-ROUTING_SYNC_PERIOD_S = 2.0
-BOOTSTRAP_RETRY_S = (0.5, 5.0)  # first and longest wait between attempts (doubling)
-# py-libp2p caps ADD_PROVIDER at 10 per 10 s per peer; a node announcing a span of
-# 30 blocks sends 31. Every CompuShare node raises the cap for its peers.
-PROVIDER_RATE_MAX = 200
 
 
 class Node:
@@ -195,74 +189,3 @@ class Node:
                      parameters=provider.server.runner.parameter_count() if provider.server else 0)
         write_state(self.config.data_dir, state)
         return state
-
-
-async def join_swarm(host, dht, bootstrap) -> None:
-    """Dial the bootstrap peers; keep retrying (a swarm may come up in any order)."""
-    wait, longest = BOOTSTRAP_RETRY_S
-    while True:
-        try:
-            await connect_bootstrap(host, dht, bootstrap)
-            return
-        except SwarmUnreachable as exc:
-            log.warning("%s; retrying in %.1fs", exc, wait)
-            await trio.sleep(wait)
-            wait = min(2 * wait, longest)
-
-
-async def routing_sync_loop(host, dht) -> None:
-    while True:
-        await sync_routing_table(host, dht)
-        await trio.sleep(ROUTING_SYNC_PERIOD_S)
-
-
-async def stop_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s: stopping", signal.Signals(signum).name)
-            scope.cancel()
-            return
-
-
-def write_state(data_dir, state: dict) -> None:
-    """`<data dir>/node.json`: what `swarm`, `status` and tests read about a node."""
-    path = data_dir / STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    os.replace(tmp, path)
-
-
-async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None = None,
-                       upload_limit: float | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A node that only seeds: `compushare models seed`. It serves the pieces of every
-    model in its store (or of `models`) and announces them in the DHT."""
-    store = ModelStore(data_dir)
-    model_ids = None
-    if models:
-        model_ids = set()
-        for name in models:
-            model = store.get(name)
-            if model is None:
-                raise UsageError(f"{name!r} is not in the local store (see `compushare models list`)")
-            model_ids.add(model.model_id)
-    key_pair = load_or_create_identity(data_dir)
-    async with open_host(key_pair, listen) as host, open_dht(host, server=True) as dht:
-        dht._provider_rate_max = PROVIDER_RATE_MAX
-        torrent = Torrent(host, dht, data_dir, only=model_ids, upload_limit=upload_limit)
-        torrent.start_seeding()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop_on_signal, nursery.cancel_scope)
-            if bootstrap:
-                await join_swarm(host, dht, bootstrap)
-            nursery.start_soon(routing_sync_loop, host, dht)
-            nursery.start_soon(torrent.announce_loop)
-            state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),
-                     "role": "seeder", "models": torrent.seeded_models(), "started": time.time()}
-            write_state(data_dir, state)
-            log.info("seeding %d models as %s on %s", len(state["models"]), state["peer_id"],
-                     ", ".join(state["addrs"]))
-            task_status.started(state)
-            try:
-                await trio.sleep_forever()
-            finally:
-                (data_dir / STATE_FILE).unlink(missing_ok=True)

@@ -8,6 +8,7 @@ of the swarm view (a server holds the blocks it serves).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class Torrent:
         found: dict[str, PeerInfo] = {}
         if self.view is not None:
             for ad, _serving in self.view.servers(model_id, time.time()):
-                found[ad.peer] = peer_info(ad.peer, ad.addrs)
+                found[ad.peer_id] = peer_info(ad.peer_id, ad.addrs)
         if self.dht is not None:
             for peer_id, info in (await find_provider_infos_fresh(self.dht, seed_key(model_id))).items():
                 found.setdefault(peer_id.to_string(), info)
@@ -92,9 +93,10 @@ class Torrent:
                 out.append(model_id)
         return out
 
-    async def announce_loop(self) -> None:
+    async def announce_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Provide the seed key of every model held: again when that set changes, when the
-        routing table gains peers that have not had the records, and every 5 minutes."""
+        routing table gains peers that have not had the records, and every 5 minutes.
+        Started (task_status) after the first round."""
         provided: tuple[frozenset, frozenset] = (frozenset(), frozenset())
         last = -PROVIDE_INTERVAL_S
         while True:
@@ -107,6 +109,9 @@ class Torrent:
                     with trio.move_on_after(30):
                         await provide_all(self.dht, [seed_key(m) for m in models])
                         provided, last = (models, peers), trio.current_time()
+            if task_status is not trio.TASK_STATUS_IGNORED:
+                task_status.started()
+                task_status = trio.TASK_STATUS_IGNORED
             with trio.move_on_after(CHECK_PERIOD_S):
                 await changed.wait()
 
@@ -131,3 +136,48 @@ async def fetch_from_swarm(data_dir: Path, bootstrap, model_id: str, *, blocks: 
         torrent.start_seeding()
         return await torrent.fetch(model_id, blocks=blocks, head=head, everything=everything, progress=progress,
                                    alias=alias)
+
+
+async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None = None,
+                       upload_limit: float | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A node that only seeds: `compushare models seed`. It serves the pieces of every
+    model in its store (or of `models`) and announces them in the DHT."""
+    from ..config import STATE_FILE
+    from ..errors import UsageError
+    from ..model.store import ModelStore
+
+    store = ModelStore(data_dir)
+    model_ids = None
+    if models:
+        model_ids = set()
+        for name in models:
+            model = store.get(name)
+            if model is None:
+                raise UsageError(f"{name!r} is not in the local store (see `compushare models list`)")
+            model_ids.add(model.model_id)
+    from ..net.dht import open_dht
+    from ..net.host import full_addrs, open_host
+    from ..net.identity import load_or_create_identity
+    from ..runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
+
+    key_pair = load_or_create_identity(data_dir)
+    async with open_host(key_pair, listen) as host, open_dht(host, server=True) as dht:
+        dht._provider_rate_max = PROVIDER_RATE_MAX
+        torrent = Torrent(host, dht, data_dir, only=model_ids, upload_limit=upload_limit)
+        torrent.start_seeding()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_on_signal, nursery.cancel_scope)
+            if bootstrap:
+                await join_swarm(host, dht, bootstrap)
+            nursery.start_soon(routing_sync_loop, host, dht)
+            await nursery.start(torrent.announce_loop)  # ready means findable
+            state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),
+                     "role": "seeder", "models": torrent.seeded_models(), "started": time.time()}
+            write_state(data_dir, state)
+            log.info("seeding %d models as %s on %s", len(state["models"]), state["peer_id"],
+                     ", ".join(state["addrs"]))
+            task_status.started(state)
+            try:
+                await trio.sleep_forever()
+            finally:
+                (data_dir / STATE_FILE).unlink(missing_ok=True)
