@@ -26,7 +26,7 @@ from compushare.pipeline.sampling import SamplingParams
 from compushare.torrent.fetch import Bans, fetch_model, peer_info
 from compushare.torrent.protocol import PIECES_PROTOCOL
 from compushare.torrent.seeder import Seeder
-from compushare.torrent.storage import Library, ModelPieces, PieceStore
+from compushare.torrent.storage import Library, ModelPieces, part_path
 from helpers import reference_greedy
 
 PROMPT = [1, 17, 42, 99, 3]
@@ -88,7 +88,7 @@ class CorruptPieces(ModelPieces):
 class HostileLibrary(Library):
     def pieces(self, model_id: str):
         model = self.models.get(model_id)
-        return CorruptPieces(model, self.store) if model else None
+        return CorruptPieces(model) if model else None
 
 
 def _info(host) -> PeerInfo:
@@ -129,8 +129,10 @@ def _fetch_cmd(data_dir: Path, model_id: str, boot: str) -> list[str]:
             "--bootstrap", boot, "--json"]
 
 
-def _loose_pieces(data_dir: Path) -> list[Path]:
-    return [p for p in (data_dir / "pieces").glob("*/*") if not p.name.startswith(".")]
+def _held_pieces(data_dir: Path, model_id: str) -> set[int]:
+    """What a (possibly running) download has verified so far, read from its files."""
+    model = ModelStore(data_dir).get(model_id) if (data_dir / "models").exists() else None
+    return ModelPieces(model).have if model is not None else set()
 
 
 def test_kill_9_during_a_download_leaves_nothing_corrupt_and_the_restart_fetches_only_what_is_missing(
@@ -144,7 +146,8 @@ def test_kill_9_during_a_download_leaves_nothing_corrupt_and_the_restart_fetches
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_loose_pieces(data_dir)) < 12 and time.monotonic() < deadline and proc.poll() is None:
+        while len(_held_pieces(data_dir, model_id)) < 12 and time.monotonic() < deadline \
+                and proc.poll() is None:
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         os.kill(proc.pid, signal.SIGKILL)
@@ -154,14 +157,13 @@ def test_kill_9_during_a_download_leaves_nothing_corrupt_and_the_restart_fetches
             proc.kill()
             proc.wait(timeout=10)
 
-    # Nothing corrupt: every loose piece is what its name says; every model file that
-    # exists is complete and verified.
-    for path in _loose_pieces(data_dir):
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == path.name
+    # Nothing corrupt: every model file under its own name is complete and verified;
+    # the rest is in part files, whose pieces count only if they match their hashes.
     model = ModelStore(data_dir).get(model_id)
     assert_verified(model)
-    held = ModelPieces(model, PieceStore(data_dir)).have
     manifest = model.manifest
+    held = _held_pieces(data_dir, model_id)
+    assert any(part_path(model, f.name).exists() for f in manifest.files)
     assert 12 <= len(held) < len(manifest.pieces)
 
     done = subprocess.run(_fetch_cmd(data_dir, model_id, boot), capture_output=True, text=True, timeout=120)
@@ -174,5 +176,4 @@ def test_kill_9_during_a_download_leaves_nothing_corrupt_and_the_restart_fetches
     model = ModelStore(data_dir).get(model_id)
     assert model.holds(blocks=(0, model.num_blocks), head=True)
     assert_verified(model)
-    assert not _loose_pieces(data_dir)  # assembled into files, loose copies gone
-    assert not list((data_dir / "pieces").glob("*/.tmp-*"))  # the crash's leftovers cleaned
+    assert not list(model.path.glob(".*.part"))  # every part file became its file

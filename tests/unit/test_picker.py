@@ -109,13 +109,24 @@ def test_no_duplicates_while_some_piece_is_unrequested():
     peers = [f"p{k}" for k in range(6)]
     picker.add_peer(peers[0], range(40))
     for peer in peers[1:]:
-        picker.add_peer(peer, {i for i in range(40) if rng.random() < 0.7})
+        picker.add_peer(peer, {i for i in range(40) if rng.random() < 0.25})  # soon idle
     while not all(i in picker.requested for i in picker.missing):
         peer = rng.choice(peers)
         picker.pick(peer)
         if picker.inflight(peer) and rng.random() < 0.5:
             picker.received(peer, rng.choice(sorted(picker.inflight(peer))), valid=True)
         assert all(len(holders) == 1 for holders in picker.requested.values())
+
+
+def test_idle_peer_waits_for_the_last_piece_to_be_requested():
+    picker = make(4, depth=4, random_first=0)
+    picker.add_peer("a", [0, 1])
+    picker.add_peer("b", range(4))
+    picker.add_peer("c", [0, 1])
+    assert sorted(picker.pick("a")) == [0, 1]
+    assert picker.pick("c") == []  # idle with nothing fresh, but pieces 2 and 3 are unrequested
+    assert sorted(picker.pick("b")) == [2, 3]
+    assert sorted(picker.pick("c")) == [0, 1]
 
 
 def test_endgame_duplicates_then_first_copy_wins():
@@ -271,12 +282,27 @@ def test_remove_peer_releases_requests_and_availability():
     assert picker.inflight("a") == set() and not set(sent) & set(picker.requested)
     assert [picker.availability[i] for i in range(10)] == [0, 0, 0, 1, 1, 1, 1, 1, 0, 0]
     assert picker.unavailable() == {0, 1, 2, 8, 9}
+    picker.peer_has("b", 9)
+    picker.peer_has("b", 9)  # said twice, counted once
+    picker.peer_has("zed", 8)  # unknown peers are ignored
+    assert picker.availability[9] == 1 and picker.availability[8] == 0
+    assert picker.unavailable() == {0, 1, 2, 8}
     picker.remove_peer("a")  # a second time, and an unknown peer: no-ops
     picker.remove_peer("zed")
     assert picker.add_peer("a", [0]) is True  # leaving is not being banned
     b = picker.pick("b")
     picker.received("b", b[0], valid=False)
     assert b[0] in picker.unavailable()  # only a bad sender has it
+
+
+def test_unsolicited_piece_is_not_accepted():
+    picker = make(4, depth=1, random_first=0)
+    picker.add_peer("a", range(4))
+    [asked] = picker.pick("a")
+    other = next(i for i in range(4) if i != asked)
+    assert picker.received("a", other, valid=True) == Received(False, {})
+    assert other in picker.missing and picker.completed == 0
+    assert picker.inflight("a") == {asked}
 
 
 # ---------------------------------------------------------------- random event sequences
@@ -291,7 +317,7 @@ BITFIELDS = st.one_of(st.sets(st.sampled_from(sorted(ALL))), SEEDERS)
 
 class PickerMachine(RuleBasedStateMachine):
     @initialize(depth=st.integers(1, 5), random_first=st.integers(0, 4), max_failures=st.integers(1, 3),
-                max_duplicates=st.integers(0, 2), seed=st.integers(0, 2**16), seeders=st.lists(SEEDERS, max_size=3))
+                max_duplicates=st.integers(0, 2), seed=st.integers(0, 2**16), seeders=st.lists(SEEDERS, min_size=2, max_size=3))
     def start(self, depth, random_first, max_failures, max_duplicates, seed, seeders):
         self.picker = Picker(range(PIECES), depth=depth, random_first=random_first, max_failures=max_failures,
                              max_duplicates=max_duplicates, rng=random.Random(seed))
@@ -339,10 +365,14 @@ class PickerMachine(RuleBasedStateMachine):
 
     @rule(rounds=st.integers(1, 4), slow=st.sets(st.sampled_from(HONEST + HOSTILE)))
     def download(self, rounds, slow):
-        """Rounds of everyone picking and the others delivering all they have in flight: the
-        slow peers keep the last pieces in flight while the rest go idle, as in an endgame."""
+        """Rounds of asking for all that can be asked, then the peers not `slow` delivering:
+        the slow ones keep the last pieces in flight while the rest go idle, as in an endgame."""
         for _ in range(rounds):
-            self.pick_all()
+            for _ in range(PIECES):
+                before = sum(len(h) for h in self.picker.requested.values())
+                self.pick_all()
+                if sum(len(h) for h in self.picker.requested.values()) == before:
+                    break
             for peer in sorted(self.picker.peers.keys() - slow):
                 for index in sorted(self.picker.inflight(peer)):
                     if peer in self.picker.peers:  # not banned meanwhile

@@ -62,9 +62,15 @@ class FrameDecoder:
         end = LENGTH.size + length
         if len(self._buffer) < end:
             return None
-        payload = bytes(self._buffer[LENGTH.size:end])
-        del self._buffer[:end]
-        return decode_payload(payload)
+        # Decode straight from the buffer: for a 1 MiB piece, slicing would copy twice.
+        view = memoryview(self._buffer)
+        payload = view[LENGTH.size:end]
+        try:
+            return decode_payload(payload)
+        finally:
+            payload.release()  # the buffer cannot shrink while a view of it lives
+            view.release()
+            del self._buffer[:end]  # a bad frame is consumed too: the stream can go on
 
     def _check_length(self, length: int) -> None:
         if length > self.max_frame_bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import math
 import time
@@ -286,11 +285,10 @@ class Download:
             self._changed()
 
     async def _piece(self, peer: str, index: int, data: bytes) -> bool:
-        """Check and keep one piece; True if its sender is now banned."""
+        """Check and keep one piece; True if its sender is now banned. The check and the
+        write are one trip to a worker thread: a valid duplicate rewrites the same bytes."""
         self.sent_at.pop((peer, index), None)
-        expected = self.manifest.pieces[index]
-        valid = len(data) == expected.length and (
-            await trio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest()) == expected.sha256)
+        valid = await trio.to_thread.run_sync(self.pieces.write, index, data)
         outcome = self.picker.received(peer, index, valid)
         if not valid:
             log.warning("piece %d from %s failed its hash check (%d failures)", index, peer[:12],
@@ -305,7 +303,6 @@ class Download:
             for i in indexes:
                 self.sent_at.pop((other, i), None)
         if outcome.accepted:
-            await trio.to_thread.run_sync(self.pieces.write, index, data, True)
             self.pieces.announce(index)
             self.bytes_from[peer] += len(data)
             self.done_bytes += len(data)

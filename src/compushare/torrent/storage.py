@@ -1,13 +1,14 @@
-"""Pieces on disk: a content-addressed store of loose pieces, and model files assembled from them.
+"""Pieces on disk: a model's files, filled in piece by piece and verified against the manifest.
 
-A downloaded piece is written to `<data dir>/pieces/<aa>/<sha256>` (temporary name,
-fsync, rename), so after a crash - `kill -9` included - every file under its final
-name holds exactly the bytes its name promises, and a restart refetches only
-pieces that are not there. Once every piece of a model file is present, the file
-is assembled next to the model's manifest the same way (temporary name, each piece
-re-checked, fsync, rename) and its loose pieces are deleted. A model file
-therefore exists only complete and verified; seeding reads pieces from whichever
-of the two places holds them.
+A file being downloaded lives at `<model dir>/.<name>.part`; each verified piece is
+written at its offset there. When the last piece is in, the part file is fsynced
+and renamed to its real name, so a model file exists only complete and verified,
+whatever happens meanwhile - `kill -9` included. On restart the part file's pieces
+are hashed again: the ones that match their manifest hash count as held (a piece
+torn by a crash does not), and only the others are fetched. Everything on disk is
+named by content: the model directory by the model id (the manifest's hash), and
+the manifest names every piece by its SHA-256. Seeding reads pieces from the
+complete files and from part files alike.
 
 Everything here blocks on disk: async callers run it in worker threads.
 """
@@ -24,79 +25,41 @@ from ..model.store import StoredModel
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
 
-
-def _write_atomically(path: Path, chunks) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-class PieceStore:
-    """Loose pieces named by their SHA-256."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.root = Path(data_dir) / "pieces"
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def clean(self) -> int:
-        """Delete temporary files a crash left behind; how many there were."""
-        leftovers = list(self.root.glob(f"*/{TMP_PREFIX}*"))
-        for path in leftovers:
-            path.unlink(missing_ok=True)
-        return len(leftovers)
-
-    def path(self, digest: str) -> Path:
-        return self.root / digest[:2] / digest
-
-    def has(self, digest: str) -> bool:
-        return self.path(digest).exists()
-
-    def put(self, digest: str, data: bytes, verified: bool = False) -> bool:
-        """Store `data` if it hashes to `digest` (`verified`: the caller just checked);
-        False (nothing written) if not."""
-        if not verified and hashlib.sha256(data).hexdigest() != digest:
-            return False
-        path = self.path(digest)
-        path.parent.mkdir(exist_ok=True)
-        _write_atomically(path, [data])
-        return True
-
-    def get(self, digest: str) -> bytes:
-        return self.path(digest).read_bytes()
-
-    def discard(self, digest: str) -> None:
-        self.path(digest).unlink(missing_ok=True)
+def part_path(model: StoredModel, name: str) -> Path:
+    return model.path / f".{name}.part"
 
 
 class ModelPieces:
     """The pieces of one model this node holds: a bitfield, reads for seeding,
     verified writes for downloading."""
 
-    def __init__(self, model: StoredModel, store: PieceStore) -> None:
-        self.model, self.store, self.manifest = model, store, model.manifest
+    def __init__(self, model: StoredModel) -> None:
+        self.model, self.manifest = model, model.manifest
         self._lock = threading.Lock()
         # Called (in the trio thread, via announce) for each piece gained: seeders tell
         # their downloaders with `have`.
         self.listeners: set = set()
-        held_files = model.held_files()
-        self._held_files = set(held_files)
+        self._held_files = model.held_files()
         self.have: set[int] = set()
-        for f in range(len(self.manifest.files)):
+        for f, entry in enumerate(self.manifest.files):
             pieces = self.manifest.file_pieces(f)
-            if f in held_files:
+            if f in self._held_files:
                 self.have.update(pieces)
-            else:
-                self.have.update(i for i in pieces if store.has(self.manifest.pieces[i].sha256))
+                part_path(model, entry.name).unlink(missing_ok=True)  # a stale copy
+            elif part_path(model, entry.name).exists():
+                self.have.update(self._verified_in_part(f))
+
+    def _verified_in_part(self, file_index: int) -> list[int]:
+        """Pieces of a part file (left by an earlier run) that match their hashes."""
+        good = []
+        with open(part_path(self.model, self.manifest.files[file_index].name), "rb") as handle:
+            for i in self.manifest.file_pieces(file_index):
+                piece = self.manifest.pieces[i]
+                handle.seek(piece.offset)
+                if hashlib.sha256(handle.read(piece.length)).hexdigest() == piece.sha256:
+                    good.append(i)
+        return good
 
     @property
     def num_pieces(self) -> int:
@@ -105,56 +68,52 @@ class ModelPieces:
     def read(self, index: int) -> bytes:
         """One piece's bytes (KeyError if not held)."""
         piece = self.manifest.pieces[index]
+        name = self.manifest.files[piece.file].name
         with self._lock:
             if index not in self.have:
                 raise KeyError(index)
-            in_file = piece.file in self._held_files
-        if in_file:
-            with open(self.model.path / self.manifest.files[piece.file].name, "rb") as handle:
+            path = self.model.path / name if piece.file in self._held_files else part_path(self.model, name)
+        try:
+            with open(path, "rb") as handle:
                 handle.seek(piece.offset)
                 return handle.read(piece.length)
-        return self.store.get(piece.sha256)
+        except FileNotFoundError:  # the part file was renamed into place meanwhile
+            with open(self.model.path / name, "rb") as handle:
+                handle.seek(piece.offset)
+                return handle.read(piece.length)
 
-    def write(self, index: int, data: bytes, verified: bool = False) -> bool:
-        """Keep a downloaded piece if it matches its hash (False otherwise); assemble its
-        file when it was the file's last missing piece."""
+    def write(self, index: int, data: bytes) -> bool:
+        """Keep a downloaded piece if it matches its hash (False otherwise: nothing is
+        written). Writing a piece twice is harmless: same hash, same bytes. The file is
+        renamed into place when its last piece arrives."""
         piece = self.manifest.pieces[index]
-        if len(data) != piece.length or not self.store.put(piece.sha256, data, verified):
+        if len(data) != piece.length or hashlib.sha256(data).hexdigest() != piece.sha256:
             return False
-        with self._lock:
+        entry = self.manifest.files[piece.file]
+        path = part_path(self.model, entry.name)
+        with self._lock:  # hashing above runs in parallel; the disk takes one write at a time
+            if index in self.have:
+                return True
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, data, piece.offset)
+            finally:
+                os.close(fd)
             self.have.add(index)
             complete = piece.file not in self._held_files and all(
                 i in self.have for i in self.manifest.file_pieces(piece.file))
+            if complete:
+                self._held_files.add(piece.file)  # claimed: one writer finishes the file
         if complete:
-            self._assemble(piece.file)
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, entry.size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(path, self.model.path / entry.name)
+            log.info("completed %s (%d pieces)", entry.name, len(self.manifest.file_pieces(piece.file)))
         return True
-
-    def _assemble(self, file_index: int) -> None:
-        entry = self.manifest.files[file_index]
-        indexes = self.manifest.file_pieces(file_index)
-
-        def chunks():
-            for i in indexes:
-                digest = self.manifest.pieces[i].sha256
-                data = self.store.get(digest)
-                if hashlib.sha256(data).hexdigest() != digest:  # the disk changed under us
-                    raise OSError(f"piece {i} of {entry.name} is damaged on disk")
-                yield data
-
-        try:
-            _write_atomically(self.model.path / entry.name, chunks())
-        except OSError as exc:
-            log.warning("could not assemble %s: %s; refetching its pieces", entry.name, exc)
-            with self._lock:
-                for i in indexes:
-                    self.have.discard(i)
-                    self.store.discard(self.manifest.pieces[i].sha256)
-            return
-        with self._lock:
-            self._held_files.add(file_index)
-        for i in indexes:
-            self.store.discard(self.manifest.pieces[i].sha256)
-        log.info("assembled %s (%d pieces)", entry.name, len(indexes))
 
     def announce(self, index: int) -> None:
         for listener in list(self.listeners):
@@ -174,8 +133,6 @@ class Library:
 
         self.only = only  # seed and fetch just these model ids (None: every model stored)
         self.models = ModelStore(Path(data_dir))
-        self.store = PieceStore(Path(data_dir))
-        self.store.clean()
         self._open: dict[str, ModelPieces] = {}
 
     def pieces(self, model_id: str) -> ModelPieces | None:
@@ -186,7 +143,7 @@ class Library:
         model = self.models.get(model_id)
         if model is None:
             return None
-        self._open[model_id] = ModelPieces(model, self.store)
+        self._open[model_id] = ModelPieces(model)
         return self._open[model_id]
 
     def model_ids(self) -> list[str]:

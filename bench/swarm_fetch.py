@@ -1,0 +1,278 @@
+"""Swarm fetch: all of SmolLM2's stored weights from 1 and from 3 seeders.
+
+    .venv/bin/python bench/swarm_fetch.py [--wan] [--raw-mib 256]
+
+loopback  seeders are `compushare models seed` processes on 127.0.0.1, each holding
+          the whole model; the downloader is `compushare models fetch ID --json` in a
+          fresh data dir, bootstrapped to the first seeder only (it finds the others
+          through the DHT). MB/s = bytes / download time, from the first request to
+          the last piece verified, written and assembled into its file (process
+          start-up and the manifest excluded).
+raw       one libp2p stream between two processes (a source process writing 1 MiB
+          chunks, this process reading): the ceiling for a single seeder here.
+wan       with --wan (root only): ../shared/tools/netlab hosts, `netlab.sh up 4 0 0 0
+          20mbit,20mbit,20mbit,-`: seeders on hosts 1-3 with 20mbit links, the
+          downloader on host 4 unshaped. The namespaces are removed on every exit path.
+
+Human-readable lines first; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    try:
+        import compushare  # noqa: F401  (installed editable in the venv)
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+
+import trio  # noqa: E402
+
+from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.swarm import wait_ready  # noqa: E402
+
+MODEL = "smollm2-135m"
+NETLAB = REPO.parent / "shared" / "tools" / "netlab" / "netlab.sh"
+NETLAB_PREFIX = "csf"  # our own namespace names: nothing else's lab is touched
+WAN_RATES = "20mbit,20mbit,20mbit,-"
+RAW_PROTOCOL = "/compushare-bench/raw/1.0.0"
+CHUNK = 1 << 20
+FETCH_TIMEOUT_S = 900
+TARGETS = {"wan_ratio_3v1": 2.7, "loopback_vs_raw": 0.6, "min_seeder_share": 0.2}
+
+
+class Lab:
+    """Processes and namespaces this run started; `close` ends them all (by pid)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.netlab_up = False
+
+    def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        handle = open(log, "ab")
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        self.procs.clear()
+
+    def netlab(self, *args: str) -> None:
+        env = dict(os.environ, PFX=NETLAB_PREFIX, PY=sys.executable)
+        subprocess.run(["bash", str(NETLAB), *args], check=True, env=env, timeout=120)
+
+    def close(self) -> None:
+        self.stop_all()
+        if self.netlab_up:
+            with contextlib.suppress(Exception):
+                self.netlab("down", "4")
+            self.netlab_up = False
+
+
+def in_ns(host: int | None, cmd: list[str]) -> list[str]:
+    return cmd if host is None else ["ip", "netns", "exec", f"{NETLAB_PREFIX}h{host}", *cmd]
+
+
+def start_seeders(lab: Lab, root: Path, count: int, ips: list[str], hosts: list[int | None]) -> list[dict]:
+    states, boot = [], []
+    for i in range(count):
+        data_dir = root / f"seeder{i}"
+        resolve_model(MODEL, data_dir)  # hard-links the converted weights from the shared cache
+        (data_dir / "node.json").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "compushare", "models", "seed", "--data-dir", str(data_dir),
+               "--listen", f"/ip4/{ips[i]}/tcp/0", "--log-level", "warning"]
+        for addr in boot:
+            cmd += ["--bootstrap", addr]
+        proc = lab.start(in_ns(hosts[i], cmd), data_dir / "seed.log")
+        states.append(wait_ready(proc, data_dir, timeout=120))
+        if not boot:
+            boot = states[0]["addrs"][:1]
+    return states
+
+
+def fetch_once(lab: Lab, root: Path, model_id: str, seeders: list[dict], host: int | None) -> dict:
+    data_dir = root / f"downloader-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "compushare", "models", "fetch", model_id, "--data-dir", str(data_dir),
+           "--bootstrap", seeders[0]["addrs"][0], "--json"]
+    done = subprocess.run(in_ns(host, cmd), capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"fetch failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    shutil.rmtree(data_dir, ignore_errors=True)
+    result["MBps"] = result["bytes"] / 1e6 / result["seconds"]
+    total = sum(result["bytes_from"].values())
+    by_peer = {s["peer_id"]: result["bytes_from"].get(s["peer_id"], 0) for s in seeders}
+    result["shares"] = [count / total for count in by_peer.values()]
+    print(f"  {len(seeders)} seeder(s): {result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f}s = "
+          f"{result['MBps']:.2f} MB/s; bytes per seeder: {list(by_peer.values())}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------- one raw libp2p stream
+
+
+async def _raw_source(mib: int, addr_file: Path) -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from compushare.net.host import full_addrs, open_host
+
+    chunk = os.urandom(CHUNK)
+
+    async def handler(stream) -> None:
+        for _ in range(mib):
+            await stream.write(chunk)
+        await stream.close()
+
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+        host.set_stream_handler(RAW_PROTOCOL, handler)
+        addr_file.write_text(full_addrs(host)[0])
+        await trio.sleep_forever()
+
+
+async def _raw_sink(addr: str, mib: int) -> float:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.network.stream.exceptions import StreamEOF
+
+    from compushare.net.host import open_host, parse_peer_addr
+
+    info = parse_peer_addr(addr)
+    async with open_host(create_new_key_pair(), []) as host:
+        await host.connect(info)
+        stream = await host.new_stream(info.peer_id, [RAW_PROTOCOL])
+        received, began = 0, time.perf_counter()
+        while True:
+            try:
+                data = await stream.read(CHUNK)
+            except StreamEOF:
+                break
+            if not data:
+                break
+            received += len(data)
+        elapsed = time.perf_counter() - began
+    if received != mib * CHUNK:
+        raise RuntimeError(f"raw stream delivered {received} of {mib * CHUNK} bytes")
+    return received / 1e6 / elapsed
+
+
+def raw_stream_mbps(lab: Lab, root: Path, mib: int) -> float:
+    addr_file = root / "raw.addr"
+    lab.start([sys.executable, __file__, "--raw-source", str(addr_file), "--raw-mib", str(mib)], root / "raw.log")
+    deadline = time.monotonic() + 60
+    while not addr_file.exists() or not addr_file.read_text():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the raw stream source did not start")
+        time.sleep(0.1)
+    rate = trio.run(_raw_sink, addr_file.read_text(), mib)
+    print(f"  one libp2p stream: {mib} MiB at {rate:.2f} MB/s", flush=True)
+    return rate
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool) -> tuple[dict, dict]:
+    ips = [f"10.200.0.{i}" for i in (1, 2, 3)] if wan else ["127.0.0.1"] * 3
+    hosts: list[int | None] = [1, 2, 3] if wan else [None] * 3
+    downloader = 4 if wan else None
+    print(f"{'wan (20mbit seeders)' if wan else 'loopback'}:", flush=True)
+    one = fetch_once(lab, root, model_id, start_seeders(lab, root, 1, ips, hosts), downloader)
+    lab.stop_all()
+    three = fetch_once(lab, root, model_id, start_seeders(lab, root, 3, ips, hosts), downloader)
+    lab.stop_all()
+    return one, three
+
+
+def ensure_netlab_tools() -> None:
+    missing = [tool for tool in ("ip", "tc", "ethtool", "iptables") if shutil.which(tool) is None]
+    if missing:
+        print(f"installing {', '.join(missing)} for netlab (apt-get)", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-q", "iproute2", "iptables", "ethtool", "iputils-ping"],
+                       check=True, env=env, timeout=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wan", action="store_true", help="also run in netlab namespaces (root)")
+    parser.add_argument("--raw-mib", type=int, default=256)
+    parser.add_argument("--raw-source", type=Path, help=argparse.SUPPRESS)  # internal: the raw stream's sender
+    args = parser.parse_args()
+    if args.raw_source:
+        trio.run(_raw_source, args.raw_mib, args.raw_source)
+        return
+    if args.wan and os.geteuid() != 0:
+        parser.error("--wan needs root (network namespaces)")
+
+    lab = Lab()
+    root = Path(tempfile.mkdtemp(prefix="compushare-swarm-fetch-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+    try:
+        model = resolve_model(MODEL, root / "reference")
+        size = model.manifest.total_bytes
+        print(f"{MODEL} ({model.model_id[:12]}): {size / 1e6:.1f} MB stored in {len(model.manifest.pieces)} "
+              f"pieces of {model.manifest.piece_size // 1024} KiB", flush=True)
+        raw = raw_stream_mbps(lab, root, args.raw_mib)
+        lab.stop_all()
+        lo1, lo3 = run_scenario(lab, root, model.model_id, wan=False)
+        wan1 = wan3 = None
+        if args.wan:
+            ensure_netlab_tools()
+            lab.netlab("down", "4")  # a lab left by a killed earlier run
+            lab.netlab_up = True
+            lab.netlab("up", "4", "0", "0", "0", WAN_RATES)
+            wan1, wan3 = run_scenario(lab, root, model.model_id, wan=True)
+    finally:
+        lab.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    result = {
+        "bytes": size,
+        "loopback_1_MBps": round(lo1["MBps"], 2),
+        "loopback_3_MBps": round(lo3["MBps"], 2),
+        "raw_stream_MBps": round(raw, 2),
+        "loopback_3_vs_raw": round(lo3["MBps"] / raw, 3),
+        "wan_1_MBps": round(wan1["MBps"], 2) if wan1 else None,
+        "wan_3_MBps": round(wan3["MBps"], 2) if wan3 else None,
+        "wan_ratio_3v1": round(wan3["MBps"] / wan1["MBps"], 3) if wan1 else None,
+        "min_seeder_share": round(min((wan3 or lo3)["shares"]), 3),
+        "loopback_3_shares": [round(s, 3) for s in lo3["shares"]],
+        "wan_3_shares": [round(s, 3) for s in wan3["shares"]] if wan3 else None,
+        "piece_size": model.manifest.piece_size,
+    }
+    result["targets_met"] = {
+        "wan_ratio_3v1": None if wan1 is None else result["wan_ratio_3v1"] >= TARGETS["wan_ratio_3v1"],
+        "loopback_3_vs_raw": result["loopback_3_vs_raw"] >= TARGETS["loopback_vs_raw"],
+        "min_seeder_share": result["min_seeder_share"] >= TARGETS["min_seeder_share"],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
