@@ -67,11 +67,14 @@ async def test_a_node_with_nothing_fetches_its_span_from_three_seeders_and_serve
     span_tensors = [t for f in held.manifest.files if f.block in (1, 2) for t in f.tensors.values()]
     assert d["parameters"] == sum(math.prod(t.shape) for t in span_tensors)  # loaded what it fetched
 
+    # The consumer holds nothing either: it fetches the head (and tokenizer files)
+    # from the seeders, then generates through the chain.
     client = tmp_path / "client"
-    import_path(tiny_model, client, alias="tiny")
     outcome = await run_prompt(client, tuple(boot), RunRequest(
-        model="tiny", prompt=PROMPT, params=SamplingParams(max_new_tokens=16, stop_at_eos=False)))
+        model=model_id, prompt=PROMPT, params=SamplingParams(max_new_tokens=16, stop_at_eos=False)))
     assert outcome.tokens == reference_greedy(tiny_model, PROMPT, 16)
+    fetched_by_client = ModelStore(client).get(model_id)
+    assert fetched_by_client.holds(head=True) and fetched_by_client.held_blocks() == []
     assert [(h.peer_id, h.start, h.end) for h in outcome.route] == [
         (a["peer_id"], 0, 1), (d["peer_id"], 1, 3), (b["peer_id"], 3, 4)]
 

@@ -13,8 +13,10 @@ import trio
 
 from ..errors import HopUnavailable, RouteError, SwarmUnreachable, UsageError
 from ..model.catalog import resolve_model
+from ..model.store import ModelStore, is_model_id
 from ..model.head import ConsumerHead
 from ..net.dht import connect_bootstrap, open_dht
+from ..torrent.service import Torrent
 from ..net.host import open_host
 from ..net.identity import load_or_create_identity
 from ..net.view import SwarmView
@@ -120,12 +122,16 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
         except Exception as exc:
             loaded["error"] = exc
 
+    # A model known only by its id: the head and tokenizer come from the swarm's seeders.
+    stored = ModelStore(data_dir).get(request.model) if is_model_id(request.model) else None
+    from_swarm = is_model_id(request.model) and (stored is None or not stored.holds(head=True))
     key_pair = load_or_create_identity(data_dir)
     async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
         # Joining the swarm and loading the local parts overlap: both take seconds.
         unreachable: SwarmUnreachable | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
+            if not from_swarm:
+                nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
             try:
                 await connect_bootstrap(host, dht, bootstrap)
             except SwarmUnreachable as exc:
@@ -134,6 +140,11 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
             raise loaded["error"]
         if unreachable is not None:
             raise unreachable
+        if from_swarm:
+            await Torrent(host, dht, data_dir).fetch(request.model, head=True)
+            await trio.to_thread.run_sync(load_local_parts)
+            if "error" in loaded:
+                raise loaded["error"]
         model = loaded["model"]
         tokenizer, head = loaded["tokenizer"], loaded["head"]
         prompt_ids = _prompt_ids(tokenizer, request)
