@@ -311,13 +311,14 @@ PIECES = 30  # wanted; peers also hold a few pieces beyond, which must never be 
 HONEST = ["p0", "p1", "p2", "p3", "p4"]
 HOSTILE = ["h0", "h1"]  # always send corrupted data
 ALL = frozenset(range(PIECES + 3))
-SEEDERS = st.sets(st.sampled_from(sorted(ALL)), max_size=6).map(ALL.difference)  # most pieces, so downloads can finish
+SEEDERS = st.sets(st.sampled_from(sorted(ALL)), max_size=6).map(ALL.difference)  # most pieces: downloads finish
 BITFIELDS = st.one_of(st.sets(st.sampled_from(sorted(ALL))), SEEDERS)
 
 
 class PickerMachine(RuleBasedStateMachine):
     @initialize(depth=st.integers(1, 5), random_first=st.integers(0, 4), max_failures=st.integers(1, 3),
-                max_duplicates=st.integers(0, 2), seed=st.integers(0, 2**16), seeders=st.lists(SEEDERS, min_size=2, max_size=3))
+                max_duplicates=st.integers(0, 2), seed=st.integers(0, 2**16),
+                seeders=st.lists(SEEDERS, min_size=2, max_size=3))
     def start(self, depth, random_first, max_failures, max_duplicates, seed, seeders):
         self.picker = Picker(range(PIECES), depth=depth, random_first=random_first, max_failures=max_failures,
                              max_duplicates=max_duplicates, rng=random.Random(seed))
@@ -544,3 +545,18 @@ def test_download_shares_load_among_full_seeders(seed):
     assert picker.done and accepted == Counter(range(N))
     assert "evil" in picker.banned and hostile_deliveries == 3
     assert all(share[peer] > 0.15 * N for peer in "abc"), share
+
+
+def test_reconnecting_does_not_shed_strikes():
+    """A hostile peer that drops and rejoins before its third bad piece is still banned."""
+    picker = Picker(range(100), max_failures=3, rng=random.Random(0))
+    bad_pieces = 0
+    for _ in range(10):
+        if not picker.add_peer("evil", range(100)):
+            break
+        for index in picker.pick("evil")[:2]:
+            bad_pieces += 1
+            if picker.received("evil", index, valid=False).banned:
+                break
+        picker.remove_peer("evil")
+    assert "evil" in picker.banned and bad_pieces == 3

@@ -292,7 +292,7 @@ class Download:
         outcome = self.picker.received(peer, index, valid)
         if not valid:
             log.warning("piece %d from %s failed its hash check (%d failures)", index, peer[:12],
-                        self.picker.failures(peer) or self.picker.max_failures)
+                        self.picker.failures(peer))
         if outcome.banned:
             log.warning("banned seeder %s: %d corrupted pieces", peer, self.picker.max_failures)
             self.bans.add(peer)

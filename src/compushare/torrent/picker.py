@@ -32,7 +32,6 @@ class _PeerState:
     has: set[int]
     depth: int
     inflight: set[int] = dataclasses.field(default_factory=set)
-    failures: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +55,8 @@ class Picker:
         self.requested: dict[int, set[Peer]] = {}  # piece -> peers it is in flight with
         self.availability: Counter[int] = Counter()  # piece -> connected peers holding it
         self.bad_from: dict[int, set[Peer]] = {}  # piece -> peers that sent it corrupted
+        # Kept across reconnections: a peer cannot shed its record by reconnecting.
+        self.strikes: Counter[Peer] = Counter()
         self.completed = 0  # pieces received and accepted in this download
 
     # ------------------------------------------------------------------ state
@@ -69,8 +70,7 @@ class Picker:
         return set(state.inflight) if state else set()
 
     def failures(self, peer: Peer) -> int:
-        state = self.peers.get(peer)
-        return state.failures if state else 0
+        return self.strikes[peer]
 
     def unavailable(self) -> set[int]:
         """Missing pieces that no connected peer can send (but a banned one or a bad sender)."""
@@ -166,9 +166,9 @@ class Picker:
 
     def _failed(self, peer: Peer, state: _PeerState, index: int) -> Received:
         self.bad_from.setdefault(index, set()).add(peer)
-        state.failures += 1
+        self.strikes[peer] += 1
         state.depth = max(1, state.depth // 2)
-        if state.failures < self.max_failures:
+        if self.strikes[peer] < self.max_failures:
             return Received(False, {})
         self.remove_peer(peer)
         self.banned.add(peer)
