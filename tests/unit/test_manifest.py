@@ -164,3 +164,11 @@ def test_manifest_module_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).parent)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@given(st.integers(0, 2**32), st.binary(max_size=70000))
+def test_piece_frame_is_what_the_codec_would_make(index, data):
+    from compushare.net.codec import encode_frame
+    from compushare.torrent.protocol import piece_frame
+
+    assert piece_frame(index, data) == encode_frame({"type": "piece", "index": index, "data": data})

@@ -148,7 +148,8 @@ class Download:
         self.outboxes: dict[str, collections.deque] = {}  # peer -> cancels to send
         self.connected: set[str] = set()
         self.attempted: dict[str, float] = {}  # peer -> when we last tried it
-        self.changed = trio.Event()
+        self.changed = trio.Event()  # any progress or peer change (the main loop waits on it)
+        self.wakes: dict[str, trio.Event] = {}  # per seeder: it may have requests to send
         self.last_progress = time.monotonic()
         # Requests start once the first seeders found have all answered hello (or
         # after FIRST_ROUND_WAIT_S): the first to answer would otherwise take the
@@ -159,6 +160,14 @@ class Download:
     def _changed(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    def _wake(self, peers) -> None:
+        """Let these seeders' requesters run: each re-picking costs a scan of the
+        missing pieces, so only those whose options changed are woken."""
+        for peer in peers:
+            event = self.wakes.get(peer)
+            if event is not None:
+                event.set()
 
     async def run(self) -> FetchResult:
         began = time.monotonic()
@@ -225,6 +234,7 @@ class Download:
             if not self.picker.add_peer(peer, have):
                 return
             self.outboxes[peer] = collections.deque()
+            self.wakes[peer] = trio.Event()
             self._changed()
             await self.ready.wait()
             async with trio.open_nursery() as nursery:
@@ -238,15 +248,17 @@ class Download:
                 self.greeting -= 1
             self.picker.remove_peer(peer)
             self.outboxes.pop(peer, None)
+            self.wakes.pop(peer, None)
             self.connected.discard(peer)
             self._changed()
+            self._wake(list(self.wakes))  # its requests are free for others
             if framed is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await _close(framed)
 
     async def _requester(self, peer: str, framed: FramedStream) -> None:
         while True:
-            changed = self.changed
+            self.wakes[peer] = wake = trio.Event()
             now = time.monotonic()
             for index in self.picker.inflight(peer):
                 if now - self.sent_at.get((peer, index), now) > REQUEST_TIMEOUT_S:
@@ -259,8 +271,8 @@ class Download:
             for index in self.picker.pick(peer):
                 self.sent_at[(peer, index)] = time.monotonic()
                 await framed.send({"type": "request", "index": index})
-            with trio.move_on_after(1.0):
-                await changed.wait()
+            with trio.move_on_after(1.0):  # also the tick that finds timed-out requests
+                await wake.wait()
 
     async def _receiver(self, peer: str, framed: FramedStream) -> None:
         num_pieces = len(self.manifest.pieces)
@@ -282,7 +294,7 @@ class Download:
                 raise FrameError("seeder_error", str(value))
             else:
                 raise FrameError("bad_message", f"unexpected {kind}")
-            self._changed()
+            self._wake([peer])
 
     async def _piece(self, peer: str, index: int, data: bytes) -> bool:
         """Check and keep one piece; True if its sender is now banned. The check and the
@@ -302,7 +314,12 @@ class Download:
                 self.outboxes[other].extend(indexes)
             for i in indexes:
                 self.sent_at.pop((other, i), None)
+        self._wake(outcome.cancel)
+        if not valid or all(i in self.picker.requested for i in self.picker.missing):
+            # A piece to fetch elsewhere, or the endgame: idle seeders may take it.
+            self._wake(list(self.wakes))
         if outcome.accepted:
+            self._changed()
             self.pieces.announce(index)
             self.bytes_from[peer] += len(data)
             self.done_bytes += len(data)

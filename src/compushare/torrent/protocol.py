@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 
+import msgpack
+
 from ..errors import FrameError
+from ..net.codec import LENGTH
 from .manifest import MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES
 
 PIECES_PROTOCOL = "/compushare/pieces/1.0.0"
@@ -54,6 +57,24 @@ def decode_bitfield(field: bytes, num_pieces: int) -> set[int]:
     if num_pieces % 8 and field[-1] & (0xFF >> (num_pieces % 8)):
         raise _bad("a bitfield's spare bits must be zero")
     return {i for i in range(num_pieces) if field[i >> 3] & (0x80 >> (i & 7))}
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin header, smallest form first (as msgpack.packb writes it)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+def piece_frame(index: int, data: bytes) -> bytes:
+    """The frame of `{"type": "piece", "index": index, "data": data}`, byte for byte what
+    codec.encode_frame makes, with one copy of the piece instead of two."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = b"".join((packer.pack_map_header(3), packer.pack("type"), packer.pack("piece"), packer.pack("index"),
+                     packer.pack(index), packer.pack("data"), _bin_header(len(data))))
+    return b"".join((LENGTH.pack(len(head) + len(data)), head, data))
 
 
 # ---------------------------------------------------------------- downloader -> seeder

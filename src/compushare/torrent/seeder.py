@@ -16,7 +16,7 @@ from libp2p.abc import INetStream
 
 from ..errors import FrameError
 from ..net.framing import FramedStream
-from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request
+from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request, piece_frame
 from .storage import Library, ModelPieces
 
 log = logging.getLogger(__name__)
@@ -176,13 +176,17 @@ class _Upload:
                     await self.seeder.limit.take(len(data))
                 if self.queue.pop(index, None) is None:
                     continue  # cancelled while it was being read (or while waiting its turn)
-                await self._send({"type": "piece", "index": index, "data": data})
+                await self._send(piece_frame(index, data))
                 self.seeder.sent_bytes[self.peer] += len(data)
                 while self.haves:
                     await self._send({"type": "have", "index": self.haves.popleft()})
 
-    async def _send(self, message: dict) -> None:
+    async def _send(self, message: dict | bytes) -> None:
+        """Send a message (or an already encoded frame)."""
         async with self.send_lock:
             with trio.fail_after(SEND_TIMEOUT_S):
-                await self.framed.send(message)
+                if isinstance(message, bytes):
+                    await self.framed.stream.write(message)
+                else:
+                    await self.framed.send(message)
 
