@@ -20,7 +20,7 @@ from .model.store import ModelStore, is_model_id
 from .model.selfbench import cached_block_rate, measure_block_rate
 from .net.ads import ad_ttl, make_ad
 from .net.dht import open_dht
-from .net.gossip import Gossip, fetch_view
+from .net.gossip import Gossip, learn_views
 from .net.host import full_addrs, open_host
 from .net.identity import load_or_create_identity
 from .net.view import SwarmView
@@ -80,7 +80,7 @@ class Node:
                 nursery.start_soon(routing_sync_loop, host, dht)
                 nursery.start_soon(torrent.announce_loop)
                 if model is None:
-                    await self._learn_swarm(host)
+                    await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model = await torrent.obtain_manifest(name)
                     self._check_span(model)
                 length = blocks_for_budget(model, max_blocks=config.max_blocks,
@@ -97,7 +97,7 @@ class Node:
                     # The random warm-up starts after the benchmark: nodes started together
                     # (and slowed alike) then choose one after another, each seeing the
                     # claims published before it.
-                    await self._learn_swarm(host)
+                    await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     span = await provider.choose_first_span(
                         self.view, me, length, config.ad_period_s if config.bootstrap else 0.0)
                 self._state = {
@@ -168,19 +168,6 @@ class Node:
         provider.block_rate = await trio.to_thread.run_sync(measure)
         log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
                  model.model_id[:12])
-
-    async def _learn_swarm(self, host) -> None:
-        """Ask the peers we are connected to for their views: a newcomer sees the whole
-        swarm at once instead of after an ad period."""
-        async with trio.open_nursery() as nursery:
-            for peer in list(host.get_network().connections):
-                nursery.start_soon(self._fetch_view_quietly, host, peer)
-
-    async def _fetch_view_quietly(self, host, peer) -> None:
-        try:
-            await fetch_view(host, peer, self.view)
-        except Exception as exc:  # an old or hostile peer: its view is optional
-            log.debug("no view from %s: %s", peer, exc)
 
     def _write_state(self, provider: Provider) -> dict:
         span = provider.span
