@@ -60,4 +60,17 @@ def test_models_import_and_list(tmp_path, tiny_model):
     import json
 
     (entry,) = json.loads(listed.stdout)
-    assert entry == {"names": ["tiny"], "id": model_id, "blocks": 4, "dtype": "float32"}
+    assert entry == {"names": ["tiny"], "id": model_id, "blocks": 4, "dtype": "float32",
+                     "bytes": entry["bytes"], "held_blocks": [0, 1, 2, 3], "holds_head": True}
+    from compushare.model.store import ModelStore
+
+    assert entry["bytes"] == ModelStore(home).get(model_id).manifest.total_bytes
+    table = _cli("models", "list", env_home=home)
+    assert "tiny" in table.stdout and "all" in table.stdout
+
+
+def test_models_fetch_wants_an_id(tmp_path):
+    result = _cli("models", "fetch", "smollm2-135m", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
+                  "12D3KooWJqpfTAuVzpBfnu4xyhH9yyHmqYhUq9a5WwcvRmp1wYQr", env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert "not a model id" in result.stderr

@@ -35,6 +35,7 @@ MAX_PIPELINE = 32
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 30.0  # no piece, and no seeder that could send one: give up
+NO_PROGRESS_LIMIT_S = 300.0  # no piece at all, whatever the seeders claim: give up
 DISCOVERY_PERIOD_S = 5.0
 FIRST_ROUND_WAIT_S = 2.0
 
@@ -188,10 +189,11 @@ class Download:
 
     def _stalled(self) -> str | None:
         """Why the download cannot go on, if it cannot."""
-        if time.monotonic() - self.last_progress < STALL_TIMEOUT_S:
+        quiet = time.monotonic() - self.last_progress
+        if quiet < STALL_TIMEOUT_S:
             return None
         missing = self.picker.unavailable()
-        if not missing and self.connected:
+        if not missing and self.connected and quiet < NO_PROGRESS_LIMIT_S:
             return None
         return (f"download of {self.manifest.model_id[:12]} stalled: {len(self.picker.missing)} pieces missing, "
                 f"{len(missing)} of them held by no reachable seeder ({len(self.connected)} connected)")
