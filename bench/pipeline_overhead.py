@@ -58,7 +58,7 @@ os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from compushare.model.blocks import SpanRunner  # noqa: E402
+from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
 from compushare.pipeline.client import open_chain  # noqa: E402
@@ -374,14 +374,13 @@ def main() -> int:
         log(f"swarm up in {time.perf_counter() - began:.1f}s: "
             + ", ".join(f"pid {s['pid']} [{s['start']}:{s['end']}]" for s in states))
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model.path))
         prompt_ids = _prompt_ids(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
         head = ConsumerHead.load(model.path)
         runners = [SpanRunner.load(model.path, start, end) for start, end in split_blocks(model.num_blocks, NODES)]
-        hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32,
-                                                        attn_implementation="sdpa").eval()
+        hf_model = load_full_model(model.path)  # sdpa, like the spans
         log(f"prompt: {len(prompt_ids)} tokens (chat template of {PROMPT!r})")
 
         client = SwarmClient(bench_dir, bootstrap, model, head, prompt_ids)

@@ -11,6 +11,8 @@ import psutil
 import pytest
 import torch
 
+from compushare.model.blocks import load_full_model
+
 from compushare.model.catalog import resolve_model
 from compushare.pipeline.consumer import RunRequest, run_prompt
 from compushare.pipeline.sampling import SamplingParams
@@ -38,12 +40,12 @@ async def test_smollm2_chat_matches_transformers(smol_swarm, tmp_path):
     home, swarm = smol_swarm
     client = tmp_path / "client"
     model = resolve_model("smollm2-135m", client)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model.path))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
-    reference = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
+    reference = load_full_model(model.path)
     with torch.inference_mode():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()

@@ -317,3 +317,16 @@ def test_bfloat16_span_runs_and_stays_close(tiny_model, stages):
     assert out.dtype == torch.bfloat16
     ref = first.forward(hidden, first.new_cache(), 0)
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_load_full_model_reads_the_store_layout(tiny_model, tmp_path):
+    """The store's per-block files load into one transformers model equal to the source."""
+    from compushare.model.blocks import load_full_model
+    from compushare.model.store import ModelStore
+
+    stored = ModelStore(tmp_path / "data").import_dir(tiny_model)
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    loaded = load_full_model(stored.path)
+    ids = torch.tensor([[1, 5, 9, 200]])
+    with torch.inference_mode():
+        assert torch.equal(original(ids).logits, loaded(ids).logits)

@@ -141,3 +141,19 @@ class SpanRunner:
         surplus = self.cached_length(cache) - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers 5.x: a negative count of tokens to drop
+
+
+def load_full_model(model_dir: Path, dtype=torch.float32):
+    """The whole model as one transformers model - the single-process reference that
+    tests and benchmarks compare the swarm with. `from_pretrained` cannot read the
+    store's layout (one file per block), so the weights are loaded here."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_dir)
+    with torch.random.fork_rng():  # initialising the skeleton must not move sampling's RNG
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = read_tensors(model_dir, lambda names: names)
+    if "lm_head.weight" not in state:  # tied embeddings (SmolLM2)
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return model.eval()
