@@ -35,6 +35,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/gossip.py
+	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
 
 clean:
 	rm -rf $(VENV) .cache demo-swarm

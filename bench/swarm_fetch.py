@@ -237,9 +237,11 @@ def ensure_netlab_tools() -> None:
     if missing:
         print(f"installing {', '.join(missing)} for netlab (apt-get)", flush=True)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-q", "iproute2", "iptables", "ethtool", "iputils-ping"],
-                       check=True, env=env, timeout=600)
+        for cmd in (["apt-get", "update", "-qq"],
+                    ["apt-get", "install", "-y", "-qq", "iproute2", "iptables", "ethtool", "iputils-ping"]):
+            done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
 
 
 def main() -> None:
