@@ -78,6 +78,18 @@ async def test_bad_openings_get_an_error_and_the_seeder_keeps_serving(stored, tm
         assert (await receive(good))["type"] == "bitfield"
 
 
+@pytest.mark.parametrize("bad", [{"type": "request", "index": 10**6}, {"type": "hello", "model": "ab" * 32},
+                                 {"type": "surprise"}])
+async def test_bad_messages_after_hello_get_an_error_reply(stored, tmp_path, bad):
+    async with seeder_and_client(tmp_path / "seeder") as (_seeder, open_stream):
+        framed = await open_stream()
+        await framed.send({"type": "hello", "model": stored.model_id})
+        await receive(framed)
+        await framed.send(bad)
+        reply = await receive(framed)
+        assert reply["type"] == "error" and reply["code"] == "bad_message"
+
+
 async def test_garbage_and_oversized_frames_close_only_their_stream(stored, tmp_path):
     async with seeder_and_client(tmp_path / "seeder") as (_seeder, open_stream):
         garbage = await open_stream()

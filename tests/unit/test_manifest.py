@@ -44,6 +44,8 @@ def test_auto_piece_size():
     (lambda d: d.update(piece_size=3 * 16384), "power of two"),
     (lambda d: d.update(piece_size=1024), "piece_size"),
     (lambda d: d["files"][1].update(name="../evil"), "name"),
+    (lambda d: d["files"][1].update(name="manifest.json"), "name"),  # would overwrite the store's own
+    (lambda d: d["files"][1].update(name="config.json"), "name"),
     (lambda d: d["files"][2].update(name=d["files"][1]["name"]), "name"),
     (lambda d: d["files"][1].update(block=99), "block"),
     (lambda d: d["files"][2].update(block=d["files"][1]["block"]), "two files"),

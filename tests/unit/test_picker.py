@@ -20,10 +20,13 @@ def make(n: int, seed: int = 0, **kwargs) -> Picker:
 
 def fresh(picker: Picker, peer) -> set[int]:
     """What `pick` may choose without duplicating: held by the peer, missing, asked of
-    nobody, and not sent corrupted by this peer before."""
+    nobody, not sent corrupted by this peer before, and not one it timed out on while
+    another peer holds it."""
     state = picker.peers[peer]
+    others = [s for p, s in picker.peers.items() if p != peer]
     return {i for i in state.has & picker.missing
-            if i not in picker.requested and peer not in picker.bad_from.get(i, ())}
+            if i not in picker.requested and peer not in picker.bad_from.get(i, ())
+            and (i not in state.slow or not any(i in s.has for s in others))}
 
 
 def assert_rarest(picker: Picker, chosen, pool) -> None:
@@ -295,14 +298,19 @@ def test_remove_peer_releases_requests_and_availability():
     assert b[0] in picker.unavailable()  # only a bad sender has it
 
 
-def test_unsolicited_piece_is_not_accepted():
+def test_a_valid_piece_arriving_unasked_is_kept():
+    """A request that timed out and then arrived, or a piece sent unasked: it matched its
+    hash, so it counts (and requests for it elsewhere are cancelled)."""
     picker = make(4, depth=1, random_first=0)
     picker.add_peer("a", range(4))
+    picker.add_peer("b", range(4))
     [asked] = picker.pick("a")
-    other = next(i for i in range(4) if i != asked)
-    assert picker.received("a", other, valid=True) == Received(False, {})
-    assert other in picker.missing and picker.completed == 0
-    assert picker.inflight("a") == {asked}
+    picker.timed_out("a", asked)
+    assert picker.pick("b") == [asked]  # a slow peer's piece goes to the other first
+    result = picker.received("a", asked, valid=True)
+    assert result == Received(True, {"b": [asked]})
+    assert asked not in picker.missing and picker.completed == 1
+    assert picker.received("b", asked, valid=True) == Received(False, {})  # the late copy
 
 
 # ---------------------------------------------------------------- random event sequences
@@ -386,7 +394,7 @@ class PickerMachine(RuleBasedStateMachine):
         pool = fresh(picker, peer)
         holders = {i: len(h) for i, h in picker.requested.items()}
         copyable = {i for i in state.has & picker.missing - inflight - pool
-                    if peer not in picker.bad_from.get(i, ()) and holders[i] <= picker.max_duplicates}
+                    if i in holders and peer not in picker.bad_from.get(i, ()) and holders[i] <= picker.max_duplicates}
         all_requested = all(i in picker.requested for i in picker.missing)
         slots = max(0, state.depth - len(inflight))
         useful = sum(1 for s in picker.peers.values() if s.has & picker.missing)
@@ -409,7 +417,7 @@ class PickerMachine(RuleBasedStateMachine):
 
     def check_received(self, peer, index, valid):
         picker = self.picker
-        asked, wanted = index in picker.inflight(peer), index in picker.missing
+        wanted = index in picker.missing
         holders = set(picker.requested.get(index, ()))
         failures = picker.failures(peer)
 
@@ -417,7 +425,7 @@ class PickerMachine(RuleBasedStateMachine):
         assert index not in picker.inflight(peer)
         if valid:
             assert not result.banned
-            assert result.accepted == (asked and wanted)
+            assert result.accepted == wanted
         else:
             assert not result.accepted and peer in picker.bad_from[index]
             assert result.banned == (failures + 1 >= picker.max_failures)

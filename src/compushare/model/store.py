@@ -11,6 +11,7 @@ ids and peers never mix them. Names like `smollm2-135m` are only local aliases.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from pathlib import Path
 from ..errors import FrameError, UsageError
 from ..torrent.manifest import Manifest, parse
 from .layout import lay_out, write_config
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
 _MODEL_ID = re.compile(r"[0-9a-f]{64}")
@@ -126,7 +129,11 @@ class ModelStore:
             names.setdefault(model_id, []).append(alias)
         out = []
         for manifest in sorted(self.root.glob(f"*/{MANIFEST_FILE}")):
-            model = self.get(manifest.parent.name)
+            try:
+                model = self.get(manifest.parent.name)
+            except UsageError as exc:  # one damaged model must not hide (or break) the others
+                log.warning("skipping %s", exc)
+                continue
             if model:
                 out.append((sorted(names.get(model.model_id, [])), model))
         return out

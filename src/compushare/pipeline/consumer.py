@@ -122,9 +122,11 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
         except Exception as exc:
             loaded["error"] = exc
 
-    # A model known only by its id: the head and tokenizer come from the swarm's seeders.
-    stored = ModelStore(data_dir).get(request.model) if is_model_id(request.model) else None
-    from_swarm = is_model_id(request.model) and (stored is None or not stored.holds(head=True))
+    # A model known by its id (or an alias) whose head and tokenizer are not here: they
+    # come from the swarm's seeders.
+    stored = ModelStore(data_dir).get(request.model)
+    from_swarm = (stored is None and is_model_id(request.model)) or (stored is not None
+                                                                     and not stored.holds(head=True))
     key_pair = load_or_create_identity(data_dir)
     async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
         # Joining the swarm and loading the local parts overlap: both take seconds.
@@ -141,7 +143,7 @@ async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunReq
         if unreachable is not None:
             raise unreachable
         if from_swarm:
-            await Torrent(host, dht, data_dir).fetch(request.model, head=True)
+            await Torrent(host, dht, data_dir).fetch(stored.model_id if stored else request.model, head=True)
             await trio.to_thread.run_sync(load_local_parts)
             if "error" in loaded:
                 raise loaded["error"]

@@ -157,6 +157,7 @@ class Download:
         # whole of a small download.
         self.ready = trio.Event()
         self.greeting = 0  # hellos in progress
+        self.disk_error: str | None = None
 
     def _changed(self) -> None:
         self.changed.set()
@@ -189,6 +190,8 @@ class Download:
 
     def _stalled(self) -> str | None:
         """Why the download cannot go on, if it cannot."""
+        if self.disk_error:
+            return self.disk_error
         quiet = time.monotonic() - self.last_progress
         if quiet < STALL_TIMEOUT_S:
             return None
@@ -302,7 +305,12 @@ class Download:
         """Check and keep one piece; True if its sender is now banned. The check and the
         write are one trip to a worker thread: a valid duplicate rewrites the same bytes."""
         self.sent_at.pop((peer, index), None)
-        valid = await trio.to_thread.run_sync(self.pieces.write, index, data)
+        try:
+            valid = await trio.to_thread.run_sync(self.pieces.write, index, data)
+        except OSError as exc:  # our disk, not the seeder: stop with the real reason
+            self.disk_error = f"cannot write piece {index} of {self.manifest.model_id[:12]} to disk: {exc}"
+            self._changed()
+            raise
         outcome = self.picker.received(peer, index, valid)
         if not valid:
             log.warning("piece %d from %s failed its hash check (%d failures)", index, peer[:12],
@@ -336,14 +344,14 @@ async def fetch_model(host: IHost, library: Library, model_id: str, discover: Di
                       alias: str | None = None) -> FetchResult:
     """Fetch the pieces of a span (`blocks`), of the consumer's part (`head`), or of the
     whole model (`everything`), getting the manifest first if this node lacks it."""
-    pieces = library.pieces(model_id)
+    pieces = await library.open(model_id)
     if pieces is None:
         seeders = await discover()
         if not seeders:
             raise FetchError(f"no seeder of {model_id[:12]} found in the swarm")
         manifest = await fetch_manifest(host, model_id, seeders)
         library.models.add_manifest(manifest, alias=alias)
-        pieces = library.pieces(model_id)
+        pieces = await library.open(model_id)
     elif alias:
         library.models.set_alias(alias, model_id)
     manifest = pieces.manifest

@@ -30,6 +30,8 @@ MAX_FILES = 65536
 MAX_PIECES = 1 << 22
 MAX_TENSORS_PER_FILE = 4096
 HEAD_FILE = "head.safetensors"
+# Names the store writes itself next to a model's files: a manifest may not use them.
+RESERVED_NAMES = {"manifest.json", "config.json"}
 ROLES = ("head", "block", "meta")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -192,7 +194,7 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
     for item in doc["files"]:
         f = _map(item, {"name", "role", "size", "pieces", "tensors"}, "a file entry", optional={"block"})
         name = f["name"]
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names:
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names or name in RESERVED_NAMES:
             raise _fail(f"bad or repeated file name {name!r}")
         names.add(name)
         if f["role"] not in ROLES:

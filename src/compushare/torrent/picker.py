@@ -32,11 +32,12 @@ class _PeerState:
     has: set[int]
     depth: int
     inflight: set[int] = dataclasses.field(default_factory=set)
+    slow: set[int] = dataclasses.field(default_factory=set)  # pieces it timed out on
 
 
 @dataclasses.dataclass(frozen=True)
 class Received:
-    accepted: bool  # keep the data (a wanted piece, first copy, from a peer we asked)
+    accepted: bool  # a wanted piece, first valid copy (counted; others get cancels)
     cancel: dict  # peer -> [piece indexes] requests to cancel (endgame duplicates)
     banned: bool = False  # the sender is banned now: drop its connection
 
@@ -121,6 +122,9 @@ class Picker:
         candidates = [i for i in state.has & self.missing
                       if i not in state.inflight and peer not in self.bad_from.get(i, ())]
         fresh = [i for i in candidates if i not in self.requested]
+        if state.slow:  # pieces it timed out on go to others first
+            fresh = [i for i in fresh if i not in state.slow
+                     or not any(i in s.has for p, s in self.peers.items() if p != peer)]
         # A fair share: in a small download one deep pipeline would otherwise take
         # every piece and leave the other seeders idle.
         useful = sum(1 for s in self.peers.values() if not s.has.isdisjoint(self.missing))
@@ -154,8 +158,10 @@ class Picker:
             return self._failed(peer, state, index)
         if asked and state.depth < self.depth:
             state.depth += 1  # a slowed-down peer earns its pipeline back piece by piece
-        if not asked or index not in self.missing:
-            return Received(False, {})  # unsolicited, or the loser of an endgame race
+        if index not in self.missing:
+            return Received(False, {})  # the loser of an endgame race
+        # Accepted even if no longer asked for (a request that timed out, then arrived):
+        # the data matched its hash, and this peer has just shown it holds the piece.
         self.missing.discard(index)
         self.completed += 1
         cancel = {}
@@ -188,11 +194,13 @@ class Picker:
             state.depth = max(1, state.depth - 1)
 
     def timed_out(self, peer: Peer, index: int) -> None:
-        """A request went unanswered too long: ask elsewhere, and ask this peer for one
-        piece at a time until it delivers again."""
+        """A request went unanswered too long: ask elsewhere (this peer gets that piece
+        again only if nobody else has it), and ask this peer for one piece at a time
+        until it delivers again."""
         state = self.peers.get(peer)
         if state is None:
             return
         state.inflight.discard(index)
         self._release(peer, index)
         state.depth = 1
+        state.slow.add(index)

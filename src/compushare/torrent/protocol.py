@@ -115,6 +115,8 @@ def parse_reply(message: dict, num_pieces: int | None) -> tuple[str, object]:
         if type(pieces) is not int or not 0 <= pieces <= MAX_PIECES or (num_pieces is not None
                                                                         and pieces != num_pieces):
             raise _bad("bitfield: wrong piece count")
+        if num_pieces is None:  # no manifest yet: nothing to check it against, so not decoded
+            return kind, (pieces, None)
         return kind, (pieces, decode_bitfield(message["have"], pieces))
     if kind == "manifest":
         _keys(message, {"data"})

@@ -98,6 +98,7 @@ class _Upload:
         self.haves: collections.deque[int] = collections.deque()
         self.wake = trio.Event()
         self.send_lock = trio.Lock()  # reader and writer both send; frames must not interleave
+        self.last_request = trio.current_time()
 
     def _wake(self) -> None:
         self.wake.set()
@@ -113,28 +114,38 @@ class _Upload:
             if message is None:
                 return
             kind, model_id = parse_request(message, None)
-        pieces = self.pieces = self.seeder.library.pieces(model_id)
+        pieces = self.pieces = await self.seeder.library.open(model_id)
         if pieces is None:
             raise FrameError("unknown_model", f"this node holds no pieces of {model_id[:12]}")
         pieces.listeners.add(self._on_have)
         try:
             await self.framed.send({"type": "bitfield", "pieces": pieces.num_pieces,
                                     "have": encode_bitfield(set(pieces.have), pieces.num_pieces)})
+            error = None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer)
-                await self._reader()
+                try:
+                    await self._reader()
+                except FrameError as exc:  # raised here, not from the nursery (which would wrap it)
+                    error = exc
                 nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
         finally:
             pieces.listeners.discard(self._on_have)
         await _quietly(self.framed.close)
 
     async def _receive(self) -> dict | None:
+        """The next message; None when the peer closed, or when it has asked for no
+        piece for IDLE_TIMEOUT_S and nothing is queued (chatter without requests
+        does not keep one of the limited slots)."""
         while True:
-            with trio.move_on_after(IDLE_TIMEOUT_S):
+            with trio.move_on_after(max(0.0, self.last_request + IDLE_TIMEOUT_S - trio.current_time())):
                 return await self.framed.receive()
             if not self.queue:
                 log.debug("closing idle pieces stream with %s", self.peer[:12])
                 return None
+            self.last_request = trio.current_time()  # still sending: wait another period
 
     async def _reader(self) -> None:
         pieces = self.pieces
@@ -145,6 +156,7 @@ class _Upload:
             elif kind == "cancel":
                 self.queue.pop(value, None)
             elif kind == "request" and value not in self.queue:
+                self.last_request = trio.current_time()
                 length = pieces.manifest.pieces[value].length
                 if len(self.queue) >= MAX_REQUESTS or sum(self.queue.values()) + length > MAX_QUEUED_BYTES:
                     await self._send({"type": "reject", "index": value, "code": "too_many_requests"})

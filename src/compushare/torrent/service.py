@@ -84,11 +84,11 @@ class Torrent:
             self.changed = trio.Event()
         return result
 
-    def seeded_models(self) -> list[str]:
+    async def seeded_models(self) -> list[str]:
         """Models of which this node holds at least one piece."""
         out = []
-        for model_id in self.library.model_ids():
-            pieces = self.library.pieces(model_id)
+        for model_id in await trio.to_thread.run_sync(self.library.model_ids):
+            pieces = await self.library.open(model_id)
             if pieces is not None and pieces.have:
                 out.append(model_id)
         return out
@@ -101,7 +101,7 @@ class Torrent:
         last = -PROVIDE_INTERVAL_S
         while True:
             changed = self.changed
-            models = frozenset(self.seeded_models())
+            models = frozenset(await self.seeded_models())
             if self.dht is not None and models:
                 await sync_routing_table(self.host, self.dht)
                 peers = frozenset(self.dht.routing_table.get_peer_ids())
@@ -172,7 +172,7 @@ async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None 
             nursery.start_soon(routing_sync_loop, host, dht)
             await nursery.start(torrent.announce_loop)  # ready means findable
             state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),
-                     "role": "seeder", "models": torrent.seeded_models(), "started": time.time()}
+                     "role": "seeder", "models": await torrent.seeded_models(), "started": time.time()}
             write_state(data_dir, state)
             log.info("seeding %d models as %s on %s", len(state["models"]), state["peer_id"],
                      ", ".join(state["addrs"]))

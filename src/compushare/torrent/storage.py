@@ -41,9 +41,13 @@ class ModelPieces:
         # their downloaders with `have`.
         self.listeners: set = set()
         self._held_files = model.held_files()
+        self._finishing: set[int] = set()  # complete files being checked and renamed
         self.have: set[int] = set()
         for f, entry in enumerate(self.manifest.files):
             pieces = self.manifest.file_pieces(f)
+            if entry.size == 0 and f not in self._held_files:  # no pieces to wait for
+                (model.path / entry.name).touch()
+                self._held_files.add(f)
             if f in self._held_files:
                 self.have.update(pieces)
                 part_path(model, entry.name).unlink(missing_ok=True)  # a stale copy
@@ -72,27 +76,31 @@ class ModelPieces:
         with self._lock:
             if index not in self.have:
                 raise KeyError(index)
-            path = self.model.path / name if piece.file in self._held_files else part_path(self.model, name)
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(piece.offset)
-                return handle.read(piece.length)
-        except FileNotFoundError:  # the part file was renamed into place meanwhile
-            with open(self.model.path / name, "rb") as handle:
-                handle.seek(piece.offset)
-                return handle.read(piece.length)
+            paths = [self.model.path / name, part_path(self.model, name)]
+            if piece.file not in self._held_files:
+                paths.reverse()
+        for path in paths:  # the part may be renamed into place between the check and the open
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(piece.offset)
+                    return handle.read(piece.length)
+            except FileNotFoundError:
+                continue
+        raise KeyError(index)
 
     def write(self, index: int, data: bytes) -> bool:
         """Keep a downloaded piece if it matches its hash (False otherwise: nothing is
-        written). Writing a piece twice is harmless: same hash, same bytes. The file is
-        renamed into place when its last piece arrives."""
+        written). Writing a piece twice is harmless: same hash, same bytes. When the
+        file's last piece is in, the whole part file is checked again, then renamed."""
         piece = self.manifest.pieces[index]
         if len(data) != piece.length or hashlib.sha256(data).hexdigest() != piece.sha256:
             return False
         entry = self.manifest.files[piece.file]
         path = part_path(self.model, entry.name)
         with self._lock:  # hashing above runs in parallel; the disk takes one write at a time
-            if index in self.have:
+            if index in self.have or piece.file in self._held_files:
+                return True
+            if self._finished_elsewhere(piece.file):
                 return True
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             try:
@@ -100,20 +108,57 @@ class ModelPieces:
             finally:
                 os.close(fd)
             self.have.add(index)
-            complete = piece.file not in self._held_files and all(
+            complete = piece.file not in self._finishing and all(
                 i in self.have for i in self.manifest.file_pieces(piece.file))
             if complete:
-                self._held_files.add(piece.file)  # claimed: one writer finishes the file
+                self._finishing.add(piece.file)  # claimed: one writer finishes the file
         if complete:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, entry.size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(path, self.model.path / entry.name)
-            log.info("completed %s (%d pieces)", entry.name, len(self.manifest.file_pieces(piece.file)))
+            self._finish(piece.file)
         return True
+
+    def _finished_elsewhere(self, file_index: int) -> bool:
+        """Another process on this data dir completed the file: take it (lock held)."""
+        entry = self.manifest.files[file_index]
+        try:
+            if (self.model.path / entry.name).stat().st_size != entry.size:
+                return False
+        except FileNotFoundError:
+            return False
+        self._held_files.add(file_index)
+        self.have.update(self.manifest.file_pieces(file_index))
+        return True
+
+    def _finish(self, file_index: int) -> None:
+        """Re-check every piece of the part file (another writer, a disk error or a hole
+        must not slip through), then fsync and rename it to its real name."""
+        entry = self.manifest.files[file_index]
+        path = part_path(self.model, entry.name)
+        try:
+            good = set(self._verified_in_part(file_index))
+            bad = set(self.manifest.file_pieces(file_index)) - good
+            if not bad:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, entry.size)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(path, self.model.path / entry.name)
+        except BaseException:
+            with self._lock:
+                self._finishing.discard(file_index)
+            raise
+        with self._lock:
+            self._finishing.discard(file_index)
+            if bad:
+                self.have -= bad
+            else:
+                self._held_files.add(file_index)
+        if bad:
+            log.warning("%s: %d pieces changed on disk before completion; fetching them again",
+                        entry.name, len(bad))
+        else:
+            log.info("completed %s (%d pieces)", entry.name, len(self.manifest.file_pieces(file_index)))
 
     def announce(self, index: int) -> None:
         for listener in list(self.listeners):
@@ -134,6 +179,19 @@ class Library:
         self.only = only  # seed and fetch just these model ids (None: every model stored)
         self.models = ModelStore(Path(data_dir))
         self._open: dict[str, ModelPieces] = {}
+        self._opening = None  # a trio.Lock, made on first use inside trio
+
+    async def open(self, model_id: str) -> ModelPieces | None:
+        """`pieces` for async callers: opening a model after a crash re-hashes its part
+        files, which must not stall the event loop."""
+        import trio
+
+        if model_id in self._open:
+            return self._open[model_id]
+        if self._opening is None:
+            self._opening = trio.Lock()
+        async with self._opening:  # one ModelPieces per model, however many ask at once
+            return await trio.to_thread.run_sync(self.pieces, model_id)
 
     def pieces(self, model_id: str) -> ModelPieces | None:
         if model_id in self._open:
