@@ -78,7 +78,6 @@ class Node:
                 if config.bootstrap:
                     await join_swarm(host, dht, config.bootstrap)
                 nursery.start_soon(routing_sync_loop, host, dht)
-                nursery.start_soon(torrent.announce_loop)
                 if model is None:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model = await torrent.obtain_manifest(name)
@@ -123,6 +122,10 @@ class Node:
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 nursery.start_soon(server.expire_loop)
                 await nursery.start(announce_loop, host, dht, key_pair, provider, config.record_ttl_s)
+                # Seed records after the serving records: py-libp2p serves at most 12
+                # inbound DHT streams per node, and a burst of both at start-up can
+                # have some ADD_PROVIDERs silently dropped.
+                nursery.start_soon(torrent.announce_loop)
                 if config.blocks is None:
                     nursery.start_soon(provider.rebalance_loop, self.view, me, config.ad_period_s)
                 state = self._write_state(provider)
