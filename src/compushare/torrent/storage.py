@@ -102,7 +102,17 @@ class ModelPieces:
                 return True
             if self._finished_elsewhere(piece.file):
                 return True
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            # Only a file's first piece here may create its part file: if the part
+            # vanished later (another process on this data dir finished the file),
+            # writing on would leave a part with holes that `have` calls complete.
+            first = self.have.isdisjoint(self.manifest.file_pieces(piece.file))
+            try:
+                fd = os.open(path, os.O_WRONLY | (os.O_CREAT if first else 0), 0o644)
+            except FileNotFoundError:
+                if self._finished_elsewhere(piece.file):
+                    return True
+                self.have.difference_update(self.manifest.file_pieces(piece.file))  # start the file over
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             try:
                 os.pwrite(fd, data, piece.offset)
             finally:
@@ -129,36 +139,26 @@ class ModelPieces:
         return True
 
     def _finish(self, file_index: int) -> None:
-        """Re-check every piece of the part file (another writer, a disk error or a hole
-        must not slip through), then fsync and rename it to its real name."""
+        """fsync the complete part file and rename it to its real name. Every piece in it
+        was verified before it was written, and only this object writes it."""
         entry = self.manifest.files[file_index]
         path = part_path(self.model, entry.name)
         try:
-            good = set(self._verified_in_part(file_index))
-            bad = set(self.manifest.file_pieces(file_index)) - good
-            if not bad:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.ftruncate(fd, entry.size)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(path, self.model.path / entry.name)
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, entry.size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(path, self.model.path / entry.name)
         except BaseException:
             with self._lock:
                 self._finishing.discard(file_index)
             raise
         with self._lock:
             self._finishing.discard(file_index)
-            if bad:
-                self.have -= bad
-            else:
-                self._held_files.add(file_index)
-        if bad:
-            log.warning("%s: %d pieces changed on disk before completion; fetching them again",
-                        entry.name, len(bad))
-        else:
-            log.info("completed %s (%d pieces)", entry.name, len(self.manifest.file_pieces(file_index)))
+            self._held_files.add(file_index)
+        log.info("completed %s (%d pieces)", entry.name, len(self.manifest.file_pieces(file_index)))
 
     def announce(self, index: int) -> None:
         for listener in list(self.listeners):
