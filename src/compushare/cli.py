@@ -49,6 +49,9 @@ def node(
     ad_period: float = typer.Option(None, help="Seconds between capability ads on gossip."),
     debug_slowdown: float = typer.Option(None, hidden=True,
                                          help="Fault injection: make compute this many times slower."),
+    debug_noise: float = typer.Option(None, hidden=True,
+                                      help="Fault injection: add Gaussian noise of this relative scale to "
+                                           "every output (a lying server, for tests)."),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve blocks of a model to the swarm (runs in the foreground)."""
@@ -60,7 +63,8 @@ def node(
     home = resolve_data_dir(data_dir)
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
-                              memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown)
+                              memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
+                              noise=debug_noise)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))

@@ -87,6 +87,12 @@ class ServerLimits:
     session_idle_timeout_s: float = 120.0
     max_frame_bytes: int = 16 * 1024 * 1024
     compute_threads: int = 1
+    max_sessions: int = 256  # open sessions, all peers together
+    max_sessions_per_peer: int = 32
+    max_streams_per_peer: int = 16  # concurrent infer streams from one peer
+    stream_idle_timeout_s: float = 60.0  # a stream that sends no frame for this long is closed
+    peer_requests_per_s: float = 1000.0  # token buckets per peer, with a 2 s burst
+    peer_bytes_per_s: float = 256 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +108,7 @@ class NodeConfig:
     memory_budget_mb: int | None = None  # automatic placement: weights must fit (default: half the free RAM)
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
     slowdown: float = 1.0  # fault injection: compute takes this many times as long
+    noise: float = 0.0  # fault injection: outputs get Gaussian noise of this relative scale (a lying server)
     limits: ServerLimits = ServerLimits()
 
     def __post_init__(self) -> None:
@@ -111,6 +118,8 @@ class NodeConfig:
             raise UsageError("--max-blocks must be at least 1")
         if not (1.0 <= self.slowdown <= 10_000):
             raise UsageError("--debug-slowdown must be within 1..10000")
+        if not (0.0 <= self.noise <= 10.0):
+            raise UsageError("--debug-noise must be within 0..10")
 
     @classmethod
     def build(cls, data_dir: Path, **flags) -> NodeConfig:

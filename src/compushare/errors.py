@@ -7,7 +7,8 @@
     ├── RouteError          the DHT holds no chain of servers covering every block
     ├── RemoteError         a server answered with an error reply (code + message)
     │   ├── ServerBusy      ... the "busy" reply: its KV budget is full
-    │   └── HopUnavailable  ... a server of the route could not open a session
+    │   └── HopFailed       ... a server of the route failed (gone, too slow, error, wrong answer)
+    │       └── HopUnavailable  ... it could not open a session
     └── PeerMisbehaved      a peer sent something malformed (costs it trust)
         └── FrameError      a frame that fails decoding or validation
 
@@ -48,12 +49,17 @@ class ServerBusy(RemoteError):
     """The server's KV budget cannot admit the session right now."""
 
 
-class HopUnavailable(RemoteError):
-    """Opening a session on one hop of a route failed; the consumer routes around it."""
+class HopFailed(RemoteError):
+    """One server of a route failed: the consumer routes around it (code "mismatch":
+    a spot check caught it computing wrongly)."""
 
     def __init__(self, peer_id: str, code: str, message: str) -> None:
         super().__init__(code, message)
         self.peer_id = peer_id
+
+
+class HopUnavailable(HopFailed):
+    """Opening a session on one hop of a route failed."""
 
 
 class PeerMisbehaved(CompushareError):

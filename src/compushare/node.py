@@ -86,8 +86,8 @@ class Node:
                                            memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb)
                 provider = self.provider = Provider(
                     model,
-                    lambda runner: InferenceServer(runner, model.model_id, config.limits,
-                                                   block_rate=provider.block_rate),
+                    lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
+                                                   block_rate=provider.block_rate, noise=config.noise),
                     block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
                 )
                 await self._self_benchmark(provider)

@@ -12,6 +12,9 @@ from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import encode_tensor
 from compushare.pipeline.server import InferenceServer
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+KEY = create_new_key_pair()
 
 SESSION = os.urandom(16)
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 10), st.floats(allow_nan=True), st.text(max_size=8),
@@ -31,7 +34,7 @@ message = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    return InferenceServer(SpanRunner.load(tiny_model, 0, 2), "model-x", ServerLimits(kv_budget_tokens=64))
+    return InferenceServer(SpanRunner.load(tiny_model, 0, 2), "model-x", ServerLimits(kv_budget_tokens=64), key_pair=KEY)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -12,11 +12,14 @@ from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import encode_tensor
 from compushare.pipeline.server import LOAD_WINDOW_S, InferenceServer
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+KEY = create_new_key_pair()
 
 
 @pytest.fixture
 def server(tiny_model):
-    return InferenceServer(SpanRunner.load(tiny_model, 0, 2), "m", ServerLimits(), block_rate=100.0)
+    return InferenceServer(SpanRunner.load(tiny_model, 0, 2), "m", ServerLimits(), key_pair=KEY, block_rate=100.0)
 
 
 def test_load_is_the_busy_share_of_the_window(server):
@@ -33,7 +36,7 @@ def test_decode_steps_refine_the_rate_prefill_does_not(server):
     assert server.block_rate == 100.0
     server._observe(tokens=1, blocks=2, seconds=0.1)  # 20 block-steps/s
     assert server.block_rate == pytest.approx(0.8 * 100 + 0.2 * 20)
-    fresh = InferenceServer(server.runner, "m", ServerLimits())
+    fresh = InferenceServer(server.runner, "m", ServerLimits(), key_pair=KEY)
     fresh._observe(tokens=1, blocks=2, seconds=0.1)
     assert fresh.block_rate == pytest.approx(20.0)
 

@@ -41,6 +41,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self.last_frame_bytes = 0  # size of the frame next_message() last returned (rate limits)
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> None:
@@ -65,6 +66,7 @@ class FrameDecoder:
         # Decode straight from the buffer: for a 1 MiB piece, slicing would copy twice.
         view = memoryview(self._buffer)
         payload = view[LENGTH.size:end]
+        self.last_frame_bytes = end
         try:
             return decode_payload(payload)
         finally:

@@ -17,6 +17,10 @@ class FramedStream:
         self.stream = stream
         self._decoder = FrameDecoder(max_frame_bytes)
 
+    @property
+    def last_frame_bytes(self) -> int:
+        return self._decoder.last_frame_bytes
+
     async def receive(self) -> dict | None:
         """The next message, or None when the peer closed its side cleanly.
 

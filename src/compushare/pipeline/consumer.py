@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from ..errors import HopUnavailable, RouteError, SwarmUnreachable, UsageError
+from ..errors import RouteError, SwarmUnreachable, UsageError
 from ..model.catalog import resolve_model
 from ..model.store import ModelStore, is_model_id
 from ..model.head import ConsumerHead
@@ -20,19 +21,21 @@ from ..torrent.service import Torrent
 from ..net.host import open_host
 from ..net.identity import load_or_create_identity
 from ..net.view import SwarmView
-from .client import open_chain
+from .client import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
 from .generate import generate
 from .measure import measure_servers
 from .routing import Hop, plan_route
+from .proofs import FailureReport
 from .sampling import SamplingParams
+from .spotcheck import DEFAULT_RATE as DEFAULT_SPOT_CHECK_RATE, Penalties
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_ATTEMPTS = 4
 DISCOVERY_RETRY_S = 1.5
-OPEN_ATTEMPTS = 3
+DISCOVERY_WAIT_S = 6.0  # a swarm that is still settling: wait this long for a full route
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,9 @@ class RunOutcome:
     route: list[Hop]
     first_token_s: float  # from the call to the first token
     decode_tok_s: float
+    failovers: list[Failover] = dataclasses.field(default_factory=list)
+    reports: list[FailureReport] = dataclasses.field(default_factory=list)
+    checks: int = 0  # spot checks made
 
 
 def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
@@ -105,86 +111,189 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     return await attempt()
 
 
-async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
-                     on_text: Callable[[str], None] = lambda _t: None,
-                     on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
-    began = time.perf_counter()
-    loaded: dict = {}
+class SwarmPlanner:
+    """Where a consumer's chains find servers: the model's server records and their
+    measurements, refreshed in the background so that a failover plans at once
+    instead of waiting on the DHT, and the peers this consumer avoids."""
 
-    def load_local_parts() -> None:
-        # Errors are kept until both overlapping steps are done, so the report does
-        # not depend on which ends first: a local problem first, then "no swarm".
-        try:
-            model = resolve_model(request.model, data_dir)
-            loaded["model"] = model
-            loaded["tokenizer"] = None if isinstance(request.prompt, list) else _load_tokenizer(model)
-            loaded["head"] = ConsumerHead.load(model.path)
-        except Exception as exc:
-            loaded["error"] = exc
+    REFRESH_S = 5.0
+    RETRY_S = 0.5
 
-    # A model known by its id (or an alias) whose head and tokenizer are not here: they
-    # come from the swarm's seeders.
-    stored = ModelStore(data_dir).get(request.model)
-    from_swarm = (stored is None and is_model_id(request.model)) or (stored is not None
-                                                                     and not stored.holds(head=True))
-    key_pair = load_or_create_identity(data_dir)
-    async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
-        # Joining the swarm and loading the local parts overlap: both take seconds.
-        unreachable: SwarmUnreachable | None = None
-        async with trio.open_nursery() as nursery:
-            if not from_swarm:
-                nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
+    def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
+                 penalties: Penalties | None = None, view: SwarmView | None = None) -> None:
+        self.host, self.dht = host, dht
+        self.model_id, self.num_blocks = model_id, num_blocks
+        self.needed_tokens = needed_tokens
+        self.penalties = penalties or Penalties()
+        self.view = SwarmView() if view is None else view
+        self.records: list = []
+        self.measures: dict = {}
+        self.unreachable: set[str] = set()
+
+    async def refresh(self) -> None:
+        records = await discover_servers(self.dht, self.model_id, self.num_blocks)
+        measures, unreachable = await measure_servers(self.host, records, self.view)
+        self.records, self.measures, self.unreachable = records, measures, unreachable
+
+    async def refresh_loop(self) -> None:
+        while True:
+            await trio.sleep(self.REFRESH_S)
             try:
-                await connect_bootstrap(host, dht, bootstrap)
-            except SwarmUnreachable as exc:
-                unreachable = exc
-        if "error" in loaded:
-            raise loaded["error"]
-        if unreachable is not None:
-            raise unreachable
-        if from_swarm:
-            await Torrent(host, dht, data_dir).fetch(stored.model_id if stored else request.model, head=True)
-            await trio.to_thread.run_sync(load_local_parts)
+                await self.refresh()
+            except Exception as exc:  # a failed refresh keeps the last candidates
+                log.info("refreshing the candidate servers failed: %s", exc)
+
+    def _exclude(self) -> frozenset[str]:
+        return self.penalties.excluded(time.monotonic()) | frozenset(self.unreachable)
+
+    def plan_now(self, start: int = 0, end: int | None = None) -> list[Hop]:
+        return plan_route(self.records, self.num_blocks, now=time.time(), measures=self.measures,
+                          needed_tokens=self.needed_tokens, exclude=self._exclude(), start=start, end=end)
+
+    async def plan(self, start: int, end: int, *, deadline: float) -> list[Hop]:
+        while True:
+            try:
+                return self.plan_now(start, end)
+            except RouteError:
+                if trio.current_time() >= deadline:
+                    raise
+            with trio.move_on_at(deadline):
+                await trio.sleep(self.RETRY_S)
+                await self.refresh()
+
+    def verifier(self, start: int, end: int, exclude: set[str]) -> Hop | None:
+        now, excluded = time.time(), self._exclude() | exclude
+        holders = [r for r in self.records if r.start <= start and end <= r.end and r.is_live(now)
+                   and r.peer_id not in excluded]
+        if not holders:
+            return None
+
+        def rtt(record) -> float:
+            measure = self.measures.get(record.peer_id)
+            return measure.rtt_s if measure is not None and measure.rtt_s is not None else 1.0
+
+        return Hop(min(holders, key=lambda r: (rtt(r), r.peer_id)), start, end)
+
+
+class Consumer:
+    """A client of the swarm for one model: joined once, then any number of generations."""
+
+    def __init__(self, host, dht, data_dir: Path, model, tokenizer, head: ConsumerHead, *,
+                 spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE) -> None:
+        self.host, self.dht, self.data_dir = host, dht, data_dir
+        self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.eos = eos_ids_of(tokenizer, model.path)
+        self.spot_check_rate = spot_check_rate
+        self.penalties = Penalties()  # shared by every generation of this consumer
+        self.view = SwarmView()
+        self.reports: list[FailureReport] = []
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, data_dir: Path, bootstrap: tuple[str, ...], model_name: str, *,
+                      text_prompts: bool = True, spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE):
+        loaded: dict = {}
+
+        def load_local_parts() -> None:
+            # Errors are kept until both overlapping steps are done, so the report does
+            # not depend on which ends first: a local problem first, then "no swarm".
+            try:
+                model = resolve_model(model_name, data_dir)
+                loaded["model"] = model
+                loaded["tokenizer"] = _load_tokenizer(model) if text_prompts else None
+                loaded["head"] = ConsumerHead.load(model.path)
+            except Exception as exc:
+                loaded["error"] = exc
+
+        # A model known by its id (or an alias) whose head and tokenizer are not here: they
+        # come from the swarm's seeders.
+        stored = ModelStore(data_dir).get(model_name)
+        from_swarm = (stored is None and is_model_id(model_name)) or (stored is not None
+                                                                      and not stored.holds(head=True))
+        key_pair = load_or_create_identity(data_dir)
+        async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
+            # Joining the swarm and loading the local parts overlap: both take seconds.
+            unreachable: SwarmUnreachable | None = None
+            async with trio.open_nursery() as nursery:
+                if not from_swarm:
+                    nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
+                try:
+                    await connect_bootstrap(host, dht, bootstrap)
+                except SwarmUnreachable as exc:
+                    unreachable = exc
             if "error" in loaded:
                 raise loaded["error"]
-        model = loaded["model"]
-        tokenizer, head = loaded["tokenizer"], loaded["head"]
+            if unreachable is not None:
+                raise unreachable
+            if from_swarm:
+                await Torrent(host, dht, data_dir).fetch(stored.model_id if stored else model_name, head=True)
+                await trio.to_thread.run_sync(load_local_parts)
+                if "error" in loaded:
+                    raise loaded["error"]
+            yield cls(host, dht, data_dir, loaded["model"], loaded["tokenizer"], loaded["head"],
+                      spot_check_rate=spot_check_rate)
+
+    async def generate(self, request: RunRequest, *, on_text: Callable[[str], None] = lambda _t: None,
+                       on_route: Callable[[list[Hop]], None] = lambda _r: None,
+                       on_token: Callable[[int], None] = lambda _t: None) -> RunOutcome:
+        began = time.perf_counter()
+        model, tokenizer = self.model, self.tokenizer
         prompt_ids = _prompt_ids(tokenizer, request)
-        eos = eos_ids_of(tokenizer, model.path)
         produced: list[int] = []
         times: list[float] = []
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
 
-        def on_token(token: int) -> None:
+        def token_out(token: int) -> None:
             times.append(time.perf_counter())
             produced.append(token)
+            on_token(token)
             if detokenizer is not None:
                 text = detokenizer.push(token)
                 if text:
                     on_text(text)
 
         max_tokens = len(prompt_ids) + request.params.max_new_tokens
-        failed: set[str] = set()
-        view = SwarmView()
-        for attempt in range(OPEN_ATTEMPTS):
-            route = await find_route(host, dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
-                                     exclude=frozenset(failed), view=view)
-            on_route(route)
-            try:
-                async with open_chain(host, route, model.model_id, max_tokens=max_tokens,
-                                      hidden_size=model.hidden_size) as chain:
-                    await generate(chain, head, prompt_ids, request.params, eos_ids=eos, on_token=on_token)
-                break
-            except HopUnavailable as exc:  # busy, gone or refusing: route around it
-                if attempt == OPEN_ATTEMPTS - 1:
-                    raise
-                log.warning("%s; choosing another route", exc)
-                failed.add(exc.peer_id)
-    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-    return RunOutcome(
-        tokens=produced,
-        text=tokenizer.decode(produced, skip_special_tokens=True) if tokenizer is not None else "",
-        route=route,
-        first_token_s=times[0] - began,
-        decode_tok_s=(len(times) - 1) / decode_s if decode_s > 0 else 0.0,
-    )
+        planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
+                               penalties=self.penalties, view=self.view)
+        await planner.refresh()
+        route = await planner.plan(0, model.num_blocks, deadline=trio.current_time() + DISCOVERY_WAIT_S)
+        on_route(route)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(planner.refresh_loop)  # candidates stay fresh for failovers
+            async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
+                                  hidden_size=model.hidden_size, planner=planner,
+                                  spot_check_rate=self.spot_check_rate) as chain:
+                await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos, on_token=token_out)
+            nursery.cancel_scope.cancel()
+        if chain.route != route:
+            on_route(chain.route)
+        for report in chain.reports:
+            self._keep_report(report)
+        decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+        return RunOutcome(
+            tokens=produced,
+            text=tokenizer.decode(produced, skip_special_tokens=True) if tokenizer is not None else "",
+            route=chain.route,
+            first_token_s=times[0] - began,
+            decode_tok_s=(len(times) - 1) / decode_s if decode_s > 0 else 0.0,
+            failovers=list(chain.failovers),
+            reports=list(chain.reports),
+            checks=chain.checks,
+        )
+
+    def _keep_report(self, report: FailureReport) -> None:
+        """Failure reports are kept in the data dir (the karma ledger publishes them)."""
+        self.reports.append(report)
+        folder = self.data_dir / "reports"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{report.digest}.msgpack").write_bytes(report.to_wire())
+
+
+async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
+                     on_text: Callable[[str], None] = lambda _t: None,
+                     on_route: Callable[[list[Hop]], None] = lambda _r: None,
+                     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE) -> RunOutcome:
+    """One generation by a short-lived client."""
+    async with Consumer.connect(data_dir, bootstrap, request.model, text_prompts=not isinstance(request.prompt, list),
+                                spot_check_rate=spot_check_rate) as consumer:
+        return await consumer.generate(request, on_text=on_text, on_route=on_route)

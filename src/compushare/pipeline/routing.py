@@ -53,8 +53,9 @@ def _rate(record: ServerRecord, measure: Measure) -> float:
 
 def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
                measures: dict[str, Measure] | None = None, needed_tokens: int = 0,
-               exclude: frozenset[str] = frozenset()) -> list[Hop]:
-    """The chain with the least expected time per decode step.
+               exclude: frozenset[str] = frozenset(), start: int = 0, end: int | None = None) -> list[Hop]:
+    """The chain with the least expected time per decode step through blocks
+    start..end-1 (default: all of them; a failover re-plans one failed span).
 
     A hop costs its round trip + a fixed per-hop overhead + blocks / decode rate,
     stretched by the server's load (1 / (1 - load)). Servers that are excluded
@@ -80,8 +81,9 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
 
     # Dijkstra over block positions 0..num_blocks; an edge is one server running [p, e).
     # Keys are (seconds, hops, peer ids): comparable, and the tie-breaks in order.
-    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {0: ((0.0, 0, ()), ())}
-    heap: list[tuple[tuple, int]] = [((0.0, 0, ()), 0)]
+    end = num_blocks if end is None else end
+    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {start: ((0.0, 0, ()), ())}
+    heap: list[tuple[tuple, int]] = [((0.0, 0, ()), start)]
     done: set[int] = set()
     while heap:
         key, position = heapq.heappop(heap)
@@ -89,24 +91,24 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
             continue
         done.add(position)
         path = best[position][1]
-        if position == num_blocks:
+        if position == end:
             return list(path)
         for record in usable:
             if not record.start <= position < record.end:
                 continue
-            for end in range(position + 1, min(record.end, num_blocks) + 1):
-                step = hop(record, position, end)
+            for stop in range(position + 1, min(record.end, end) + 1):
+                step = hop(record, position, stop)
                 new_key = (key[0] + step.expected_s, key[1] + 1, key[2] + (record.peer_id,))
-                if end not in best or new_key < best[end][0]:
-                    best[end] = (new_key, path + (step,))
-                    heapq.heappush(heap, (new_key, end))
-    if num_blocks == 0:
+                if stop not in best or new_key < best[stop][0]:
+                    best[stop] = (new_key, path + (step,))
+                    heapq.heappush(heap, (new_key, stop))
+    if start >= end:
         return []
-    missing = uncovered_blocks(usable, num_blocks, now)
+    missing = [b for b in uncovered_blocks(usable, end, now) if b >= start]
     why = f" ({len(busy)} busy: " + ", ".join(sorted(p[-8:] for p in busy)) + ")" if busy else ""
     raise RouteError(
         f"no live server holds block {missing[0] if missing else '?'} of {num_blocks}{why}; "
-        f"{len(usable)} usable servers known: "
+        f"{len(exclude)} excluded; {len(usable)} usable servers known: "
         + ", ".join(f"{r.peer_id[-8:]}[{r.start}:{r.end}]" for r in usable)
     )
 

@@ -10,19 +10,24 @@ except after an oversized frame, whose remaining bytes cannot be skipped safely.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import time
 
 import trio
+import torch
 from libp2p.abc import INetStream
+from libp2p.crypto.keys import KeyPair
 from libp2p.network.stream.exceptions import StreamError
 
 from ..config import ServerLimits
 from ..errors import FrameError
 from ..model.blocks import SpanRunner
 from ..net.framing import FramedStream
+from ..net.limits import PeerRateLimiter
 from ..net.tensors import decode_tensor, encode_tensor
 from . import protocol
+from .proofs import sign_step
 from .session import Rejected, SessionTable
 
 log = logging.getLogger(__name__)
@@ -35,10 +40,15 @@ RATE_EWMA = 0.2
 
 
 class InferenceServer:
-    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, block_rate: float = 0.0) -> None:
+    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
+                 block_rate: float = 0.0, noise: float = 0.0) -> None:
         self.runner = runner
         self.model_id = model_id
         self.limits = limits
+        self.key_pair = key_pair  # signs every step's output
+        self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
+        self.rate_limiter = PeerRateLimiter(limits.peer_requests_per_s, limits.peer_bytes_per_s)
+        self._streams: collections.Counter[str] = collections.Counter()  # open infer streams per peer
         self.sessions = self._new_table()
         self.compute_limiter = trio.CapacityLimiter(limits.compute_threads)
         self.tokens_served = 0
@@ -53,6 +63,8 @@ class InferenceServer:
             max_session_tokens=limits.max_session_tokens,
             max_step_tokens=limits.max_step_tokens,
             idle_timeout_s=limits.session_idle_timeout_s,
+            max_sessions=limits.max_sessions,
+            max_sessions_per_peer=limits.max_sessions_per_peer,
         )
 
     def replace_runner(self, runner: SpanRunner) -> int:
@@ -88,18 +100,37 @@ class InferenceServer:
     async def rpc_infer(self, stream: INetStream) -> None:
         """Stream handler (task boundary: logs and swallows unexpected errors)."""
         framed = FramedStream(stream, self.limits.max_frame_bytes)
+        peer = str(stream.muxed_conn.peer_id)
+        if self._streams[peer] >= self.limits.max_streams_per_peer:
+            log.info("refused an infer stream from %s: %d open already", peer, self._streams[peer])
+            await self._reply(framed, protocol.error(
+                protocol.BUSY, f"{self.limits.max_streams_per_peer} streams of this peer are open already"))
+            await framed.close()
+            return
+        self._streams[peer] += 1
         try:
-            await self._serve(framed)
+            await self._serve(framed, peer)
         except StreamError as exc:
             log.debug("infer stream ended: %s", exc)
         except Exception:
             log.exception("infer handler failed")
             await _quiet_reset(framed)
+        finally:
+            self._streams[peer] -= 1
+            if not self._streams[peer]:
+                del self._streams[peer]
 
-    async def _serve(self, framed: FramedStream) -> None:
+    async def _serve(self, framed: FramedStream, peer: str) -> None:
         while True:
             try:
-                message = await framed.receive()
+                # A stalled or silent stream (half a frame, then nothing) is closed.
+                with trio.move_on_after(self.limits.stream_idle_timeout_s) as idle:
+                    message = await framed.receive()
+                if idle.cancelled_caught:
+                    log.info("closing an infer stream of %s: idle for %.0f s", peer,
+                             self.limits.stream_idle_timeout_s)
+                    await _quiet_reset(framed)
+                    return
             except FrameError as exc:
                 await self._reply(framed, protocol.error(exc.code, exc.message))
                 if exc.code == "frame_too_large":
@@ -113,22 +144,28 @@ class InferenceServer:
             if message is None:
                 await framed.close()
                 return
-            await self._reply(framed, await self.handle(message))
+            await self._reply(framed, await self.handle(message, peer, framed.last_frame_bytes))
 
     async def _reply(self, framed: FramedStream, reply: dict) -> None:
         with trio.fail_after(REPLY_TIMEOUT_S):
             await framed.send(reply)
 
-    async def handle(self, message: dict) -> dict:
+    async def handle(self, message: dict, peer: str = "", nbytes: int = 0) -> dict:
         session_id = message.get("session")
         try:
+            wait = self.rate_limiter.check(peer, nbytes, time.monotonic())
+            if wait:
+                reply = protocol.error(protocol.RATE_LIMITED, f"too many requests or bytes from this peer; "
+                                       f"retry in {wait:.2f} s")
+                reply["retry_after_s"] = wait
+                return reply
             if not isinstance(session_id, bytes) or len(session_id) != protocol.SESSION_ID_BYTES:
                 raise Rejected(protocol.BAD_REQUEST, f"'session' must be {protocol.SESSION_ID_BYTES} bytes")
             kind = message["type"]
             if kind == "step":
                 return await self._step(session_id, message)
             if kind == "open":
-                return self._open(session_id, message)
+                return self._open(session_id, message, peer)
             if kind == "truncate":
                 position = _int(message, "position")
                 session = self.sessions.truncate(session_id, position, time.monotonic())
@@ -141,7 +178,7 @@ class InferenceServer:
         except (Rejected, FrameError) as exc:
             return protocol.error(exc.code, exc.message, session_id if isinstance(session_id, bytes) else None)
 
-    def _open(self, session_id: bytes, message: dict) -> dict:
+    def _open(self, session_id: bytes, message: dict, peer: str) -> dict:
         if self.moving:
             raise Rejected(protocol.BUSY, "this server is moving to other blocks")
         if message.get("model") != self.model_id:
@@ -149,7 +186,8 @@ class InferenceServer:
         start, end = _int(message, "start"), _int(message, "end")
         if not (self.runner.start <= start < end <= self.runner.end):
             raise Rejected(protocol.BAD_SPAN, f"{start}:{end} is not within {self.runner.start}:{self.runner.end}")
-        session = self.sessions.open(session_id, start, end, _int(message, "max_tokens"), time.monotonic())
+        session = self.sessions.open(session_id, start, end, _int(message, "max_tokens"), time.monotonic(),
+                                     owner=peer)
         session.cache = self.runner.new_cache()
         return {"type": "opened", "session": session_id, "free_tokens": self.sessions.free_tokens}
 
@@ -158,21 +196,31 @@ class InferenceServer:
         # A move to another span swaps both mid-step: this step finishes on the old ones.
         sessions, runner = self.sessions, self.runner
         sessions.get(session_id)  # unknown session before decoding the tensor
-        hidden = decode_tensor(
-            message.get("hidden"), hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens
-        )
+        wire = message.get("hidden")
+        hidden = decode_tensor(wire, hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens)
         tokens = hidden.shape[1]
+        chunks = _chunks(message.get("chunks"), tokens)
+        last_only = message.get("last_only", False) is True
         session = sessions.begin_step(session_id, position, tokens, time.monotonic())
+
         def compute() -> tuple:
+            # Chunks run one after another, exactly as the original steps did: a replayed
+            # history then rebuilds the very same KV cache (one batched prefill would not).
             # Timed in the worker: waiting for the limiter is queueing (load), not speed.
             began = time.perf_counter()
-            out = runner.forward(hidden, session.cache, position, session.start, session.end)
+            outputs, offset = [], 0
+            for size in chunks:
+                outputs.append(runner.forward(hidden[:, offset:offset + size], session.cache, position + offset,
+                                              session.start, session.end))
+                offset += size
+            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+            if self.noise > 0:
+                out = out + torch.randn_like(out) * self.noise * out.abs().mean()
             return out, time.perf_counter() - began
 
         ok = False
         try:
             output, seconds = await trio.to_thread.run_sync(compute, limiter=self.compute_limiter)
-            compute_ms = seconds * 1000
             ok = True
             self._observe(tokens, session.end - session.start, seconds)
         finally:
@@ -180,13 +228,35 @@ class InferenceServer:
                 runner.truncate(session.cache, position)
             sessions.end_step(session, tokens, time.monotonic(), ok=ok)
         self.tokens_served += tokens
-        return {
-            "type": "result",
-            "session": session_id,
-            "position": position,
-            "hidden": encode_tensor(output.to(hidden.dtype)),  # reply in the request's dtype
-            "compute_ms": compute_ms,
-        }
+        if last_only:
+            output = output[:, -chunks[-1]:]
+        encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype
+        reply = {"type": "result", "session": session_id, "position": position, "hidden": encoded,
+                 "compute_ms": seconds * 1000}
+        if session.digest is not None:
+            session.digest.update(wire["data"])
+            reply["proof"] = self._prove(session, position + tokens - chunks[-1], chunks[-1], encoded["data"],
+                                         output.shape[1])
+        return reply
+
+    def _prove(self, session, position: int, tokens: int, data: bytes, returned_tokens: int) -> dict:
+        """Sign the last chunk's output: the last `tokens` of the `returned_tokens` in `data`."""
+        last = memoryview(data)[len(data) - len(data) // returned_tokens * tokens:]
+        input_digest = session.digest.digest()
+        signature = sign_step(self.key_pair, self.model_id, session.start, session.end, position, tokens,
+                              input_digest, hashlib.sha256(last).digest())
+        return {"position": position, "tokens": tokens, "input_digest": input_digest, "sig": signature}
+
+
+def _chunks(value: object, tokens: int) -> list[int]:
+    """The step's chunk sizes: absent means one chunk of every token."""
+    if value is None:
+        return [tokens]
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in value)
+            or sum(value) != tokens):
+        raise Rejected(protocol.BAD_REQUEST, f"'chunks' must be positive integers summing to {tokens}")
+    return value
 
 
 def _int(message: dict, name: str) -> int:

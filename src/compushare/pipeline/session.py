@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import protocol
+from .proofs import InputDigest
 
 
 class Rejected(Exception):
@@ -32,12 +33,16 @@ class Session:
     length: int = 0
     in_step: bool = False
     cache: object = None  # the KV cache; opaque here
+    owner: str = ""  # the peer that opened it
+    digest: InputDigest | None = dataclasses.field(default_factory=InputDigest)  # every input, in order
 
 
 class SessionTable:
     def __init__(self, *, budget_tokens: int, max_session_tokens: int, max_step_tokens: int,
-                 idle_timeout_s: float) -> None:
+                 idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32) -> None:
         self.budget_tokens = budget_tokens
+        self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer
         self.max_session_tokens = max_session_tokens
         self.max_step_tokens = max_step_tokens
         self.idle_timeout_s = idle_timeout_s
@@ -57,9 +62,14 @@ class SessionTable:
     def free_tokens(self) -> int:
         return self.budget_tokens - self.reserved_tokens
 
-    def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float) -> Session:
+    def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float,
+             owner: str = "") -> Session:
         if session_id in self._sessions:
             raise Rejected(protocol.SESSION_EXISTS, "a session with this id is already open")
+        if len(self._sessions) >= self.max_sessions:
+            raise Rejected(protocol.BUSY, f"{len(self._sessions)} sessions open, the most this server holds")
+        if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_sessions_per_peer:
+            raise Rejected(protocol.BUSY, f"{self.max_sessions_per_peer} sessions of this peer are open already")
         if not (1 <= max_tokens <= self.max_session_tokens):
             raise Rejected(protocol.TOO_LONG, f"max_tokens must be 1..{self.max_session_tokens}")
         if max_tokens > self.free_tokens:
@@ -67,7 +77,7 @@ class SessionTable:
                 protocol.BUSY,
                 f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked",
             )
-        session = Session(session_id, start, end, max_tokens, last_used=now)
+        session = Session(session_id, start, end, max_tokens, last_used=now, owner=owner)
         self._sessions[session_id] = session
         return session
 
@@ -107,6 +117,9 @@ class SessionTable:
             raise Rejected(protocol.OUT_OF_ORDER, "cannot truncate during a step")
         if not (0 <= position <= session.length):
             raise Rejected(protocol.OUT_OF_ORDER, f"cannot truncate to {position}: holds {session.length}")
+        if position != session.length:
+            # The running digest cannot be rewound: steps after a rollback are not provable.
+            session.digest = None
         session.length = position
         session.last_used = now
         return session
