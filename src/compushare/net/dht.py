@@ -9,6 +9,10 @@ py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
 - a peer whose addresses all failed once is not redialled for a while (its
   "negative cache"): bootstrap dials clear it first.
   `find_providers_fresh` / `get_record_fresh` always ask the network.
+- every DHT request to one peer may take 10 s (QUERY_TIMEOUT), and an iterative
+  look-up waits for its slowest peer: one hung peer stalls every look-up. We cut
+  the per-request time to 3 s, and our fresh look-ups also ask the peers we know
+  directly, each on its own deadline.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import trio
 from libp2p.abc import IHost
+from libp2p.kad_dht import kad_dht as _kad_dht, peer_routing as _peer_routing, provider_store as _provider_store
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -34,6 +39,10 @@ log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 5.0
 DIAL_TIMEOUT_S = 5.0
+PEER_QUERY_TIMEOUT_S = 3.0
+
+for _module in (_kad_dht, _peer_routing, _provider_store):
+    _module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
 
 
 class ServerRecordValidator(Validator):
@@ -122,14 +131,15 @@ async def find_provider_infos_fresh(dht: KadDHT, key: str) -> dict[ID, PeerInfo]
     """Like find_providers_fresh, with the addresses each provider record carries."""
     key_bytes = bytes.fromhex(key)
     found: dict[ID, PeerInfo] = {info.peer_id: info for info in dht.provider_store.get_providers(key_bytes)}
+    closest = set(_known_peers(dht, key_bytes))  # asked even if the look-up times out (a hung peer)
     with trio.move_on_after(LOOKUP_TIMEOUT_S):
-        closest = await dht.peer_routing.find_closest_peers_network(key_bytes)
+        closest.update(await dht.peer_routing.find_closest_peers_network(key_bytes))
     # py-libp2p exposes no "ask this peer" call without local caching; this private
     # helper is stable in the pinned 0.8.1.
     ask = dht.provider_store._get_providers_from_peer_with_closers
 
     async def query(peer: ID) -> None:
-        with contextlib.suppress(Exception), trio.move_on_after(LOOKUP_TIMEOUT_S):
+        with contextlib.suppress(Exception), trio.move_on_after(PEER_QUERY_TIMEOUT_S):
             providers, _closer = await ask(peer, key_bytes)
             for info in providers:
                 if info.addrs or info.peer_id not in found:
@@ -142,11 +152,37 @@ async def find_provider_infos_fresh(dht: KadDHT, key: str) -> dict[ID, PeerInfo]
     return found
 
 
+def _known_peers(dht: KadDHT, key_bytes: bytes) -> list[ID]:
+    """The routing table's closest peers to a key, and every connected DHT peer."""
+    peers = dict.fromkeys(dht.routing_table.find_local_closest_peers(key_bytes, 20))
+    peers.update(dict.fromkeys(p for p in dht.host.get_connected_peers() if dht.routing_table.peer_in_table(p)))
+    peers.pop(dht.local_peer_id, None)
+    return list(peers)
+
+
 async def get_record_fresh(dht: KadDHT, model_id: str, peer_id: str) -> ServerRecord | None:
-    """Fetch and validate one server record from the network; None if absent or bad."""
+    """Fetch and validate one server record from the network; None if absent or bad.
+
+    The known peers closest to the key are asked directly, each on its own deadline;
+    the newest valid record wins. Only if none has it, an iterative look-up runs.
+    """
     key = record_key(model_id, peer_id)
+    key_bytes = key.encode()
     if peer_id != dht.local_peer_id.to_string():
-        dht.value_store.remove(key.encode())  # a cached copy may be stale
+        dht.value_store.remove(key_bytes)  # a cached copy may be stale
+    found: list[ServerRecord] = []
+
+    async def ask(peer: ID) -> None:
+        with contextlib.suppress(Exception), trio.move_on_after(PEER_QUERY_TIMEOUT_S):
+            record = await dht.value_store._get_from_peer(peer, key_bytes, return_record=True)
+            if record is not None:
+                found.append(parse_record(key, record.value))
+
+    async with trio.open_nursery() as nursery:
+        for peer in _known_peers(dht, key_bytes):
+            nursery.start_soon(ask, peer)
+    if found:
+        return max(found, key=lambda r: r.seq)
     value = None
     with trio.move_on_after(LOOKUP_TIMEOUT_S):
         value = await dht.get_value(key)

@@ -70,8 +70,12 @@ class StepResult:
 
 
 class RemoteHop:
-    def __init__(self, hop: Hop, framed: FramedStream, hidden_size: int) -> None:
+    """One open session: its own id, so that one server can hold a hop and a spot
+    check (or a replacement) of the same chain."""
+
+    def __init__(self, hop: Hop, framed: FramedStream, hidden_size: int, session_id: bytes) -> None:
         self.hop = hop
+        self.session_id = session_id
         self.framed = framed
         self.hidden_size = hidden_size
         self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
@@ -113,10 +117,10 @@ class RemoteHop:
             raise HopFailed(self.peer_id, code, f"{self._where()}: {text}")
         return reply
 
-    async def step(self, session_id: bytes, hidden: torch.Tensor, position: int, *,
+    async def step(self, hidden: torch.Tensor, position: int, *,
                    chunks: list[int] | None = None, last_only: bool = False) -> StepResult:
         tokens = hidden.shape[1]
-        message = {"type": "step", "session": session_id, "position": position, "hidden": encode_tensor(hidden)}
+        message = {"type": "step", "session": self.session_id, "position": position, "hidden": encode_tensor(hidden)}
         if chunks is not None and len(chunks) > 1:
             message["chunks"] = chunks
         if last_only:
@@ -141,9 +145,9 @@ class RemoteHop:
         proof = reply.get("proof")
         return StepResult(output, wire["data"], wire["dtype"], proof if isinstance(proof, dict) else None)
 
-    async def close(self, session_id: bytes) -> None:
+    async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await self.request({"type": "close", "session": session_id}, timeout=1)
+            await self.request({"type": "close", "session": self.session_id}, timeout=1)
             await self.framed.close()
 
     async def abort(self) -> None:
@@ -151,15 +155,19 @@ class RemoteHop:
             await self.framed.reset()
 
 
-async def open_hop(host: IHost, hop: Hop, model_id: str, session_id: bytes, max_tokens: int,
-                   hidden_size: int) -> RemoteHop:
-    """Dial the server and open the session on it; every failure is a HopUnavailable."""
+async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int) -> RemoteHop:
+    """Dial the server and open a new session on it; every failure is a HopUnavailable."""
+    session_id = os.urandom(protocol.SESSION_ID_BYTES)
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             info = peer_info(hop)
+            # py-libp2p refuses to redial, for a while, a peer whose addresses failed
+            # once: a server restarted on a new port must be reachable at once.
+            with contextlib.suppress(Exception):
+                host.get_network().unblock_peer(info.peer_id)
             await host.connect(info)
             stream = await host.new_stream(info.peer_id, [protocol.INFER_PROTOCOL])
-        remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size)
+        remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size, session_id)
         await remote.request(
             {"type": "open", "session": session_id, "model": model_id, "start": hop.start, "end": hop.end,
              "max_tokens": max_tokens},
@@ -231,12 +239,11 @@ class InferenceChain:
     """An open session on every hop of a route; `step` survives failing hops when the
     chain has a planner."""
 
-    def __init__(self, host: IHost, model_id: str, session_id: bytes, *, max_tokens: int, hidden_size: int,
+    def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
                  tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None) -> None:
         self.host = host
         self.model_id = model_id
-        self.session_id = session_id
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.planner = planner
@@ -258,7 +265,7 @@ class InferenceChain:
         return [remote.hop for remote in self.hops]
 
     async def _open(self, hop: Hop) -> RemoteHop:
-        return await open_hop(self.host, hop, self.model_id, self.session_id, self.max_tokens, self.hidden_size)
+        return await open_hop(self.host, hop, self.model_id, self.max_tokens, self.hidden_size)
 
     async def open(self, route: list[Hop]) -> None:
         """Open a session on every hop at once; a hop that fails is replaced (with a planner)."""
@@ -371,7 +378,7 @@ class InferenceChain:
         position = 0
         for group in _groups(steps):
             sizes = [s.shape[1] for s in group]
-            result = await remote.step(self.session_id, torch.cat(group, dim=1), position, chunks=sizes)
+            result = await remote.step(torch.cat(group, dim=1), position, chunks=sizes)
             outputs.extend(torch.split(result.output, sizes, dim=1))
             position += sum(sizes)
         return outputs
@@ -388,7 +395,7 @@ class InferenceChain:
             if schedule.should_check():
                 verifier = await self._verifier(span, remote.peer_id)
         if verifier is None:
-            return (await remote.step(self.session_id, hidden, self.position)).output
+            return (await remote.step(hidden, self.position)).output
         self.checks += 1
         results: dict[str, StepResult | Exception] = {}
 
@@ -399,7 +406,7 @@ class InferenceChain:
                 results[name] = exc
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run, "primary", remote.step(self.session_id, hidden, self.position))
+            nursery.start_soon(run, "primary", remote.step(hidden, self.position))
             nursery.start_soon(run, "verifier", self._verify_step(span, verifier, hidden))
         primary, check = results["primary"], results["verifier"]
         if isinstance(primary, Exception):
@@ -431,7 +438,7 @@ class InferenceChain:
                 self._penalise(exc)
             return None
         if verifier is not None:
-            await verifier.remote.close(self.session_id)
+            await verifier.remote.close()
         verifier = self._verifiers[span] = _Verifier(remote)
         return verifier
 
@@ -453,8 +460,7 @@ class InferenceChain:
             sizes = [s.shape[1] for s in group]
             last = index == len(groups) - 1
             chunks = [sum(sizes[:-1]), sizes[-1]] if last and len(sizes) > 1 else [sum(sizes)]
-            result = await remote.step(self.session_id, torch.cat(group, dim=1), position, chunks=chunks,
-                                       last_only=True)
+            result = await remote.step(torch.cat(group, dim=1), position, chunks=chunks, last_only=True)
             position += sum(sizes)
         verifier.fed = len(self.history.sizes) + 1
         return result
@@ -485,7 +491,7 @@ class InferenceChain:
     async def close(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(2):
             for remote in self.hops + [v.remote for v in self._verifiers.values()]:
-                await remote.close(self.session_id)
+                await remote.close()
             for remote in self._retired:
                 await remote.abort()
 
@@ -494,8 +500,7 @@ class InferenceChain:
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
                      rng: random.Random | None = None) -> AsyncIterator[InferenceChain]:
-    chain = InferenceChain(host, model_id, os.urandom(protocol.SESSION_ID_BYTES), max_tokens=max_tokens,
-                           hidden_size=hidden_size, planner=planner, spot_check_rate=spot_check_rate, rng=rng)
+    chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner, spot_check_rate=spot_check_rate, rng=rng)
     try:
         await chain.open(hops)
         yield chain

@@ -147,16 +147,29 @@ class SwarmPlanner:
         return self.penalties.excluded(time.monotonic()) | frozenset(self.unreachable)
 
     def plan_now(self, start: int = 0, end: int | None = None) -> list[Hop]:
-        return plan_route(self.records, self.num_blocks, now=time.time(), measures=self.measures,
-                          needed_tokens=self.needed_tokens, exclude=self._exclude(), start=start, end=end)
+        def plan(exclude: frozenset[str]) -> list[Hop]:
+            return plan_route(self.records, self.num_blocks, now=time.time(), measures=self.measures,
+                              needed_tokens=self.needed_tokens, exclude=exclude, start=start, end=end)
+
+        try:
+            return plan(self._exclude())
+        except RouteError:
+            if not self.unreachable:
+                raise
+        # "Unreachable" may be stale (a missed ping, an ad from before a server was
+        # ready): better to try such a server than to have no route at all.
+        return plan(self.penalties.excluded(time.monotonic()))
 
     async def plan(self, start: int, end: int, *, deadline: float) -> list[Hop]:
         while True:
             try:
                 return self.plan_now(start, end)
-            except RouteError:
+            except RouteError as exc:
                 if trio.current_time() >= deadline:
                     raise
+                log.info("no route through blocks %d:%d yet (%s; avoiding %s, unreachable %s); looking again",
+                         start, end, exc, sorted(p[-8:] for p in self.penalties.excluded(time.monotonic())),
+                         sorted(p[-8:] for p in self.unreachable))
             with trio.move_on_at(deadline):
                 await trio.sleep(self.RETRY_S)
                 await self.refresh()

@@ -1,0 +1,149 @@
+"""A generation survives its servers: killed or hung providers are replaced mid-
+generation and the tokens are exactly those of an uninterrupted run; a provider that
+returns wrong activations is caught by spot checks and excluded."""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import trio
+
+from compushare.pipeline.consumer import Consumer, RunRequest
+from compushare.pipeline.proofs import FailureReport
+from compushare.pipeline.sampling import SamplingParams
+from compushare.model.catalog import import_path
+from helpers import reference_greedy
+
+PROMPT = [1, 17, 42, 99, 3, 250, 7]
+NEW_TOKENS = 32
+
+
+def _request(prompt=PROMPT, new_tokens=NEW_TOKENS):
+    return RunRequest(model="tiny", prompt=prompt,
+                      params=SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
+
+
+@pytest.fixture
+def replicated(processes, tiny_model):
+    """A serves 0:2; B and C both serve 2:4."""
+    _, first = processes.node("a", tiny_model, "0:2")
+    boot = first["addrs"][:1]
+    states = {"a": first}
+    states.update(zip("bc", processes.nodes([("b", "2:4"), ("c", "2:4")], tiny_model, bootstrap=boot)))
+    return boot, states
+
+
+@pytest.fixture
+def client_dir(tmp_path, tiny_model):
+    path = tmp_path / "client"
+    import_path(tiny_model, path, alias="tiny")
+    return path
+
+
+def _pid_of(states, peer_id):
+    return next(s["pid"] for s in states.values() if s["peer_id"] == peer_id)
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, client_dir, tiny_model, fault):
+    boot, states = replicated
+    expected = reference_greedy(tiny_model, PROMPT, NEW_TOKENS)
+    route: list = []
+    faulted: dict = {}
+
+    def on_token(_token):
+        if len(faulted) == 0 and len(tokens) == 10:  # mid-generation: the 11th step goes to a dead peer
+            victim = next(h.peer_id for h in route[0] if h.start == 2)
+            faulted.update(peer=victim, pid=_pid_of(states, victim), at=time.time())
+            os.kill(faulted["pid"], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    tokens: list[int] = []
+    try:
+        async with Consumer.connect(client_dir, tuple(boot), "tiny", text_prompts=False) as consumer:
+            with trio.fail_after(60):
+                outcome = await consumer.generate(
+                    _request(), on_route=route.append, on_token=lambda t: (tokens.append(t), on_token(t)))
+    finally:
+        if fault == "hang" and faulted:
+            os.kill(faulted["pid"], signal.SIGCONT)
+    assert outcome.tokens == expected
+    assert len(outcome.failovers) == 1
+    event = outcome.failovers[0]
+    assert (event.peer_id, event.start, event.end) == (faulted["peer"], 2, 4)
+    assert event.reason == ("timeout" if fault == "hang" else event.reason)
+    assert event.noticed - faulted["at"] < 2.5  # a hang is noticed by the step deadline
+    assert faulted["peer"] not in {h.peer_id for h in outcome.route}
+
+
+async def test_noisy_server_is_caught_by_spot_checks_and_excluded(processes, tiny_model, client_dir):
+    """B adds noise to every output; C is honest but slower, so routes prefer B."""
+    _, first = processes.node("a", tiny_model, "0:2")
+    boot = first["addrs"][:1]
+    fast_ads = ["--ad-period", "1"]
+    noisy = processes.node("b", tiny_model, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"] + fast_ads,
+                           wait=False)[0]
+    honest = processes.node("c", tiny_model, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
+                            wait=False)[0]
+    noisy, honest = processes.ready("b", noisy), processes.ready("c", honest)
+    await trio.sleep(2.5)  # both ads say "serving", with their speeds
+    async with Consumer.connect(client_dir, tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=0.25) as consumer:
+        routes: list = []
+        with trio.fail_after(60):
+            outcome = await consumer.generate(_request(), on_route=routes.append)
+        assert noisy["peer_id"] in {h.peer_id for h in routes[0]}
+        # Caught within the first window of 4 steps of its span, and replaced by C.
+        assert [f.reason for f in outcome.failovers] == ["mismatch"]
+        assert outcome.failovers[0].peer_id == noisy["peer_id"]
+        assert honest["peer_id"] in {h.peer_id for h in outcome.route}
+        assert consumer.penalties.blacklisted(noisy["peer_id"], time.monotonic())
+        # The failure report is kept and checks out for anyone who reads it.
+        files = list((client_dir / "reports").iterdir())
+        assert len(files) == 1
+        report = FailureReport.from_wire(files[0].read_bytes())
+        report.check()
+        assert (report.accused.peer_id, report.witness.peer_id) == (noisy["peer_id"], honest["peer_id"])
+        # The next generation does not go near B, and matches the reference.
+        routes.clear()
+        with trio.fail_after(60):
+            again = await consumer.generate(_request(), on_route=routes.append)
+        assert noisy["peer_id"] not in {h.peer_id for r in routes for h in r}
+        assert again.tokens == reference_greedy(tiny_model, PROMPT, NEW_TOKENS)
+
+
+async def test_chaos_random_providers_killed_and_restarted(processes, tiny_model, client_dir):
+    """Two replicas of each span; a random provider is SIGKILLed every few seconds and
+    restarted, while 20 generations run; every output matches the reference."""
+    _, seeder = processes.seeder("seed", tiny_model)  # a stable bootstrap peer, serves no blocks
+    boot = seeder["addrs"][:1]
+    spans = {"a": "0:2", "b": "0:2", "c": "2:4", "d": "2:4"}
+    processes.nodes(list(spans.items()), tiny_model, bootstrap=boot)
+    live = {name: processes.procs[i + 1] for i, name in enumerate(spans)}
+    rng = random.Random(7)
+    prompts = [[1] + [rng.randrange(3, 256) for _ in range(rng.randrange(3, 12))] for _ in range(20)]
+    expected = [reference_greedy(tiny_model, p, 24) for p in prompts]
+    kills = 0
+
+    async def chaos():
+        nonlocal kills
+        while True:
+            await trio.sleep(rng.uniform(2.0, 4.0))
+            name = rng.choice(sorted(live))
+            live[name].send_signal(signal.SIGKILL)
+            live[name].wait(timeout=5)
+            kills += 1
+            live[name] = processes.node(name, None, spans[name], bootstrap=boot, wait=False)[0]
+
+    outputs = []
+    async with Consumer.connect(client_dir, tuple(boot), "tiny", text_prompts=False) as consumer:
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(chaos)
+                for prompt in prompts:
+                    outcome = await consumer.generate(_request(prompt, 24))
+                    outputs.append(outcome.tokens)
+                nursery.cancel_scope.cancel()
+    assert kills >= 5
+    assert outputs == expected
