@@ -43,8 +43,8 @@ from .spotcheck import Penalties, SpotCheckSchedule
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
-MIN_DEADLINE_S = 1.5  # no step is given less (scheduling hiccups on a loaded machine)
-DEADLINE_LATENCIES = 4.0  # a step may take this many times the hop's usual latency per chunk...
+MIN_DEADLINE_S = 1.0  # no step is given less (scheduling hiccups on a loaded machine)
+DEADLINE_LATENCIES = 5.0  # a step may take this many times the hop's usual latency per chunk...
 DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much per token it carries
 LATENCY_EWMA = 0.2
 FAILOVER_TIMEOUT_S = 60.0  # how long a failed span may stay uncovered before the generation fails

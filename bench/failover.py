@@ -1,0 +1,208 @@
+"""Failover: 20 faults injected into generations on the real SmolLM2, on loopback.
+
+    .venv/bin/python bench/failover.py [--failovers 20] [--new-tokens 32]
+
+swarm     4 provider processes on 127.0.0.1: two replicas of blocks 0:15 and two of
+          15:30 (`compushare node --blocks ...`), and this process as the consumer
+          (pipeline.consumer.Consumer: default 5% spot checks, chat template).
+reference one uninterrupted greedy generation of the prompt through the swarm.
+faults    each generation injects one fault, at a random token in 4..20, into the
+          server currently running a random hop: alternately SIGKILL (then the process
+          is restarted, and the next generation waits until it serves again) and
+          SIGSTOP (a hang; SIGCONT after the generation).
+detect    from the fault to the consumer noticing it (connection lost, or the step
+          deadline: 1 s + 5 × the hop's usual step latency).
+recovery  from noticing to the next token: planning from the candidates already at
+          hand, a session on the replacement, the replay of the span's history chunk
+          by chunk (so the replacement's KV cache is bit-identical), the rest of the
+          step. It grows with the history: one decode step of 15 blocks per token.
+identical every faulted generation's tokens equal the reference's.
+
+Human-readable lines first; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    try:
+        import compushare  # noqa: F401  (installed editable in the venv)
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+
+import trio  # noqa: E402
+
+from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.pipeline.consumer import Consumer, RunRequest  # noqa: E402
+from compushare.pipeline.sampling import SamplingParams  # noqa: E402
+from compushare.swarm import node_command, start_node, wait_ready  # noqa: E402
+
+MODEL = "smollm2-135m"
+SPANS = {"a1": (0, 15), "a2": (0, 15), "b1": (15, 30), "b2": (15, 30)}
+PROMPT = "Name three rivers of Europe and one fact about each."
+FAULT_TOKENS = (4, 20)
+TARGETS = {"detect_p95_s": 2.0, "recovery_p95_s": 1.0}
+
+
+class Swarm:
+    """The provider processes of this run; `close` ends them all, by pid."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.states: dict[str, dict] = {}
+
+    def addrs(self, but: str | None = None) -> list[str]:
+        return [s["addrs"][0] for name, s in self.states.items()
+                if name != but and self.procs[name].poll() is None]
+
+    def start(self, name: str) -> None:
+        data_dir = self.root / name
+        cmd = node_command(MODEL, SPANS[name], data_dir, self.addrs(but=name))
+        self.procs[name] = start_node(cmd, data_dir)
+
+    def ready(self, name: str) -> dict:
+        self.states[name] = wait_ready(self.procs[name], self.root / name, timeout=300)
+        return self.states[name]
+
+    def name_of(self, peer_id: str) -> str:
+        return next(name for name, s in self.states.items() if s["peer_id"] == peer_id)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))], 3)
+
+
+async def run(args, swarm: Swarm, client_dir: Path) -> dict:
+    params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    request = RunRequest(model=MODEL, prompt=PROMPT, params=params)
+    rng = random.Random(args.seed)
+    rows = []
+    async with Consumer.connect(client_dir, tuple(swarm.addrs()), MODEL) as consumer:
+        reference = await consumer.generate(request)
+        print(f"reference: {len(reference.tokens)} tokens at {reference.decode_tok_s:.1f} tok/s: "
+              f"{reference.text[:60]!r}...", flush=True)
+        for index in range(args.failovers):
+            kind = "kill" if index % 2 == 0 else "hang"
+            at_token = rng.randint(*FAULT_TOKENS)
+            hop_index = rng.randrange(2)
+            route: list = []
+            times: list[float] = []
+            fault: dict = {}
+
+            def on_token(_token, route=route, times=times, fault=fault, kind=kind, at_token=at_token,
+                         hop_index=hop_index):
+                times.append(time.time())
+                if len(times) == at_token and not fault:
+                    victim = swarm.name_of(route[-1][hop_index].peer_id)
+                    fault.update(name=victim, at=time.time())
+                    os.kill(swarm.procs[victim].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+            try:
+                with trio.fail_after(300):
+                    outcome = await consumer.generate(request, on_route=route.append, on_token=on_token)
+            finally:
+                if fault and kind == "hang":
+                    os.kill(swarm.procs[fault["name"]].pid, signal.SIGCONT)
+            event = next((f for f in outcome.failovers if f.noticed >= fault["at"]), None)
+            identical = outcome.tokens == reference.tokens
+            if event is None:
+                print(f"{index + 1:2d} {kind}: no failover was recorded", flush=True)
+                rows.append({"kind": kind, "identical": identical, "detect_s": None, "recovery_s": None})
+            else:
+                next_token = next(t for t in times if t >= event.noticed)
+                row = {"kind": kind, "span": f"{event.start}:{event.end}", "at_token": at_token,
+                       "identical": identical, "detect_s": event.noticed - fault["at"],
+                       "recovery_s": next_token - event.noticed, "reason": event.reason,
+                       "failovers": len(outcome.failovers)}
+                rows.append(row)
+                print(f"{index + 1:2d} {kind} {row['span']} at token {at_token}: detect {row['detect_s']:.3f} s "
+                      f"({event.reason}), recovery {row['recovery_s']:.3f} s, identical {identical}", flush=True)
+            if kind == "kill":  # back to two replicas before the next fault
+                name = fault["name"]
+                swarm.procs[name].wait(timeout=10)
+                swarm.start(name)
+                await trio.to_thread.run_sync(swarm.ready, name)
+    detects = [r["detect_s"] for r in rows if r["detect_s"] is not None]
+    recoveries = [r["recovery_s"] for r in rows if r["recovery_s"] is not None]
+    result = {
+        "model": MODEL,
+        "failovers": len(recoveries),
+        "faults": len(rows),
+        "identical": all(r["identical"] for r in rows) and len(recoveries) == len(rows),
+        "detect_p50_s": round(statistics.median(detects), 3) if detects else None,
+        "detect_p95_s": pct(detects, 0.95),
+        "detect_kill_p95_s": pct([r["detect_s"] for r in rows if r["kind"] == "kill" and r["detect_s"]], 0.95),
+        "detect_hang_p95_s": pct([r["detect_s"] for r in rows if r["kind"] == "hang" and r["detect_s"]], 0.95),
+        "recovery_p50_s": round(statistics.median(recoveries), 3) if recoveries else None,
+        "recovery_p95_s": pct(recoveries, 0.95),
+        "new_tokens": args.new_tokens,
+        "fault_tokens": list(FAULT_TOKENS),
+        "reference_tok_s": round(reference.decode_tok_s, 2),
+    }
+    result["targets_met"] = bool(result["identical"]) and all(
+        result[key] is not None and result[key] <= limit for key, limit in TARGETS.items())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--failovers", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+    with tempfile.TemporaryDirectory(prefix="compushare-failover-") as tmp:
+        root = Path(tmp)
+        swarm = Swarm(root)
+        try:
+            client_dir = root / "client"
+            resolve_model(MODEL, client_dir)  # converts SmolLM2 once into the shared cache
+            first = "a1"
+            swarm.start(first)
+            swarm.ready(first)
+            for name in SPANS:
+                if name != first:
+                    swarm.start(name)
+            for name in SPANS:
+                swarm.ready(name)
+            print(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in SPANS.items())}", flush=True)
+            result = trio.run(run, args, swarm, client_dir)
+        finally:
+            swarm.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
