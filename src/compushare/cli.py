@@ -101,6 +101,8 @@ def run(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(None),
     chat_template: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
+    spot_check: float = typer.Option(0.05, min=0.0, max=1.0,
+                                     help="Share of each span's steps also computed by a second server."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -126,11 +128,19 @@ def run(
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = _bootstrap_for(home, bootstrap, swarm_home)
-        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route))
+        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,
+                                              spot_check_rate=spot_check))
         sys.stdout.write("\n")
+        for failover in outcome.failovers:
+            err.print(f"failover: blocks {failover.start}:{failover.end} moved from {failover.peer_id[-8:]} "
+                      f"({failover.reason}) to {', '.join(p[-8:] for p in failover.replacements)} in "
+                      f"{failover.recovered - failover.noticed:.2f}s", highlight=False)
+        for report in outcome.reports:
+            err.print(f"[red]spot check failed[/red]: {report.accused.peer_id} excluded; failure report "
+                      f"{report.digest[:12]} kept")
         if verbose:
             err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
-                      f"{outcome.decode_tok_s:.1f} tok/s")
+                      f"{outcome.decode_tok_s:.1f} tok/s; {outcome.checks} spot checks")
 
     _run_or_exit(main_run)
 

@@ -1,4 +1,4 @@
-"""The provider: serves a span of blocks over /compushare/infer/1.0.0.
+"""The provider: serves a span of blocks over /compushare/infer/1.1.0.
 
 One handler task per stream reads frames in order; a stream may carry several
 sessions. Torch runs in worker threads behind a CapacityLimiter so the event loop
