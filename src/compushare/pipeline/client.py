@@ -235,6 +235,21 @@ class _Verifier:
     fed: int = 0  # steps of the history it has seen
 
 
+def judge(primary: torch.Tensor, check: torch.Tensor, arbiter: torch.Tensor | None, tolerance: float) -> str:
+    """Who is wrong when a spot check disagrees: "primary", "verifier", "both" or
+    "neither" (both within the tolerance of a third opinion: a borderline case).
+    Without a third opinion the checked server is blamed; with one, whoever the
+    third server disagrees with."""
+    if arbiter is None:
+        return "primary"
+    a = arbiter.numpy()
+    primary_ok = relative_error(primary.numpy(), a) <= tolerance
+    check_ok = relative_error(check.numpy(), a) <= tolerance
+    if primary_ok:
+        return "neither" if check_ok else "verifier"
+    return "primary" if check_ok else "both"
+
+
 class InferenceChain:
     """An open session on every hop of a route; `step` survives failing hops when the
     chain has a planner."""
@@ -418,10 +433,44 @@ class InferenceChain:
         error = relative_error(primary.output.numpy(), check.output.numpy())
         if error <= self.tolerance:
             return primary.output
+        # Two servers disagree. A third one, if there is one, says which is wrong: a
+        # lying verifier must not get an honest server excluded.
+        arbiter = await self._arbitrate(span, {remote.peer_id, verifier.remote.peer_id}, hidden)
+        blamed = judge(primary.output, check.output, arbiter, self.tolerance)
+        if blamed == "neither":
+            return primary.output
+        if blamed == "verifier":
+            self._report(verifier.remote, remote, check, primary, hidden.shape[1])
+            self._drop_verifier(span, HopFailed(verifier.remote.peer_id, "mismatch", "outvoted"))
+            log.warning("the spot check of blocks %d:%d by %s was wrong (a third server agrees with %s)",
+                        span[0], span[1], verifier.remote.peer_id, remote.peer_id)
+            return primary.output
         self._report(remote, verifier.remote, primary, check, hidden.shape[1])
+        if blamed == "both":
+            self._drop_verifier(span, HopFailed(verifier.remote.peer_id, "mismatch", "outvoted"))
         raise HopFailed(remote.peer_id, "mismatch",
                         f"{remote.peer_id} (blocks {span[0]}:{span[1]}) answered step {self.position} "
-                        f"{error:.2g} away from {verifier.remote.peer_id}'s answer (tolerance {self.tolerance:g})")
+                        f"{error:.2g} away from {verifier.remote.peer_id}'s answer (tolerance {self.tolerance:g}"
+                        f"{'' if arbiter is None else ', a third server agreeing'})")
+
+    async def _arbitrate(self, span: tuple[int, int], disputed: set[str], hidden: torch.Tensor) \
+            -> torch.Tensor | None:
+        """A third server's output for this step (its whole history batched), or None."""
+        hop = self.planner.verifier(span[0], span[1], disputed | {r.peer_id for r in self.hops})
+        if hop is None:
+            return None
+        try:
+            remote = await self._open(hop)
+        except (HopFailed, ServerBusy) as exc:
+            log.info("no third opinion on blocks %d:%d: %s", span[0], span[1], exc)
+            return None
+        try:
+            return (await self._verify_step(span, _Verifier(remote), hidden)).output
+        except (HopFailed, ServerBusy) as exc:
+            log.info("no third opinion on blocks %d:%d: %s", span[0], span[1], exc)
+            return None
+        finally:
+            await remote.close()
 
     async def _verifier(self, span: tuple[int, int], primary: str) -> _Verifier | None:
         verifier = self._verifiers.get(span)
