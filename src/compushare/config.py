@@ -94,6 +94,15 @@ class ServerLimits:
     peer_requests_per_s: float = 1000.0  # token buckets per peer, with a 2 s burst
     peer_bytes_per_s: float = 256 * 1024 * 1024
 
+    def __post_init__(self) -> None:
+        # A frame must fit in one peer's byte burst (2 s of its rate), or it could never
+        # be admitted and its sender would retry until its deadline.
+        if self.peer_bytes_per_s * 2 < self.max_frame_bytes:
+            raise UsageError(f"limits: peer_bytes_per_s must be at least max_frame_bytes / 2 "
+                             f"({self.max_frame_bytes // 2})")
+        if self.peer_requests_per_s * 2 < 1:
+            raise UsageError("limits: peer_requests_per_s must be at least 0.5")
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeConfig:

@@ -117,6 +117,61 @@ def test_uncovered_blocks():
     assert uncovered_blocks([], 3, NOW) == [0, 1, 2]
 
 
+# --------------------------------------------------------------------------- sub-ranges (failover re-plans)
+
+
+def check_chain(hops: list[Hop], start: int, end: int) -> None:
+    """Contiguous from exactly `start` to exactly `end`, each hop within its server's span."""
+    position = start
+    for hop in hops:
+        assert hop.start == position < hop.end <= end
+        assert hop.record.start <= hop.start and hop.end <= hop.record.end
+        position = hop.end
+    assert position == end
+
+
+def test_sub_range_route_stays_within_it():
+    records = [rec("a", 0, 3), rec("b", 1, 6), rec("c", 3, 5), rec("d", 4, 6)]
+    hops = plan(records, 6, start=2, end=4)
+    check_chain(hops, 2, 4)
+    assert spans(hops) == [("b", 2, 4)]  # one hop beats a:2..3 + c:3..4
+    check_chain(plan(records, 6, start=4, end=6), 4, 6)
+    check_chain(plan(records, 6, start=0, end=1), 0, 1)
+
+
+def test_sub_range_defaults_to_the_model_end():
+    records = [rec("a", 0, 2), rec("b", 2, 4)]
+    assert spans(plan(records, 4, start=2)) == [("b", 2, 4)]
+    assert spans(plan(records, 4, end=2)) == [("a", 0, 2)]
+
+
+def test_sub_range_avoids_excluded_peers():
+    """A failover re-plans the failed span without the server that failed."""
+    records = [rec("failed", 0, 6), rec("x", 2, 3), rec("y", 3, 4)]
+    assert spans(plan(records, 6, start=2, end=4)) == [("failed", 2, 4)]
+    hops = plan(records, 6, start=2, end=4, exclude=frozenset({"failed"}))
+    assert spans(hops) == [("x", 2, 3), ("y", 3, 4)]
+    with pytest.raises(RouteError, match="block 2 of 6"):
+        plan(records, 6, start=2, end=4, exclude=frozenset({"failed", "x"}))
+
+
+def test_uncovered_sub_range_raises_naming_its_first_missing_block():
+    records = [rec("a", 0, 2), rec("b", 3, 5), rec("c", 6, 8)]
+    with pytest.raises(RouteError, match="block 2 of 8"):
+        plan(records, 8, start=1, end=4)
+    with pytest.raises(RouteError, match="block 5 of 8"):
+        plan(records, 8, start=3, end=7)
+    # gaps outside the sub-range do not matter
+    assert spans(plan(records, 8, start=3, end=5)) == [("b", 3, 5)]
+    assert spans(plan(records, 8, start=6, end=8)) == [("c", 6, 8)]
+
+
+def test_empty_sub_range_is_no_hops():
+    assert plan([], 4, start=2, end=2) == []
+    assert plan([rec("a", 0, 4)], 4, start=4, end=4) == []
+    assert plan([rec("a", 0, 4)], 4, start=0, end=0) == []
+
+
 # --------------------------------------------------------------------------- properties
 
 record_lists = st.lists(
@@ -133,7 +188,7 @@ measure_maps = st.dictionaries(
 )
 
 
-def _cheapest(records, n, measures) -> float | None:
+def _cheapest(records, n, measures, start: int = 0) -> float | None:
     """Exhaustive search over every contiguous cover, pricing hops with the planner's own
     estimates (the property checks the search, not the cost model)."""
     live = [r for r in records if r.is_live(NOW)]
@@ -151,7 +206,7 @@ def _cheapest(records, n, measures) -> float | None:
                         options.append(_hop_cost(records, measures, r, p, e) + rest)
         return min(options) if options else None
 
-    return from_(0)
+    return from_(start)
 
 
 def _hop_cost(records, measures, record, start, end) -> float:
@@ -202,3 +257,19 @@ def test_plan_does_not_depend_on_record_order(records, n, measures, rng):
             plan(shuffled, n, measures=measures)
         return
     assert spans(plan(shuffled, n, measures=measures)) == expected
+
+
+@given(record_lists, st.integers(0, 10), st.integers(0, 10), measure_maps)
+def test_sub_range_plan_is_the_cheapest_cover_of_it(records, a, b, measures):
+    start, end = min(a, b), max(a, b)
+    n = 10
+    missing = [block for block in uncovered_blocks(records, end, NOW) if block >= start]
+    if missing:
+        with pytest.raises(RouteError, match=f"block {missing[0]} of {n}"):
+            plan(records, n, measures=measures, start=start, end=end)
+        return
+    hops = plan(records, n, measures=measures, start=start, end=end)
+    check_chain(hops, start, end)
+    assert all(h.record.is_live(NOW) for h in hops)
+    assert sum(h.expected_s for h in hops) == pytest.approx(_cheapest(records, end, measures, start),
+                                                            rel=1e-9, abs=1e-12)

@@ -123,8 +123,9 @@ def test_invalid_rate_raises(rate):
         SpotCheckSchedule(rate)
 
 
-@given(st.floats(min_value=0.0, max_value=1.0, exclude_min=True), st.integers(1, 30), st.integers(0, 2**32))
+@given(st.floats(min_value=0.005, max_value=1.0), st.integers(1, 30), st.integers(0, 2**32))
 def test_exactly_one_check_per_window(rate, windows, seed):
+    """Any rate (down to windows of 200 steps, to keep the test fast) checks one step per window."""
     schedule = SpotCheckSchedule(rate, random.Random(seed))
     assert schedule.window >= 1
     done = checks(schedule, windows * schedule.window)
@@ -163,7 +164,7 @@ def test_success_forgives_faults_but_not_mismatches():
     p.mismatch("b", now=0.0)
     p.fault("b", now=0.0)
     p.success("b")
-    assert p.blacklisted("b", 1.0) and p.excluded(1.0) == {"b"}
+    assert p.blacklisted("b", 12.0) and p.excluded(12.0) == {"b"}  # a's new fault ended at 11
     p.success("unknown")  # harmless
 
 
