@@ -13,18 +13,23 @@ py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
   look-up waits for its slowest peer: one hung peer stalls every look-up. We cut
   the per-request time to 3 s, and our fresh look-ups also ask the peers we know
   directly, each on its own deadline.
+- it serves 12 inbound streams at once, node-wide, each waiting forever for the
+  peer's next message: one peer's stalled streams took the DHT from everyone. We
+  bound streams per peer and reset silent ones (_guard_inbound_streams).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht import kad_dht as _kad_dht, peer_routing as _peer_routing, provider_store as _provider_store
+from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -40,6 +45,10 @@ log = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 5.0
 DIAL_TIMEOUT_S = 5.0
 PEER_QUERY_TIMEOUT_S = 3.0
+INBOUND_STREAMS = 48  # inbound DHT streams served at once (py-libp2p: 12)
+INBOUND_PER_PEER = 12  # of which one peer may hold (what py-libp2p allowed every peer together)
+INBOUND_IDLE_S = 10.0  # an inbound DHT stream silent this long is reset
+INBOUND_MAX_S = 120.0  # and none is served longer
 
 for _module in (_kad_dht, _peer_routing, _provider_store):
     _module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
@@ -76,8 +85,54 @@ async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
         strict_validation=True,
         max_peers_per_subnet=0,  # a loopback swarm lives in one /24
     )
+    if server:
+        _guard_inbound_streams(host, dht)
     async with background_trio_service(dht):
         yield dht
+
+
+class _IdleBoundedStream:
+    """An inbound DHT stream whose every read gives up after `idle_s`."""
+
+    def __init__(self, stream: INetStream, idle_s: float) -> None:
+        self._stream, self._idle_s = stream, idle_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        with trio.fail_after(self._idle_s):  # py-libp2p's handler resets the stream on the error
+            return await self._stream.read(n)
+
+
+def _guard_inbound_streams(host: IHost, dht: KadDHT) -> None:
+    """py-libp2p serves at most 12 inbound DHT streams at once, node-wide, and waits
+    forever for a stream's next message: one peer holding 12 stalled streams (half a
+    message each) took the DHT from everyone else for as long as it liked. Here one
+    peer gets at most INBOUND_PER_PEER streams of INBOUND_STREAMS, a stream that stays
+    silent for INBOUND_IDLE_S (or lives INBOUND_MAX_S) is reset."""
+    dht._inbound_limiter.total_tokens = INBOUND_STREAMS  # private in the pinned 0.8.1
+    per_peer: collections.Counter[ID] = collections.Counter()
+
+    async def handler(stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        if per_peer[peer] >= INBOUND_PER_PEER:
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            return
+        per_peer[peer] += 1
+        try:
+            with trio.move_on_after(INBOUND_MAX_S) as scope:
+                await dht.handle_stream(_IdleBoundedStream(stream, INBOUND_IDLE_S))
+            if scope.cancelled_caught:
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+        finally:
+            per_peer[peer] -= 1
+            if not per_peer[peer]:
+                del per_peer[peer]
+
+    host.set_stream_handler(PROTOCOL_ID, handler)
 
 
 async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> int:

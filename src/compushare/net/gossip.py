@@ -94,6 +94,7 @@ class Gossip:
                            adaptive_gossip_enabled=False)
         pubsub = Pubsub(self.host, router, strict_signing=True)
         pubsub.set_topic_validator(AD_TOPIC, self._validate, is_async_validator=False)
+        pubsub.push_msg = _guarded_push(pubsub)  # looked up per message: the instance attribute wins
         self.host.set_stream_handler(PROTOCOL_ID_V11, _guarded(pubsub))
         self.host.set_stream_handler(VIEW_PROTOCOL, self._serve_view)
         async with background_trio_service(pubsub), background_trio_service(router):
@@ -269,11 +270,16 @@ async def open_gossip(host: IHost, view: SwarmView, make_ad=None, **kwargs) -> A
 def _guarded(pubsub: Pubsub):
     """py-libp2p's pubsub stream handler lets a protobuf DecodeError (any peer can
     send garbage) escape into the connection's task, which takes the whole node
-    down. This one drops that stream and peer instead."""
+    down. This one drops that stream and peer instead, and closes the stream when
+    the handler is done with it."""
 
     async def handler(stream: INetStream) -> None:
         try:
             await pubsub.stream_handler(stream)
+            # It returns on a clean or a truncated end of the peer's side without ever
+            # closing ours: the stream would stay half open for the connection's life.
+            with contextlib.suppress(Exception):
+                await stream.close()
         except Exception as exc:
             peer = stream.muxed_conn.peer_id
             log.info("dropping the gossip stream of %s: %s", peer, exc)
@@ -282,6 +288,24 @@ def _guarded(pubsub: Pubsub):
             pubsub._handle_dead_peer(peer)  # private in the pinned 0.8.1
 
     return handler
+
+
+def _guarded_push(pubsub: Pubsub):
+    """py-libp2p checks each received message in its own pubsub task (push_msg), and its
+    signature check raises on a `key` field that is not a public key (sent with a
+    peer id that embeds none): the exception ends the pubsub service, and the node
+    with it. A message that fails so is dropped instead."""
+    push = pubsub.push_msg
+
+    async def push_msg(forwarder: ID, msg: rpc_pb2.Message) -> None:
+        try:
+            await push(forwarder, msg)
+        except Exception as exc:
+            if forwarder == pubsub.my_id:  # our own publication: the caller reports it
+                raise
+            log.info("dropping a gossip message from %s: %r", forwarder, exc)
+
+    return push_msg
 
 
 def _short(peer_bytes: bytes) -> str:

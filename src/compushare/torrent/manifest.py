@@ -176,7 +176,7 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         raise _fail(f"manifest does not hash to model id {expected_id[:12]}")
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise _fail(f"not JSON: {exc}") from None
     doc = _map(doc, {"format", "config", "piece_size", "files"}, "the manifest")
     if doc["format"] != FORMAT:
@@ -230,7 +230,7 @@ def _parse_tensors(value, name: str, size: int) -> dict[str, TensorEntry]:
     out = {}
     for tensor_name, t in value.items():
         t = _map(t, {"dtype", "shape", "offsets"}, f"{name}: tensor {tensor_name!r}")
-        if t["dtype"] not in _DTYPES:
+        if not isinstance(t["dtype"], str) or t["dtype"] not in _DTYPES:  # a list is unhashable
             raise _fail(f"{name}: tensor {tensor_name!r} has unknown dtype {t['dtype']!r}")
         shape, offsets = t["shape"], t["offsets"]
         if not isinstance(shape, list) or len(shape) > 8:

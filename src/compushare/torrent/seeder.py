@@ -111,7 +111,8 @@ class _Upload:
         model_id = None
         while model_id is None:
             message = await self._receive()
-            if message is None:
+            if message is None:  # closed (or idle) before hello: close our side too
+                await _quietly(self.framed.close)
                 return
             kind, model_id = parse_request(message, None)
         pieces = self.pieces = await self.seeder.library.open(model_id)
