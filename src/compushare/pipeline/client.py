@@ -280,7 +280,10 @@ class InferenceChain:
         return [remote.hop for remote in self.hops]
 
     async def _open(self, hop: Hop) -> RemoteHop:
-        return await open_hop(self.host, hop, self.model_id, self.max_tokens, self.hidden_size)
+        remote = await open_hop(self.host, hop, self.model_id, self.max_tokens, self.hidden_size)
+        if self.planner is not None:
+            self.planner.penalties.success(hop.peer_id)  # it answers again: forgive its faults
+        return remote
 
     async def open(self, route: list[Hop]) -> None:
         """Open a session on every hop at once; a hop that fails is replaced (with a planner)."""
@@ -380,7 +383,6 @@ class InferenceChain:
                     break
                 new_hops.append(remote)
                 position = hop.end
-                self.planner.penalties.success(hop.peer_id)
                 if position < end:
                     boundaries[position] = outputs  # a new boundary inside the span
                 steps = outputs
