@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/gossip.py
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
+	$(PY) bench/failover.py
 
 clean:
 	rm -rf $(VENV) .cache demo-swarm

@@ -18,15 +18,17 @@ from ..model.store import ModelStore, is_model_id
 from ..model.head import ConsumerHead
 from ..net.dht import connect_bootstrap, open_dht
 from ..torrent.service import Torrent
+from ..net.gossip import learn_views
 from ..net.host import open_host
 from ..net.identity import load_or_create_identity
+from ..net.records import ServerRecord
 from ..net.view import SwarmView
 from .client import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
 from .generate import generate
 from .measure import measure_servers
-from .routing import Hop, plan_route
+from .routing import Hop, Measure, plan_route
 from .proofs import FailureReport
 from .sampling import SamplingParams
 from .spotcheck import DEFAULT_RATE as DEFAULT_SPOT_CHECK_RATE, Penalties
@@ -111,6 +113,19 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     return await attempt()
 
 
+def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[ServerRecord]:
+    """Server records made from live capability ads (each signed by its server) of
+    peers serving a span of `model_id`: a second way to learn of servers."""
+    records = []
+    for ad in view.live(now):
+        for serving in ad.serving_of(model_id):
+            if serving.state == "serving" and ad.addrs:
+                records.append(ServerRecord(peer_id=ad.peer_id, model_id=model_id, start=serving.start,
+                                            end=serving.end, dtype=serving.dtype, addrs=ad.addrs,
+                                            expires=ad.expires, seq=0))
+    return records
+
+
 class SwarmPlanner:
     """Where a consumer's chains find servers: the model's server records and their
     measurements, refreshed in the background so that a failover plans at once
@@ -131,8 +146,32 @@ class SwarmPlanner:
         self.unreachable: set[str] = set()
 
     async def refresh(self) -> None:
-        records = await discover_servers(self.dht, self.model_id, self.num_blocks)
-        measures, unreachable = await measure_servers(self.host, records, self.view)
+        """Look the servers up again. What a look-up misses is not forgotten: while
+        servers restart, the DHT may briefly hold none of a span's records (they
+        lived on nodes that went down), and a failover must still have candidates.
+        Servers whose capability ads say they serve the model count too."""
+        now = time.time()
+        known = {r.peer_id: r for r in self.records if r.is_live(now)}
+        for record in await discover_servers(self.dht, self.model_id, self.num_blocks):
+            if record.peer_id not in known or record.seq >= known[record.peer_id].seq:
+                known[record.peer_id] = record
+        # A restarted server listens on new addresses; its live ad (at most 15 s old,
+        # signed by it) has them before its next DHT record does.
+        await learn_views(self.host, self.view)
+        records = []
+        for record in known.values():
+            ad = self.view.get(record.peer_id, now)
+            if ad is not None and ad.addrs and set(ad.addrs) != set(record.addrs):
+                record = dataclasses.replace(record, addrs=ad.addrs)
+            records.append(record)
+        measures, unreachable = await measure_servers(self.host, records, self.view, learn=False)
+        for record in records_from_ads(self.view, self.model_id, time.time()):
+            if record.peer_id not in known:
+                records.append(record)
+                serving = next(s for s in self.view.get(record.peer_id, now).serving_of(self.model_id)
+                               if (s.start, s.end) == (record.start, record.end))
+                measures[record.peer_id] = Measure(block_rate=serving.block_rate, load=serving.load,
+                                                   free_tokens=serving.free_tokens)
         self.records, self.measures, self.unreachable = records, measures, unreachable
 
     async def refresh_loop(self) -> None:

@@ -38,8 +38,8 @@ async def ping_rtt(host: IHost, record: ServerRecord) -> float:
     return stamps[1] - began
 
 
-async def measure_servers(host: IHost, records: list[ServerRecord],
-                          view: SwarmView) -> tuple[dict[str, Measure], set[str]]:
+async def measure_servers(host: IHost, records: list[ServerRecord], view: SwarmView, *,
+                          learn: bool = True) -> tuple[dict[str, Measure], set[str]]:
     """Measures per peer id, and the peers not to use: those that did not answer a
     ping, and those whose live ad no longer serves the span their DHT record names
     (they moved, or are loading a move; the record lags by up to a TTL)."""
@@ -56,7 +56,8 @@ async def measure_servers(host: IHost, records: list[ServerRecord],
             unreachable.add(record.peer_id)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(learn_views, host, view)
+        if learn:  # (the caller may have just done so)
+            nursery.start_soon(learn_views, host, view)
         for record in list(peers.values())[:MAX_PINGS]:
             nursery.start_soon(ping, record)
     now = time.time()
