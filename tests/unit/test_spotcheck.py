@@ -139,8 +139,8 @@ def test_exactly_one_check_per_window(rate, windows, seed):
 def test_fault_backoff_doubles_and_caps():
     p = Penalties()
     durations = [p.fault("a", now=0.0) for _ in range(6)]
-    assert durations == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-    assert Penalties.FAULT_MAX_S == 8.0
+    assert durations == [1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert Penalties.FAULT_MAX_S == 4.0
 
 
 def test_fault_excludes_until_it_expires():

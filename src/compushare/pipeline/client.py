@@ -371,15 +371,16 @@ class InferenceChain:
         while position < end:
             route = await self.planner.plan(position, end, deadline=deadline)
             for hop in route:
+                remote = None
                 try:
                     remote = await self._open(hop)
                     outputs = await self._replay(remote, steps)
                 except HopFailed as exc:
                     log.warning("%s; replanning blocks %d:%d", exc, position, end)
                     self._penalise(exc)
-                    break
-                except ServerBusy as exc:
-                    self._penalise(HopFailed(hop.peer_id, exc.code, exc.message))
+                    if remote is not None:  # opened, then failed in the replay
+                        self._retired.append(remote)
+                        await remote.abort()
                     break
                 new_hops.append(remote)
                 position = hop.end

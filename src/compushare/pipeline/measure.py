@@ -8,6 +8,7 @@ re-checked against its own signer, so a relaying peer cannot invent load figures
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -30,6 +31,10 @@ MAX_PINGS = 64
 async def ping_rtt(host: IHost, record: ServerRecord) -> float:
     """One round trip on an open ping stream (the first ping also pays for the stream)."""
     info = peer_info(Hop(record, record.start, record.end))
+    # py-libp2p's negative cache would fail the ping of a server that restarted
+    # (same peer id, new address) without dialling it.
+    with contextlib.suppress(Exception):
+        host.get_network().unblock_peer(info.peer_id)
     await host.connect(info)
     stamps = []
     async for _rtt in PingService(host).ping_iter(info.peer_id, ping_amt=2):

@@ -44,11 +44,11 @@ class _Record:
 
 class Penalties:
     """Peers a consumer avoids for a while. A fault (dropped connection, missed
-    deadline, error reply) costs a short exclusion, doubling up to 8 s and forgiven
+    deadline, error reply) costs a short exclusion, doubling up to 4 s and forgiven
     once the peer answers again: a restarted server is soon used again. A wrong
     answer blacklists, doubling from ten minutes to a day."""
 
-    FAULT_BASE_S, FAULT_MAX_S = 1.0, 8.0
+    FAULT_BASE_S, FAULT_MAX_S = 1.0, 4.0
     MISMATCH_BASE_S, MISMATCH_MAX_S = 600.0, 86400.0
 
     def __init__(self) -> None:
