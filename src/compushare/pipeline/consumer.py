@@ -113,17 +113,20 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     return await attempt()
 
 
-def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[ServerRecord]:
+def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[tuple[ServerRecord, Measure]]:
     """Server records made from live capability ads (each signed by its server) of
-    peers serving a span of `model_id`: a second way to learn of servers."""
-    records = []
+    peers serving a span of `model_id`, with what the ads say of their speed and
+    room: a second way to learn of servers."""
+    found = []
     for ad in view.live(now):
         for serving in ad.serving_of(model_id):
             if serving.state == "serving" and ad.addrs:
-                records.append(ServerRecord(peer_id=ad.peer_id, model_id=model_id, start=serving.start,
-                                            end=serving.end, dtype=serving.dtype, addrs=ad.addrs,
-                                            expires=ad.expires, seq=0))
-    return records
+                record = ServerRecord(peer_id=ad.peer_id, model_id=model_id, start=serving.start,
+                                      end=serving.end, dtype=serving.dtype, addrs=ad.addrs,
+                                      expires=ad.expires, seq=0)
+                found.append((record, Measure(block_rate=serving.block_rate, load=serving.load,
+                                              free_tokens=serving.free_tokens)))
+    return found
 
 
 class SwarmPlanner:
@@ -165,13 +168,10 @@ class SwarmPlanner:
                 record = dataclasses.replace(record, addrs=ad.addrs)
             records.append(record)
         measures, unreachable = await measure_servers(self.host, records, self.view, learn=False)
-        for record in records_from_ads(self.view, self.model_id, time.time()):
+        for record, measure in records_from_ads(self.view, self.model_id, time.time()):
             if record.peer_id not in known:
                 records.append(record)
-                serving = next(s for s in self.view.get(record.peer_id, now).serving_of(self.model_id)
-                               if (s.start, s.end) == (record.start, record.end))
-                measures[record.peer_id] = Measure(block_rate=serving.block_rate, load=serving.load,
-                                                   free_tokens=serving.free_tokens)
+                measures[record.peer_id] = measure
         self.records, self.measures, self.unreachable = records, measures, unreachable
 
     async def refresh_loop(self) -> None:
@@ -211,7 +211,10 @@ class SwarmPlanner:
                          sorted(p[-8:] for p in self.unreachable))
             with trio.move_on_at(deadline):
                 await trio.sleep(self.RETRY_S)
-                await self.refresh()
+                try:
+                    await self.refresh()
+                except Exception as exc:  # plan with what is known; the deadline bounds the wait
+                    log.info("refreshing the candidate servers failed: %s", exc)
 
     def verifier(self, start: int, end: int, exclude: set[str]) -> Hop | None:
         now, excluded = time.time(), self._exclude() | exclude
