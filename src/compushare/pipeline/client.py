@@ -420,7 +420,7 @@ class InferenceChain:
         async def run(name: str, coro) -> None:
             try:
                 results[name] = await coro
-            except (HopFailed, ServerBusy) as exc:
+            except HopFailed as exc:
                 results[name] = exc
 
         async with trio.open_nursery() as nursery:
@@ -462,18 +462,16 @@ class InferenceChain:
         hop = self.planner.verifier(span[0], span[1], disputed | {r.peer_id for r in self.hops})
         if hop is None:
             return None
-        try:
+        remote = None
+        try:  # (open_hop and step turn "busy" into HopFailed)
             remote = await self._open(hop)
-        except (HopFailed, ServerBusy) as exc:
-            log.info("no third opinion on blocks %d:%d: %s", span[0], span[1], exc)
-            return None
-        try:
             return (await self._verify_step(span, _Verifier(remote), hidden)).output
-        except (HopFailed, ServerBusy) as exc:
+        except HopFailed as exc:
             log.info("no third opinion on blocks %d:%d: %s", span[0], span[1], exc)
             return None
         finally:
-            await remote.close()
+            if remote is not None:
+                await remote.close()
 
     async def _verifier(self, span: tuple[int, int], primary: str) -> _Verifier | None:
         verifier = self._verifiers.get(span)
@@ -484,10 +482,9 @@ class InferenceChain:
             return None
         try:
             remote = await self._open(hop)
-        except (HopFailed, ServerBusy) as exc:
+        except HopFailed as exc:
             log.info("no spot check for blocks %d:%d now: %s", span[0], span[1], exc)
-            if isinstance(exc, HopFailed):
-                self._penalise(exc)
+            self._penalise(exc)
             return None
         if verifier is not None:
             await verifier.remote.close()
