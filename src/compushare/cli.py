@@ -201,6 +201,51 @@ def status(
     _run_or_exit(main_status)
 
 
+@app.command()
+def karma(
+    peer: str = typer.Argument(None, help="Peer id (default: this data dir's)."),
+    data_dir: Path = DATA_DIR,
+    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
+    swarm_home: Path = typer.Option(None, help="Local swarm dir to join (default: the data dir's swarm/)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    log_level: str = typer.Option("warning"),
+) -> None:
+    """A peer's karma, recomputed here from its DHT record, its receipts and the
+    failure reports against it (karma never gates access)."""
+    import trio
+
+    from .karma.service import read_karma
+    from .net.identity import load_or_create_identity, peer_id_of
+    from .status import local_node
+
+    _setup_logging(log_level)
+    home = resolve_data_dir(data_dir)
+
+    def main_karma():
+        target = peer or peer_id_of(load_or_create_identity(home)).to_string()
+        local = local_node(home)
+        boot = tuple(local["addrs"][:1]) if local is not None and not bootstrap \
+            else _bootstrap_for(home, bootstrap, swarm_home)
+        result = trio.run(read_karma, boot, target)
+        if as_json:
+            print(json.dumps(result.to_wire(), indent=2))
+            return
+        table = Table(title=f"karma of {target}")
+        table.add_column("figure")
+        table.add_column("value")
+        table.add_row("score", f"{result.score:.4f}")
+        table.add_row("compute counted", f"{result.compute_ms / 1000:.1f} s in {result.counted} of "
+                                         f"{result.receipts} receipts")
+        table.add_row("verified failure reports", str(result.reports))
+        if result.rejected:
+            table.add_row("receipts not counted", ", ".join(f"{k}: {v}" for k, v in sorted(result.rejected.items())))
+        if result.problem:
+            table.add_row("note", escape(result.problem))
+        out.print(table)
+
+    _run_or_exit(main_karma)
+
+
 @app.command("id")
 def show_id(data_dir: Path = DATA_DIR) -> None:
     """Print this data dir's peer id."""

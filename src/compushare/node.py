@@ -15,6 +15,7 @@ from . import __version__
 from .config import STATE_FILE, NodeConfig, Span
 from .errors import UsageError
 from .hardware import available_ram_mb, detect_hardware
+from .karma.service import KARMA_PROTOCOL, KarmaService
 from .model.catalog import DEFAULT_MODEL, resolve_model
 from .model.store import ModelStore, is_model_id
 from .model.selfbench import cached_block_rate, measure_block_rate
@@ -41,6 +42,7 @@ class Node:
         self.view = SwarmView()
         self.provider: Provider | None = None
         self.torrent: Torrent | None = None
+        self.karma: KarmaService | None = None
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._state: dict = {}
 
@@ -60,6 +62,8 @@ class Node:
             me = host.get_id().to_string()
             torrent = self.torrent = Torrent(host, dht, config.data_dir, self.view)
             torrent.start_seeding()
+            karma = self.karma = KarmaService(host, dht, key_pair, config.data_dir)
+            host.set_stream_handler(KARMA_PROTOCOL, karma.handle)
 
             last_seq = 0
 
@@ -78,6 +82,8 @@ class Node:
                 if config.bootstrap:
                     await join_swarm(host, dht, config.bootstrap)
                 nursery.start_soon(routing_sync_loop, host, dht)
+                nursery.start_soon(karma.publish_loop)
+                nursery.start_soon(karma.provide_reports_loop)
                 if model is None:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model = await torrent.obtain_manifest(name)
@@ -87,7 +93,7 @@ class Node:
                 provider = self.provider = Provider(
                     model,
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
-                                                   block_rate=provider.block_rate, noise=config.noise),
+                                                   block_rate=provider.block_rate, noise=config.noise, karma=karma),
                     block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
                 )
                 await self._self_benchmark(provider)

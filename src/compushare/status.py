@@ -21,9 +21,12 @@ from .net.dht import connect_bootstrap, open_dht
 from .net.gossip import learn_views
 from .net.host import open_host
 from .net.view import SwarmView, coverage
+from .karma.service import karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0
+KARMA_TIMEOUT_S = 10.0
+MAX_KARMA_LOOKUPS = 64
 
 
 def local_node(data_dir: Path) -> dict | None:
@@ -85,12 +88,25 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
     if local is not None:
         bootstrap = tuple(local["addrs"][:1]) + tuple(bootstrap)
     view = SwarmView()
+    scores: dict[str, float] = {}
     async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
         with trio.fail_after(JOIN_TIMEOUT_S):
             await connect_bootstrap(host, dht, bootstrap)
             await learn_views(host, view)
         asked = len(host.get_network().connections)
-    return summarize(view, data_dir, local, now=time.time(), asked=asked)
+        peers = [ad.peer_id for ad in view.live(time.time())][:MAX_KARMA_LOOKUPS]
+
+        async def one(peer: str) -> None:
+            scores[peer] = (await karma_of(host, dht, peer)).score
+
+        with trio.move_on_after(KARMA_TIMEOUT_S):  # what is not checked by then shows as unknown
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(one, peer)
+    status = summarize(view, data_dir, local, now=time.time(), asked=asked)
+    for peer in status["peers"]:
+        peer["karma"] = scores.get(peer["peer_id"])
+    return status
 
 
 def render(status: dict, console) -> None:
@@ -102,7 +118,7 @@ def render(status: dict, console) -> None:
     roles = status["this_node"]["roles"]
     console.print(f"[bold]this node[/bold]: {', '.join(roles)}")
     table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
-    for column in ("peer", "serves", "free KV", "load", "blocks/s", "hardware", "version", "ad age"):
+    for column in ("peer", "karma", "serves", "free KV", "load", "blocks/s", "hardware", "version", "ad age"):
         table.add_column(column)
     for peer in status["peers"]:
         hw = peer["hardware"]
@@ -110,6 +126,7 @@ def render(status: dict, console) -> None:
         for index, s in enumerate(peer["serving"] or [None]):
             table.add_row(
                 peer["peer_id"][-12:] if index == 0 else "",
+                (f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?") if index == 0 else "",
                 f"{s['model'][:8]} {s['start']}:{s['end']} {s['state']}" if s else "-",
                 str(s["free"]) if s else "",
                 f"{s['load']:.0%}" if s else "",

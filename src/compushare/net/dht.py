@@ -37,6 +37,7 @@ from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
 from ..errors import PeerMisbehaved, SwarmUnreachable
+from ..karma.record import KARMA_NAMESPACE, newest_karma_index, parse_karma_record
 from .host import parse_peer_addr
 from .records import RECORD_NAMESPACE, ServerRecord, newest_index, parse_record, record_key
 
@@ -52,6 +53,17 @@ INBOUND_MAX_S = 120.0  # and none is served longer
 
 for _module in (_kad_dht, _peer_routing, _provider_store):
     _module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
+
+
+class KarmaRecordValidator(Validator):
+    """Signature, schema (the score must follow from the compute), freshness. Whether
+    the receipts bear the record out is for readers to check (karma/service.py)."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        parse_karma_record(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return newest_karma_index(key, values)
 
 
 class ServerRecordValidator(Validator):
@@ -76,7 +88,8 @@ def model_key(model_id: str) -> str:
 
 @contextlib.asynccontextmanager
 async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
-    validator = NamespacedValidator({RECORD_NAMESPACE: ServerRecordValidator()}, strict_validation=True)
+    validator = NamespacedValidator({RECORD_NAMESPACE: ServerRecordValidator(), KARMA_NAMESPACE: KarmaRecordValidator()},
+                                    strict_validation=True)
     dht = KadDHT(
         host,
         DHTMode.SERVER if server else DHTMode.CLIENT,
@@ -215,39 +228,47 @@ def _known_peers(dht: KadDHT, key_bytes: bytes) -> list[ID]:
     return list(peers)
 
 
-async def get_record_fresh(dht: KadDHT, model_id: str, peer_id: str) -> ServerRecord | None:
-    """Fetch and validate one server record from the network; None if absent or bad.
+async def get_value_fresh(dht: KadDHT, key: str, parse, *, newest, drop_cached: bool = True):
+    """Fetch one signed value from the network, parsed by `parse` (which raises
+    PeerMisbehaved for a bad one); None if absent or bad.
 
     The known peers closest to the key are asked directly, each on its own deadline;
-    the newest valid record wins. Only if none has it, an iterative look-up runs.
+    the parsed value with the highest `newest(value)` wins. Only if none has it, an
+    iterative look-up runs.
     """
-    key = record_key(model_id, peer_id)
     key_bytes = key.encode()
-    if peer_id != dht.local_peer_id.to_string():
-        dht.value_store.remove(key_bytes)  # a cached copy may be stale
-    found: list[ServerRecord] = []
+    if drop_cached:  # a cached copy may be stale (keep it for a value we own)
+        dht.value_store.remove(key_bytes)
+    found: list = []
 
     async def ask(peer: ID) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(PEER_QUERY_TIMEOUT_S):
             record = await dht.value_store._get_from_peer(peer, key_bytes, return_record=True)
             if record is not None:
-                found.append(parse_record(key, record.value))
+                found.append(parse(record.value))
 
     async with trio.open_nursery() as nursery:
         for peer in _known_peers(dht, key_bytes):
             nursery.start_soon(ask, peer)
     if found:
-        return max(found, key=lambda r: r.seq)
+        return max(found, key=newest)
     value = None
     with trio.move_on_after(LOOKUP_TIMEOUT_S):
         value = await dht.get_value(key)
     if value is None:
         return None
     try:
-        return parse_record(key, value)
+        return parse(value)
     except PeerMisbehaved as exc:
-        log.info("ignoring server record %s: %s", key, exc)
+        log.info("ignoring the value of %s: %s", key, exc)
         return None
+
+
+async def get_record_fresh(dht: KadDHT, model_id: str, peer_id: str) -> ServerRecord | None:
+    """Fetch and validate one server record from the network; None if absent or bad."""
+    key = record_key(model_id, peer_id)
+    return await get_value_fresh(dht, key, lambda v: parse_record(key, v), newest=lambda r: r.seq,
+                                 drop_cached=peer_id != dht.local_peer_id.to_string())
 
 
 async def provide_all(dht: KadDHT, keys: Iterable[str]) -> None:

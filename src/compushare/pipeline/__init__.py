@@ -1,6 +1,6 @@
 """Inference sessions across a chain of peers.
 
-  protocol.py   protocol id and message shapes of /compushare/infer/1.1.0 (pure)
+  protocol.py   protocol id and message shapes of /compushare/infer/1.2.0 (pure)
   session.py    pure session table: admission (KV budget), step ordering, expiry
   server.py     the provider: serves a span over libp2p, compute in worker threads
   announce.py   keeps this provider's DHT server record and provider records fresh

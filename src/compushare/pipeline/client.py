@@ -1,4 +1,4 @@
-"""The consumer's side of /compushare/infer/1.1.0: a chain of sessions that outlives
+"""The consumer's side of /compushare/infer/1.2.0: a chain of sessions that outlives
 its servers.
 
 One stream per hop carries every step of the session. Every request has a deadline
@@ -35,6 +35,7 @@ from ..errors import FrameError, HopFailed, HopUnavailable, PeerMisbehaved, Remo
 from ..net.codec import DEFAULT_MAX_FRAME
 from ..net.framing import FramedStream
 from ..net.tensors import decode_tensor, encode_tensor
+from ..karma.receipts import RECEIPT_STEPS, Receipt, parse_receipt, sign_receipt
 from . import protocol
 from .proofs import DEFAULT_TOLERANCE, FailureReport, StepClaim, relative_error
 from .routing import Hop
@@ -49,6 +50,7 @@ DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much per token it carries
 LATENCY_EWMA = 0.2
 FAILOVER_TIMEOUT_S = 60.0  # how long a failed span may stay uncovered before the generation fails
 REPLAY_MAX_TOKENS = 2048  # tokens per replay request (the servers' default max_step_tokens)
+RECEIPT_TIMEOUT_S = 2.0
 
 
 def peer_info(hop: Hop) -> PeerInfo:
@@ -59,6 +61,23 @@ def peer_info(hop: Hop) -> PeerInfo:
             addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{hop.peer_id}"))
         addrs.append(addr)
     return PeerInfo(ID.from_base58(hop.peer_id), addrs)
+
+
+@dataclasses.dataclass
+class Usage:
+    """A session's steps since its last receipt, as the consumer saw them."""
+
+    seq: int = 0
+    steps: int = 0
+    tokens: int = 0
+    compute_ms: float = 0.0  # what the server reported, each step capped by its wall time
+    wall_ms: float = 0.0
+
+    def add(self, tokens: int, compute_ms: float, wall_ms: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.compute_ms += min(max(compute_ms, 0.0), wall_ms)
+        self.wall_ms += wall_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +98,7 @@ class RemoteHop:
         self.framed = framed
         self.hidden_size = hidden_size
         self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
+        self.usage = Usage()  # what the next receipt covers
 
     @property
     def peer_id(self) -> str:
@@ -140,10 +160,32 @@ class RemoteHop:
                 raise PeerMisbehaved(f"returned {output.shape[1]} tokens for {expect}")
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
+        wall = time.perf_counter() - began
         if tokens == 1:
-            self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * (time.perf_counter() - began)
+            self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
+        compute_ms = reply.get("compute_ms")
+        self.usage.add(tokens, float(compute_ms) if isinstance(compute_ms, float | int) else 0.0, wall * 1000)
         proof = reply.get("proof")
         return StepResult(output, wire["data"], wire["dtype"], proof if isinstance(proof, dict) else None)
+
+    async def send_receipt(self, host: IHost, model_id: str) -> None:
+        """Sign what this session has run since the last receipt and have the server
+        countersign it (its karma). Best effort: a server that refuses loses only
+        its own credit, and the generation never waits long for it."""
+        usage = self.usage
+        if not usage.tokens:
+            return
+        receipt = Receipt(self.peer_id, host.get_id().to_string(), model_id, self.hop.start, self.hop.end,
+                          self.session_id, usage.seq, usage.tokens, min(usage.compute_ms, usage.wall_ms),
+                          usage.wall_ms, time.time())
+        wire = sign_receipt(receipt, host.get_private_key())
+        try:
+            reply = await self.request({"type": "receipt", "session": self.session_id, "receipt": wire},
+                                       RECEIPT_TIMEOUT_S)
+            parse_receipt(reply.get("receipt"))  # countersigned by the server it names
+        except (RemoteError, PeerMisbehaved) as exc:
+            log.info("no receipt from %s: %s", self._where(), exc)
+        self.usage = Usage(seq=usage.seq + 1)  # refused or not, those steps are settled
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -329,6 +371,9 @@ class InferenceChain:
             hidden = output
         self.history.sizes.append(hidden.shape[1])
         self.position += hidden.shape[1]
+        for remote in self._live():
+            if remote.usage.steps >= RECEIPT_STEPS:
+                await remote.send_receipt(self.host, self.model_id)
         return hidden
 
     # -- failover ---------------------------------------------------------------------
@@ -537,9 +582,15 @@ class InferenceChain:
                     accused.peer_id, witness.peer_id, accused.hop.start, accused.hop.end)
         self.reports.append(report)
 
+    def _live(self) -> list[RemoteHop]:
+        return self.hops + [v.remote for v in self._verifiers.values()]
+
     async def close(self) -> None:
-        with trio.CancelScope(shield=True), trio.move_on_after(2):
-            for remote in self.hops + [v.remote for v in self._verifiers.values()]:
+        with trio.CancelScope(shield=True), trio.move_on_after(2 + RECEIPT_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:  # receipts first: a session's last steps
+                for remote in self._live():
+                    nursery.start_soon(remote.send_receipt, self.host, self.model_id)
+            for remote in self._live():
                 await remote.close()
             for remote in self._retired:
                 await remote.abort()

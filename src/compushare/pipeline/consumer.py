@@ -13,6 +13,8 @@ from pathlib import Path
 import trio
 
 from ..errors import RouteError, SwarmUnreachable, UsageError
+from ..karma.ledger import ReportStore
+from ..karma.service import submit_report
 from ..model.catalog import resolve_model
 from ..model.store import ModelStore, is_model_id
 from ..model.head import ConsumerHead
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 DISCOVERY_ATTEMPTS = 4
 DISCOVERY_RETRY_S = 1.5
 DISCOVERY_WAIT_S = 6.0  # a swarm that is still settling: wait this long for a full route
+REPORT_SUBMIT_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +326,7 @@ class Consumer:
         if chain.route != route:
             on_route(chain.route)
         for report in chain.reports:
-            self._keep_report(report)
+            await self._keep_report(report)
         decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
         return RunOutcome(
             tokens=produced,
@@ -336,12 +339,18 @@ class Consumer:
             checks=chain.checks,
         )
 
-    def _keep_report(self, report: FailureReport) -> None:
-        """Failure reports are kept in the data dir (the karma ledger publishes them)."""
+    async def _keep_report(self, report: FailureReport) -> None:
+        """Keep a failure report in the data dir (a node running there serves it) and
+        hand it to its witness, a server that stays up after this client is gone and
+        makes it findable (karma/service.py): the accused's karma readers apply it."""
         self.reports.append(report)
-        folder = self.data_dir / "reports"
-        folder.mkdir(exist_ok=True)
-        (folder / f"{report.digest}.msgpack").write_bytes(report.to_wire())
+        ReportStore(self.data_dir).add(report)
+        try:
+            with trio.fail_after(REPORT_SUBMIT_TIMEOUT_S):
+                await submit_report(self.host, report.witness.peer_id, report)
+        except Exception as exc:  # the report stays here; the witness may be gone
+            log.warning("could not hand failure report %s to %s: %s", report.digest[:12], report.witness.peer_id,
+                        exc)
 
 
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,

@@ -1,4 +1,4 @@
-"""The provider: serves a span of blocks over /compushare/infer/1.1.0.
+"""The provider: serves a span of blocks over /compushare/infer/1.2.0.
 
 One handler task per stream reads frames in order; a stream may carry several
 sessions. Torch runs in worker threads behind a CapacityLimiter so the event loop
@@ -21,12 +21,14 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.network.stream.exceptions import StreamError
 
 from ..config import ServerLimits
-from ..errors import FrameError
+from ..errors import FrameError, PeerMisbehaved
 from ..model.blocks import SpanRunner
 from ..net.framing import FramedStream
 from ..net.limits import PeerRateLimiter
 from ..net.tensors import decode_tensor, encode_tensor
 from . import protocol
+from ..karma.receipts import parse_receipt
+from ..karma.rules import CLOCK_SKEW_S
 from .proofs import sign_step
 from .session import Rejected, SessionTable
 
@@ -41,12 +43,13 @@ RATE_EWMA = 0.2
 
 class InferenceServer:
     def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
-                 block_rate: float = 0.0, noise: float = 0.0) -> None:
+                 block_rate: float = 0.0, noise: float = 0.0, karma=None) -> None:
         self.runner = runner
         self.model_id = model_id
         self.limits = limits
         self.key_pair = key_pair  # signs every step's output
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
+        self.karma = karma  # a KarmaService: countersigns and keeps receipts (None: no ledger)
         self.rate_limiter = PeerRateLimiter(limits.peer_requests_per_s, limits.peer_bytes_per_s)
         self._streams: collections.Counter[str] = collections.Counter()  # open infer streams per peer
         self.sessions = self._new_table()
@@ -171,6 +174,8 @@ class InferenceServer:
                 session = self.sessions.truncate(session_id, position, time.monotonic())
                 self.runner.truncate(session.cache, position)
                 return {"type": "truncated", "session": session_id, "position": position}
+            if kind == "receipt":
+                return self._receipt(session_id, message, peer)
             if kind == "close":
                 self.sessions.close(session_id)
                 return {"type": "closed", "session": session_id}
@@ -190,6 +195,38 @@ class InferenceServer:
                                      owner=peer)
         session.cache = self.runner.new_cache()
         return {"type": "opened", "session": session_id, "free_tokens": self.sessions.free_tokens}
+
+    def _receipt(self, session_id: bytes, message: dict, peer: str) -> dict:
+        """Countersign the consumer's receipt for this session's latest steps, if it
+        describes them truthfully: never more tokens or compute than this server ran
+        since the last receipt, never more compute than the consumer's wall time."""
+        if self.karma is None:
+            raise Rejected(protocol.BAD_REQUEST, "this server keeps no karma ledger")
+        session = self.sessions.get(session_id)
+        wire = message.get("receipt")
+        try:
+            receipt = parse_receipt(wire, countersigned=False)
+        except PeerMisbehaved as exc:
+            raise Rejected(protocol.BAD_RECEIPT, str(exc)) from None
+        expected = {"server": self.karma.peer_id, "consumer": peer, "model_id": self.model_id,
+                    "start": session.start, "end": session.end, "session": session_id, "seq": session.receipt_seq}
+        for name, value in expected.items():
+            if getattr(receipt, name) != value:
+                raise Rejected(protocol.BAD_RECEIPT, f"receipt {name} is {getattr(receipt, name)!r}, expected {value!r}")
+        if receipt.tokens > session.unreceipted_tokens:
+            raise Rejected(protocol.BAD_RECEIPT, f"receipt claims {receipt.tokens} tokens; "
+                                                 f"{session.unreceipted_tokens} ran since the last one")
+        if receipt.compute_ms > session.unreceipted_ms * (1 + 1e-9) + 1e-6:
+            raise Rejected(protocol.BAD_RECEIPT, f"receipt claims {receipt.compute_ms:.1f} ms of compute; "
+                                                 f"{session.unreceipted_ms:.1f} ms ran since the last one")
+        if receipt.compute_ms > receipt.wall_ms:
+            raise Rejected(protocol.BAD_RECEIPT, "receipt compute time exceeds the consumer's wall time")
+        if abs(receipt.time - time.time()) > CLOCK_SKEW_S:
+            raise Rejected(protocol.BAD_RECEIPT, "receipt time is too far from this server's clock")
+        signed = self.karma.accept(wire, receipt)
+        session.receipt_seq += 1
+        session.unreceipted_tokens, session.unreceipted_ms = 0, 0.0
+        return {"type": "receipted", "session": session_id, "receipt": signed}
 
     async def _step(self, session_id: bytes, message: dict) -> dict:
         position = _int(message, "position")
@@ -228,6 +265,8 @@ class InferenceServer:
                 runner.truncate(session.cache, position)
             sessions.end_step(session, tokens, time.monotonic(), ok=ok)
         self.tokens_served += tokens
+        session.unreceipted_tokens += tokens
+        session.unreceipted_ms += seconds * 1000
         if last_only:
             output = output[:, -chunks[-1]:]
         encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype

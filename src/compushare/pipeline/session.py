@@ -35,6 +35,10 @@ class Session:
     cache: object = None  # the KV cache; opaque here
     owner: str = ""  # the peer that opened it
     digest: InputDigest | None = dataclasses.field(default_factory=InputDigest)  # every input, in order
+    # Karma: what the next receipt may cover (the steps computed since the last one).
+    receipt_seq: int = 0
+    unreceipted_tokens: int = 0
+    unreceipted_ms: float = 0.0
 
 
 class SessionTable:

@@ -1,0 +1,300 @@
+"""Karma on the network: `/compushare/karma/1.0.0`, the ledger record in the DHT,
+and reading anyone's score from both.
+
+A node serves its receipts (to whoever checks its record) and the failure reports
+it holds (to whoever checks the accused), and takes reports from consumers (which
+may be short-lived: the witness of a report keeps it available). Every request is
+one frame and one reply on its own stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.peer.id import ID
+
+from ..errors import FrameError, PeerMisbehaved
+from ..net.dht import connect_bootstrap, find_provider_infos_fresh, get_value_fresh, open_dht
+from ..net.framing import FramedStream
+from ..net.host import full_addrs, open_host, parse_peer_addr
+from ..pipeline.proofs import FailureReport
+from .ledger import Ledger, ReportStore
+from .receipts import Receipt, countersign
+from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record
+from .rules import Tally, score, tally, verified_reports
+
+log = logging.getLogger(__name__)
+
+KARMA_PROTOCOL = "/compushare/karma/1.0.0"
+MAX_FRAME = 1 << 20
+PAGE = 512  # receipts per "receipts" reply: 512 × ≤ 2 KiB stays under MAX_FRAME
+MAX_REPORTS_REPLY = 32
+REQUEST_TIMEOUT_S = 10.0
+RECORD_TTL_S = 3600.0
+REPUBLISH_S = 600.0  # the record is re-put this often, and soon after a new receipt
+DEBOUNCE_S = 2.0
+PROVIDE_REPORTS_S = 600.0
+
+
+def reports_key(peer_id: str) -> str:
+    """Provider key: "holds failure reports against this peer"."""
+    return hashlib.sha256(f"compushare/reports/v1/{peer_id}".encode()).hexdigest()
+
+
+class KarmaService:
+    """One node's karma: its ledger, the reports it keeps, its DHT record."""
+
+    def __init__(self, host: IHost, dht: KadDHT, key_pair: KeyPair, data_dir: Path) -> None:
+        self.host, self.dht, self.key_pair = host, dht, key_pair
+        self.peer_id = host.get_id().to_string()
+        self.ledger = Ledger(data_dir)
+        self.reports = ReportStore(data_dir)
+        self.record: KarmaRecord | None = None
+        self._changed = trio.Event()
+        self._new_reports = trio.Event()
+
+    # -- receipts (called by the inference server) ------------------------------------
+
+    def accept(self, wire: bytes, receipt: Receipt) -> bytes:
+        """Countersign a receipt the inference server checked, keep it, republish soon."""
+        signed = countersign(wire, self.key_pair.private_key)
+        self.ledger.append(signed, receipt)
+        self._changed.set()
+        return signed
+
+    def tally(self) -> Tally:
+        return tally(self.ledger.entries, self.peer_id, as_of=time.time())
+
+    def keep_report(self, report: FailureReport) -> bool:
+        """Keep a checked report and advertise it; False if it was known."""
+        new = self.reports.add(report)
+        if new:
+            self._new_reports.set()
+        return new
+
+    # -- publishing -------------------------------------------------------------------
+
+    async def publish_once(self) -> KarmaRecord:
+        now = time.time()
+        seq = max(time.time_ns(), (self.record.seq + 1) if self.record else 0)
+        entries = list(self.ledger.entries)
+        record = await trio.to_thread.run_sync(
+            lambda: make_record(self.peer_id, entries, seq=seq, now=now, ttl_s=RECORD_TTL_S,
+                                addrs=tuple(full_addrs(self.host))))
+        await self.dht.put_value(karma_key(self.peer_id), record.sign(self.key_pair))
+        self.record = record
+        return record
+
+    async def publish_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        while True:
+            self._changed = trio.Event()
+            try:
+                with trio.fail_after(60):
+                    record = await self.publish_once()
+                log.debug("karma record: %d receipts, %.0f ms, score %.3f", record.count, record.compute_ms,
+                          record.score)
+            except Exception as exc:  # the DHT may be empty or slow: try again later
+                log.info("publishing the karma record failed: %s", exc)
+            if not started:
+                task_status.started()
+                started = True
+            with trio.move_on_after(REPUBLISH_S):
+                await self._changed.wait()
+                await trio.sleep(DEBOUNCE_S)  # a burst of receipts makes one record
+
+    async def provide_reports_loop(self) -> None:
+        """Provider records for every peer we hold reports against (py-libp2p keeps
+        them 24 h): re-sent on a new report and every PROVIDE_REPORTS_S."""
+        while True:
+            self._new_reports = trio.Event()
+            accused = await trio.to_thread.run_sync(self.reports.accused)
+            for peer in sorted(accused):
+                with contextlib.suppress(Exception), trio.move_on_after(30):
+                    await self.dht.provide(reports_key(peer))
+            with trio.move_on_after(PROVIDE_REPORTS_S):
+                await self._new_reports.wait()
+
+    # -- serving ----------------------------------------------------------------------
+
+    async def handle(self, stream: INetStream) -> None:
+        """Stream handler: one request, one reply (task boundary: never raises)."""
+        framed = FramedStream(stream, MAX_FRAME)
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                try:
+                    request = await framed.receive()
+                    reply = await self._answer(request)
+                except (FrameError, PeerMisbehaved) as exc:
+                    reply = {"type": "error", "code": getattr(exc, "code", "bad_request"), "message": str(exc)}
+                await framed.send(reply)
+                await framed.close()
+        except Exception as exc:  # a handler must not raise into py-libp2p's connection task
+            log.debug("karma request failed: %s", exc)
+            with contextlib.suppress(Exception):
+                await framed.reset()
+
+    async def _answer(self, request: dict | None) -> dict:
+        kind = request.get("type") if request else None
+        if kind == "receipts":
+            count, offset, limit = (_natural(request, name) for name in ("count", "offset", "limit"))
+            entries = self.ledger.entries[:count]
+            return {"type": "receipts", "total": len(entries), "items": entries[offset:offset + min(limit, PAGE)]}
+        if kind == "reports":
+            peer = request.get("peer")
+            if not isinstance(peer, str):
+                raise PeerMisbehaved("'peer' must be a peer id")
+            items = await trio.to_thread.run_sync(self.reports.against, peer)
+            return {"type": "reports", "items": items[:MAX_REPORTS_REPLY]}
+        if kind == "report":
+            report = FailureReport.from_wire(request.get("report"))
+            await trio.to_thread.run_sync(report.check)
+            return {"type": "kept", "new": self.keep_report(report)}
+        raise PeerMisbehaved(f"unknown karma request {kind!r}")
+
+
+def _natural(request: dict, name: str) -> int:
+    value = request.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PeerMisbehaved(f"{name!r} must be a non-negative integer")
+    return value
+
+
+# -- reading anyone's karma -------------------------------------------------------------
+
+
+async def _ask(host: IHost, peer: ID, request: dict, addrs: tuple[str, ...] = ()) -> dict:
+    with trio.fail_after(REQUEST_TIMEOUT_S):
+        if addrs and peer not in host.get_network().connections:
+            with contextlib.suppress(Exception):
+                host.get_network().unblock_peer(peer)
+            for addr in addrs:
+                with contextlib.suppress(Exception):
+                    await host.connect(parse_peer_addr(addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"))
+                    break
+        stream = await host.new_stream(peer, [KARMA_PROTOCOL])
+        framed = FramedStream(stream, MAX_FRAME)
+        try:
+            await framed.send(request)
+            reply = await framed.receive()
+        finally:
+            with contextlib.suppress(Exception):
+                await framed.close()
+    if reply is None or reply.get("type") == "error":
+        raise PeerMisbehaved(f"{peer} refused a karma request: {reply and reply.get('message')}")
+    return reply
+
+
+async def fetch_receipts(host: IHost, record: KarmaRecord) -> list[bytes]:
+    """The receipts `record` commits to, page by page from its owner."""
+    peer = ID.from_base58(record.peer_id)
+    items: list[bytes] = []
+    while len(items) < record.count:
+        reply = await _ask(host, peer, {"type": "receipts", "count": record.count, "offset": len(items),
+                                        "limit": PAGE}, record.addrs)
+        page = reply.get("items")
+        if not isinstance(page, list) or not page or not all(isinstance(i, bytes) for i in page):
+            raise PeerMisbehaved(f"{record.peer_id} sent a malformed page of receipts")
+        items.extend(page)
+    return items[:record.count]
+
+
+async def submit_report(host: IHost, peer: str, report: FailureReport) -> bool:
+    reply = await _ask(host, ID.from_base58(peer), {"type": "report", "report": report.to_wire()})
+    return reply.get("new") is True
+
+
+async def fetch_reports(host: IHost, dht: KadDHT, accused: str) -> list[bytes]:
+    """Every failure report against `accused` that the peers providing them hand out."""
+    holders = await find_provider_infos_fresh(dht, reports_key(accused))
+    found: list[bytes] = []
+
+    async def one(peer: ID, addrs: tuple[str, ...]) -> None:
+        with contextlib.suppress(Exception):
+            reply = await _ask(host, peer, {"type": "reports", "peer": accused}, addrs)
+            items = reply.get("items")
+            if isinstance(items, list):
+                found.extend(i for i in items[:MAX_REPORTS_REPLY] if isinstance(i, bytes))
+
+    async with trio.open_nursery() as nursery:
+        for peer, info in holders.items():
+            nursery.start_soon(one, peer, tuple(str(a) for a in info.addrs))
+    return found
+
+
+@dataclasses.dataclass
+class KarmaReport:
+    """One peer's karma as a reader computed it from the DHT and the evidence."""
+
+    peer_id: str
+    score: float
+    compute_ms: float = 0.0
+    receipts: int = 0  # committed to by the record
+    counted: int = 0
+    reports: int = 0  # verified failure reports applied
+    record: KarmaRecord | None = None
+    problem: str = ""  # why the record was not used ("" if it was, or there was none)
+    rejected: dict = dataclasses.field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {"peer_id": self.peer_id, "score": self.score, "compute_ms": self.compute_ms,
+                "receipts": self.receipts, "counted": self.counted, "failure_reports": self.reports,
+                "record_seq": self.record.seq if self.record else None,
+                "record_issued": self.record.issued if self.record else None, "problem": self.problem,
+                "rejected": self.rejected}
+
+
+async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
+    """Fetch `peer_id`'s record, check it against its receipts, apply the verified
+    failure reports against it. A missing record, or one its evidence does not bear
+    out, leaves the peer at the newcomer's 1.0 (reports still apply)."""
+    key = karma_key(peer_id)
+    record: KarmaRecord | None = None
+    counted: Tally | None = None
+    problem = ""
+    wires: list[bytes] = []
+
+    async def get_record() -> None:
+        nonlocal record, counted, problem
+        try:
+            record = await get_value_fresh(dht, key, lambda v: parse_karma_record(key, v),
+                                           newest=lambda r: r.seq, drop_cached=peer_id != dht.local_peer_id.to_string())
+            if record is None:
+                problem = "no karma record in the DHT"
+                return
+            evidence = await fetch_receipts(host, record)
+            counted = await trio.to_thread.run_sync(check_evidence, record, evidence)
+        except Exception as exc:  # a peer's failure to show evidence, whatever form it takes
+            problem = f"record rejected: {exc}" if record is not None else f"no usable record: {exc}"
+            counted = None
+
+    async def get_reports() -> None:
+        wires.extend(await fetch_reports(host, dht, peer_id))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(get_record)
+        nursery.start_soon(get_reports)
+    reports = await trio.to_thread.run_sync(verified_reports, wires, peer_id)
+    compute = counted.compute_ms if counted is not None else 0.0
+    return KarmaReport(peer_id, score(compute, len(reports)), compute, record.count if record else 0,
+                       counted.counted if counted else 0, len(reports), record if counted else None, problem,
+                       dict(counted.rejected) if counted else {})
+
+
+async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float = 30.0) -> KarmaReport:
+    """`compushare karma`: join through `bootstrap` with a throwaway identity (a node
+    may be running on this data dir) and compute `peer_id`'s karma."""
+    async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
+        with trio.fail_after(timeout_s):
+            await connect_bootstrap(host, dht, bootstrap)
+            return await karma_of(host, dht, peer_id)
