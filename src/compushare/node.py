@@ -93,7 +93,7 @@ class Node:
                 provider = self.provider = Provider(
                     model,
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
-                                                   block_rate=provider.block_rate, noise=config.noise, karma=karma),
+                                                   block_rate=provider.block_rate, noise=config.noise, karma=karma.receipts),
                     block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
                 )
                 await self._self_benchmark(provider)

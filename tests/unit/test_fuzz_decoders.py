@@ -31,6 +31,8 @@ from libp2p.peer.id import ID
 
 from compushare.errors import FrameError, PeerMisbehaved
 from compushare.hardware import Hardware
+from compushare.karma.receipts import Receipt, countersign, parse_receipt, sign_receipt
+from compushare.karma.record import check_evidence, karma_key, make_record, parse_karma_record
 from compushare.model.layout import lay_out
 from compushare.net.ads import Serving, make_ad, parse_ad
 from compushare.net.codec import LENGTH, FrameDecoder, encode_frame
@@ -458,3 +460,54 @@ def test_mutated_failure_reports_raise_peer_misbehaved_or_check(data):
 def test_failure_report_from_arbitrary_bytes(raw):
     with pytest.raises(PeerMisbehaved):
         FailureReport.from_wire(raw).check()
+
+
+# ---------------------------------------------------------------- karma: receipts and records
+
+RECEIPT = countersign(sign_receipt(Receipt(peer_of(BOB), peer_of(ALICE), MODEL, 0, 4, b"s" * 16, 0, 3, 12.5, 20.0,
+                                           NOW), ALICE.private_key), BOB.private_key)
+KARMA = make_record(peer_of(BOB), [RECEIPT], seq=1, now=NOW, ttl_s=3600, addrs=("/ip4/127.0.0.1/tcp/1",))
+
+
+def test_the_unmutated_receipt_and_karma_record_parse():
+    parse_receipt(RECEIPT)
+    check_evidence(parse_karma_record(karma_key(peer_of(BOB)), KARMA.sign(BOB), now=NOW), [RECEIPT])
+
+
+@settings(max_examples=200)
+@given(st.data(), st.sampled_from(["envelope", "body"]))
+def test_mutated_receipts_raise_peer_misbehaved_or_parse_with_both_signatures(data, level):
+    envelope = msgpack.unpackb(RECEIPT)
+    if level == "envelope":
+        wire = msgpack.packb(mutate(data, envelope, msgpack_values), use_bin_type=True)
+    else:  # a changed body keeps the old signatures: never valid unless the change was a no-op
+        envelope["body"] = msgpack.packb(mutate(data, msgpack.unpackb(envelope["body"]), msgpack_values),
+                                         use_bin_type=True)
+        wire = msgpack.packb(envelope, use_bin_type=True)
+    try:
+        receipt = parse_receipt(wire)
+    except PeerMisbehaved:
+        return
+    assert receipt == parse_receipt(RECEIPT)  # only what the two peers signed parses
+
+
+@given(st.one_of(st.binary(max_size=300), msgpack_values.map(lambda v: msgpack.packb(v, use_bin_type=True))))
+def test_receipt_from_arbitrary_bytes_raises_peer_misbehaved(raw):
+    with pytest.raises(PeerMisbehaved):
+        parse_receipt(raw)
+
+
+@settings(max_examples=200)
+@given(st.data(), st.booleans())
+def test_mutated_karma_records_raise_peer_misbehaved_or_parse(data, envelope_level):
+    key = karma_key(peer_of(BOB))
+    if envelope_level:
+        value = msgpack.packb(mutate(data, msgpack.unpackb(KARMA.sign(BOB)), msgpack_values), use_bin_type=True)
+    else:  # the body, signed again by its owner: the schema alone must hold the line
+        value = seal(BOB, mutate(data, body_of(KARMA.sign(BOB)), msgpack_values))
+    try:
+        record = parse_karma_record(key, value, now=NOW, allow_expired=data.draw(st.booleans()))
+    except PeerMisbehaved:
+        return
+    assert record.peer_id == peer_of(BOB) and len(record.root) == 32 and record.count >= 0
+    assert math.isfinite(record.score) and record.compute_ms >= 0 and len(record.addrs) <= 8

@@ -273,3 +273,17 @@ def test_sub_range_plan_is_the_cheapest_cover_of_it(records, a, b, measures):
     assert all(h.record.is_live(NOW) for h in hops)
     assert sum(h.expected_s for h in hops) == pytest.approx(_cheapest(records, end, measures, start),
                                                             rel=1e-9, abs=1e-12)
+
+
+def test_karma_breaks_ties_between_equally_fast_routes_and_never_outweighs_speed():
+    records = [rec("a", 0, 4), rec("b", 0, 4)]
+    equal = {"a": Measure(rtt_s=0.01, block_rate=100.0, karma=1.0), "b": Measure(rtt_s=0.01, block_rate=100.0, karma=3.5)}
+    assert spans(plan(records, 4, measures=equal)) == [("b", 0, 4)]
+    # Within a rounding quantum of expected time it is still a tie...
+    close = dict(equal, b=Measure(rtt_s=0.0101, block_rate=100.0, karma=3.5))
+    assert spans(plan(records, 4, measures=close)) == [("b", 0, 4)]
+    # ...but a faster server wins whatever its karma.
+    faster = dict(equal, a=Measure(rtt_s=0.002, block_rate=100.0, karma=1.0))
+    assert spans(plan(records, 4, measures=faster)) == [("a", 0, 4)]
+    # Unknown karma is a newcomer's 1.0: with equal scores, peer ids decide as before.
+    assert spans(plan(records, 4, measures={p: Measure(rtt_s=0.01, block_rate=100.0) for p in "ab"})) == [("a", 0, 4)]

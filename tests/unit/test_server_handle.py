@@ -29,9 +29,9 @@ tensorish = st.fixed_dictionaries({"dtype": st.one_of(value, st.sampled_from(["f
                                    "shape": st.one_of(value, st.just([1, 1, 64])),
                                    "data": st.one_of(value, st.just(bytes(256)))})
 message = st.fixed_dictionaries(
-    {"type": st.sampled_from(["open", "step", "truncate", "close", "bogus"])},
+    {"type": st.sampled_from(["open", "step", "truncate", "receipt", "close", "bogus"])},
     optional={"session": st.one_of(st.just(SESSION), value), "position": value, "start": value, "end": value,
-              "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value)},
+              "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value), "receipt": value},
 )
 
 

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
+
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
 from ..pipeline.proofs import FailureReport
-from .receipts import MAX_RECEIPT_BYTES, Receipt, parse_receipt
+from .receipts import MAX_RECEIPT_BYTES, Receipt, countersign, parse_receipt
+from .rules import Tally, tally
 
 LENGTH = struct.Struct(">I")
 RECEIPTS_FILE = "receipts.bin"
@@ -65,6 +70,26 @@ class Ledger:
             os.close(fd)
         self.entries.append(wire)
         self.slots.add(receipt.slot)
+
+
+class ReceiptBook:
+    """The server's side of receipts: countersign one the inference server checked,
+    keep it in the ledger, and say so (the DHT record is then republished)."""
+
+    def __init__(self, key_pair: KeyPair, data_dir: Path, on_change=lambda: None) -> None:
+        self.key_pair = key_pair
+        self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
+        self.ledger = Ledger(data_dir)
+        self.on_change = on_change
+
+    def accept(self, wire: bytes, receipt: Receipt) -> bytes:
+        signed = countersign(wire, self.key_pair.private_key)
+        self.ledger.append(signed, receipt)
+        self.on_change()
+        return signed
+
+    def tally(self, now: float | None = None) -> Tally:
+        return tally(self.ledger.entries, self.peer_id, as_of=time.time() if now is None else now)
 
 
 class ReportStore:

@@ -30,7 +30,7 @@ DAY_S = 86_400
 @dataclasses.dataclass
 class Tally:
     compute_ms: float = 0.0  # what counts
-    counted: int = 0  # receipts that count (some maybe only in part, by the cap)
+    counted: int = 0  # receipts that count for something (some only in part, by the cap)
     capped_ms: float = 0.0  # compute cut by the daily cap
     rejected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -62,7 +62,8 @@ def tally(wires: list[bytes], owner: str, *, as_of: float) -> Tally:
         used[day] += counted
         result.capped_ms += receipt.compute_ms - counted
         result.compute_ms += counted
-        result.counted += 1
+        if counted > 0:
+            result.counted += 1
     return result
 
 

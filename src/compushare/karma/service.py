@@ -28,10 +28,9 @@ from ..net.dht import connect_bootstrap, find_provider_infos_fresh, get_value_fr
 from ..net.framing import FramedStream
 from ..net.host import full_addrs, open_host, parse_peer_addr
 from ..pipeline.proofs import FailureReport
-from .ledger import Ledger, ReportStore
-from .receipts import Receipt, countersign
+from .ledger import ReceiptBook, ReportStore
 from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record
-from .rules import Tally, score, tally, verified_reports
+from .rules import Tally, score, verified_reports
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +56,11 @@ class KarmaService:
     def __init__(self, host: IHost, dht: KadDHT, key_pair: KeyPair, data_dir: Path) -> None:
         self.host, self.dht, self.key_pair = host, dht, key_pair
         self.peer_id = host.get_id().to_string()
-        self.ledger = Ledger(data_dir)
+        self.receipts = ReceiptBook(key_pair, data_dir, on_change=lambda: self._changed.set())
         self.reports = ReportStore(data_dir)
         self.record: KarmaRecord | None = None
         self._changed = trio.Event()
         self._new_reports = trio.Event()
-
-    # -- receipts (called by the inference server) ------------------------------------
-
-    def accept(self, wire: bytes, receipt: Receipt) -> bytes:
-        """Countersign a receipt the inference server checked, keep it, republish soon."""
-        signed = countersign(wire, self.key_pair.private_key)
-        self.ledger.append(signed, receipt)
-        self._changed.set()
-        return signed
-
-    def tally(self) -> Tally:
-        return tally(self.ledger.entries, self.peer_id, as_of=time.time())
 
     def keep_report(self, report: FailureReport) -> bool:
         """Keep a checked report and advertise it; False if it was known."""
@@ -87,7 +74,7 @@ class KarmaService:
     async def publish_once(self) -> KarmaRecord:
         now = time.time()
         seq = max(time.time_ns(), (self.record.seq + 1) if self.record else 0)
-        entries = list(self.ledger.entries)
+        entries = list(self.receipts.ledger.entries)
         record = await trio.to_thread.run_sync(
             lambda: make_record(self.peer_id, entries, seq=seq, now=now, ttl_s=RECORD_TTL_S,
                                 addrs=tuple(full_addrs(self.host))))
@@ -148,7 +135,7 @@ class KarmaService:
         kind = request.get("type") if request else None
         if kind == "receipts":
             count, offset, limit = (_natural(request, name) for name in ("count", "offset", "limit"))
-            entries = self.ledger.entries[:count]
+            entries = self.receipts.ledger.entries[:count]
             return {"type": "receipts", "total": len(entries), "items": entries[offset:offset + min(limit, PAGE)]}
         if kind == "reports":
             peer = request.get("peer")
@@ -289,6 +276,33 @@ async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
     return KarmaReport(peer_id, score(compute, len(reports)), compute, record.count if record else 0,
                        counted.counted if counted else 0, len(reports), record if counted else None, problem,
                        dict(counted.rejected) if counted else {})
+
+
+class KarmaBook:
+    """Verified scores of the peers a consumer may route through, recomputed at most
+    every MAX_AGE_S: routing breaks ties by them."""
+
+    MAX_AGE_S = 60.0
+
+    def __init__(self) -> None:
+        self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, when)
+
+    def get(self, peer_id: str) -> float:
+        return self._scores.get(peer_id, (1.0, 0.0))[0]
+
+    async def refresh(self, host: IHost, dht: KadDHT, peers, *, timeout_s: float) -> None:
+        """Check the peers whose score is unknown or old, for at most `timeout_s`."""
+        now = time.monotonic()
+        stale = [p for p in peers if now - self._scores.get(p, (0.0, -self.MAX_AGE_S))[1] >= self.MAX_AGE_S]
+
+        async def one(peer: str) -> None:
+            with contextlib.suppress(Exception):
+                self._scores[peer] = ((await karma_of(host, dht, peer)).score, time.monotonic())
+
+        with trio.move_on_after(timeout_s):
+            async with trio.open_nursery() as nursery:
+                for peer in stale:
+                    nursery.start_soon(one, peer)
 
 
 async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float = 30.0) -> KarmaReport:

@@ -14,7 +14,7 @@ import trio
 
 from ..errors import RouteError, SwarmUnreachable, UsageError
 from ..karma.ledger import ReportStore
-from ..karma.service import submit_report
+from ..karma.service import KarmaBook, submit_report
 from ..model.catalog import resolve_model
 from ..model.store import ModelStore, is_model_id
 from ..model.head import ConsumerHead
@@ -41,6 +41,7 @@ DISCOVERY_ATTEMPTS = 4
 DISCOVERY_RETRY_S = 1.5
 DISCOVERY_WAIT_S = 6.0  # a swarm that is still settling: wait this long for a full route
 REPORT_SUBMIT_TIMEOUT_S = 5.0
+KARMA_LOOKUP_S = 10.0  # one round of karma look-ups (in the background)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +142,14 @@ class SwarmPlanner:
     RETRY_S = 0.5
 
     def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
-                 penalties: Penalties | None = None, view: SwarmView | None = None) -> None:
+                 penalties: Penalties | None = None, view: SwarmView | None = None,
+                 karma: KarmaBook | None = None) -> None:
         self.host, self.dht = host, dht
         self.model_id, self.num_blocks = model_id, num_blocks
         self.needed_tokens = needed_tokens
         self.penalties = penalties or Penalties()
         self.view = SwarmView() if view is None else view
+        self.karma = KarmaBook() if karma is None else karma
         self.records: list = []
         self.measures: dict = {}
         self.unreachable: set[str] = set()
@@ -175,7 +178,16 @@ class SwarmPlanner:
             if record.peer_id not in known:
                 records.append(record)
                 measures[record.peer_id] = measure
+        measures = {peer: dataclasses.replace(m, karma=self.karma.get(peer)) for peer, m in measures.items()}
         self.records, self.measures, self.unreachable = records, measures, unreachable
+
+    async def karma_loop(self) -> None:
+        """Keep the candidates' karma checked, in the background: it only breaks ties
+        between routes, so no plan ever waits for it (the first one may not have it)."""
+        while True:
+            await self.karma.refresh(self.host, self.dht, [r.peer_id for r in self.records],
+                                     timeout_s=KARMA_LOOKUP_S)
+            await trio.sleep(self.REFRESH_S)
 
     async def refresh_loop(self) -> None:
         while True:
@@ -244,6 +256,7 @@ class Consumer:
         self.spot_check_rate = spot_check_rate
         self.penalties = Penalties()  # shared by every generation of this consumer
         self.view = SwarmView()
+        self.karma = KarmaBook()  # shared too: scores are rechecked at most once a minute
         self.reports: list[FailureReport] = []
 
     @classmethod
@@ -312,12 +325,13 @@ class Consumer:
 
         max_tokens = len(prompt_ids) + request.params.max_new_tokens
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
-                               penalties=self.penalties, view=self.view)
+                               penalties=self.penalties, view=self.view, karma=self.karma)
         await planner.refresh()
         route = await planner.plan(0, model.num_blocks, deadline=trio.current_time() + DISCOVERY_WAIT_S)
         on_route(route)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(planner.refresh_loop)  # candidates stay fresh for failovers
+            nursery.start_soon(planner.karma_loop)
             async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                   hidden_size=model.hidden_size, planner=planner,
                                   spot_check_rate=self.spot_check_rate) as chain:

@@ -10,6 +10,7 @@ import statistics
 from ..errors import RouteError
 from ..net.records import ServerRecord
 
+TIE_QUANTUM_S = 0.0005  # expected times this close are a tie, broken by karma
 HOP_OVERHEAD_S = 0.003  # framing, crypto and waking two processes, measured per hop on loopback
 DEFAULT_RTT_S = 0.05  # a server we could not ping yet: assume a typical WAN hop
 DEFAULT_BLOCK_RATE = 40.0  # decode steps/s through one block when nothing was measured
@@ -24,6 +25,7 @@ class Measure:
     block_rate: float = 0.0  # decode steps/s through one block (from its ad), 0 if unknown
     load: float = 0.0  # share of recent time its compute was busy (from its ad)
     free_tokens: int | None = None  # KV tokens still free (from its ad); None if unknown
+    karma: float = 1.0  # its verified karma (karma/service.py); a newcomer's 1.0 if unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,9 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
     stretched by the server's load (1 / (1 - load)). Servers that are excluded
     (failed), expired or advertise fewer free KV tokens than `needed_tokens` (busy)
     are left out. Unmeasured values take the median of those measured, so an
-    unknown server is neither favoured nor shunned. Ties: fewer hops, then peer ids.
+    unknown server is neither favoured nor shunned. Ties (expected times within
+    TIE_QUANTUM_S per hop): fewer hops, then more karma, then peer ids. Karma only
+    ever breaks ties: it never gates access, nor outweighs speed.
     """
     measures = measures or {}
     live = [r for r in records if r.is_live(now) and r.peer_id not in exclude]
@@ -80,10 +84,10 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
         return Hop(record, start, end, default_rtt if measure.rtt_s is None else measure.rtt_s, compute)
 
     # Dijkstra over block positions 0..num_blocks; an edge is one server running [p, e).
-    # Keys are (seconds, hops, peer ids): comparable, and the tie-breaks in order.
+    # Keys are (time in quanta, hops, -karma, peer ids): comparable, the tie-breaks in order.
     end = num_blocks if end is None else end
-    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {start: ((0.0, 0, ()), ())}
-    heap: list[tuple[tuple, int]] = [((0.0, 0, ()), start)]
+    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {start: ((0, 0, 0.0, ()), ())}
+    heap: list[tuple[tuple, int]] = [((0, 0, 0.0, ()), start)]
     done: set[int] = set()
     while heap:
         key, position = heapq.heappop(heap)
@@ -98,7 +102,9 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
                 continue
             for stop in range(position + 1, min(record.end, end) + 1):
                 step = hop(record, position, stop)
-                new_key = (key[0] + step.expected_s, key[1] + 1, key[2] + (record.peer_id,))
+                karma = measures.get(record.peer_id, Measure()).karma
+                new_key = (key[0] + _quanta(step.expected_s), key[1] + 1, key[2] - karma,
+                           key[3] + (record.peer_id,))
                 if stop not in best or new_key < best[stop][0]:
                     best[stop] = (new_key, path + (step,))
                     heapq.heappush(heap, (new_key, stop))
@@ -111,6 +117,11 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
         f"{len(exclude)} excluded; {len(usable)} usable servers known: "
         + ", ".join(f"{r.peer_id[-8:]}[{r.start}:{r.end}]" for r in usable)
     )
+
+
+def _quanta(seconds: float) -> int:
+    """Seconds in whole TIE_QUANTUM_S (an absurd or unbounded estimate saturates)."""
+    return round((seconds if seconds < 1e6 else 1e6) / TIE_QUANTUM_S)
 
 
 def describe_route(hops: list[Hop]) -> list[str]:

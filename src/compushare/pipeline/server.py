@@ -49,7 +49,7 @@ class InferenceServer:
         self.limits = limits
         self.key_pair = key_pair  # signs every step's output
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
-        self.karma = karma  # a KarmaService: countersigns and keeps receipts (None: no ledger)
+        self.karma = karma  # a karma.ledger.ReceiptBook: countersigns, keeps receipts (None: no ledger)
         self.rate_limiter = PeerRateLimiter(limits.peer_requests_per_s, limits.peer_bytes_per_s)
         self._streams: collections.Counter[str] = collections.Counter()  # open infer streams per peer
         self.sessions = self._new_table()
@@ -203,6 +203,8 @@ class InferenceServer:
         if self.karma is None:
             raise Rejected(protocol.BAD_REQUEST, "this server keeps no karma ledger")
         session = self.sessions.get(session_id)
+        if peer != session.owner:
+            raise Rejected(protocol.BAD_RECEIPT, "only the consumer that opened a session may receipt it")
         wire = message.get("receipt")
         try:
             receipt = parse_receipt(wire, countersigned=False)
