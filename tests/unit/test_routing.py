@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from compushare.errors import RouteError
 from compushare.net.records import ServerRecord
-from compushare.pipeline.routing import HOP_OVERHEAD_S, Hop, Measure, describe_route, plan_route, uncovered_blocks
+from compushare.pipeline.routing import HOP_OVERHEAD_S, TIE_QUANTUM_S, Hop, Measure, describe_route, plan_route, uncovered_blocks
 
 NOW = 1000.0
 
@@ -243,7 +243,8 @@ def test_plan_is_the_cheapest_contiguous_cover(records, n, measures):
         assert hop.record.start <= hop.start and hop.end <= hop.record.end and hop.record.is_live(NOW)
         position = hop.end
     assert position == n
-    assert sum(h.expected_s for h in hops) == pytest.approx(_cheapest(records, n, measures), rel=1e-9, abs=1e-12)
+    cheapest = _cheapest(records, n, measures)  # optimal up to the tie quantum per hop
+    assert cheapest - 1e-9 <= sum(h.expected_s for h in hops) <= cheapest + TIE_QUANTUM_S * len(hops) + 1e-9
 
 
 @given(record_lists, st.integers(1, 10), measure_maps, st.randoms(use_true_random=False))
@@ -271,8 +272,9 @@ def test_sub_range_plan_is_the_cheapest_cover_of_it(records, a, b, measures):
     hops = plan(records, n, measures=measures, start=start, end=end)
     check_chain(hops, start, end)
     assert all(h.record.is_live(NOW) for h in hops)
-    assert sum(h.expected_s for h in hops) == pytest.approx(_cheapest(records, end, measures, start),
-                                                            rel=1e-9, abs=1e-12)
+    # Optimal up to the tie quantum per hop (times that close are ties, broken by karma).
+    cheapest = _cheapest(records, end, measures, start)
+    assert cheapest - 1e-9 <= sum(h.expected_s for h in hops) <= cheapest + TIE_QUANTUM_S * len(hops) + 1e-9
 
 
 def test_karma_breaks_ties_between_equally_fast_routes_and_never_outweighs_speed():
