@@ -215,13 +215,15 @@ def karma(
     import trio
 
     from .karma.service import read_karma
-    from .net.identity import load_or_create_identity, peer_id_of
+    from .net.identity import KEY_FILE, load_or_create_identity, peer_id_of
     from .status import local_node
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def main_karma():
+        if peer is None and not (home / KEY_FILE).exists():
+            raise UsageError(f"{home} has no identity yet (no node ever ran there): name a PEER")
         target = peer or peer_id_of(load_or_create_identity(home)).to_string()
         local = local_node(home)
         boot = tuple(local["addrs"][:1]) if local is not None and not bootstrap \

@@ -8,6 +8,7 @@ re-checked against its own signer, so a relaying peer cannot invent members.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -97,7 +98,8 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
         peers = [ad.peer_id for ad in view.live(time.time())][:MAX_KARMA_LOOKUPS]
 
         async def one(peer: str) -> None:
-            scores[peer] = (await karma_of(host, dht, peer)).score
+            with contextlib.suppress(Exception):  # unknown, shown as such
+                scores[peer] = (await karma_of(host, dht, peer)).score
 
         with trio.move_on_after(KARMA_TIMEOUT_S):  # what is not checked by then shows as unknown
             async with trio.open_nursery() as nursery:

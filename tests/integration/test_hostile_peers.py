@@ -36,6 +36,7 @@ from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from libp2p.utils.varint import encode_uvarint
 
 from compushare.errors import FrameError
+from compushare.karma.service import KARMA_PROTOCOL
 from compushare.model.catalog import import_path
 from compushare.net.ads import AD_TOPIC
 from compushare.net.codec import LENGTH, FrameDecoder
@@ -56,7 +57,7 @@ HOLD_LIMIT_S = 240.0  # stalled streams are held at most this long (until the ge
 GENERATION_TIMEOUT_S = 120.0
 FLOOD_STREAMS = 16  # stalled streams per protocol at once (more than py-libp2p's 12 DHT handlers)
 
-FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL)
+FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL)
 VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL)
 EVERY_PROTOCOL = {*FRAMED, *VARINT, PING_PROTOCOL, IDENTIFY_PROTOCOL}
 

@@ -96,9 +96,9 @@ def test_karma_compute_beyond_observed_wall_time_is_rejected():
 def test_karma_receipts_over_the_daily_cap_are_capped_per_consumer_and_day():
     hour = 3_600_000.0
     day0 = NOW - 3600
-    wires = [receipt(seq=i, compute_ms=hour / 2, wall_ms=hour / 2, time=day0) for i in range(3)]  # 1.5 h
+    wires = [receipt(seq=9, compute_ms=hour / 2, wall_ms=hour / 2, time=day0 - 86_400)]  # the day before
+    wires += [receipt(seq=i, compute_ms=hour / 2, wall_ms=hour / 2, time=day0) for i in range(3)]  # 1.5 h
     wires.append(receipt(consumer=OTHER, compute_ms=hour / 2, wall_ms=hour / 2, time=day0))  # another consumer
-    wires.append(receipt(seq=9, compute_ms=hour / 2, wall_ms=hour / 2, time=day0 - 86_400))  # the day before
     result = tally(wires, pid(SERVER), as_of=NOW)
     assert DAILY_CAP_MS == hour
     assert result.compute_ms == hour + hour / 2 + hour / 2
@@ -116,16 +116,20 @@ def test_karma_score_formula():
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.floats(0, 5e6), st.floats(0, 5e6),
                           st.integers(-3, 1)), max_size=12))
 def test_karma_tally_is_bounded_and_order_independent_in_total(specs):
+    """In time order (as a ledger grows) no receipt is backdated, and any order of
+    the receipts of one instant counts the same total."""
     consumers = [CONSUMER, OTHER, SERVER, create_new_key_pair()]
+    specs = sorted(specs, key=lambda spec: spec[4])
     wires = [receipt(consumer=consumers[c], seq=seq, compute_ms=comp, wall_ms=wall, time=NOW + day * 86_400)
              for c, seq, comp, wall, day in specs]
     forward = tally(wires, pid(SERVER), as_of=NOW + 86_400)
-    backward = tally(list(reversed(wires)), pid(SERVER), as_of=NOW + 86_400)
+    assert "backdated" not in forward.rejected
     assert forward.compute_ms <= sum(min(comp, wall) for _, _, comp, wall, _ in specs) + 1e-6
     days = {(c, d) for c, _, _, _, d in specs}
     assert forward.compute_ms <= DAILY_CAP_MS * len(days) + 1e-6
-    if len({(c, s) for c, s, *_ in specs}) == len(specs):  # no replays: the order cannot matter
-        assert forward.compute_ms == pytest.approx(backward.compute_ms)
+    if len({(c, s) for c, s, *_ in specs}) == len(specs):  # no replays: within a day, order cannot matter
+        shuffled = sorted(wires, key=lambda w: (parse_receipt(w).time, hashlib.sha256(w).digest()))
+        assert forward.compute_ms == pytest.approx(tally(shuffled, pid(SERVER), as_of=NOW + 86_400).compute_ms)
 
 
 # ---------------------------------------------------------------- records against their evidence
@@ -271,3 +275,55 @@ def test_karma_report_store_keeps_each_report_once(tmp_path):
     assert store.add(report) and not store.add(report)
     assert store.against(pid(SERVER)) == [report.to_wire()]
     assert store.against(pid(OTHER)) == [] and store.accused() == {pid(SERVER)}
+
+
+def test_karma_backdated_or_lapsed_receipts_count_nothing():
+    recent = receipt(seq=0, time=NOW - 60)
+    backdated = receipt(seq=1, time=NOW - 5 * 86_400)  # written after a recent one, dated days before
+    jitter = receipt(seq=2, time=NOW - 60 - 400)  # honest clocks disagree by up to 2 x 300 s
+    result = tally([recent, backdated, jitter], pid(SERVER), as_of=NOW)
+    assert result.counted == 2 and result.rejected == {"backdated": 1}
+    old = receipt(seq=3, time=NOW - 31 * 86_400)  # karma is the last 30 days' compute
+    assert tally([old], pid(SERVER), as_of=NOW).rejected == {"older_than_window": 1}
+
+
+def test_karma_receipt_with_fields_beyond_the_schema_is_rejected():
+    envelope = msgpack.unpackb(sign_receipt(Receipt(pid(SERVER), pid(CONSUMER), "m", 0, 2, b"s" * 16, 0, 1, 1.0, 2.0,
+                                                    NOW), CONSUMER.private_key))
+    body = msgpack.unpackb(envelope["body"])
+    body["padding"] = b"x" * 1500  # would push the countersigned receipt over its size limit
+    envelope["body"] = msgpack.packb(body)
+    envelope["csig"] = CONSUMER.private_key.sign(msgpack.packb(["compushare/receipt/consumer/v1", envelope["body"]]))
+    with pytest.raises(PeerMisbehaved, match="exactly"):
+        parse_receipt(msgpack.packb(envelope), countersigned=False)
+
+
+def test_karma_record_issued_in_the_future_or_living_too_long_is_rejected():
+    key = karma_key(pid(SERVER))
+    ahead = make_record(pid(SERVER), [], seq=1, now=NOW + 3600, ttl_s=60)
+    with pytest.raises(PeerMisbehaved, match="future"):
+        parse_karma_record(key, ahead.sign(SERVER), now=NOW)
+    forever = make_record(pid(SERVER), [], seq=1, now=NOW, ttl_s=10 * 86_400)
+    with pytest.raises(PeerMisbehaved, match="too long"):
+        parse_karma_record(key, forever.sign(SERVER), now=NOW)
+
+
+def test_karma_ledger_refuses_a_taken_slot_or_an_oversized_entry(tmp_path):
+    ledger = Ledger(tmp_path)
+    wire = receipt()
+    ledger.append(wire, parse_receipt(wire))
+    with pytest.raises(PeerMisbehaved, match="already"):
+        ledger.append(receipt(compute_ms=1.0), parse_receipt(wire))  # same session and seq
+    with pytest.raises(PeerMisbehaved, match="at most"):
+        ledger.append(b"x" * 4096, parse_receipt(receipt(seq=1)))
+    assert Ledger(tmp_path).entries == [wire]
+
+
+def test_karma_report_store_keeps_one_per_pair_and_a_bounded_number(tmp_path, monkeypatch):
+    store = ReportStore(tmp_path)
+    assert store.add(FailureReport.from_wire(_report(SERVER, OTHER, position=1)))
+    assert not store.add(FailureReport.from_wire(_report(SERVER, OTHER, position=2)))  # same pair
+    monkeypatch.setattr(ReportStore, "MAX_REPORTS", 2)
+    assert store.add(FailureReport.from_wire(_report(CONSUMER, OTHER)))
+    assert not store.add(FailureReport.from_wire(_report(OTHER, SERVER)))  # full
+    assert ReportStore(tmp_path).accused() == {pid(SERVER), pid(CONSUMER)}  # the index is rebuilt from disk

@@ -10,11 +10,14 @@ is cut off on load. Reports are files `<data dir>/reports/<sha256>.msgpack`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
+import trio
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
@@ -34,6 +37,7 @@ class Ledger:
         self.path = data_dir / "karma" / RECEIPTS_FILE
         self.entries: list[bytes] = []
         self.slots: set[tuple] = set()
+        self._lock = threading.Lock()
         self._load()
 
     def _load(self) -> None:
@@ -44,7 +48,7 @@ class Ledger:
         while offset + LENGTH.size <= len(data):
             (length,) = LENGTH.unpack_from(data, offset)
             end = offset + LENGTH.size + length
-            if length > MAX_RECEIPT_BYTES or end > len(data):
+            if end > len(data):  # (append never writes an entry over MAX_RECEIPT_BYTES)
                 break
             wire = data[offset + LENGTH.size:end]
             self.entries.append(wire)
@@ -61,15 +65,22 @@ class Ledger:
         return len(self.entries)
 
     def append(self, wire: bytes, receipt: Receipt) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, LENGTH.pack(len(wire)) + wire)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.entries.append(wire)
-        self.slots.add(receipt.slot)
+        """Append one countersigned receipt (thread-safe); PeerMisbehaved if it is too
+        large or its slot is taken (a reopened session id, a replay)."""
+        if len(wire) > MAX_RECEIPT_BYTES:
+            raise PeerMisbehaved(f"a countersigned receipt is at most {MAX_RECEIPT_BYTES} bytes")
+        with self._lock:
+            if receipt.slot in self.slots:
+                raise PeerMisbehaved("this session's receipt of that seq is in the ledger already")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, LENGTH.pack(len(wire)) + wire)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.entries.append(wire)
+            self.slots.add(receipt.slot)
 
 
 class ReceiptBook:
@@ -80,11 +91,13 @@ class ReceiptBook:
         self.key_pair = key_pair
         self.peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
         self.ledger = Ledger(data_dir)
-        self.on_change = on_change
+        self.on_change = on_change  # called in the trio thread
 
-    def accept(self, wire: bytes, receipt: Receipt) -> bytes:
+    async def accept(self, wire: bytes, receipt: Receipt) -> bytes:
+        """Countersign and keep (the fsync'd write in a worker thread). Raises
+        PeerMisbehaved for a slot already receipted or an oversized receipt."""
         signed = countersign(wire, self.key_pair.private_key)
-        self.ledger.append(signed, receipt)
+        await trio.to_thread.run_sync(self.ledger.append, signed, receipt)
         self.on_change()
         return signed
 
@@ -93,43 +106,50 @@ class ReceiptBook:
 
 
 class ReportStore:
-    """Failure reports this node filed or was given, each checked before it is kept."""
+    """Failure reports this node filed or witnessed, each checked before it is kept:
+    at most one per (accused, witness) pair (readers count one per witness anyway)
+    and at most MAX_REPORTS in all."""
+
+    MAX_REPORTS = 1024
 
     def __init__(self, data_dir: Path) -> None:
         self.folder = data_dir / "reports"
+        self._index: dict[str, tuple[str, str]] | None = None  # digest -> (accused, witness)
+
+    def _load(self) -> dict[str, tuple[str, str]]:
+        if self._index is None:
+            self._index = {}
+            for path in sorted(self.folder.glob("*.msgpack")) if self.folder.is_dir() else []:
+                try:
+                    report = FailureReport.from_wire(path.read_bytes())
+                except (OSError, PeerMisbehaved):
+                    continue
+                self._index[path.stem] = (report.accused.peer_id, report.witness.peer_id)
+        return self._index
 
     def add(self, report: FailureReport) -> bool:
-        """Keep a report (check() it first); False if it was here already."""
-        path = self.folder / f"{report.digest}.msgpack"
-        if path.exists():
+        """Keep a report (check() it first); False if this pair's report, or the
+        most this store keeps, is here already."""
+        index = self._load()
+        pair = (report.accused.peer_id, report.witness.peer_id)
+        if pair in index.values() or len(index) >= self.MAX_REPORTS:
             return False
         self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{report.digest}.msgpack"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(report.to_wire())
         os.replace(tmp, path)
+        index[report.digest] = pair
         return True
 
-    def all(self) -> list[bytes]:
-        if not self.folder.is_dir():
-            return []
-        return [p.read_bytes() for p in sorted(self.folder.glob("*.msgpack"))]
-
     def against(self, peer_id: str) -> list[bytes]:
-        """The reports accusing `peer_id` (unchecked: readers check every one)."""
+        """The reports accusing `peer_id` (readers check every one)."""
         found = []
-        for wire in self.all():
-            try:
-                if FailureReport.from_wire(wire).accused.peer_id == peer_id:
-                    found.append(wire)
-            except PeerMisbehaved:
-                continue
+        for digest, (accused, _) in sorted(self._load().items()):
+            if accused == peer_id:
+                with contextlib.suppress(OSError):
+                    found.append((self.folder / f"{digest}.msgpack").read_bytes())
         return found
 
     def accused(self) -> set[str]:
-        peers = set()
-        for wire in self.all():
-            try:
-                peers.add(FailureReport.from_wire(wire).accused.peer_id)
-            except PeerMisbehaved:
-                continue
-        return peers
+        return {accused for accused, _ in self._load().values()}

@@ -29,6 +29,9 @@ SERVER_DOMAIN = "compushare/receipt/server/v1"
 MAX_RECEIPT_BYTES = 2048
 SESSION_ID_BYTES = 16
 RECEIPT_STEPS = 256  # a long session is receipted every this many steps
+BODY_KEYS = frozenset({"v", "server", "consumer", "model", "start", "end", "session", "seq", "tokens", "compute_ms",
+                       "wall_ms", "time"})
+MAX_ID_CHARS = 128  # peer ids and model ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,8 @@ def parse_receipt(wire: bytes, *, countersigned: bool = True) -> Receipt:
         raise PeerMisbehaved(f"malformed receipt body: {exc}") from None
     if not isinstance(body, dict) or body.get("v") != RECEIPT_VERSION:
         raise PeerMisbehaved("receipt of an unknown version")
+    if set(body) != BODY_KEYS:  # nothing unsigned-for rides along, and the size stays bounded
+        raise PeerMisbehaved(f"receipt fields must be exactly {sorted(BODY_KEYS)}")
     what = "receipt"
     receipt = Receipt(
         server=field(body, "server", str, what), consumer=field(body, "consumer", str, what),
@@ -109,7 +114,8 @@ def parse_receipt(wire: bytes, *, countersigned: bool = True) -> Receipt:
     if countersigned and not _verify(receipt.server, _server_statement(body_bytes, csig), ssig):
         raise PeerMisbehaved(f"receipt not countersigned by its server {receipt.server}")
     if not (0 <= receipt.start < receipt.end and receipt.seq >= 0 and receipt.tokens >= 1
-            and len(receipt.session) == SESSION_ID_BYTES and len(receipt.model_id) <= 128
+            and len(receipt.session) == SESSION_ID_BYTES
+            and all(len(x) <= MAX_ID_CHARS for x in (receipt.model_id, receipt.server, receipt.consumer))
             and all(math.isfinite(x) and x >= 0 for x in (receipt.compute_ms, receipt.wall_ms, receipt.time))):
         raise PeerMisbehaved("receipt fields out of range")
     return receipt

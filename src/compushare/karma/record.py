@@ -18,13 +18,14 @@ from libp2p.crypto.keys import KeyPair
 from ..errors import PeerMisbehaved
 from ..net.signed import addrs_field, field, open_sealed, seal
 from .merkle import merkle_root
-from .rules import Tally, base_score, tally
+from .rules import CLOCK_SKEW_S, Tally, base_score, tally
 
 KARMA_NAMESPACE = "cskarma"
 KARMA_VERSION = 1
 MAX_KARMA_RECORD_BYTES = 4 * 1024  # far below the DHT's 1 MiB: the receipts stay with the owner
 MAX_ADDRS = 8
 SCORE_TOLERANCE = 1e-9
+MAX_TTL_S = 2 * 3600.0  # a record lives at most this long past its issue time
 
 
 def karma_key(peer_id: str) -> str:
@@ -85,6 +86,9 @@ def parse_karma_record(key: str, value: bytes, *, now: float | None = None,
         raise PeerMisbehaved("karma record fields out of range")
     if abs(record.score - base_score(record.compute_ms)) > SCORE_TOLERANCE:
         raise PeerMisbehaved(f"karma record score {record.score} is not 1 + ln(1 + {record.compute_ms:.0f} ms)")
+    now = time.time() if now is None else now
+    if record.issued > now + CLOCK_SKEW_S or record.expires - record.issued > MAX_TTL_S:
+        raise PeerMisbehaved("karma record issued in the future or living too long")
     if not allow_expired and not record.is_live(now):
         raise PeerMisbehaved("karma record has expired")
     return record

@@ -4,10 +4,12 @@
 
 A receipt counts in the ledger of the server it names only if both signatures
 check out, its consumer is another peer, its compute time is within the wall time
-the consumer observed, it is not from the future, and its slot (server, consumer,
-session, seq) was not counted before. One consumer's receipts count at most
-DAILY_CAP_MS per server per UTC day (by the receipt's time). A new peer, with no
-receipts, has karma 1.0. Everyone applying these rules to the same evidence gets
+the consumer observed, it is neither from the future nor older than WINDOW_S, it
+is not dated before a receipt counted earlier in the ledger (by more than twice
+the clock skew: a ledger grows in time), and its slot (server, consumer, session,
+seq) was not counted before. One consumer's receipts count at most DAILY_CAP_MS
+per server per UTC day (by the receipt's time). A new peer, with no receipts, has
+karma 1.0. Everyone applying these rules to the same evidence gets
 the same number: that is what makes a score checkable.
 """
 
@@ -25,6 +27,7 @@ DAILY_CAP_MS = 3_600_000.0  # one consumer's receipts, per server, per UTC day
 REPORT_FACTOR = 0.95
 CLOCK_SKEW_S = 300.0  # a receipt may be this far ahead of the record counting it
 DAY_S = 86_400
+WINDOW_S = 30 * DAY_S  # karma is the compute of the last 30 days: old receipts lapse
 
 
 @dataclasses.dataclass
@@ -44,6 +47,7 @@ def tally(wires: list[bytes], owner: str, *, as_of: float) -> Tally:
     result = Tally()
     seen: set[tuple] = set()
     used: collections.Counter[tuple[str, int]] = collections.Counter()  # (consumer, day) -> ms counted
+    latest = -math.inf  # the latest receipt time counted so far
     for wire in wires:
         try:
             receipt = parse_receipt(wire)
@@ -53,10 +57,13 @@ def tally(wires: list[bytes], owner: str, *, as_of: float) -> Tally:
         reason = _refusal(receipt, owner, as_of)
         if reason is None and receipt.slot in seen:
             reason = "replayed"
+        if reason is None and receipt.time < latest - 2 * CLOCK_SKEW_S:
+            reason = "backdated"
         if reason is not None:
             result.rejected[reason] += 1
             continue
         seen.add(receipt.slot)
+        latest = max(latest, receipt.time)
         day = (receipt.consumer, int(receipt.time // DAY_S))
         counted = min(receipt.compute_ms, max(0.0, DAILY_CAP_MS - used[day]))
         used[day] += counted
@@ -76,6 +83,8 @@ def _refusal(receipt: Receipt, owner: str, as_of: float) -> str | None:
         return "beyond_wall_time"
     if receipt.time > as_of + CLOCK_SKEW_S:
         return "from_the_future"
+    if receipt.time < as_of - WINDOW_S:
+        return "older_than_window"
     return None
 
 

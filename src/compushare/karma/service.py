@@ -9,6 +9,7 @@ one frame and one reply on its own stream.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -29,6 +30,7 @@ from ..net.framing import FramedStream
 from ..net.host import full_addrs, open_host, parse_peer_addr
 from ..pipeline.proofs import FailureReport
 from .ledger import ReceiptBook, ReportStore
+from .receipts import MAX_RECEIPT_BYTES
 from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record
 from .rules import Tally, score, verified_reports
 
@@ -36,13 +38,16 @@ log = logging.getLogger(__name__)
 
 KARMA_PROTOCOL = "/compushare/karma/1.0.0"
 MAX_FRAME = 1 << 20
-PAGE = 512  # receipts per "receipts" reply: 512 × ≤ 2 KiB stays under MAX_FRAME
+PAGE = 512  # receipts per "receipts" reply at most...
+REPLY_BYTES = 768 * 1024  # ...and items of at most this many bytes in one reply (under MAX_FRAME)
 MAX_REPORTS_REPLY = 32
+MAX_EVIDENCE = 1_000_000  # receipts a reader fetches for one record at most
 REQUEST_TIMEOUT_S = 10.0
 RECORD_TTL_S = 3600.0
 REPUBLISH_S = 600.0  # the record is re-put this often, and soon after a new receipt
 DEBOUNCE_S = 2.0
 PROVIDE_REPORTS_S = 600.0
+MAX_STREAMS_PER_PEER = 4  # concurrent karma requests one peer may have served (more are reset)
 
 
 def reports_key(peer_id: str) -> str:
@@ -59,11 +64,13 @@ class KarmaService:
         self.receipts = ReceiptBook(key_pair, data_dir, on_change=lambda: self._changed.set())
         self.reports = ReportStore(data_dir)
         self.record: KarmaRecord | None = None
+        self.signed_record: bytes | None = None  # what we last put in the DHT
         self._changed = trio.Event()
         self._new_reports = trio.Event()
+        self._streams: collections.Counter[str] = collections.Counter()  # open karma streams per peer
 
     def keep_report(self, report: FailureReport) -> bool:
-        """Keep a checked report and advertise it; False if it was known."""
+        """Keep a checked report and advertise it; False if not kept (known, or full)."""
         new = self.reports.add(report)
         if new:
             self._new_reports.set()
@@ -78,8 +85,9 @@ class KarmaService:
         record = await trio.to_thread.run_sync(
             lambda: make_record(self.peer_id, entries, seq=seq, now=now, ttl_s=RECORD_TTL_S,
                                 addrs=tuple(full_addrs(self.host))))
-        await self.dht.put_value(karma_key(self.peer_id), record.sign(self.key_pair))
-        self.record = record
+        value = record.sign(self.key_pair)
+        self.record, self.signed_record = record, value  # served at once, even if the put fails
+        await self.dht.put_value(karma_key(self.peer_id), value)
         return record
 
     async def publish_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -117,6 +125,12 @@ class KarmaService:
     async def handle(self, stream: INetStream) -> None:
         """Stream handler: one request, one reply (task boundary: never raises)."""
         framed = FramedStream(stream, MAX_FRAME)
+        peer = str(stream.muxed_conn.peer_id)
+        if self._streams[peer] >= MAX_STREAMS_PER_PEER:
+            with contextlib.suppress(Exception):
+                await framed.reset()
+            return
+        self._streams[peer] += 1
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 try:
@@ -130,24 +144,47 @@ class KarmaService:
             log.debug("karma request failed: %s", exc)
             with contextlib.suppress(Exception):
                 await framed.reset()
+        finally:
+            self._streams[peer] -= 1
+            if not self._streams[peer]:
+                del self._streams[peer]
 
     async def _answer(self, request: dict | None) -> dict:
         kind = request.get("type") if request else None
+        if kind == "record":
+            return {"type": "record", "value": self.signed_record}
         if kind == "receipts":
             count, offset, limit = (_natural(request, name) for name in ("count", "offset", "limit"))
             entries = self.receipts.ledger.entries[:count]
-            return {"type": "receipts", "total": len(entries), "items": entries[offset:offset + min(limit, PAGE)]}
+            return {"type": "receipts", "total": len(entries),
+                    "items": _budget(entries[offset:offset + min(limit, PAGE)], PAGE)}
         if kind == "reports":
             peer = request.get("peer")
             if not isinstance(peer, str):
                 raise PeerMisbehaved("'peer' must be a peer id")
             items = await trio.to_thread.run_sync(self.reports.against, peer)
-            return {"type": "reports", "items": items[:MAX_REPORTS_REPLY]}
+            return {"type": "reports", "items": _budget(items, MAX_REPORTS_REPLY)}
         if kind == "report":
             report = FailureReport.from_wire(request.get("report"))
+            # Only a report this node witnessed: anyone could mint reports between two
+            # throwaway keys, and a node keeps and advertises only what it can vouch for.
+            if report.witness.peer_id != self.peer_id:
+                raise PeerMisbehaved("this node is not the witness of that report")
             await trio.to_thread.run_sync(report.check)
             return {"type": "kept", "new": self.keep_report(report)}
         raise PeerMisbehaved(f"unknown karma request {kind!r}")
+
+
+def _budget(items: list[bytes], most: int) -> list[bytes]:
+    """The first items (at most `most`) that fit REPLY_BYTES together; at least one
+    if it fits a frame, so a page always makes progress."""
+    taken, size = [], 0
+    for item in items[:most]:
+        size += len(item) + 8
+        if size > REPLY_BYTES and taken:
+            break
+        taken.append(item)
+    return taken
 
 
 def _natural(request: dict, name: str) -> int:
@@ -184,16 +221,19 @@ async def _ask(host: IHost, peer: ID, request: dict, addrs: tuple[str, ...] = ()
 
 async def fetch_receipts(host: IHost, record: KarmaRecord) -> list[bytes]:
     """The receipts `record` commits to, page by page from its owner."""
+    if record.count > MAX_EVIDENCE:
+        raise PeerMisbehaved(f"{record.peer_id}'s record commits to {record.count} receipts, over {MAX_EVIDENCE}")
     peer = ID.from_base58(record.peer_id)
     items: list[bytes] = []
     while len(items) < record.count:
         reply = await _ask(host, peer, {"type": "receipts", "count": record.count, "offset": len(items),
                                         "limit": PAGE}, record.addrs)
         page = reply.get("items")
-        if not isinstance(page, list) or not page or not all(isinstance(i, bytes) for i in page):
+        if (not isinstance(page, list) or not page or len(page) > min(PAGE, record.count - len(items))
+                or not all(isinstance(i, bytes) and len(i) <= MAX_RECEIPT_BYTES for i in page)):
             raise PeerMisbehaved(f"{record.peer_id} sent a malformed page of receipts")
         items.extend(page)
-    return items[:record.count]
+    return items
 
 
 async def submit_report(host: IHost, peer: str, report: FailureReport) -> bool:
@@ -254,8 +294,14 @@ async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
     async def get_record() -> None:
         nonlocal record, counted, problem
         try:
-            record = await get_value_fresh(dht, key, lambda v: parse_karma_record(key, v),
-                                           newest=lambda r: r.seq, drop_cached=peer_id != dht.local_peer_id.to_string())
+            found = [await get_value_fresh(dht, key, lambda v: parse_karma_record(key, v),
+                                           newest=lambda r: r.seq, drop_cached=peer_id != dht.local_peer_id.to_string())]
+            # The owner holds its latest record: a DHT copy may lag a republish.
+            with contextlib.suppress(Exception):
+                value = (await _ask(host, ID.from_base58(peer_id), {"type": "record"},
+                                    found[0].addrs if found[0] else ())).get("value")
+                found.append(parse_karma_record(key, value) if value is not None else None)
+            record = max((r for r in found if r is not None), key=lambda r: r.seq, default=None)
             if record is None:
                 problem = "no karma record in the DHT"
                 return
@@ -266,7 +312,8 @@ async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
             counted = None
 
     async def get_reports() -> None:
-        wires.extend(await fetch_reports(host, dht, peer_id))
+        with contextlib.suppress(Exception):  # no reports found is the same as none made
+            wires.extend(await fetch_reports(host, dht, peer_id))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(get_record)

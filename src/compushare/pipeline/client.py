@@ -170,8 +170,9 @@ class RemoteHop:
 
     async def send_receipt(self, host: IHost, model_id: str) -> None:
         """Sign what this session has run since the last receipt and have the server
-        countersign it (its karma). Best effort: a server that refuses loses only
-        its own credit, and the generation never waits long for it."""
+        countersign it (its karma). A refusal costs the server only its own credit;
+        a hop that does not answer in time is aborted (its stream could deliver the
+        late reply in place of the next step's): the next step fails over."""
         usage = self.usage
         if not usage.tokens:
             return
@@ -179,13 +180,21 @@ class RemoteHop:
                           self.session_id, usage.seq, usage.tokens, min(usage.compute_ms, usage.wall_ms),
                           usage.wall_ms, time.time())
         wire = sign_receipt(receipt, host.get_private_key())
+        self.usage = Usage(seq=usage.seq)  # those steps are settled, accepted or not
         try:
             reply = await self.request({"type": "receipt", "session": self.session_id, "receipt": wire},
                                        RECEIPT_TIMEOUT_S)
             parse_receipt(reply.get("receipt"))  # countersigned by the server it names
-        except (RemoteError, PeerMisbehaved) as exc:
-            log.info("no receipt from %s: %s", self._where(), exc)
-        self.usage = Usage(seq=usage.seq + 1)  # refused or not, those steps are settled
+        except RemoteError as exc:  # HopFailed, or a (misplaced) busy
+            if exc.code in (protocol.BAD_RECEIPT, protocol.BAD_REQUEST, protocol.INTERNAL, protocol.BUSY):
+                log.info("%s did not countersign a receipt: %s", self._where(), exc)
+                return  # refused: the server's seq did not move, neither does ours
+            log.info("no answer to a receipt from %s: %s", self._where(), exc)
+            await self.abort()
+            return
+        except PeerMisbehaved as exc:
+            log.info("%s answered a receipt with a bad countersignature: %s", self._where(), exc)
+        self.usage.seq = usage.seq + 1
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -371,9 +380,11 @@ class InferenceChain:
             hidden = output
         self.history.sizes.append(hidden.shape[1])
         self.position += hidden.shape[1]
-        for remote in self._live():
-            if remote.usage.steps >= RECEIPT_STEPS:
-                await remote.send_receipt(self.host, self.model_id)
+        due = [remote for remote in self._live() if remote.usage.steps >= RECEIPT_STEPS]
+        if due:
+            async with trio.open_nursery() as nursery:
+                for remote in due:
+                    nursery.start_soon(remote.send_receipt, self.host, self.model_id)
         return hidden
 
     # -- failover ---------------------------------------------------------------------

@@ -175,7 +175,7 @@ class InferenceServer:
                 self.runner.truncate(session.cache, position)
                 return {"type": "truncated", "session": session_id, "position": position}
             if kind == "receipt":
-                return self._receipt(session_id, message, peer)
+                return await self._receipt(session_id, message, peer)
             if kind == "close":
                 self.sessions.close(session_id)
                 return {"type": "closed", "session": session_id}
@@ -196,7 +196,7 @@ class InferenceServer:
         session.cache = self.runner.new_cache()
         return {"type": "opened", "session": session_id, "free_tokens": self.sessions.free_tokens}
 
-    def _receipt(self, session_id: bytes, message: dict, peer: str) -> dict:
+    async def _receipt(self, session_id: bytes, message: dict, peer: str) -> dict:
         """Countersign the consumer's receipt for this session's latest steps, if it
         describes them truthfully: never more tokens or compute than this server ran
         since the last receipt, never more compute than the consumer's wall time."""
@@ -225,7 +225,13 @@ class InferenceServer:
             raise Rejected(protocol.BAD_RECEIPT, "receipt compute time exceeds the consumer's wall time")
         if abs(receipt.time - time.time()) > CLOCK_SKEW_S:
             raise Rejected(protocol.BAD_RECEIPT, "receipt time is too far from this server's clock")
-        signed = self.karma.accept(wire, receipt)
+        try:
+            signed = await self.karma.accept(wire, receipt)
+        except PeerMisbehaved as exc:  # its slot is taken, or it is too large
+            raise Rejected(protocol.BAD_RECEIPT, str(exc)) from None
+        except OSError as exc:  # the ledger cannot be written: say so, keep serving
+            log.error("could not keep a receipt: %s", exc)
+            raise Rejected(protocol.INTERNAL, "this server could not store the receipt") from None
         session.receipt_seq += 1
         session.unreceipted_tokens, session.unreceipted_ms = 0, 0.0
         return {"type": "receipted", "session": session_id, "receipt": signed}

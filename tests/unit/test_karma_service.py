@@ -1,0 +1,66 @@
+"""The karma protocol's answers (KarmaService._answer on a real, unconnected host):
+receipts paged within a byte budget, the owner's record, reports it witnessed only."""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+import trio
+
+from compushare.errors import PeerMisbehaved
+from compushare.karma.receipts import Receipt, countersign, sign_receipt
+from compushare.karma.service import PAGE, REPLY_BYTES, KarmaService
+from compushare.net.dht import open_dht
+from compushare.net.host import open_host
+from compushare.pipeline.proofs import FailureReport, StepClaim, sign_step
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+NODE, CONSUMER, OTHER = (create_new_key_pair() for _ in range(3))
+
+
+def pid(key_pair) -> str:
+    return ID.from_pubkey(key_pair.public_key).to_base58()
+
+
+def _report(accused, witness) -> FailureReport:
+    digest = hashlib.sha256(os.urandom(8)).digest()
+    claims = []
+    for key_pair, value in ((accused, 1.5), (witness, 1.0)):
+        data = np.full(64, value, dtype="<f4").tobytes()
+        sig = sign_step(key_pair, "m", 0, 2, 3, 1, digest, hashlib.sha256(data).digest())
+        claims.append(StepClaim(pid(key_pair), "float32", data, sig))
+    return FailureReport("m", 0, 2, 3, 1, digest, claims[0], claims[1])
+
+
+def test_karma_service_pages_receipts_reports_and_refuses_reports_it_did_not_witness(tmp_path):
+    async def main():
+        async with open_host(NODE, []) as host, open_dht(host, server=False) as dht:
+            service = KarmaService(host, dht, NODE, tmp_path)
+            for seq in range(PAGE + 10):
+                body = Receipt(pid(NODE), pid(CONSUMER), "m", 0, 2, b"s" * 16, seq, 1, 1.0, 2.0, 1.7e9)
+                wire = countersign(sign_receipt(body, CONSUMER.private_key), NODE.private_key)
+                service.receipts.ledger.append(wire, body)
+            entries = service.receipts.ledger.entries
+            page = await service._answer({"type": "receipts", "count": len(entries), "offset": 0, "limit": 10_000})
+            assert page["total"] == PAGE + 10 and page["items"] == entries[:len(page["items"])]
+            assert 0 < len(page["items"]) <= PAGE and sum(len(i) for i in page["items"]) <= REPLY_BYTES
+            prefix = await service._answer({"type": "receipts", "count": 3, "offset": 1, "limit": 10})
+            assert prefix == {"type": "receipts", "total": 3, "items": entries[1:3]}  # a record's prefix only
+            with pytest.raises(PeerMisbehaved):
+                await service._answer({"type": "receipts", "count": -1, "offset": 0, "limit": 1})
+
+            assert (await service._answer({"type": "record"}))["value"] is None  # nothing published yet
+
+            witnessed = _report(OTHER, NODE)
+            assert await service._answer({"type": "report", "report": witnessed.to_wire()}) == {"type": "kept",
+                                                                                                "new": True}
+            with pytest.raises(PeerMisbehaved, match="witness"):
+                await service._answer({"type": "report", "report": _report(OTHER, CONSUMER).to_wire()})
+            reports = await service._answer({"type": "reports", "peer": pid(OTHER)})
+            assert reports["items"] == [witnessed.to_wire()]
+            with pytest.raises(PeerMisbehaved):
+                await service._answer({"type": "bogus"})
+
+    trio.run(main)
