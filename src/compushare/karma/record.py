@@ -16,7 +16,7 @@ import time
 from libp2p.crypto.keys import KeyPair
 
 from ..errors import PeerMisbehaved
-from ..net.signed import addrs_field, field, open_sealed, seal
+from ..net.signed import addrs_field, field, newest_valid, open_sealed, seal
 from .merkle import merkle_root
 from .rules import CLOCK_SKEW_S, Tally, base_score, tally
 
@@ -108,12 +108,4 @@ def check_evidence(record: KarmaRecord, wires: list[bytes]) -> Tally:
 
 def newest_karma_index(key: str, values: list[bytes]) -> int:
     """DHT select(): the valid record with the highest seq wins."""
-    best, best_seq = 0, None
-    for index, value in enumerate(values):
-        try:
-            seq = parse_karma_record(key, value, allow_expired=True).seq
-        except PeerMisbehaved:
-            continue
-        if best_seq is None or seq > best_seq:
-            best, best_seq = index, seq
-    return best
+    return newest_valid(values, lambda value: parse_karma_record(key, value, allow_expired=True))

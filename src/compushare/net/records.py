@@ -14,7 +14,7 @@ import time
 from libp2p.crypto.keys import KeyPair
 
 from ..errors import PeerMisbehaved
-from .signed import addrs_field, field, open_sealed, seal
+from .signed import addrs_field, field, newest_valid, open_sealed, seal
 
 RECORD_NAMESPACE = "csserver"
 RECORD_VERSION = 1
@@ -104,12 +104,4 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
 
 def newest_index(key: str, values: list[bytes]) -> int:
     """DHT select(): the valid record with the highest seq wins."""
-    best, best_seq = 0, None
-    for index, value in enumerate(values):
-        try:
-            seq = parse_record(key, value, allow_expired=True).seq
-        except PeerMisbehaved:
-            continue
-        if best_seq is None or seq > best_seq:
-            best, best_seq = index, seq
-    return best
+    return newest_valid(values, lambda value: parse_record(key, value, allow_expired=True))

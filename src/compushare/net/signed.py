@@ -76,3 +76,17 @@ def addrs_field(body: dict, what: str, *, max_addrs: int) -> tuple[str, ...]:
     if len(addrs) > max_addrs or not all(isinstance(a, str) and len(a) < 256 for a in addrs):
         raise PeerMisbehaved(f"{what} addrs malformed")
     return tuple(addrs)
+
+
+def newest_valid(values: list[bytes], parse) -> int:
+    """DHT select(): the index of the value `parse` accepts (it raises PeerMisbehaved
+    otherwise) with the highest `seq`; 0 if none is valid."""
+    best, best_seq = 0, None
+    for index, value in enumerate(values):
+        try:
+            seq = parse(value).seq
+        except PeerMisbehaved:
+            continue
+        if best_seq is None or seq > best_seq:
+            best, best_seq = index, seq
+    return best
