@@ -47,6 +47,8 @@ def node(
     idle_timeout: float = typer.Option(None, help="Seconds before an idle session is dropped."),
     record_ttl: float = typer.Option(None, help="Lifetime of the DHT server record (refreshed at 1/3)."),
     ad_period: float = typer.Option(None, help="Seconds between capability ads on gossip."),
+    api_port: int = typer.Option(None, help="Local HTTP API (OpenAI-compatible) on 127.0.0.1 (default 8311; "
+                                            "0: a free port; -1: none). Its token is in the data dir."),
     debug_slowdown: float = typer.Option(None, hidden=True,
                                          help="Fault injection: make compute this many times slower."),
     debug_noise: float = typer.Option(None, hidden=True,
@@ -64,7 +66,7 @@ def node(
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
-                              noise=debug_noise)
+                              noise=debug_noise, api_port=api_port)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))

@@ -104,6 +104,9 @@ class ServerLimits:
             raise UsageError("limits: peer_requests_per_s must be at least 0.5")
 
 
+DEFAULT_API_PORT = 8311
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeConfig:
     data_dir: Path
@@ -118,6 +121,7 @@ class NodeConfig:
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
     slowdown: float = 1.0  # fault injection: compute takes this many times as long
     noise: float = 0.0  # fault injection: outputs get Gaussian noise of this relative scale (a lying server)
+    api_port: int = DEFAULT_API_PORT  # local HTTP API on 127.0.0.1 (0: a free port, negative: none)
     limits: ServerLimits = ServerLimits()
 
     def __post_init__(self) -> None:
@@ -143,6 +147,7 @@ class NodeConfig:
             "torch_threads": int(node.get("torch_threads", 1)),
             "max_blocks": node.get("max_blocks"),
             "memory_budget_mb": node.get("memory_budget_mb"),
+            "api_port": int(node.get("api_port", DEFAULT_API_PORT)),
         }
         limit_fields = {f.name for f in dataclasses.fields(ServerLimits)}
         limits = ServerLimits(**{k: v for k, v in toml.get("limits", {}).items() if k in limit_fields})

@@ -15,6 +15,11 @@ from . import __version__
 from .config import STATE_FILE, NodeConfig, Span
 from .errors import UsageError
 from .hardware import available_ram_mb, detect_hardware
+from .api.app import build_app
+from .api.auth import TOKEN_FILE, load_or_create_token
+from .api.engine import ChatEngine
+from .api.server import serve_api
+from .karma.rules import base_score
 from .karma.service import KARMA_PROTOCOL, KarmaService
 from .model.catalog import DEFAULT_MODEL, resolve_model
 from .model.store import ModelStore, is_model_id
@@ -45,6 +50,7 @@ class Node:
         self.karma: KarmaService | None = None
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._state: dict = {}
+        self._last_state: dict = {}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
@@ -84,6 +90,13 @@ class Node:
                 nursery.start_soon(routing_sync_loop, host, dht)
                 nursery.start_soon(karma.publish_loop)
                 nursery.start_soon(karma.provide_reports_loop)
+                api_url = None
+                if config.api_port >= 0:
+                    engine = ChatEngine(host, dht, config.data_dir, torrent=torrent, default_model=name)
+                    app = build_app(engine, load_or_create_token(config.data_dir), self._status)
+                    api_url = await nursery.start(serve_api, app, config.api_port)
+                    log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE,
+                             api_url)
                 if model is None:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model = await torrent.obtain_manifest(name)
@@ -115,6 +128,7 @@ class Node:
                     "placement": "fixed" if config.blocks is not None else "automatic",
                     "block_rate": provider.block_rate,
                     "started": time.time(),
+                    "api": api_url,
                 }
 
                 def on_change() -> None:
@@ -178,10 +192,23 @@ class Node:
         log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
                  model.model_id[:12])
 
+    def _status(self) -> dict:
+        """The control API's /control/status: the node's state and its own ledger's
+        karma (before any failure reports against it, which others hold)."""
+        status = dict(self._last_state)
+        if self.karma is not None:
+            tally = self.karma.receipts.tally()
+            status["karma"] = {"score": base_score(tally.compute_ms), "compute_ms": tally.compute_ms,
+                               "receipts": len(self.karma.receipts.ledger), "counted": tally.counted}
+        if self.provider is not None and self.provider.server is not None:
+            status["tokens_served"] = self.provider.server.tokens_served
+        return status
+
     def _write_state(self, provider: Provider) -> dict:
         span = provider.span
         state = dict(self._state, start=span.start, end=span.end, state=provider.state, moves=provider.moves,
                      fetched=self.fetched,
                      parameters=provider.server.runner.parameter_count() if provider.server else 0)
         write_state(self.config.data_dir, state)
+        self._last_state = state
         return state

@@ -129,7 +129,7 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
         "model_id": stored.model_id,
         "bootstrap": bootstrap,
         "nodes": [{"pid": s["pid"], "data_dir": str(d), "peer_id": s["peer_id"], "addrs": s["addrs"],
-                   "blocks": f"{s['start']}:{s['end']}"} for s, d in zip(states, dirs)],
+                   "blocks": f"{s['start']}:{s['end']}", "api": s.get("api")} for s, d in zip(states, dirs)],
     }
     (home / SWARM_FILE).write_text(json.dumps(swarm, indent=2))
     return swarm

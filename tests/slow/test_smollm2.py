@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -118,3 +119,50 @@ def test_streamed_text_equals_full_decode(tmp_path):
     pieces = [detokenizer.push(t) for t in ids]
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert sum(1 for p in pieces if p) > 10  # it really streams
+
+
+def _openai_client(node: dict):
+    from openai import OpenAI
+
+    from compushare.api.auth import TOKEN_FILE
+
+    token = (Path(node["data_dir"]) / TOKEN_FILE).read_text().strip()
+    return OpenAI(base_url=f"{node['api']}/v1", api_key=token, timeout=120, max_retries=0)
+
+
+def test_openai_package_chat_completions_streaming_and_not(smol_swarm):
+    """The official `openai` package against a node's local API (real SmolLM2, the
+    same 3-node swarm): a plain and a streamed chat completion, multi-turn."""
+    from openai import AuthenticationError, NotFoundError
+
+    home, swarm = smol_swarm
+    node = swarm["nodes"][1]  # a node serving the middle blocks: it fetches the head from the swarm
+    client = _openai_client(node)
+    assert "smollm2-135m" in {m.id for m in client.models.list().data}
+
+    reply = client.chat.completions.create(model="smollm2-135m", max_tokens=24, temperature=0,
+                                           messages=[{"role": "user", "content": QUESTION}])
+    text = reply.choices[0].message.content
+    assert "Paris" in text and reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 5
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+    stream = client.chat.completions.create(
+        model="smollm2-135m", max_tokens=24, temperature=0, stream=True,
+        messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": text},
+                  {"role": "user", "content": "And of Italy?"}])
+    pieces, reasons = [], []
+    for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    assert len([p for p in pieces if p]) > 3  # streamed piece by piece
+    assert "Rome" in "".join(pieces)
+    assert reasons[-1] in ("stop", "length") and all(r is None for r in reasons[:-1])
+
+    # Errors in OpenAI's shape, raised as the package's own exceptions.
+    with pytest.raises(NotFoundError, match="unknown model"):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    from openai import OpenAI
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{node['api']}/v1", api_key="wrong", max_retries=0).models.list()

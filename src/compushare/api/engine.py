@@ -1,0 +1,85 @@
+"""Generations for the daemon's HTTP clients: one Consumer per model, built on the
+node's own host and DHT (no second identity), its head and tokenizer loaded once
+(fetched from the swarm's seeders when the node holds only its span)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from ..errors import UsageError
+from ..model.catalog import resolve_model
+from ..model.head import ConsumerHead
+from ..model.store import ModelStore
+from ..pipeline.consumer import Consumer, RunOutcome, RunRequest, _load_tokenizer
+from ..pipeline.sampling import SamplingParams
+from ..pipeline.spotcheck import DEFAULT_RATE
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256
+
+
+def messages_to_ids(tokenizer, messages: object) -> list[int]:
+    """The model's chat template over OpenAI-style messages (raises UsageError)."""
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise UsageError(f"'messages' must be a list of 1..{MAX_MESSAGES} messages")
+    clean = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ROLES \
+                or not isinstance(message.get("content"), str):
+            raise UsageError(f"each message needs a 'role' in {ROLES} and a string 'content'")
+        clean.append({"role": message["role"], "content": message["content"]})
+    if tokenizer.chat_template:
+        encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in clean) + "\nassistant:")
+
+
+class ChatEngine:
+    def __init__(self, host, dht, data_dir: Path, *, torrent, default_model: str,
+                 spot_check_rate: float = DEFAULT_RATE) -> None:
+        self.host, self.dht, self.data_dir, self.torrent = host, dht, data_dir, torrent
+        self.default_model = default_model
+        self.spot_check_rate = spot_check_rate
+        self._consumers: dict[str, Consumer] = {}
+        self._lock = trio.Lock()
+
+    def models(self) -> list[tuple[str, str]]:
+        """(name, model id) of every model stored here, aliases first."""
+        store = ModelStore(self.data_dir)
+        named = sorted(store.aliases().items())
+        ids = {model_id for _, model_id in named}
+        return named + [(m.model_id, m.model_id) for _, m in store.list() if m.model_id not in ids]
+
+    async def consumer(self, name: str) -> Consumer:
+        async with self._lock:  # one load per model, however many requests wait for it
+            model = await trio.to_thread.run_sync(lambda: resolve_model(name, self.data_dir))
+            consumer = self._consumers.get(model.model_id)
+            if consumer is not None:
+                return consumer
+            if not model.holds(head=True):
+                log.info("fetching the head and tokenizer of %s for the API", model.model_id[:12])
+                await self.torrent.fetch(model.model_id, head=True)
+
+            def load():
+                return _load_tokenizer(model), ConsumerHead.load(model.path)
+
+            tokenizer, head = await trio.to_thread.run_sync(load)
+            consumer = Consumer(self.host, self.dht, self.data_dir, model, tokenizer, head,
+                                spot_check_rate=self.spot_check_rate)
+            self._consumers[model.model_id] = consumer
+            return consumer
+
+    async def chat(self, name: str, messages: object, params: SamplingParams,
+                   on_text: Callable[[str], None] = lambda _t: None) -> tuple[RunOutcome, int]:
+        """Generate a reply; returns the outcome and the prompt's length in tokens."""
+        consumer = await self.consumer(name)
+        prompt = messages_to_ids(consumer.tokenizer, messages)
+        outcome = await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False),
+                                          on_text=on_text)
+        return outcome, len(prompt)
