@@ -147,6 +147,33 @@ def run(
     _run_or_exit(main_run)
 
 
+@app.command()
+def chat(
+    model: str = typer.Option("smollm2-135m", help="Model name or id (/model switches)."),
+    data_dir: Path = DATA_DIR,
+    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr (repeatable)."),
+    swarm_home: Path = typer.Option(None, help="Join the local swarm started with this --home."),
+    temperature: float = typer.Option(0.0, help="0 is greedy (/temp changes it)."),
+    max_tokens: int = typer.Option(256, help="Most new tokens per reply (/max changes it)."),
+    spot_check: float = typer.Option(0.05, min=0.0, max=1.0, help="Share of steps re-checked elsewhere."),
+    log_level: str = typer.Option("warning"),
+) -> None:
+    """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
+    from .chat import repl
+
+    _setup_logging(log_level)
+    home = resolve_data_dir(data_dir)
+    boot = _bootstrap_for(home, bootstrap, swarm_home)
+    code = 0
+
+    def main_chat():
+        nonlocal code
+        code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check)
+
+    _run_or_exit(main_chat)
+    raise typer.Exit(code)
+
+
 def _stream(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()

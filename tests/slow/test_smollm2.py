@@ -166,3 +166,46 @@ def test_openai_package_chat_completions_streaming_and_not(smol_swarm):
 
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{node['api']}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp_path):
+    """`compushare chat` driven like a person at a terminal: a question, a follow-up
+    that needs the first turn, /stats, a long reply stopped by Ctrl-C (the REPL
+    stays), then /exit."""
+    import pexpect
+
+    home, swarm = smol_swarm
+    env = dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home"))
+    child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--data-dir", str(tmp_path / "chat"),
+                                           "--bootstrap", swarm["bootstrap"][0], "--max-tokens", "48"],
+                          env=env, encoding="utf-8", timeout=120)
+    try:
+        child.expect_exact(">>> ")
+        child.sendline(QUESTION)
+        child.expect("Paris")
+        child.expect_exact(">>> ")
+        child.sendline("And what is the capital of Italy?")  # answerable only as a follow-up
+        child.expect("Rome")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"tok/s")
+        child.expect(r"route \(3 hops\)")
+        child.expect_exact(">>> ")
+        child.sendline("/max 400")
+        child.expect_exact(">>> ")
+        child.sendline("Write a very long story about a dragon who learns to cook.")
+        child.expect(r"\w+ \w+ \w+")  # the reply has started streaming
+        child.sendintr()  # Ctrl-C
+        child.expect_exact("[reply cancelled]")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")  # still alive, and the cancelled reply did not replace the last one
+        child.expect(r"tok/s")
+        child.expect_exact(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+        assert (tmp_path / "chat" / "chat_history").exists()  # readline history kept in the data dir
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)

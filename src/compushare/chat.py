@@ -1,0 +1,241 @@
+"""`compushare chat`: an interactive consumer REPL.
+
+The swarm client lives in a background thread's trio loop (one host, one DHT
+client, one Consumer per model, kept across turns); the main thread reads lines
+with readline (history in the data dir). Ctrl-C during a reply cancels that
+generation (its sessions are closed) and returns to the prompt; at the prompt it
+clears the line; Ctrl-D or /exit leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from .api.engine import messages_to_ids
+from .errors import CompushareError, UsageError
+from .pipeline.consumer import Consumer, RunOutcome, RunRequest
+from .pipeline.sampling import SamplingParams
+
+HISTORY_FILE = "chat_history"
+PROMPT = ">>> "
+HELP = """commands:
+  /model NAME     switch model (the conversation starts over)
+  /temp X         sampling temperature (0 = greedy)
+  /max N          most new tokens per reply
+  /stats          speed and route of the last reply
+  /reset          forget the conversation
+  /exit           leave (or Ctrl-D); Ctrl-C stops a reply"""
+
+
+@dataclasses.dataclass
+class Conversation:
+    """The REPL's state: pure, no I/O."""
+
+    model: str
+    temperature: float = 0.0
+    max_tokens: int = 256
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    last: RunOutcome | None = None
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, max_new_tokens=self.max_tokens)
+
+    def command(self, line: str) -> str | None:
+        """Apply a /command; returns text to show, or None for /exit. Raises UsageError."""
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return None
+        if name == "/help":
+            return HELP
+        if name == "/reset":
+            self.messages.clear()
+            return "conversation cleared"
+        if name == "/model":
+            if not arg:
+                return f"model: {self.model}"
+            self.model, self.messages = arg, []
+            return f"model: {arg} (new conversation)"
+        if name == "/temp":
+            try:
+                value = float(arg)
+            except ValueError:
+                raise UsageError("/temp takes a number, e.g. /temp 0.7") from None
+            if not 0 <= value <= 2:
+                raise UsageError("/temp must be within 0..2")
+            self.temperature = value
+            return f"temperature: {value:g}"
+        if name == "/max":
+            if not arg.isdigit() or not 1 <= int(arg) <= 4096:
+                raise UsageError("/max takes a whole number within 1..4096")
+            self.max_tokens = int(arg)
+            return f"max tokens: {arg}"
+        if name == "/stats":
+            return self.stats()
+        raise UsageError(f"unknown command {name}; /help lists them")
+
+    def stats(self) -> str:
+        last = self.last
+        if last is None:
+            return "no reply yet"
+        lines = [f"last reply: {len(last.tokens)} tokens, {last.decode_tok_s:.1f} tok/s, first token after "
+                 f"{last.first_token_s:.2f} s, {last.checks} spot checks, {len(last.failovers)} failovers",
+                 f"route ({len(last.route)} hops):"]
+        lines += [f"  {hop.peer_id} blocks {hop.start}:{hop.end}" for hop in last.route]
+        return "\n".join(lines)
+
+
+class SwarmThread:
+    """A Consumer per model on one host, in a background trio loop."""
+
+    def __init__(self, data_dir: Path, bootstrap: tuple[str, ...], spot_check_rate: float) -> None:
+        self.data_dir, self.bootstrap, self.spot_check_rate = data_dir, bootstrap, spot_check_rate
+        self._consumers: dict[str, Consumer] = {}
+        self._token = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: trio.Event | None = None
+        self._scope: trio.CancelScope | None = None
+        self._thread = threading.Thread(target=self._main, name="swarm", daemon=True)
+
+    def start(self, model: str) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        self._call(self._consumer, model)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._run)
+        except BaseException as exc:  # reported to the main thread
+            self._error = exc
+            self._ready.set()
+
+    async def _run(self) -> None:
+        self._stop = trio.Event()
+        self._lock = trio.Lock()  # one generation at a time: a cancelled one finishes closing first
+        async with trio.open_nursery() as nursery:  # holds every Consumer's host
+            self._nursery = nursery
+            self._token = trio.lowlevel.current_trio_token()
+            self._ready.set()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def _call(self, fn, *args):
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    async def _consumer(self, model: str) -> Consumer:
+        if model not in self._consumers:
+            self._consumers[model] = await self._nursery.start(self._hold, model)
+        return self._consumers[model]
+
+    async def _hold(self, model: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep one model's Consumer (and its host) open until the REPL ends: a task of
+        the long-lived nursery, since a nursery must close in the task that opened it."""
+        async with Consumer.connect(self.data_dir, self.bootstrap, model,
+                                    spot_check_rate=self.spot_check_rate) as consumer:
+            task_status.started(consumer)
+            await trio.sleep_forever()
+
+    def generate(self, conversation: Conversation, on_text: Callable[[str], None]) -> RunOutcome:
+        return self._call(self._generate, conversation.model, list(conversation.messages), conversation.params(),
+                          on_text)
+
+    async def _generate(self, model, messages, params, on_text) -> RunOutcome | None:
+        async with self._lock:
+            consumer = await self._consumer(model)
+            prompt = messages_to_ids(consumer.tokenizer, messages)
+            with trio.CancelScope() as self._scope:
+                return await consumer.generate(RunRequest(model=model, prompt=prompt, params=params,
+                                                          chat_template=False), on_text=on_text)
+            return None  # cancelled by Ctrl-C: nobody waits for this result
+
+    def cancel(self) -> None:
+        """Stop the generation in progress (called after Ctrl-C)."""
+        if self._scope is not None:
+            with contextlib.suppress(Exception):
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+
+    def close(self) -> None:
+        if self._stop is not None and self._token is not None:
+            with contextlib.suppress(Exception):
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(timeout=10)
+
+
+def _readline_history(data_dir: Path):
+    try:
+        import readline
+    except ImportError:  # not on every platform: plain input() then
+        return lambda: None
+    path = data_dir / HISTORY_FILE
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        with contextlib.suppress(OSError):
+            readline.write_history_file(path)
+
+    return save
+
+
+def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature: float, max_tokens: int,
+         spot_check_rate: float, out=sys.stdout, err=sys.stderr) -> int:
+    conversation = Conversation(model, temperature, max_tokens)
+    swarm = SwarmThread(data_dir, bootstrap, spot_check_rate)
+    save_history = _readline_history(data_dir)
+    print(f"compushare chat: {model} (/help for commands, Ctrl-D to leave)", file=err, flush=True)
+    try:
+        swarm.start(model)
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                print(file=out)
+                return 0
+            except KeyboardInterrupt:
+                print(file=out)
+                continue
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                try:
+                    shown = conversation.command(line)
+                except UsageError as exc:
+                    print(f"error: {exc}", file=err, flush=True)
+                    continue
+                if shown is None:
+                    return 0
+                print(shown, file=out, flush=True)
+                continue
+            conversation.messages.append({"role": "user", "content": line})
+            pieces: list[str] = []
+
+            def show(text: str) -> None:
+                pieces.append(text)
+                out.write(text)
+                out.flush()
+
+            try:
+                conversation.last = swarm.generate(conversation, show)
+                conversation.messages.append({"role": "assistant", "content": conversation.last.text})
+                print(file=out, flush=True)
+            except KeyboardInterrupt:
+                swarm.cancel()
+                conversation.messages.pop()  # the unanswered question leaves the context too
+                print("\n[reply cancelled]", file=err, flush=True)
+            except CompushareError as exc:
+                conversation.messages.pop()
+                print(f"\nerror: {exc}", file=err, flush=True)
+    finally:
+        save_history()
+        swarm.close()
