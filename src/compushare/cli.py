@@ -54,15 +54,20 @@ def node(
     debug_noise: float = typer.Option(None, hidden=True,
                                       help="Fault injection: add Gaussian noise of this relative scale to "
                                            "every output (a lying server, for tests)."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background: pid in node.pid, "
+                                                             "log in node.log (data dir); `compushare stop` ends it."),
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Serve blocks of a model to the swarm (runs in the foreground)."""
+    """Serve blocks of a model to the swarm (in the foreground, or --detach)."""
     import trio
 
     from .node import Node
 
-    _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
+    if detach:
+        _run_or_exit(lambda: _detach(home))
+        return
+    _setup_logging(log_level)
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
@@ -71,6 +76,50 @@ def node(
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
     _run_or_exit(lambda: trio.run(Node(config).run))
+
+
+def _detach(home: Path) -> None:
+    """Start this same `node` command in its own session, logging to the data dir,
+    and return once it serves (or say why it did not)."""
+    import subprocess
+
+    from .config import LOG_FILE, STATE_FILE
+    from .status import local_node
+    from .swarm import wait_ready
+
+    if local_node(home) is not None:
+        raise UsageError(f"a node already runs on {home}; `compushare stop --data-dir {home}` first")
+    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")]
+    if "--data-dir" not in argv and "--home" not in argv:
+        argv += ["--data-dir", str(home)]  # the child must not depend on our environment
+    home.mkdir(parents=True, exist_ok=True)
+    (home / STATE_FILE).unlink(missing_ok=True)  # a crashed node's: readiness is its reappearance
+    with open(home / LOG_FILE, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "compushare", *argv], stdin=subprocess.DEVNULL,
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    state = wait_ready(proc, home)  # raises with the log's tail if the node exits
+    out.print(f"node {state['peer_id']} serving blocks {state['start']}:{state['end']} (pid {proc.pid}); "
+              f"API {state.get('api') or 'off'}; log {home / LOG_FILE}", highlight=False)
+
+
+@app.command()
+def stop(data_dir: Path = DATA_DIR) -> None:
+    """Stop the node running on this data dir (SIGTERM, then SIGKILL after 10 s)."""
+    from .config import PID_FILE
+    from .swarm import is_our_node, stop_pids
+
+    home = resolve_data_dir(data_dir)
+    try:
+        pid = int((home / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        err.print(f"no node runs on {home} (no {PID_FILE})")
+        raise typer.Exit(1) from None
+    if not is_our_node(pid):
+        (home / PID_FILE).unlink(missing_ok=True)
+        err.print(f"no node runs on {home} (pid {pid} is gone; stale {PID_FILE} removed)")
+        raise typer.Exit(1)
+    stop_pids([pid])
+    out.print(f"stopped node {pid}")
 
 
 def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:

@@ -105,6 +105,8 @@ class ServerLimits:
 
 
 DEFAULT_API_PORT = 8311
+PID_FILE = "node.pid"
+LOG_FILE = "node.log"
 
 
 @dataclasses.dataclass(frozen=True)

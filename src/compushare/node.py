@@ -12,7 +12,7 @@ import torch
 import trio
 
 from . import __version__
-from .config import STATE_FILE, NodeConfig, Span
+from .config import PID_FILE, STATE_FILE, NodeConfig, Span
 from .errors import UsageError
 from .hardware import available_ram_mb, detect_hardware
 from .api.app import build_app
@@ -55,6 +55,7 @@ class Node:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         torch.set_num_threads(config.torch_threads)
+        (config.data_dir / PID_FILE).write_text(f"{os.getpid()}\n")  # `compushare stop` reads it
         name = config.model or DEFAULT_MODEL
         # A model id this node has never seen comes from the swarm: first its manifest,
         # then the pieces of whatever span the node takes.
@@ -156,6 +157,7 @@ class Node:
                     await trio.sleep_forever()
                 finally:
                     (config.data_dir / STATE_FILE).unlink(missing_ok=True)
+                    (config.data_dir / PID_FILE).unlink(missing_ok=True)
 
     def _check_span(self, model) -> None:
         span = self.config.blocks

@@ -1,5 +1,7 @@
 """The CLI's answers when there is no swarm, or nothing to serve."""
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -9,8 +11,6 @@ SOME_PEER = "12D3KooWPNeT5huwyjSsfqfLgne7ZU9RfyLNy9gBiLLvDpe9QvAs"
 
 
 def _cli(*args, env_home):
-    import os
-
     env = dict(os.environ, COMPUSHARE_HOME=str(env_home))
     return subprocess.run([sys.executable, "-m", "compushare", *args], capture_output=True, text=True,
                           timeout=120, env=env)
@@ -74,3 +74,33 @@ def test_models_fetch_wants_an_id(tmp_path):
                   "12D3KooWJqpfTAuVzpBfnu4xyhH9yyHmqYhUq9a5WwcvRmp1wYQr", env_home=tmp_path / "home")
     assert result.returncode == 2
     assert "not a model id" in result.stderr
+
+
+def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
+    """`node --detach` returns once the node serves, leaving a pid file and a log in
+    the data dir; `stop` ends it by that pid (SIGTERM) and the files go away."""
+    from compushare.model.catalog import import_path
+    from compushare.swarm import is_our_node
+
+    home = tmp_path / "daemon"
+    import_path(tiny_model, home, alias="tiny")
+    cli = [sys.executable, "-m", "compushare"]
+    pid = None
+    try:
+        started = subprocess.run(cli + ["node", "--detach", "--model", "tiny", "--blocks", "0:4", "--data-dir",
+                                        str(home), "--api-port", "0"], capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        pid = int((home / "node.pid").read_text())
+        assert is_our_node(pid) and f"pid {pid}" in started.stdout and "http://127.0.0.1:" in started.stdout
+        assert "serving blocks" in (home / "node.log").read_text()
+        again = subprocess.run(cli + ["node", "--detach", "--model", "tiny", "--data-dir", str(home)],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode != 0 and "already runs" in again.stderr
+        stopped = subprocess.run(cli + ["stop", "--data-dir", str(home)], capture_output=True, text=True, timeout=30)
+        assert stopped.returncode == 0, stopped.stderr
+        assert not is_our_node(pid) and not (home / "node.pid").exists() and not (home / "node.json").exists()
+        gone = subprocess.run(cli + ["stop", "--data-dir", str(home)], capture_output=True, text=True, timeout=30)
+        assert gone.returncode == 1 and "no node runs" in gone.stderr
+    finally:
+        if pid is not None and is_our_node(pid):
+            os.kill(pid, signal.SIGKILL)
