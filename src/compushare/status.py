@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 import trio
@@ -22,11 +23,13 @@ from .net.dht import connect_bootstrap, open_dht
 from .net.gossip import learn_views
 from .net.host import open_host
 from .net.view import SwarmView, coverage
+from .api.auth import load_or_create_token
 from .karma.service import karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0
 KARMA_TIMEOUT_S = 10.0
+CONTROL_TIMEOUT_S = 5.0
 MAX_KARMA_LOOKUPS = 64
 
 
@@ -108,7 +111,18 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
     status = summarize(view, data_dir, local, now=time.time(), asked=asked)
     for peer in status["peers"]:
         peer["karma"] = scores.get(peer["peer_id"])
+    if local is not None and local.get("api"):  # the daemon's own figures, through its control API
+        with contextlib.suppress(Exception):
+            status["this_node"]["daemon"] = await trio.to_thread.run_sync(control_status, data_dir, local["api"])
     return status
+
+
+def control_status(data_dir: Path, api: str) -> dict:
+    """GET /control/status of the node running on `data_dir` (its token is there)."""
+    request = urllib.request.Request(f"{api}/control/status",
+                                     headers={"Authorization": f"Bearer {load_or_create_token(data_dir)}"})
+    with urllib.request.urlopen(request, timeout=CONTROL_TIMEOUT_S) as response:
+        return json.loads(response.read())
 
 
 def render(status: dict, console) -> None:
@@ -119,6 +133,12 @@ def render(status: dict, console) -> None:
 
     roles = status["this_node"]["roles"]
     console.print(f"[bold]this node[/bold]: {', '.join(roles)}")
+    daemon = status["this_node"].get("daemon")
+    if daemon:
+        karma = daemon.get("karma", {})
+        console.print(f"  karma {karma.get('score', 1.0):.3f} from its ledger ({karma.get('receipts', 0)} receipts, "
+                      f"{karma.get('compute_ms', 0) / 1000:.1f} s of compute), {daemon.get('tokens_served', 0)} "
+                      f"tokens served, API {daemon.get('api')}", highlight=False)
     table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
     for column in ("peer", "karma", "serves", "free KV", "load", "blocks/s", "hardware", "version", "ad age"):
         table.add_column(column)

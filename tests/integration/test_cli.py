@@ -1,5 +1,6 @@
 """The CLI's answers when there is no swarm, or nothing to serve."""
 
+import json
 import os
 import signal
 import socket
@@ -93,6 +94,11 @@ def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
         pid = int((home / "node.pid").read_text())
         assert is_our_node(pid) and f"pid {pid}" in started.stdout and "http://127.0.0.1:" in started.stdout
         assert "serving blocks" in (home / "node.log").read_text()
+        status = subprocess.run(cli + ["status", "--json", "--data-dir", str(home)], capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0, status.stderr
+        daemon = json.loads(status.stdout)["this_node"]["daemon"]  # through the control API, with the token
+        assert daemon["pid"] == pid and daemon["karma"]["score"] == 1.0 and daemon["tokens_served"] == 0
         again = subprocess.run(cli + ["node", "--detach", "--model", "tiny", "--data-dir", str(home)],
                                capture_output=True, text=True, timeout=60)
         assert again.returncode != 0 and "already runs" in again.stderr
