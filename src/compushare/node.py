@@ -20,7 +20,7 @@ from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
 from .api.server import serve_api
 from .karma.rules import base_score
-from .karma.service import KARMA_PROTOCOL, KarmaService
+from .karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
 from .model.catalog import DEFAULT_MODEL, resolve_model
 from .model.store import ModelStore, is_model_id
 from .model.selfbench import cached_block_rate, measure_block_rate
@@ -35,10 +35,12 @@ from .pipeline.protocol import INFER_PROTOCOL
 from .pipeline.provider import Provider, blocks_for_budget
 from .pipeline.server import InferenceServer
 from .runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
+from .status import summarize
 from .torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 
+KARMA_WATCH_S = 30.0  # the dashboard's karma of peers: checked this often, each round at most this long
 
 
 class Node:
@@ -48,6 +50,8 @@ class Node:
         self.provider: Provider | None = None
         self.torrent: Torrent | None = None
         self.karma: KarmaService | None = None
+        self.karma_book = KarmaBook()  # the karma of peers in view, checked in the background
+        self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._state: dict = {}
         self._last_state: dict = {}
@@ -91,10 +95,11 @@ class Node:
                 nursery.start_soon(routing_sync_loop, host, dht)
                 nursery.start_soon(karma.publish_loop)
                 nursery.start_soon(karma.provide_reports_loop)
+                nursery.start_soon(self._karma_watch_loop, host, dht)
                 api_url = None
                 if config.api_port >= 0:
                     engine = ChatEngine(host, dht, config.data_dir, torrent=torrent, default_model=name)
-                    app = build_app(engine, load_or_create_token(config.data_dir), self._status)
+                    app = build_app(engine, load_or_create_token(config.data_dir), self)
                     api_url = await nursery.start(serve_api, app, config.api_port)
                     log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE,
                              api_url)
@@ -171,13 +176,20 @@ class Node:
             return
         logged = [-1]
 
+        key = str(span)
+
         def progress(done: int, total: int) -> None:
+            self.downloads[key] = {"blocks": [span.start, span.end], "done": done, "total": total,
+                                   "finished": False}
             tenth = 10 * done // max(1, total)
             if tenth != logged[0]:
                 logged[0] = tenth
                 log.info("fetching blocks %s: %d/%d MB", span, done // 10**6, total // 10**6)
 
-        result = await self.torrent.fetch(model.model_id, blocks=(span.start, span.end), progress=progress)
+        try:
+            result = await self.torrent.fetch(model.model_id, blocks=(span.start, span.end), progress=progress)
+        finally:
+            self.downloads.pop(key, None)
         self.fetched.append({"blocks": [span.start, span.end], "bytes": result.bytes, "seconds": result.seconds,
                              "bytes_from": result.bytes_from, "banned": result.banned})
         log.info("fetched blocks %s: %.1f MB in %.1fs from %d seeders", span, result.bytes / 1e6,
@@ -194,17 +206,45 @@ class Node:
         log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
                  model.model_id[:12])
 
-    def _status(self) -> dict:
-        """The control API's /control/status: the node's state and its own ledger's
-        karma (before any failure reports against it, which others hold)."""
+    # -- the control API (api/app.Control) ----------------------------------------------
+
+    def status(self) -> dict:
+        """The node's state and its own ledger's karma (before any failure reports
+        against it, which others hold)."""
         status = dict(self._last_state)
         if self.karma is not None:
             tally = self.karma.receipts.tally()
             status["karma"] = {"score": base_score(tally.compute_ms), "compute_ms": tally.compute_ms,
                                "receipts": len(self.karma.receipts.ledger), "counted": tally.counted}
-        if self.provider is not None and self.provider.server is not None:
-            status["tokens_served"] = self.provider.server.tokens_served
+        server = self.provider.server if self.provider is not None else None
+        status["tokens_served"] = server.tokens_served if server is not None else 0
+        status["throughput"] = server.throughput() if server is not None else 0.0
+        if self.provider is not None:
+            status["state"] = self.provider.state
         return status
+
+    def dashboard(self) -> dict:
+        """Everything the dashboard shows: this node, the swarm as its ads tell it
+        (with each peer's karma as checked in the background), downloads."""
+        summary = summarize(self.view, self.config.data_dir, self._last_state or None, now=time.time(), asked=0)
+        for peer in summary["peers"]:
+            peer["karma"] = self.karma_book.known(peer["peer_id"])
+        downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in self.fetched]
+        return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
+                "downloads": downloads + list(self.downloads.values())}
+
+    def pause(self) -> bool:
+        return self.provider is not None and self.provider.pause()
+
+    def resume(self) -> bool:
+        return self.provider is not None and self.provider.resume()
+
+    async def _karma_watch_loop(self, host, dht) -> None:
+        """Check the karma of the peers in view, for the dashboard (and `status`)."""
+        while True:
+            peers = [ad.peer_id for ad in self.view.live(time.time())]
+            await self.karma_book.refresh(host, dht, peers, timeout_s=KARMA_WATCH_S)
+            await trio.sleep(KARMA_WATCH_S)
 
     def _write_state(self, provider: Provider) -> dict:
         span = provider.span

@@ -13,11 +13,32 @@ from compushare.model.catalog import import_path
 AUTH = {"authorization": "Bearer secret-token"}
 
 
+class Toggle:
+    """A control with a state to pause and resume (the node's is tested end to end)."""
+
+    def __init__(self) -> None:
+        self.state = "serving"
+
+    def status(self) -> dict:
+        return {"peer_id": "me", "state": self.state, "karma": {"score": 1.0}}
+
+    def dashboard(self) -> dict:
+        return {"node": self.status(), "peers": [], "models": {}, "downloads": []}
+
+    def pause(self) -> bool:
+        changed, self.state = self.state == "serving", "paused"
+        return changed
+
+    def resume(self) -> bool:
+        changed, self.state = self.state == "paused", "serving"
+        return changed
+
+
 @pytest.fixture
 def client(tmp_path, tiny_model):
     import_path(tiny_model, tmp_path, alias="tiny")
     engine = ChatEngine(None, None, tmp_path, torrent=None, default_model="tiny")  # never generates here
-    app = build_app(engine, "secret-token", lambda: {"peer_id": "me", "karma": {"score": 1.0}})
+    app = build_app(engine, "secret-token", Toggle())
     with TestClient(app, backend="trio") as test_client:
         yield test_client
 
@@ -30,7 +51,8 @@ def _error(response, status):
 
 
 def test_every_route_needs_the_token(client):
-    for method, path in [("get", "/v1/models"), ("post", "/v1/chat/completions"), ("get", "/control/status")]:
+    for method, path in [("get", "/v1/models"), ("post", "/v1/chat/completions"), ("get", "/control/status"),
+                         ("get", "/control/dashboard"), ("post", "/control/pause"), ("post", "/control/resume")]:
         assert _error(getattr(client, method)(path), 401)["code"] == "invalid_api_key"
         assert _error(getattr(client, method)(path, headers={"authorization": "Bearer nope"}), 401)
     assert not bearer_ok("Basic secret-token", "secret-token") and bearer_ok("Bearer secret-token", "secret-token")
@@ -39,7 +61,12 @@ def test_every_route_needs_the_token(client):
 def test_models_and_status(client):
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
-    assert client.get("/control/status", headers=AUTH).json() == {"peer_id": "me", "karma": {"score": 1.0}}
+    assert client.get("/control/status", headers=AUTH).json()["karma"] == {"score": 1.0}
+    assert client.post("/control/pause", headers=AUTH).json() == {"changed": True, "state": "paused"}
+    assert client.post("/control/pause", headers=AUTH).json() == {"changed": False, "state": "paused"}
+    assert client.post("/control/resume", headers=AUTH).json() == {"changed": True, "state": "serving"}
+    page = client.get("/dashboard")  # the page holds no data: no token needed for it
+    assert page.status_code == 200 and "/control/dashboard" in page.text and "textContent" in page.text
     assert _error(client.get("/v1/nothing", headers=AUTH), 404)["code"] == "not_found"
 
 

@@ -24,8 +24,9 @@ def server(tiny_model):
 
 def test_load_is_the_busy_share_of_the_window(server):
     assert server.load(now=1000.0) == 0.0
-    server._busy.extend([(997.0, 2.0), (999.0, 1.0)])
+    server._busy.extend([(997.0, 2.0, 5), (999.0, 1.0, 1)])
     assert server.load(now=1000.0) == pytest.approx(3.0 / LOAD_WINDOW_S)
+    assert server.throughput(now=1000.0) == pytest.approx(6 / LOAD_WINDOW_S)
     # Work that ended before the window counts for nothing; work straddling its start, in part.
     assert server.load(now=1000.0 + LOAD_WINDOW_S - 4.0) == pytest.approx((1.0 + 1.0) / LOAD_WINDOW_S)
     assert server.load(now=1000.0 + LOAD_WINDOW_S + 1) == 0.0 and not server._busy

@@ -12,17 +12,18 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreachable, UsageError
 from ..pipeline.sampling import SamplingParams
 from .auth import bearer_ok
+from .dashboard import DASHBOARD_HTML
 from .engine import ChatEngine
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,16 @@ def _params(body: dict) -> SamplingParams:
                           seed=seed, max_new_tokens=limit)
 
 
-def build_app(engine: ChatEngine, token: str, status: Callable[[], dict]) -> Starlette:
+class Control(Protocol):
+    """What the daemon offers its control API (node.py implements it)."""
+
+    def status(self) -> dict: ...
+    def dashboard(self) -> dict: ...
+    def pause(self) -> bool: ...
+    def resume(self) -> bool: ...
+
+
+def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
     def authorized(request: Request) -> JSONResponse | None:
         if bearer_ok(request.headers.get("authorization"), token):
             return None
@@ -102,7 +112,23 @@ def build_app(engine: ChatEngine, token: str, status: Callable[[], dict]) -> Sta
     async def control_status(request: Request):
         if (denied := authorized(request)) is not None:
             return denied
-        return JSONResponse(status())
+        return JSONResponse(control.status())
+
+    async def control_dashboard(request: Request):
+        if (denied := authorized(request)) is not None:
+            return denied
+        return JSONResponse(control.dashboard())
+
+    async def control_pause(request: Request):
+        if (denied := authorized(request)) is not None:
+            return denied
+        changed = control.pause() if request.url.path.endswith("/pause") else control.resume()
+        return JSONResponse({"changed": changed, "state": control.status().get("state")})
+
+    async def dashboard_page(request: Request):
+        # The page itself holds no data; its script asks /control/dashboard with the
+        # token from the URL's fragment (never sent to a server, never in a log).
+        return HTMLResponse(DASHBOARD_HTML)
 
     async def chat_completions(request: Request):
         if (denied := authorized(request)) is not None:
@@ -175,4 +201,8 @@ def build_app(engine: ChatEngine, token: str, status: Callable[[], dict]) -> Sta
         Route("/v1/models", models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/control/status", control_status),
+        Route("/control/dashboard", control_dashboard),
+        Route("/control/pause", control_pause, methods=["POST"]),
+        Route("/control/resume", control_pause, methods=["POST"]),
+        Route("/dashboard", dashboard_page),
     ], exception_handlers={404: not_found})

@@ -337,6 +337,11 @@ class KarmaBook:
     def get(self, peer_id: str) -> float:
         return self._scores.get(peer_id, (1.0, 0.0))[0]
 
+    def known(self, peer_id: str) -> float | None:
+        """The checked score, None if not checked yet."""
+        entry = self._scores.get(peer_id)
+        return entry[0] if entry is not None else None
+
     async def refresh(self, host: IHost, dht: KadDHT, peers, *, timeout_s: float) -> None:
         """Check the peers whose score is unknown or old, for at most `timeout_s`."""
         now = time.monotonic()

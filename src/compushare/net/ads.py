@@ -37,7 +37,7 @@ def ad_ttl(period_s: float) -> float:
 MAX_CLOCK_SKEW_S = 30.0
 MAX_AD_BYTES = 4096
 MAX_SERVING = 8
-SERVING_STATES = ("loading", "serving")
+SERVING_STATES = ("loading", "serving", "paused")  # paused: open sessions go on, no new ones
 MAX_TOKENS = 1 << 31
 
 

@@ -170,8 +170,12 @@ class SwarmPlanner:
         records = []
         for record in known.values():
             ad = self.view.get(record.peer_id, now)
-            if ad is not None and ad.addrs and set(ad.addrs) != set(record.addrs):
-                record = dataclasses.replace(record, addrs=ad.addrs)
+            if ad is not None:
+                serving = ad.serving_of(self.model_id)
+                if serving and not any(s.state == "serving" for s in serving):
+                    continue  # paused or moving, says its live ad: it would refuse a session
+                if ad.addrs and set(ad.addrs) != set(record.addrs):
+                    record = dataclasses.replace(record, addrs=ad.addrs)
             records.append(record)
         measures, unreachable = await measure_servers(self.host, records, self.view, learn=False)
         for record, measure in records_from_ads(self.view, self.model_id, time.time()):

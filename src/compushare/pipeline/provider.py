@@ -124,6 +124,24 @@ class Provider:
         self.state = "serving"
         self._changed()
 
+    def pause(self) -> bool:
+        """Stop contributing: no new sessions (open ones go on), the ad says "paused",
+        the DHT record is no longer refreshed and lapses. False if not serving."""
+        if self.state != "serving" or self.server is None:
+            return False
+        self.state = "paused"
+        self.server.paused = True
+        self._changed()
+        return True
+
+    def resume(self) -> bool:
+        if self.state != "paused" or self.server is None:
+            return False
+        self.state = "serving"
+        self.server.paused = False
+        self._changed()
+        return True
+
     def _strength_without_me(self, view: SwarmView, me: str) -> list[float]:
         return block_strength(view.servers(self.model.model_id, time.time()), self.model.num_blocks,
                               exclude=me, unknown_rate=self.block_rate or 1.0)

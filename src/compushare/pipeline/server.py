@@ -57,7 +57,8 @@ class InferenceServer:
         self.tokens_served = 0
         self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
         self.moving = False  # set while the node loads another span: new sessions would be dropped
-        self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (end, seconds)
+        self.paused = False  # its user paused contributing: no new sessions
+        self._busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
 
     def _new_table(self) -> SessionTable:
         limits = self.limits
@@ -81,14 +82,23 @@ class InferenceServer:
 
     def load(self, now: float | None = None) -> float:
         """Share of the last LOAD_WINDOW_S this server spent computing, 0..1."""
+        now = self._trim(now)
+        busy = sum(min(seconds, end - (now - LOAD_WINDOW_S)) for end, seconds, _ in self._busy)
+        return min(1.0, max(0.0, busy / LOAD_WINDOW_S))
+
+    def throughput(self, now: float | None = None) -> float:
+        """Tokens/s this server computed over the last LOAD_WINDOW_S."""
+        now = self._trim(now)
+        return sum(tokens for _, _, tokens in self._busy) / LOAD_WINDOW_S
+
+    def _trim(self, now: float | None) -> float:
         now = time.monotonic() if now is None else now
         while self._busy and self._busy[0][0] < now - LOAD_WINDOW_S:
             self._busy.popleft()
-        busy = sum(min(seconds, end - (now - LOAD_WINDOW_S)) for end, seconds in self._busy)
-        return min(1.0, max(0.0, busy / LOAD_WINDOW_S))
+        return now
 
     def _observe(self, tokens: int, blocks: int, seconds: float) -> None:
-        self._busy.append((time.monotonic(), seconds))
+        self._busy.append((time.monotonic(), seconds, tokens))
         if tokens == 1 and seconds > 0:  # decode steps are what the rate predicts
             sample = blocks / seconds
             self.block_rate = sample if self.block_rate <= 0 else (1 - RATE_EWMA) * self.block_rate + RATE_EWMA * sample
@@ -186,6 +196,8 @@ class InferenceServer:
     def _open(self, session_id: bytes, message: dict, peer: str) -> dict:
         if self.moving:
             raise Rejected(protocol.BUSY, "this server is moving to other blocks")
+        if self.paused:
+            raise Rejected(protocol.BUSY, "this server's user paused contributing")
         if message.get("model") != self.model_id:
             raise Rejected(protocol.WRONG_MODEL, f"this server serves model {self.model_id}")
         start, end = _int(message, "start"), _int(message, "end")

@@ -1,0 +1,103 @@
+"""The daemon's dashboard: one self-contained page (no external resources) that polls
+/control/dashboard every 2 s with the token from its URL fragment
+(`/dashboard#token=...`). Text that peers wrote (versions, ids) is only ever set as
+textContent, never as HTML."""
+
+DASHBOARD_HTML = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>CompuShare dashboard</title>
+<style>
+ body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
+ h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
+ table { border-collapse: collapse; } td, th { padding: 2px 10px; text-align: left; border-bottom: 1px solid #ddd; }
+ .cells { display: flex; gap: 2px; flex-wrap: wrap; }
+ .cell { width: 22px; height: 22px; font-size: 11px; text-align: center; line-height: 22px; border-radius: 3px; }
+ .c0 { background: #e55; color: #fff; } .c1 { background: #eb4; } .c2 { background: #5b5; color: #fff; }
+ #error { color: #c00; }
+</style></head>
+<body>
+<h1>CompuShare: <span id="peer">…</span></h1>
+<p id="error"></p>
+<table id="node"><tbody>
+ <tr><th>state</th><td id="state"></td></tr>
+ <tr><th>blocks served</th><td id="span"></td></tr>
+ <tr><th>karma</th><td id="karma"></td></tr>
+ <tr><th>tokens served</th><td id="tokens"></td></tr>
+ <tr><th>throughput</th><td id="throughput"></td></tr>
+ <tr><th>API</th><td id="api"></td></tr>
+</tbody></table>
+<h2>Coverage</h2><div id="coverage"></div>
+<h2>Peers</h2>
+<table><thead><tr><th>peer</th><th>karma</th><th>serves</th><th>state</th><th>load</th><th>free KV</th>
+<th>version</th></tr></thead><tbody id="peers"></tbody></table>
+<h2>Downloads</h2><div id="downloads"></div>
+<script>
+"use strict";
+const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+function set(id, text) { document.getElementById(id).textContent = text; }
+function render(d) {
+  const n = d.node;
+  set("peer", n.peer_id || "?");
+  set("state", n.state || "?");
+  set("span", n.start !== undefined ? n.start + ":" + n.end + " of " + n.model_id.slice(0, 12) : "-");
+  set("karma", n.karma ? n.karma.score.toFixed(3) + " (" + n.karma.receipts + " receipts, " +
+      (n.karma.compute_ms / 1000).toFixed(1) + " s of compute)" : "-");
+  set("tokens", n.tokens_served ?? 0);
+  set("throughput", (n.throughput ?? 0).toFixed(2) + " tokens/s");
+  set("api", n.api || "-");
+  const coverage = document.getElementById("coverage");
+  coverage.replaceChildren();
+  for (const [id, m] of Object.entries(d.models)) {
+    coverage.append(el("h3", (m.name ? m.name + " " : "") + id.slice(0, 12) + ": servers per block"));
+    const cells = el("div", undefined, "cells model-coverage");
+    m.coverage.forEach((count, block) => {
+      const cell = el("div", count, "cell c" + Math.min(count, 2));
+      cell.title = "block " + block + ": " + count + " servers";
+      cells.append(cell);
+    });
+    coverage.append(cells);
+  }
+  const peers = document.getElementById("peers");
+  peers.replaceChildren();
+  for (const p of d.peers) {
+    const row = el("tr", undefined, "peer-row");
+    const s = p.serving[0];
+    row.append(el("td", p.peer_id), el("td", p.karma == null ? "?" : p.karma.toFixed(3)),
+               el("td", s ? s.start + ":" + s.end : "-"), el("td", s ? s.state : "-"),
+               el("td", s ? Math.round(s.load * 100) + "%" : ""), el("td", s ? s.free : ""), el("td", p.version));
+    peers.append(row);
+  }
+  const downloads = document.getElementById("downloads");
+  downloads.replaceChildren();
+  if (!d.downloads.length) downloads.append(el("p", "none"));
+  for (const f of d.downloads) {
+    const line = el("div", undefined, "download");
+    const bar = el("progress");
+    bar.max = f.total || 1; bar.value = f.done;
+    line.append(el("span", "blocks " + f.blocks[0] + ":" + f.blocks[1] + " "), bar,
+                el("span", " " + (f.done / 1e6).toFixed(1) + " / " + (f.total / 1e6).toFixed(1) + " MB" +
+                           (f.finished ? " (done)" : "")));
+    downloads.append(line);
+  }
+}
+async function poll() {
+  try {
+    const response = await fetch("/control/dashboard", {headers: {"Authorization": "Bearer " + token}});
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error ? body.error.message : response.status);
+    set("error", "");
+    render(body);
+  } catch (e) {
+    set("error", "cannot reach the node: " + e.message);
+  }
+}
+poll();
+setInterval(poll, 2000);
+</script>
+</body></html>
+"""
