@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
 DEMO_HOME := $(CURDIR)/demo-swarm
 
-.PHONY: demo test bench sysdeps clean
+.PHONY: demo test bench sysdeps testsysdeps clean
 
 sysdeps:
 	@# libp2p builds fastecdsa from source: it needs a compiler and GMP headers.
@@ -15,14 +15,21 @@ sysdeps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq build-essential libgmp-dev; \
 	  else echo "please install build-essential and libgmp-dev"; fi; fi
 
+testsysdeps:
+	@# The dashboard test drives Chromium; the tray test needs an X server and a tray host.
+	@if ! command -v chromium >/dev/null || ! command -v Xvfb >/dev/null || ! command -v trayer >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium xvfb trayer; \
+	  else echo "please install chromium, xvfb and trayer"; fi; fi
+
 $(STAMP): pyproject.toml | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,tray]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) testsysdeps
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)

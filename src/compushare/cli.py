@@ -105,21 +105,19 @@ def _detach(home: Path) -> None:
 @app.command()
 def stop(data_dir: Path = DATA_DIR) -> None:
     """Stop the node running on this data dir (SIGTERM, then SIGKILL after 10 s)."""
-    from .config import PID_FILE
-    from .swarm import is_our_node, stop_pids
+    from .swarm import stop_node
 
-    home = resolve_data_dir(data_dir)
-    try:
-        pid = int((home / PID_FILE).read_text().strip())
-    except (OSError, ValueError):
-        err.print(f"no node runs on {home} (no {PID_FILE})")
-        raise typer.Exit(1) from None
-    if not is_our_node(pid):
-        (home / PID_FILE).unlink(missing_ok=True)
-        err.print(f"no node runs on {home} (pid {pid} is gone; stale {PID_FILE} removed)")
-        raise typer.Exit(1)
-    stop_pids([pid])
-    out.print(f"stopped node {pid}")
+    _run_or_exit(lambda: out.print(f"stopped node {stop_node(resolve_data_dir(data_dir))}"))
+
+
+@app.command()
+def tray(data_dir: Path = DATA_DIR, log_level: str = typer.Option("warning")) -> None:
+    """A system-tray icon for the node on this data dir: its state, karma and tokens
+    served; pause/resume, dashboard, quit. Needs the [tray] extra and a tray host."""
+    from .tray import Tray
+
+    _setup_logging(log_level)
+    _run_or_exit(Tray(resolve_data_dir(data_dir)).run)
 
 
 def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:

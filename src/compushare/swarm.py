@@ -143,3 +143,20 @@ def swarm_down(home: Path) -> int:
     stop_pids(pids)
     (home / SWARM_FILE).unlink(missing_ok=True)
     return len(pids)
+
+
+def stop_node(data_dir: Path) -> int:
+    """Stop the node running on `data_dir` by the pid in its pid file; its pid.
+    UsageError if none runs (a stale pid file is removed)."""
+    from .config import PID_FILE
+
+    path = data_dir / PID_FILE
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        raise UsageError(f"no node runs on {data_dir} (no {PID_FILE})") from None
+    if not is_our_node(pid):
+        path.unlink(missing_ok=True)
+        raise UsageError(f"no node runs on {data_dir} (pid {pid} is gone; stale {PID_FILE} removed)")
+    stop_pids([pid])
+    return pid

@@ -106,7 +106,7 @@ def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
         assert stopped.returncode == 0, stopped.stderr
         assert not is_our_node(pid) and not (home / "node.pid").exists() and not (home / "node.json").exists()
         gone = subprocess.run(cli + ["stop", "--data-dir", str(home)], capture_output=True, text=True, timeout=30)
-        assert gone.returncode == 1 and "no node runs" in gone.stderr
+        assert gone.returncode == 2 and "no node runs" in gone.stderr
     finally:
         if pid is not None and is_our_node(pid):
             os.kill(pid, signal.SIGKILL)
