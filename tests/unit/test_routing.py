@@ -289,3 +289,11 @@ def test_karma_breaks_ties_between_equally_fast_routes_and_never_outweighs_speed
     assert spans(plan(records, 4, measures=faster)) == [("a", 0, 4)]
     # Unknown karma is a newcomer's 1.0: with equal scores, peer ids decide as before.
     assert spans(plan(records, 4, measures={p: Measure(rtt_s=0.01, block_rate=100.0) for p in "ab"})) == [("a", 0, 4)]
+
+
+def test_absurdly_slow_estimates_still_order_routes():
+    """Found by the property test: two estimates past any rounding must still compare."""
+    records = [rec("p1", 0, 1), rec("p3", 0, 1)]
+    measures = {"p1": Measure(block_rate=0.0, load=1.0), "p3": Measure(block_rate=1.6e-164)}
+    # p1 takes the median rate (p3's) and is stretched 10x by its load: ~6e164 s against p3's ~6e163 s.
+    assert [h.peer_id for h in plan(records, 1, measures=measures)] == ["p3"]

@@ -86,8 +86,8 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
     # Dijkstra over block positions 0..num_blocks; an edge is one server running [p, e).
     # Keys are (time in quanta, hops, -karma, peer ids): comparable, the tie-breaks in order.
     end = num_blocks if end is None else end
-    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {start: ((0, 0, 0.0, ()), ())}
-    heap: list[tuple[tuple, int]] = [((0, 0, 0.0, ()), start)]
+    best: dict[int, tuple[tuple, tuple[Hop, ...]]] = {start: ((0.0, 0, 0.0, ()), ())}
+    heap: list[tuple[tuple, int]] = [((0.0, 0, 0.0, ()), start)]
     done: set[int] = set()
     while heap:
         key, position = heapq.heappop(heap)
@@ -119,9 +119,11 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
     )
 
 
-def _quanta(seconds: float) -> int:
-    """Seconds in whole TIE_QUANTUM_S (an absurd or unbounded estimate saturates)."""
-    return round((seconds if seconds < 1e6 else 1e6) / TIE_QUANTUM_S)
+def _quanta(seconds: float) -> float:
+    """Seconds in whole TIE_QUANTUM_S; beyond 1e15 quanta (absurd estimates) the float
+    itself, so that even such times still order routes."""
+    quanta = seconds / TIE_QUANTUM_S
+    return float(round(quanta)) if quanta < 1e15 else quanta
 
 
 def describe_route(hops: list[Hop]) -> list[str]:
