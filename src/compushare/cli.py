@@ -491,13 +491,36 @@ def models_seed(
 
 @models_app.command("import")
 def models_import(path: Path, name: str = typer.Option(None, help="Alias for the model."),
-                  data_dir: Path = DATA_DIR) -> None:
-    """Import a safetensors / Hugging Face directory or a GGUF file."""
+                  data_dir: Path = DATA_DIR,
+                  as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
+                  ) -> None:
+    """Import a safetensors / Hugging Face directory or a GGUF file (prints its id)."""
     from .model.catalog import import_path
 
     def do():
-        model = import_path(path, resolve_data_dir(data_dir), alias=name)
-        print(model.model_id)
+        bar = None if as_json else _progress_bar()
+        task = bar.add_task(f"importing {path.name}", total=None) if bar else None
+
+        def on_stage(stage: str) -> None:
+            if bar is not None:
+                bar.update(task, description=f"{stage} {path.name}")
+
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(task, completed=done, total=total)
+
+        if bar is not None:
+            bar.start()
+        try:
+            model = import_path(path, resolve_data_dir(data_dir), alias=name, on_stage=on_stage, progress=progress)
+        finally:
+            if bar is not None:
+                bar.stop()
+        if as_json:
+            print(json.dumps({"model_id": model.model_id, "name": name, "num_blocks": model.num_blocks,
+                              "bytes": sum(f.size for f in model.manifest.files)}))
+        else:
+            print(model.model_id)
 
     _run_or_exit(do)
 

@@ -110,3 +110,16 @@ def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
     finally:
         if pid is not None and is_our_node(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_models_import_shows_progress_and_answers_json(tmp_path, tiny_model):
+    plain = _cli("models", "import", str(tiny_model), "--name", "t", "--data-dir", str(tmp_path / "a"),
+                 env_home=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    model_id = plain.stdout.strip()
+    assert len(model_id) == 64 and "writing model" in plain.stderr  # the progress bar goes to stderr
+    scripted = _cli("models", "import", str(tiny_model), "--json", "--data-dir", str(tmp_path / "b"), env_home=tmp_path)
+    assert scripted.returncode == 0, scripted.stderr
+    result = json.loads(scripted.stdout)
+    assert result["model_id"] == model_id and result["num_blocks"] == 4 and result["bytes"] > 0
+    assert "writing" not in scripted.stderr

@@ -50,13 +50,19 @@ def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredMo
     return import_path(directory, data_dir, alias=name)
 
 
-def import_path(path: Path, data_dir: Path, alias: str | None = None) -> StoredModel:
+def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
+                on_stage: Callable[[str], None] = lambda _stage: None,
+                progress: Callable[[int, int], None] | None = None) -> StoredModel:
+    """Import a model directory or GGUF file; `on_stage` names each step as it
+    starts ("converting", "writing"), `progress(bytes, total)` follows the writing."""
     path = Path(path).expanduser()
     store = ModelStore(data_dir)
     if path.is_file() and path.suffix == ".gguf":
+        on_stage("converting")
         path = sources.convert_gguf_cached(path, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     # Our own conversions are already laid out: hard-link them instead of rewriting.
     laid_out = (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(resolve_cache_dir())
-    return store.import_dir(path, alias=alias, laid_out=laid_out)
+    on_stage("linking" if laid_out else "writing")
+    return store.import_dir(path, alias=alias, laid_out=laid_out, progress=progress)

@@ -11,6 +11,8 @@ multiple of 8, then the tensors' bytes packed in name order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hashlib
 import json
 import os
@@ -79,9 +81,11 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def lay_out(source: Path, target: Path, *, piece_size: int | None = None) -> Manifest:
+def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
+            progress: Callable[[int, int], None] | None = None) -> Manifest:
     """Write `source` (config.json + safetensors + tokenizer files) into the empty
-    directory `target` in store layout, with manifest.json and config.json."""
+    directory `target` in store layout, with manifest.json and config.json;
+    `progress(bytes written, total bytes)` after each file."""
     source = Path(source)
     if not (source / "config.json").exists():
         raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
@@ -108,9 +112,13 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None) -> Man
     piece_size = piece_size or auto_piece_size(sum(len(c[3]) for c in contents))
     files = []
     target.mkdir(parents=True, exist_ok=True)
+    total, written = sum(len(c[3]) for c in contents), 0
     for name, role, block, data, entries in contents:
         files.append(FileEntry(name, role, block, len(data), piece_hashes(data, piece_size), entries))
         _write_file(target / name, data)
+        written += len(data)
+        if progress is not None:
+            progress(written, total)
     manifest = Manifest(config, piece_size, files)
     _write_file(target / "manifest.json", manifest.raw)
     write_config(target, manifest)

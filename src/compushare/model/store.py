@@ -151,7 +151,7 @@ class ModelStore:
         return self.get(manifest.model_id)
 
     def import_dir(self, source: Path, alias: str | None = None, *, piece_size: int | None = None,
-                   laid_out: bool = False) -> StoredModel:
+                   laid_out: bool = False, progress=None) -> StoredModel:
         """Import an HF-style directory (config.json + safetensors + tokenizer files),
         laying it out as the store holds models. `laid_out=True` marks a directory
         this program laid out itself (the shared conversion cache): its files are
@@ -172,7 +172,7 @@ class ModelStore:
                 raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
             staging = Path(tempfile.mkdtemp(prefix=".import-", dir=self.root))
             try:
-                manifest = lay_out(source, staging, piece_size=piece_size)
+                manifest = lay_out(source, staging, piece_size=piece_size, progress=progress)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
