@@ -150,13 +150,20 @@ class SwarmThread:
                           on_text)
 
     async def _generate(self, model, messages, params, on_text) -> RunOutcome | None:
-        async with self._lock:
-            consumer = await self._consumer(model)
-            prompt = messages_to_ids(consumer.tokenizer, messages)
-            with trio.CancelScope() as self._scope:
-                return await consumer.generate(RunRequest(model=model, prompt=prompt, params=params,
-                                                          chat_template=False), on_text=on_text)
-            return None  # cancelled by Ctrl-C: nobody waits for this result
+        # The scope covers the wait for the lock and the model's loading too: Ctrl-C at
+        # any point cancels this request, never an earlier one's leftover scope.
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                async with self._lock:
+                    consumer = await self._consumer(model)
+                    prompt = messages_to_ids(consumer.tokenizer, messages)
+                    return await consumer.generate(RunRequest(model=model, prompt=prompt, params=params,
+                                                              chat_template=False), on_text=on_text)
+            finally:
+                if self._scope is scope:
+                    self._scope = None
+        return None  # cancelled by Ctrl-C: nobody waits for this result
 
     def cancel(self) -> None:
         """Stop the generation in progress (called after Ctrl-C)."""

@@ -87,7 +87,14 @@ def _detach(home: Path) -> None:
     from .status import local_node
     from .swarm import wait_ready
 
-    if local_node(home) is not None:
+    from .config import PID_FILE
+    from .swarm import is_our_node
+
+    try:
+        running = is_our_node(int((home / PID_FILE).read_text()))
+    except (OSError, ValueError):
+        running = False
+    if running or local_node(home) is not None:  # the pid file exists while the node loads, too
         raise UsageError(f"a node already runs on {home}; `compushare stop --data-dir {home}` first")
     argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")]
     if "--data-dir" not in argv and "--home" not in argv:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -57,9 +58,19 @@ class Node:
         self._last_state: dict = {}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        pid_file = self.config.data_dir / PID_FILE
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        pid_file.write_text(f"{os.getpid()}\n")  # `compushare stop` and `node --detach` read it
+        try:
+            await self._run(task_status=task_status)
+        finally:
+            with contextlib.suppress(OSError, ValueError):  # only our own: a newer node may have replaced it
+                if int(pid_file.read_text()) == os.getpid():
+                    pid_file.unlink()
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         torch.set_num_threads(config.torch_threads)
-        (config.data_dir / PID_FILE).write_text(f"{os.getpid()}\n")  # `compushare stop` reads it
         name = config.model or DEFAULT_MODEL
         # A model id this node has never seen comes from the swarm: first its manifest,
         # then the pieces of whatever span the node takes.
@@ -162,7 +173,6 @@ class Node:
                     await trio.sleep_forever()
                 finally:
                     (config.data_dir / STATE_FILE).unlink(missing_ok=True)
-                    (config.data_dir / PID_FILE).unlink(missing_ok=True)
 
     def _check_span(self, model) -> None:
         span = self.config.blocks

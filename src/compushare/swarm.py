@@ -68,7 +68,8 @@ def is_our_node(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"compushare" in cmdline and b"node" in cmdline
+    # `python -m compushare node ...` or the console script `/…/bin/compushare node ...`
+    return any(os.path.basename(arg) == b"compushare" for arg in cmdline) and b"node" in cmdline
 
 
 def stop_pids(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import urllib.request
 import webbrowser
@@ -69,6 +70,16 @@ class Tray:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
 
+    def _dashboard_launcher(self, api: str) -> Path:
+        """A 0600 page in the data dir that forwards to the dashboard with the token: a
+        browser's command line (readable by every local user) then never holds it."""
+        path = self.data_dir / "dashboard.html"
+        url = json.dumps(f"{api}/dashboard#token={load_or_create_token(self.data_dir)}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"<!doctype html><meta charset=utf-8><script>location.replace({url})</script>\n")
+        return path
+
     def poll(self) -> None:
         try:
             self.status = self._call("/control/status")
@@ -93,7 +104,7 @@ class Tray:
         def dashboard(_icon, _item) -> None:
             api = self._api()
             if api:
-                webbrowser.open(f"{api}/dashboard#token={load_or_create_token(self.data_dir)}")
+                webbrowser.open(self._dashboard_launcher(api).as_uri())
 
         def quit_all(icon, _item) -> None:
             with contextlib.suppress(UsageError):  # already gone

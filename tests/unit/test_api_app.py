@@ -87,3 +87,31 @@ def test_token_is_made_once_and_private(tmp_path):
     token = load_or_create_token(tmp_path)
     assert len(token) >= 32 and load_or_create_token(tmp_path) == token
     assert (tmp_path / TOKEN_FILE).stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_is_a_404_streaming_or_not(client, stream):
+    """Checked before any reply starts: the official client raises NotFoundError."""
+    response = client.post("/v1/chat/completions", headers=AUTH, json={
+        "model": "no-such-model", "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
+    assert _error(response, 404)["code"] == "model_not_found"
+
+
+def test_messages_accept_text_parts_and_the_developer_role():
+    from compushare.api.engine import messages_to_ids
+    from compushare.errors import UsageError
+
+    class Words:  # a tokenizer without a chat template: the plain transcript is encoded
+        chat_template = None
+
+        def encode(self, text):
+            return text.split()
+
+    ids = messages_to_ids(Words(), [{"role": "developer", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                 {"type": "text", "text": " there"}]}])
+    assert ids == ["system:", "be", "brief", "user:", "hi", "there", "assistant:"]
+    with pytest.raises(UsageError, match="text content"):
+        messages_to_ids(Words(), [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(UsageError, match="role"):
+        messages_to_ids(Words(), [{"role": "tool", "content": "x"}])

@@ -17,7 +17,7 @@ from typing import Protocol
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreachable, UsageError
@@ -83,6 +83,36 @@ class Control(Protocol):
     def resume(self) -> bool: ...
 
 
+class _Raw(Response):
+    """A response that is a plain ASGI callable (it sends its own messages)."""
+
+    def __init__(self, app) -> None:
+        self._app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._app(scope, receive, send)
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def until_disconnect(receive, work):
+    """Run `work`; None if the client disconnected first (then `work` is cancelled)."""
+    result = None
+    async with trio.open_nursery() as nursery:
+        async def run() -> None:
+            nonlocal result
+            result = await work
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run)
+        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+    return result
+
+
 def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
     def authorized(request: Request) -> JSONResponse | None:
         if bearer_ok(request.headers.get("authorization"), token):
@@ -143,56 +173,68 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
         except UsageError as exc:
             return error(400, str(exc))
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        try:  # before any reply: a bad model or bad messages get their proper status, streaming or not
+            consumer, prompt = await engine.prepare(model, messages)
+        except Exception as exc:
+            return _failure(exc)
 
         def finish(outcome) -> str:
             return "length" if len(outcome.tokens) >= params.max_new_tokens else "stop"
 
         if not body.get("stream"):
             try:
-                outcome, prompt_tokens = await engine.chat(model, messages, params)
+                outcome = await until_disconnect(request.receive, engine.run(consumer, model, prompt, params))
             except Exception as exc:
                 return _failure(exc)
+            if outcome is None:  # the client left: nothing to answer
+                return Response(status_code=499)
             return JSONResponse({
                 "id": ident, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
                              "finish_reason": finish(outcome)}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(outcome.tokens),
-                          "total_tokens": prompt_tokens + len(outcome.tokens)},
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(outcome.tokens),
+                          "total_tokens": len(prompt) + len(outcome.tokens)},
             })
 
-        # Room for every token: a slow reader must not make the generation's callback block.
-        send, receive = trio.open_memory_channel[tuple[str, object]](MAX_NEW_TOKENS + 2)
+        def chunk(delta: dict, reason: str | None = None) -> bytes:
+            return ("data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                           "model": model, "choices": [{"index": 0, "delta": delta,
+                                                                        "finish_reason": reason}]}) + "\n\n").encode()
 
-        def chunk(delta: dict, reason: str | None = None) -> str:
-            return "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                          "model": model, "choices": [{"index": 0, "delta": delta,
-                                                                       "finish_reason": reason}]}) + "\n\n"
+        async def stream(scope, receive, send) -> None:
+            """Server-sent events as the tokens come. The generation, the sender and a
+            watcher for the client's disconnect share one nursery: a client that leaves
+            ends the generation (and closes its sessions), never the other way round."""
+            # Room for every token: a slow reader must not make the generation's callback block.
+            to_client, pending = trio.open_memory_channel[bytes](MAX_NEW_TOKENS + 4)
 
-        async def produce() -> None:
-            async with send:
-                try:
-                    outcome, _ = await engine.chat(model, messages, params,
-                                                   on_text=lambda text: send.send_nowait(("text", text)))
-                    await send.send(("done", outcome))
-                except Exception as exc:  # reported in the stream: the status line is sent already
-                    await send.send(("error", exc))
+            async def produce() -> None:
+                async with to_client:
+                    to_client.send_nowait(chunk({"role": "assistant", "content": ""}))
+                    try:
+                        outcome = await engine.run(consumer, model, prompt, params,
+                                                   on_text=lambda text: to_client.send_nowait(chunk({"content": text})))
+                        to_client.send_nowait(chunk({}, finish(outcome)))
+                    except Exception as exc:  # the status line is sent already: the error goes in the stream
+                        to_client.send_nowait(("data: " + _failure(exc).body.decode() + "\n\n").encode())
+                    to_client.send_nowait(b"data: [DONE]\n\n")
 
-        async def events():
-            yield chunk({"role": "assistant", "content": ""})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                    (b"cache-control", b"no-cache")]})
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 nursery.start_soon(produce)
-                async with receive:
-                    async for kind, value in receive:
-                        if kind == "text":
-                            yield chunk({"content": value})
-                        elif kind == "done":
-                            yield chunk({}, finish(value))
-                        else:
-                            payload = json.loads(_failure(value).body)
-                            yield "data: " + json.dumps(payload) + "\n\n"
-            yield "data: [DONE]\n\n"
+                try:
+                    async with pending:
+                        async for data in pending:
+                            await send({"type": "http.response.body", "body": data, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:  # the client went away mid-send
+                    pass
+                nursery.cancel_scope.cancel()  # the watcher
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _Raw(stream)
 
     async def not_found(request: Request, exc):
         return error(404, f"no route {request.url.path}", code="not_found")

@@ -20,7 +20,7 @@ from ..pipeline.spotcheck import DEFAULT_RATE
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 MAX_MESSAGES = 256
 
 
@@ -30,10 +30,16 @@ def messages_to_ids(tokenizer, messages: object) -> list[int]:
         raise UsageError(f"'messages' must be a list of 1..{MAX_MESSAGES} messages")
     clean = []
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLES \
-                or not isinstance(message.get("content"), str):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: only text ones can be read by this model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise UsageError("only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(content, str):
             raise UsageError(f"each message needs a 'role' in {ROLES} and a string 'content'")
-        clean.append({"role": message["role"], "content": message["content"]})
+        role = "system" if message["role"] == "developer" else message["role"]
+        clean.append({"role": role, "content": content})
     if tokenizer.chat_template:
         encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(encoded["input_ids"])
@@ -75,11 +81,12 @@ class ChatEngine:
             self._consumers[model.model_id] = consumer
             return consumer
 
-    async def chat(self, name: str, messages: object, params: SamplingParams,
-                   on_text: Callable[[str], None] = lambda _t: None) -> tuple[RunOutcome, int]:
-        """Generate a reply; returns the outcome and the prompt's length in tokens."""
+    async def prepare(self, name: str, messages: object) -> tuple[Consumer, list[int]]:
+        """The model's consumer and the prompt's tokens (raises before any generation)."""
         consumer = await self.consumer(name)
-        prompt = messages_to_ids(consumer.tokenizer, messages)
-        outcome = await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False),
-                                          on_text=on_text)
-        return outcome, len(prompt)
+        return consumer, messages_to_ids(consumer.tokenizer, messages)
+
+    async def run(self, consumer: Consumer, name: str, prompt: list[int], params: SamplingParams,
+                  on_text: Callable[[str], None] = lambda _t: None) -> RunOutcome:
+        return await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False),
+                                       on_text=on_text)

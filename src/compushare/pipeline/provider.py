@@ -121,30 +121,34 @@ class Provider:
             dropped = self.server.replace_runner(runner)
             self.moves += 1
             log.info("moved from blocks %s to %s (%d open sessions dropped)", previous, span, dropped)
-        self.state = "serving"
+        self.state = "paused" if self.server.paused else "serving"  # a pause asked for during the load holds
         self._changed()
 
     def pause(self) -> bool:
         """Stop contributing: no new sessions (open ones go on), the ad says "paused",
-        the DHT record is no longer refreshed and lapses. False if not serving."""
-        if self.state != "serving" or self.server is None:
+        the DHT record is no longer refreshed and lapses. During a load (a move) the
+        pause takes effect when it ends. False if paused already or nothing serves."""
+        if self.server is None or self.server.paused:
             return False
-        self.state = "paused"
         self.server.paused = True
-        self._changed()
+        if self.state == "serving":
+            self.state = "paused"
+            self._changed()
         return True
 
     def resume(self) -> bool:
-        if self.state != "paused" or self.server is None:
+        if self.server is None or not self.server.paused:
             return False
-        self.state = "serving"
         self.server.paused = False
-        self._changed()
+        if self.state == "paused":
+            self.state = "serving"
+            self._changed()
         return True
 
     def _strength_without_me(self, view: SwarmView, me: str) -> list[float]:
-        return block_strength(view.servers(self.model.model_id, time.time()), self.model.num_blocks,
-                              exclude=me, unknown_rate=self.block_rate or 1.0)
+        # A paused server covers nothing: others should fill what only it holds.
+        servers = [(ad, s) for ad, s in view.servers(self.model.model_id, time.time()) if s.state != "paused"]
+        return block_strength(servers, self.model.num_blocks, exclude=me, unknown_rate=self.block_rate or 1.0)
 
     async def choose_first_span(self, view: SwarmView, me: str, length: int, warmup_s: float) -> Span:
         """Listen to the swarm for `warmup_s` (randomised, so nodes started together
@@ -171,6 +175,8 @@ class Provider:
                 continue
             # Others may have seen the same hole: give them a chance to move first.
             await trio.sleep(period_s * self.rng.uniform(0.0, 2.0))
+            if self.state != "serving":  # paused meanwhile
+                continue
             target = self._target(view, me)
             if target is not None:
                 log.info("placement: blocks %s are better served elsewhere; moving to %s", self.span, target)
