@@ -209,3 +209,33 @@ def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp
     finally:
         if child.isalive():
             child.kill(signal.SIGKILL)
+
+
+def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
+    """A client that hangs up mid-stream ends the generation: the swarm stops computing."""
+    import httpx
+
+    from compushare.api.auth import TOKEN_FILE
+
+    home, swarm = smol_swarm
+    node, first = swarm["nodes"][1], swarm["nodes"][0]
+    headers = {"Authorization": f"Bearer {(Path(node['data_dir']) / TOKEN_FILE).read_text().strip()}"}
+    first_headers = {"Authorization": f"Bearer {(Path(first['data_dir']) / TOKEN_FILE).read_text().strip()}"}
+
+    def served() -> int:
+        return httpx.get(f"{first['api']}/control/status", headers=first_headers, timeout=10).json()["tokens_served"]
+
+    body = {"model": "smollm2-135m", "stream": True, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}
+    with httpx.stream("POST", f"{node['api']}/v1/chat/completions", json=body, headers=headers,
+                      timeout=120) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 4:
+                break  # then hang up
+    time.sleep(2.0)  # the disconnect reaches the node; the last step in flight finishes
+    before = served()
+    time.sleep(3.0)
+    assert served() == before  # nothing more was computed for the abandoned reply
