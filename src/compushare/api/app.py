@@ -230,8 +230,8 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
                         async for data in pending:
                             await send({"type": "http.response.body", "body": data, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except OSError:  # the client went away mid-send
-                    pass
+                except Exception as exc:  # the client went away mid-send (Hypercorn's error types vary)
+                    log.debug("stream ended early: %r", exc)
                 nursery.cancel_scope.cancel()  # the watcher
 
         return _Raw(stream)
