@@ -25,6 +25,8 @@ err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 
 DATA_DIR = typer.Option(None, "--data-dir", "--home", help="Data dir (default: $COMPUSHARE_HOME or the platform's).")
+BOOTSTRAP = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable).")
+SWARM_HOME = typer.Option(None, help="Join the local swarm started with this --home (default: the data dir's swarm/).")
 
 
 def _setup_logging(level: str) -> None:
@@ -42,7 +44,7 @@ def node(
                                                     "(default: half the RAM free at start)."),
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
+    bootstrap: list[str] = BOOTSTRAP,
     kv_budget: int = typer.Option(None, help="KV cache budget in tokens over all sessions."),
     idle_timeout: float = typer.Option(None, help="Seconds before an idle session is dropped."),
     record_ttl: float = typer.Option(None, help="Lifetime of the DHT server record (refreshed at 1/3)."),
@@ -150,8 +152,8 @@ def run(
     prompt: str = typer.Argument(..., help="The prompt."),
     model: str = typer.Option("smollm2-135m", help="Model name or id."),
     data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr (repeatable)."),
-    swarm_home: Path = typer.Option(None, help="Join the local swarm started with this --home."),
+    bootstrap: list[str] = BOOTSTRAP,
+    swarm_home: Path = SWARM_HOME,
     max_tokens: int = typer.Option(128, help="Maximum new tokens."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0),
@@ -205,8 +207,8 @@ def run(
 def chat(
     model: str = typer.Option("smollm2-135m", help="Model name or id (/model switches)."),
     data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr (repeatable)."),
-    swarm_home: Path = typer.Option(None, help="Join the local swarm started with this --home."),
+    bootstrap: list[str] = BOOTSTRAP,
+    swarm_home: Path = SWARM_HOME,
     temperature: float = typer.Option(0.0, help="0 is greedy (/temp changes it)."),
     max_tokens: int = typer.Option(256, help="Most new tokens per reply (/max changes it)."),
     spot_check: float = typer.Option(0.05, min=0.0, max=1.0, help="Share of steps re-checked elsewhere."),
@@ -260,8 +262,8 @@ def _run_or_exit(fn) -> None:
 @app.command()
 def status(
     data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
-    swarm_home: Path = typer.Option(None, help="Local swarm dir to join (default: the data dir's swarm/)."),
+    bootstrap: list[str] = BOOTSTRAP,
+    swarm_home: Path = SWARM_HOME,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -288,8 +290,8 @@ def status(
 def karma(
     peer: str = typer.Argument(None, help="Peer id (default: this data dir's)."),
     data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
-    swarm_home: Path = typer.Option(None, help="Local swarm dir to join (default: the data dir's swarm/)."),
+    bootstrap: list[str] = BOOTSTRAP,
+    swarm_home: Path = SWARM_HOME,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -407,12 +409,35 @@ def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "
         print(f"catalog: {entry.name:14} {entry.description}")
 
 
-def _progress_bar():
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+class _Progress:
+    """A rich progress bar on stderr (bytes, rate, ETA), or nothing at all (--json):
+    its callbacks are safe to hand to the code doing the work either way."""
 
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
+    def __init__(self, description: str, enabled: bool) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                            TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
+                            transient=False) if enabled else None
+        self.task = self.bar.add_task(description, total=None) if self.bar else None
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def progress(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def describe(self, description: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=description)
 
 
 @models_app.command("fetch")
@@ -423,8 +448,8 @@ def models_fetch(
                                                     "tokenizer); with --blocks, those too."),
     name: str = typer.Option(None, help="Alias for the model."),
     data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr (repeatable)."),
-    swarm_home: Path = typer.Option(None, help="Join the local swarm started with this --home."),
+    bootstrap: list[str] = BOOTSTRAP,
+    swarm_home: Path = SWARM_HOME,
     upload_limit_kbps: float = typer.Option(None, "--upload-limit", help="Seeding limit while fetching, KB/s."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
     log_level: str = typer.Option("warning"),
@@ -444,23 +469,11 @@ def models_fetch(
                              "(`compushare status` lists the swarm's)")
         span = Span.parse(blocks) if blocks else None
         boot = _bootstrap_for(home, bootstrap, swarm_home)
-        bar = None if as_json else _progress_bar()
-        task = bar.add_task(f"fetching {model[:12]}", total=None) if bar else None
-
-        def progress(done: int, total: int) -> None:
-            if bar is not None:
-                bar.update(task, completed=done, total=total)
-
-        if bar is not None:
-            bar.start()
-        try:
+        with _Progress(f"fetching {model[:12]}", not as_json) as shown:
             result = trio.run(lambda: fetch_from_swarm(
                 home, boot, model, blocks=(span.start, span.end) if span else None, head=head,
-                everything=span is None and not head, progress=progress, alias=name,
+                everything=span is None and not head, progress=shown.progress, alias=name,
                 upload_limit=upload_limit_kbps * 1000 if upload_limit_kbps else None))
-        finally:
-            if bar is not None:
-                bar.stop()
         if as_json:
             print(json.dumps(dataclasses.asdict(result)))
             return
@@ -479,7 +492,7 @@ def models_seed(
     models: list[str] = typer.Argument(None, help="Models to seed (default: every model stored)."),
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
-    bootstrap: list[str] = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable)."),
+    bootstrap: list[str] = BOOTSTRAP,
     upload_limit_kbps: float = typer.Option(None, "--upload-limit", help="Upload limit over all peers, KB/s."),
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -505,24 +518,9 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
     from .model.catalog import import_path
 
     def do():
-        bar = None if as_json else _progress_bar()
-        task = bar.add_task(f"importing {path.name}", total=None) if bar else None
-
-        def on_stage(stage: str) -> None:
-            if bar is not None:
-                bar.update(task, description=f"{stage} {path.name}")
-
-        def progress(done: int, total: int) -> None:
-            if bar is not None:
-                bar.update(task, completed=done, total=total)
-
-        if bar is not None:
-            bar.start()
-        try:
-            model = import_path(path, resolve_data_dir(data_dir), alias=name, on_stage=on_stage, progress=progress)
-        finally:
-            if bar is not None:
-                bar.stop()
+        with _Progress(f"importing {path.name}", not as_json) as shown:
+            model = import_path(path, resolve_data_dir(data_dir), alias=name, progress=shown.progress,
+                                on_stage=lambda stage: shown.describe(f"{stage} {path.name}"))
         if as_json:
             print(json.dumps({"model_id": model.model_id, "name": name, "num_blocks": model.num_blocks,
                               "bytes": sum(f.size for f in model.manifest.files)}))

@@ -11,25 +11,23 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from .api.client import call as control_call
 from .config import STATE_FILE
 from .model.store import ModelStore
 from .net.dht import connect_bootstrap, open_dht
 from .net.gossip import learn_views
 from .net.host import open_host
 from .net.view import SwarmView, coverage
-from .api.auth import load_or_create_token
 from .karma.service import karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0
 KARMA_TIMEOUT_S = 10.0
-CONTROL_TIMEOUT_S = 5.0
 MAX_KARMA_LOOKUPS = 64
 
 
@@ -113,16 +111,9 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
         peer["karma"] = scores.get(peer["peer_id"])
     if local is not None and local.get("api"):  # the daemon's own figures, through its control API
         with contextlib.suppress(Exception):
-            status["this_node"]["daemon"] = await trio.to_thread.run_sync(control_status, data_dir, local["api"])
+            status["this_node"]["daemon"] = await trio.to_thread.run_sync(
+                control_call, data_dir, local["api"], "/control/status")
     return status
-
-
-def control_status(data_dir: Path, api: str) -> dict:
-    """GET /control/status of the node running on `data_dir` (its token is there)."""
-    request = urllib.request.Request(f"{api}/control/status",
-                                     headers={"Authorization": f"Bearer {load_or_create_token(data_dir)}"})
-    with urllib.request.urlopen(request, timeout=CONTROL_TIMEOUT_S) as response:
-        return json.loads(response.read())
 
 
 def render(status: dict, console) -> None:

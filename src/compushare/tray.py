@@ -15,11 +15,12 @@ import json
 import logging
 import os
 import threading
-import urllib.request
 import webbrowser
 from pathlib import Path
 
 from .api.auth import load_or_create_token
+from .api.client import call
+from .config import STATE_FILE
 from .errors import UsageError
 from .swarm import stop_node
 
@@ -57,7 +58,7 @@ class Tray:
 
     def _api(self) -> str | None:
         try:
-            return json.loads((self.data_dir / "node.json").read_text()).get("api")
+            return json.loads((self.data_dir / STATE_FILE).read_text()).get("api")
         except (OSError, ValueError):
             return None
 
@@ -65,10 +66,7 @@ class Tray:
         api = self._api()
         if not api:
             raise OSError("no node with an API runs on this data dir")
-        request = urllib.request.Request(f"{api}{path}", method=method, headers={
-            "Authorization": f"Bearer {load_or_create_token(self.data_dir)}"})
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
+        return call(self.data_dir, api, path, method)
 
     def _dashboard_launcher(self, api: str) -> Path:
         """A 0600 page in the data dir that forwards to the dashboard with the token: a

@@ -15,7 +15,7 @@ from compushare.pipeline.consumer import Consumer, RunRequest
 from compushare.pipeline.proofs import FailureReport
 from compushare.pipeline.sampling import SamplingParams
 from compushare.model.catalog import import_path
-from helpers import reference_greedy
+from helpers import liar_and_honest, reference_greedy
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7]
 NEW_TOKENS = 32
@@ -80,15 +80,7 @@ async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, c
 
 async def test_noisy_server_is_caught_by_spot_checks_and_excluded(processes, tiny_model, client_dir):
     """B adds noise to every output; C is honest but slower, so routes prefer B."""
-    _, first = processes.node("a", tiny_model, "0:2")
-    boot = first["addrs"][:1]
-    fast_ads = ["--ad-period", "1"]
-    noisy = processes.node("b", tiny_model, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"] + fast_ads,
-                           wait=False)[0]
-    honest = processes.node("c", tiny_model, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
-                            wait=False)[0]
-    noisy, honest = processes.ready("b", noisy), processes.ready("c", honest)
-    await trio.sleep(2.5)  # both ads say "serving", with their speeds
+    _, boot, noisy, honest = liar_and_honest(processes, tiny_model)
     async with Consumer.connect(client_dir, tuple(boot), "tiny", text_prompts=False,
                                 spot_check_rate=0.25) as consumer:
         routes: list = []

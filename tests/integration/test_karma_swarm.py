@@ -19,6 +19,8 @@ from compushare.pipeline.consumer import Consumer, RunRequest
 from compushare.pipeline.sampling import SamplingParams
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from helpers import liar_and_honest
+
 PROMPT = [1, 17, 42, 99, 3, 250, 7]
 
 
@@ -55,16 +57,7 @@ def _cli_karma(peer_id: str, data_dir, boot: list[str]) -> dict:
 
 async def test_karma_rises_after_serving_is_shared_by_readers_and_drops_after_a_report(
         processes, tiny_model, client_dir, tmp_path):
-    # B lies (noise on every output) but is fast; C is honest and slow, so routes take B.
-    _, a = processes.node("a", tiny_model, "0:2")
-    boot = a["addrs"][:1]
-    fast_ads = ["--ad-period", "1"]
-    b = processes.node("b", tiny_model, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"] + fast_ads,
-                       wait=False)[0]
-    c = processes.node("c", tiny_model, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
-                       wait=False)[0]
-    b, c = processes.ready("b", b), processes.ready("c", c)
-    await trio.sleep(2.5)  # both ads say "serving", with their speeds
+    a, boot, b, c = liar_and_honest(processes, tiny_model)  # B lies but is fast: routes take it
 
     async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
         await connect_bootstrap(host, dht, boot)

@@ -5,4 +5,5 @@ a small control API, both behind a token kept in the node's data dir.
   engine.py   generations for HTTP clients: one Consumer per model, on the node's host
   app.py      the ASGI app (Starlette): /v1/models, /v1/chat/completions, /control/status
   server.py   serving it with Hypercorn inside the node's trio nursery
+  client.py   calling the control API (status, tray)
 """

@@ -55,25 +55,19 @@ for _module in (_kad_dht, _peer_routing, _provider_store):
     _module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
 
 
-class KarmaRecordValidator(Validator):
-    """Signature, schema (the score must follow from the compute), freshness. Whether
-    the receipts bear the record out is for readers to check (karma/service.py)."""
+class SignedRecordValidator(Validator):
+    """A namespace of owner-signed records with a seq: `parse` checks signature, then
+    schema, then freshness (raising PeerMisbehaved); `select` keeps the newest valid
+    one. (Whether a karma record's receipts bear it out is for its readers to check.)"""
+
+    def __init__(self, parse, select) -> None:
+        self._parse, self._select = parse, select
 
     def validate(self, key: str, value: bytes) -> None:
-        parse_karma_record(key, value)
+        self._parse(key, value)
 
     def select(self, key: str, values: list[bytes]) -> int:
-        return newest_karma_index(key, values)
-
-
-class ServerRecordValidator(Validator):
-    """Signature first, then schema, then freshness (records.parse_record)."""
-
-    def validate(self, key: str, value: bytes) -> None:
-        parse_record(key, value)
-
-    def select(self, key: str, values: list[bytes]) -> int:
-        return newest_index(key, values)
+        return self._select(key, values)
 
 
 def block_key(model_id: str, block: int) -> str:
@@ -88,8 +82,10 @@ def model_key(model_id: str) -> str:
 
 @contextlib.asynccontextmanager
 async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
-    validator = NamespacedValidator({RECORD_NAMESPACE: ServerRecordValidator(), KARMA_NAMESPACE: KarmaRecordValidator()},
-                                    strict_validation=True)
+    validator = NamespacedValidator({
+        RECORD_NAMESPACE: SignedRecordValidator(parse_record, newest_index),
+        KARMA_NAMESPACE: SignedRecordValidator(parse_karma_record, newest_karma_index),
+    }, strict_validation=True)
     dht = KadDHT(
         host,
         DHTMode.SERVER if server else DHTMode.CLIENT,

@@ -128,20 +128,17 @@ class Provider:
         """Stop contributing: no new sessions (open ones go on), the ad says "paused",
         the DHT record is no longer refreshed and lapses. During a load (a move) the
         pause takes effect when it ends. False if paused already or nothing serves."""
-        if self.server is None or self.server.paused:
-            return False
-        self.server.paused = True
-        if self.state == "serving":
-            self.state = "paused"
-            self._changed()
-        return True
+        return self._set_paused(True)
 
     def resume(self) -> bool:
-        if self.server is None or not self.server.paused:
+        return self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> bool:
+        if self.server is None or self.server.paused == paused:
             return False
-        self.server.paused = False
-        if self.state == "paused":
-            self.state = "serving"
+        self.server.paused = paused
+        if self.state in ("serving", "paused"):  # loading: serve() applies it at the end
+            self.state = "paused" if paused else "serving"
             self._changed()
         return True
 
