@@ -156,6 +156,7 @@ class Node:
                 provider.on_change = on_change
                 await provider.serve(span)
                 server = provider.server
+                server.enable_push(host, nursery)
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 nursery.start_soon(server.expire_loop)
                 await nursery.start(announce_loop, host, dht, key_pair, provider, config.record_ttl_s)
@@ -229,6 +230,7 @@ class Node:
         server = self.provider.server if self.provider is not None else None
         status["tokens_served"] = server.tokens_served if server is not None else 0
         status["throughput"] = server.throughput() if server is not None else 0.0
+        status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
         if self.provider is not None:
             status["state"] = self.provider.state
         return status

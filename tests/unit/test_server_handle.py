@@ -29,9 +29,10 @@ tensorish = st.fixed_dictionaries({"dtype": st.one_of(value, st.sampled_from(["f
                                    "shape": st.one_of(value, st.just([1, 1, 64])),
                                    "data": st.one_of(value, st.just(bytes(256)))})
 message = st.fixed_dictionaries(
-    {"type": st.sampled_from(["open", "step", "truncate", "receipt", "close", "bogus"])},
+    {"type": st.sampled_from(["open", "step", "truncate", "receipt", "link", "push", "close", "bogus"])},
     optional={"session": st.one_of(st.just(SESSION), value), "position": value, "start": value, "end": value,
-              "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value), "receipt": value},
+              "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value), "receipt": value,
+              "upstream": value, "downstream": value},
 )
 
 
@@ -47,10 +48,30 @@ def test_any_message_gets_a_reply(server, messages):
         for msg in messages:
             reply = await server.handle(msg)
             assert isinstance(reply, dict)
-            assert reply["type"] in {"opened", "result", "truncated", "closed", "error"}
+            assert reply["type"] in {"opened", "result", "truncated", "closed", "error"}  # no pushes here
             if reply["type"] == "error":
                 assert isinstance(reply["code"], str) and reply["message"]
         server.sessions.close(SESSION)
+
+    trio.run(drive)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(message, min_size=1, max_size=6))
+def test_a_server_taking_pushes_answers_anything_or_takes_the_push(server, messages):
+    async def drive():
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            try:
+                for msg in messages:
+                    reply = await server.handle(msg)
+                    if reply is None:  # a push taken: only "push" may go unanswered
+                        assert msg["type"] == "push"
+                        continue
+                    assert reply["type"] in {"opened", "result", "truncated", "closed", "linked", "error"}
+            finally:
+                server.sessions.close(SESSION)
+                server.pushes = server._nursery = None
 
     trio.run(drive)
 

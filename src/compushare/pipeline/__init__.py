@@ -1,8 +1,9 @@
 """Inference sessions across a chain of peers.
 
-  protocol.py   protocol id and message shapes of /compushare/infer/1.2.0 (pure)
+  protocol.py   protocol id and message shapes of /compushare/infer/1.3.0 (pure)
   session.py    pure session table: admission (KV budget), step ordering, expiry
   server.py     the provider: serves a span over libp2p, compute in worker threads
+  push.py       server-to-server pushes: the next hop starts before the consumer's copy
   announce.py   keeps this provider's DHT server record and provider records fresh
   discovery.py  the consumer's DHT look-ups: servers of a model, concurrently
   routing.py    pure: choose a chain of servers covering every block

@@ -1,4 +1,4 @@
-"""The consumer's side of /compushare/infer/1.2.0: a chain of sessions that outlives
+"""The consumer's side of /compushare/infer/1.3.0: a chain of sessions that outlives
 its servers.
 
 One stream per hop carries every step of the session. Every request has a deadline
@@ -99,6 +99,7 @@ class RemoteHop:
         self.hidden_size = hidden_size
         self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
         self.usage = Usage()  # what the next receipt covers
+        self.linked: tuple = (None, None)  # (upstream peer, downstream hop) as last sent (pipeline/push.py)
 
     @property
     def peer_id(self) -> str:
@@ -364,6 +365,7 @@ class InferenceChain:
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Run `hidden` [1, n, H] through every hop; the chain's position advances by n."""
+        await self._link()
         index = 0
         while index < len(self.hops):
             remote = self.hops[index]
@@ -386,6 +388,36 @@ class InferenceChain:
                 for remote in due:
                     nursery.start_soon(remote.send_receipt, self.host, self.model_id)
         return hidden
+
+    # -- pushes -----------------------------------------------------------------------
+
+    async def _link(self) -> None:
+        """Tell each hop its neighbours, so it pushes its output straight to the next
+        one (pipeline/push.py); sent when the chain changed (opened, failed over)."""
+        changed = []
+        for index, remote in enumerate(self.hops):
+            upstream = self.hops[index - 1].peer_id if index > 0 else None
+            downstream = self.hops[index + 1] if index + 1 < len(self.hops) else None
+            if remote.linked != (upstream, downstream):
+                changed.append((remote, upstream, downstream))
+        if changed:
+            async with trio.open_nursery() as nursery:
+                for remote, upstream, downstream in changed:
+                    nursery.start_soon(self._link_one, remote, upstream, downstream)
+
+    @staticmethod
+    async def _link_one(remote: RemoteHop, upstream: str | None, downstream: RemoteHop | None) -> None:
+        remote.linked = (upstream, downstream)  # also when refused: pushes only save time
+        message = {"type": "link", "session": remote.session_id, "upstream": upstream, "downstream": None}
+        if downstream is not None:
+            message["downstream"] = {"peer": downstream.peer_id, "addrs": list(downstream.hop.record.addrs),
+                                     "session": downstream.session_id}
+        try:
+            await remote.request(message, remote.deadline(1))
+        except HopFailed as exc:
+            log.debug("%s will not push: %s", remote.peer_id, exc)
+            if exc.code in ("timeout", "connection_lost", "closed"):
+                await remote.abort()  # a late reply would desync the stream: its next step fails over
 
     # -- failover ---------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""/compushare/infer/1.2.0 — see protocol.md for the full description."""
+"""/compushare/infer/1.3.0 — see protocol.md for the full description."""
 
-INFER_PROTOCOL = "/compushare/infer/1.2.0"
+INFER_PROTOCOL = "/compushare/infer/1.3.0"
 SESSION_ID_BYTES = 16
 
 # Error codes carried in {"type": "error", "code": ...} replies.
@@ -15,6 +15,7 @@ TOO_LONG = "too_long"
 INTERNAL = "internal"
 RATE_LIMITED = "rate_limited"
 BAD_RECEIPT = "bad_receipt"
+UNREACHABLE = "unreachable"
 
 
 def error(code: str, message: str, session: bytes | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The provider: serves a span of blocks over /compushare/infer/1.2.0.
+"""The provider: serves a span of blocks over /compushare/infer/1.3.0.
 
 One handler task per stream reads frames in order; a stream may carry several
 sessions. Torch runs in worker threads behind a CapacityLimiter so the event loop
@@ -30,7 +30,8 @@ from . import protocol
 from ..karma.receipts import parse_receipt
 from ..karma.rules import CLOCK_SKEW_S
 from .proofs import sign_step
-from .session import Rejected, SessionTable
+from .push import PushLinks, Speculation, parse_downstream, parse_peer
+from .session import Rejected, Session, SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ class InferenceServer:
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
         self._busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
+        self.pushes: PushLinks | None = None  # set by enable_push: this server pushes and takes pushes
+        self._nursery: trio.Nursery | None = None
+        self.speculation_hits = 0  # steps whose pushed input the consumer confirmed
+        self.speculation_misses = 0
+
+    def enable_push(self, host, nursery: trio.Nursery) -> None:
+        """Let consumers link this server's sessions to their neighbours in a chain
+        (pipeline/push.py); pushes and the steps they start run in `nursery`."""
+        self.pushes = PushLinks(host, nursery)
+        self._nursery = nursery
 
     def _new_table(self) -> SessionTable:
         limits = self.limits
@@ -157,13 +168,15 @@ class InferenceServer:
             if message is None:
                 await framed.close()
                 return
-            await self._reply(framed, await self.handle(message, peer, framed.last_frame_bytes))
+            reply = await self.handle(message, peer, framed.last_frame_bytes)
+            if reply is not None:  # a push that was taken gets no reply
+                await self._reply(framed, reply)
 
     async def _reply(self, framed: FramedStream, reply: dict) -> None:
         with trio.fail_after(REPLY_TIMEOUT_S):
             await framed.send(reply)
 
-    async def handle(self, message: dict, peer: str = "", nbytes: int = 0) -> dict:
+    async def handle(self, message: dict, peer: str = "", nbytes: int = 0) -> dict | None:
         session_id = message.get("session")
         try:
             wait = self.rate_limiter.check(peer, nbytes, time.monotonic())
@@ -177,10 +190,15 @@ class InferenceServer:
             kind = message["type"]
             if kind == "step":
                 return await self._step(session_id, message)
+            if kind == "push":
+                return self._push(session_id, message, peer)
+            if kind == "link":
+                return await self._link(session_id, message, peer)
             if kind == "open":
                 return self._open(session_id, message, peer)
             if kind == "truncate":
                 position = _int(message, "position")
+                await self._discard_speculation(self.sessions.get(session_id))
                 session = self.sessions.truncate(session_id, position, time.monotonic())
                 self.runner.truncate(session.cache, position)
                 return {"type": "truncated", "session": session_id, "position": position}
@@ -252,13 +270,40 @@ class InferenceServer:
         position = _int(message, "position")
         # A move to another span swaps both mid-step: this step finishes on the old ones.
         sessions, runner = self.sessions, self.runner
-        sessions.get(session_id)  # unknown session before decoding the tensor
+        session = sessions.get(session_id)  # unknown session before decoding the tensor
         wire = message.get("hidden")
         hidden = decode_tensor(wire, hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens)
         tokens = hidden.shape[1]
         chunks = _chunks(message.get("chunks"), tokens)
         last_only = message.get("last_only", False) is True
-        session = sessions.begin_step(session_id, position, tokens, time.monotonic())
+        speculation = await self._confirm_speculation(session, position, wire, chunks)
+        if speculation is not None:  # computed from the upstream server's push already
+            output, seconds = speculation.output, speculation.seconds
+        else:
+            session = sessions.begin_step(session_id, position, tokens, time.monotonic())
+            output, seconds = await self._compute(runner, session, hidden, position, chunks)
+            if session.downstream is not None and len(chunks) == 1:  # a replay is not worth pushing
+                # Before the reply: the next hop starts before the consumer's copy arrives.
+                await self.pushes.push(session.downstream, position, encode_tensor(output.to(hidden.dtype)))
+        sessions.end_step(session, tokens, time.monotonic(), ok=True)
+        self.tokens_served += tokens
+        session.unreceipted_tokens += tokens
+        session.unreceipted_ms += seconds * 1000
+        if last_only:
+            output = output[:, -chunks[-1]:]
+        encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype
+        reply = {"type": "result", "session": session_id, "position": position, "hidden": encoded,
+                 "compute_ms": seconds * 1000}
+        if session.digest is not None:
+            session.digest.update(wire["data"])
+            reply["proof"] = self._prove(session, position + tokens - chunks[-1], chunks[-1], encoded["data"],
+                                         output.shape[1])
+        return reply
+
+    async def _compute(self, runner: SpanRunner, session: Session, hidden: torch.Tensor, position: int,
+                       chunks: list[int]) -> tuple[torch.Tensor, float]:
+        """Run one begun step in a worker thread; on failure the cache is rolled back
+        and the step ended, and the error propagates."""
 
         def compute() -> tuple:
             # Chunks run one after another, exactly as the original steps did: a replayed
@@ -275,28 +320,97 @@ class InferenceServer:
                 out = out + torch.randn_like(out) * self.noise * out.abs().mean()
             return out, time.perf_counter() - began
 
-        ok = False
         try:
             output, seconds = await trio.to_thread.run_sync(compute, limiter=self.compute_limiter)
-            ok = True
-            self._observe(tokens, session.end - session.start, seconds)
+        except BaseException:
+            runner.truncate(session.cache, position)  # a failed forward may have half-appended
+            self.sessions.end_step(session, hidden.shape[1], time.monotonic(), ok=False)
+            raise
+        self._observe(hidden.shape[1], session.end - session.start, seconds)
+        return output, seconds
+
+    # -- pushes (pipeline/push.py) ------------------------------------------------------
+
+    async def _link(self, session_id: bytes, message: dict, peer: str) -> dict:
+        """The consumer names this session's neighbours in its chain: who may push
+        inputs here (`upstream`) and where outputs go (`downstream`, nil: nowhere)."""
+        session = self.sessions.get(session_id)
+        if peer != session.owner:
+            raise Rejected(protocol.BAD_REQUEST, "only the consumer that opened a session may link it")
+        if self.pushes is None:
+            raise Rejected(protocol.BAD_REQUEST, "this server does not take part in pushes")
+        upstream = message.get("upstream")
+        upstream = None if upstream is None else parse_peer(upstream, "upstream")
+        downstream = parse_downstream(message.get("downstream"))
+        if downstream is not None:
+            await self.pushes.connect(downstream)
+        session.upstream, session.downstream = upstream, downstream
+        return {"type": "linked", "session": session_id}
+
+    def _push(self, session_id: bytes, message: dict, peer: str) -> None:
+        """Start computing a step from the upstream server's output; the consumer's own
+        step for that position then finds it done (or computing)."""
+        if self._nursery is None:
+            raise Rejected(protocol.BAD_REQUEST, "this server does not take pushes")
+        sessions, runner = self.sessions, self.runner
+        session = sessions.get(session_id)
+        if session.upstream is None or peer != session.upstream:
+            raise Rejected(protocol.BAD_REQUEST, "this session takes no pushes from this peer")
+        position = _int(message, "position")
+        wire = message.get("hidden")
+        hidden = decode_tensor(wire, hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens)
+        session = sessions.begin_step(session_id, position, hidden.shape[1], time.monotonic())
+        session.speculation = speculation = Speculation(position, hidden.shape[1], bytes(wire["data"]),
+                                                         wire["dtype"])
+        self._nursery.start_soon(self._speculate, runner, session, speculation, hidden)
+        return None
+
+    async def _speculate(self, runner: SpanRunner, session: Session, speculation: Speculation,
+                         hidden: torch.Tensor) -> None:
+        try:
+            # The step stays begun: it ends when the consumer's copy of its input comes.
+            output, speculation.seconds = await self._compute(runner, session, hidden, speculation.position,
+                                                              [speculation.tokens])
+            if session.downstream is not None:
+                await self.pushes.push(session.downstream, speculation.position,
+                                       encode_tensor(output.to(hidden.dtype)))
+            speculation.output = output
+        except Exception as exc:  # _compute rolled back and ended the step
+            log.info("a pushed step failed: %s", exc)
+            if session.speculation is speculation:
+                session.speculation = None
         finally:
-            if not ok:  # a failed forward may have half-appended: roll the cache back
-                runner.truncate(session.cache, position)
-            sessions.end_step(session, tokens, time.monotonic(), ok=ok)
-        self.tokens_served += tokens
-        session.unreceipted_tokens += tokens
-        session.unreceipted_ms += seconds * 1000
-        if last_only:
-            output = output[:, -chunks[-1]:]
-        encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype
-        reply = {"type": "result", "session": session_id, "position": position, "hidden": encoded,
-                 "compute_ms": seconds * 1000}
-        if session.digest is not None:
-            session.digest.update(wire["data"])
-            reply["proof"] = self._prove(session, position + tokens - chunks[-1], chunks[-1], encoded["data"],
-                                         output.shape[1])
-        return reply
+            speculation.finished = True
+            speculation.done.set()
+
+    async def _confirm_speculation(self, session: Session, position: int, wire: dict,
+                                   chunks: list[int]) -> Speculation | None:
+        """The step computed from a push, if the consumer's step carries the same input
+        at the same position (it is still begun); otherwise any is rolled back."""
+        speculation = session.speculation
+        if speculation is None:
+            return None
+        await speculation.done.wait()
+        if session.speculation is not speculation:  # failed, or another step took it
+            return None
+        session.speculation = None
+        if speculation.matches(position, bytes(wire["data"]), wire["dtype"], chunks):
+            self.speculation_hits += 1
+            return speculation
+        self.speculation_misses += 1
+        self.runner.truncate(session.cache, speculation.position)
+        self.sessions.end_step(session, speculation.tokens, time.monotonic(), ok=False)
+        return None
+
+    async def _discard_speculation(self, session: Session) -> None:
+        speculation = session.speculation
+        if speculation is None:
+            return
+        await speculation.done.wait()
+        if session.speculation is speculation:
+            session.speculation = None
+            self.runner.truncate(session.cache, speculation.position)
+            self.sessions.end_step(session, speculation.tokens, time.monotonic(), ok=False)
 
     def _prove(self, session, position: int, tokens: int, data: bytes, returned_tokens: int) -> dict:
         """Sign the last chunk's output: the last `tokens` of the `returned_tokens` in `data`."""

@@ -39,6 +39,11 @@ class Session:
     receipt_seq: int = 0
     unreceipted_tokens: int = 0
     unreceipted_ms: float = 0.0
+    # Pushes (pipeline/push.py): who may push inputs here, where outputs are pushed,
+    # and a step computed from a push that awaits the consumer's copy of its input.
+    upstream: str | None = None
+    downstream: object = None
+    speculation: object = None
 
 
 class SessionTable:
@@ -132,10 +137,11 @@ class SessionTable:
         return self._sessions.pop(session_id, None)
 
     def expire(self, now: float) -> list[Session]:
-        """Drop sessions idle for longer than the timeout (never one mid-step)."""
+        """Drop sessions idle for longer than the timeout (never one mid-step; a step
+        computed from a push that its consumer never confirmed does not count)."""
         idle = [
             s for s in self._sessions.values()
-            if not s.in_step and now - s.last_used > self.idle_timeout_s
+            if (not s.in_step or getattr(s.speculation, "finished", False)) and now - s.last_used > self.idle_timeout_s
         ]
         for session in idle:
             del self._sessions[session.session_id]

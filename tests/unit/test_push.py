@@ -1,0 +1,171 @@
+"""Server-to-server pushes (pipeline/push.py) on the receiving server: a pushed step
+is used only when the consumer's step carries the same input; anything else is
+rolled back, so a wrong push never changes an answer."""
+
+import os
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from compushare.config import ServerLimits
+from compushare.model.blocks import SpanRunner
+from compushare.net.tensors import decode_tensor, encode_tensor
+from compushare.pipeline.server import InferenceServer
+
+KEY = create_new_key_pair()
+OWNER = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # the consumer
+UPSTREAM = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # the previous hop
+STRANGER = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+SESSION = os.urandom(16)
+
+
+@pytest.fixture
+def make_server(tiny_model):
+    runner = SpanRunner.load(tiny_model, 0, 2)
+    return lambda: InferenceServer(runner, "model-x", ServerLimits(kv_budget_tokens=256), key_pair=KEY)
+
+
+def inputs(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, 64, generator=generator) for n in (3, 1, 1, 1)]
+
+
+async def open_session(server: InferenceServer, *, link: bool = True) -> None:
+    reply = await server.handle({"type": "open", "session": SESSION, "model": "model-x", "start": 0, "end": 2,
+                                 "max_tokens": 64}, OWNER)
+    assert reply["type"] == "opened"
+    if link:
+        reply = await server.handle({"type": "link", "session": SESSION, "upstream": UPSTREAM, "downstream": None},
+                                    OWNER)
+        assert reply == {"type": "linked", "session": SESSION}
+
+
+async def step(server: InferenceServer, hidden: torch.Tensor, position: int) -> torch.Tensor:
+    reply = await server.handle({"type": "step", "session": SESSION, "position": position,
+                                 "hidden": encode_tensor(hidden)}, OWNER)
+    assert reply["type"] == "result", reply
+    return decode_tensor(reply["hidden"], hidden_size=64, max_tokens=64)
+
+
+async def push(server: InferenceServer, hidden: torch.Tensor, position: int, peer: str = UPSTREAM):
+    return await server.handle({"type": "push", "session": SESSION, "position": position,
+                                "hidden": encode_tensor(hidden)}, peer)
+
+
+async def reference(make_server, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    server = make_server()
+    await open_session(server, link=False)
+    out, position = [], 0
+    for hidden in steps:
+        out.append(await step(server, hidden, position))
+        position += hidden.shape[1]
+    return out
+
+
+def test_a_confirmed_push_gives_the_answer_it_would_have_anyway(make_server):
+    async def main():
+        steps = inputs()
+        expected = await reference(make_server, steps)
+        server = make_server()
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            await open_session(server)
+            position = 0
+            for hidden, want in zip(steps, expected):
+                assert await push(server, hidden, position) is None  # taken: no reply
+                assert torch.equal(await step(server, hidden, position), want)
+                position += hidden.shape[1]
+        assert (server.speculation_hits, server.speculation_misses) == (len(steps), 0)
+        assert server.tokens_served == position  # counted once, not once per copy
+
+    trio.run(main)
+
+
+def test_a_wrong_push_is_rolled_back_and_the_consumers_input_computed(make_server):
+    async def main():
+        steps = inputs()
+        expected = await reference(make_server, steps)
+        server = make_server()
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            await open_session(server)
+            position = 0
+            for index, (hidden, want) in enumerate(zip(steps, expected)):
+                lie = hidden + 1.0 if index % 2 == 0 else hidden  # a lying (or stale) upstream, every other step
+                await push(server, lie, position)
+                assert torch.equal(await step(server, hidden, position), want)
+                position += hidden.shape[1]
+        assert (server.speculation_hits, server.speculation_misses) == (2, 2)
+        assert server.runner.cached_length(server.sessions.get(SESSION).cache) == position
+
+    trio.run(main)
+
+
+def test_pushes_refused_get_an_error_and_change_nothing(make_server):
+    async def main():
+        steps = inputs()
+        expected = await reference(make_server, steps)
+        server = make_server()
+        await open_session(server, link=False)
+        assert (await push(server, steps[0], 0))["code"] == "bad_request"  # no nursery: takes no pushes
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            assert (await push(server, steps[0], 0))["code"] == "bad_request"  # not linked
+            reply = await server.handle({"type": "link", "session": SESSION, "upstream": UPSTREAM,
+                                         "downstream": None}, STRANGER)
+            assert reply["code"] == "bad_request" and "only the consumer" in reply["message"]
+            await open_session_link_only(server)
+            assert (await push(server, steps[0], 0, peer=STRANGER))["code"] == "bad_request"
+            assert (await push(server, steps[0], 5))["code"] == "out_of_order"
+            reply = await server.handle({"type": "link", "session": SESSION, "upstream": "not a peer id",
+                                         "downstream": None}, OWNER)
+            assert reply["code"] == "bad_request"
+            reply = await server.handle({"type": "link", "session": SESSION, "upstream": None,
+                                         "downstream": {"peer": UPSTREAM, "addrs": "x", "session": SESSION}}, OWNER)
+            assert reply["code"] == "bad_request"
+            assert torch.equal(await step(server, steps[0], 0), expected[0])
+        assert server.speculation_hits == server.speculation_misses == 0
+
+    trio.run(main)
+
+
+async def open_session_link_only(server: InferenceServer) -> None:
+    reply = await server.handle({"type": "link", "session": SESSION, "upstream": UPSTREAM, "downstream": None}, OWNER)
+    assert reply["type"] == "linked"
+
+
+def test_truncate_discards_a_pushed_step(make_server):
+    async def main():
+        steps = inputs()
+        expected = await reference(make_server, steps[:2])
+        server = make_server()
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            await open_session(server)
+            assert torch.equal(await step(server, steps[0], 0), expected[0])
+            await push(server, steps[1] * 3, 3)
+            reply = await server.handle({"type": "truncate", "session": SESSION, "position": 3}, OWNER)
+            assert reply["type"] == "truncated"
+            assert torch.equal(await step(server, steps[1], 3), expected[1])
+
+    trio.run(main)
+
+
+def test_a_pushed_step_never_confirmed_lets_its_session_expire(make_server):
+    async def main():
+        server = make_server()
+        async with trio.open_nursery() as nursery:
+            server.enable_push(None, nursery)
+            await open_session(server)
+            await push(server, inputs()[0], 0)
+            with trio.fail_after(10):
+                while not server.sessions.get(SESSION).speculation.finished:
+                    await trio.sleep(0.01)
+        table = server.sessions
+        expired = table.expire(table.get(SESSION).last_used + table.idle_timeout_s + 1)
+        assert [s.session_id for s in expired] == [SESSION]
+
+    trio.run(main)
