@@ -58,6 +58,7 @@ os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 import torch  # noqa: E402
 import trio  # noqa: E402
 
+from compushare.api.client import call  # noqa: E402
 from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
@@ -421,6 +422,10 @@ def main() -> int:
             log(f"compushare run: first byte on stdout after {first_token[-1]:.2f}s "
                 f"({'fresh' if attempt == 0 else 'reused'} client dir)")
         first_token_s = statistics.median(first_token)
+        # Decode steps each node computed from its upstream's push (pipeline/push.py).
+        pushed = [call(cleanup.tmp / f"node-{i}", state["api"], "/control/status").get("pushed_steps")
+                  for i, state in enumerate(states)]
+        log(f"steps started by a push, per node: {pushed}")
 
         log()
         log(f"swarm  {med['swarm']:7.2f} tok/s  ({step_med['swarm']:.2f} ms/token)")
@@ -460,6 +465,7 @@ def main() -> int:
             "model_id": model.model_id,
             "nodes": NODES,
             "route": route,
+            "pushed_steps": pushed,
             "machine": machine_info(),
             "wall_s": round(wall_s, 1),
         }

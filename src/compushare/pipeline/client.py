@@ -308,8 +308,10 @@ class InferenceChain:
 
     def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
-                 tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None) -> None:
+                 tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None,
+                 push: bool = True) -> None:
         self.host = host
+        self.push = push  # link the hops so each pushes its output to the next (pipeline/push.py)
         self.model_id = model_id
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
@@ -394,6 +396,8 @@ class InferenceChain:
     async def _link(self) -> None:
         """Tell each hop its neighbours, so it pushes its output straight to the next
         one (pipeline/push.py); sent when the chain changed (opened, failed over)."""
+        if not self.push:
+            return
         changed = []
         for index, remote in enumerate(self.hops):
             upstream = self.hops[index - 1].peer_id if index > 0 else None
@@ -642,8 +646,9 @@ class InferenceChain:
 @contextlib.asynccontextmanager
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
-                     rng: random.Random | None = None) -> AsyncIterator[InferenceChain]:
-    chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner, spot_check_rate=spot_check_rate, rng=rng)
+                     rng: random.Random | None = None, push: bool = True) -> AsyncIterator[InferenceChain]:
+    chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
+                           spot_check_rate=spot_check_rate, rng=rng, push=push)
     try:
         await chain.open(hops)
         yield chain
