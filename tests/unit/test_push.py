@@ -169,3 +169,33 @@ def test_a_pushed_step_never_confirmed_lets_its_session_expire(make_server):
         assert [s.session_id for s in expired] == [SESSION]
 
     trio.run(main)
+
+
+def test_a_pushed_step_that_fails_leaves_the_consumers_step_to_compute(make_server):
+    async def main():
+        steps = inputs()
+        expected = await reference(make_server, steps[:2])
+        server = make_server()
+        runner, failures = server.runner, []
+        real_forward = runner.forward
+
+        def forward_failing_once(*args, **kwargs):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("injected: out of memory")
+            return real_forward(*args, **kwargs)
+
+        runner.forward = forward_failing_once
+        try:
+            async with trio.open_nursery() as nursery:
+                server.enable_push(None, nursery)
+                await open_session(server)
+                await push(server, steps[0], 0)  # its compute fails: rolled back, step ended
+                assert torch.equal(await step(server, steps[0], 0), expected[0])
+                await push(server, steps[1], 3)
+                assert torch.equal(await step(server, steps[1], 3), expected[1])
+        finally:
+            del runner.forward  # the fixture's runner is shared
+        assert failures and (server.speculation_hits, server.speculation_misses) == (1, 0)
+
+    trio.run(main)

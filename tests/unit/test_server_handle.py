@@ -32,7 +32,8 @@ message = st.fixed_dictionaries(
     {"type": st.sampled_from(["open", "step", "truncate", "receipt", "link", "push", "close", "bogus"])},
     optional={"session": st.one_of(st.just(SESSION), value), "position": value, "start": value, "end": value,
               "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value), "receipt": value,
-              "upstream": value, "downstream": value},
+              "upstream": st.one_of(value, st.just(ID.from_pubkey(KEY.public_key).to_base58())),
+              "downstream": value},
 )
 
 
@@ -63,8 +64,8 @@ def test_a_server_taking_pushes_answers_anything_or_takes_the_push(server, messa
         async with trio.open_nursery() as nursery:
             server.enable_push(None, nursery)
             try:
-                for msg in messages:
-                    reply = await server.handle(msg)
+                for msg in messages:  # from the server's own id: it may be named upstream, and push
+                    reply = await server.handle(msg, PEER_ID)
                     if reply is None:  # a push taken: only "push" may go unanswered
                         assert msg["type"] == "push"
                         continue

@@ -418,9 +418,9 @@ class InferenceChain:
                                      "session": downstream.session_id}
         try:
             await remote.request(message, remote.deadline(1))
-        except HopFailed as exc:
+        except RemoteError as exc:  # refused (busy, bad request...): the chain works without pushes
             log.debug("%s will not push: %s", remote.peer_id, exc)
-            if exc.code in ("timeout", "connection_lost", "closed"):
+            if isinstance(exc, HopFailed) and exc.code in ("timeout", "connection_lost", "closed"):
                 await remote.abort()  # a late reply would desync the stream: its next step fails over
 
     # -- failover ---------------------------------------------------------------------

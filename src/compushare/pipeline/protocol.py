@@ -15,7 +15,6 @@ TOO_LONG = "too_long"
 INTERNAL = "internal"
 RATE_LIMITED = "rate_limited"
 BAD_RECEIPT = "bad_receipt"
-UNREACHABLE = "unreachable"
 
 
 def error(code: str, message: str, session: bytes | None = None) -> dict:

@@ -13,6 +13,7 @@ between hops), as in Petals' server-to-server pushes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -23,7 +24,6 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..errors import FrameError
 from ..net.framing import FramedStream
 from . import protocol
 from .session import Rejected
@@ -31,7 +31,8 @@ from .session import Rejected
 log = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 5.0
-SEND_TIMEOUT_S = 0.5  # a push never holds up the reply to the consumer for longer
+REDIAL_S = 5.0  # a downstream that could not be dialled is tried again after this
+PUSH_MAX_BYTES = 1 << 20  # bigger outputs (a long prefill) are not pushed: the consumer's copy is as fast
 MAX_ADDRS = 8
 MAX_ADDR_CHARS = 256
 MAX_PUSH_PEERS = 64
@@ -78,7 +79,8 @@ def parse_downstream(value: object) -> Downstream | None:
 class Speculation:
     """A step computed from a push, waiting for the consumer's copy of its input."""
 
-    def __init__(self, position: int, tokens: int, data: bytes, dtype: str) -> None:
+    def __init__(self, runner, position: int, tokens: int, data: bytes, dtype: str) -> None:
+        self.runner = runner  # the span it ran on (a move to another span swaps the server's)
         self.position, self.tokens, self.data, self.dtype = position, tokens, data, dtype
         self.done = trio.Event()
         self.output: torch.Tensor | None = None
@@ -90,86 +92,119 @@ class Speculation:
                 and dtype == self.dtype and data == self.data)
 
 
+class _Link:
+    def __init__(self, framed: FramedStream) -> None:
+        self.framed = framed
+        # One push waits at most: a downstream that cannot keep up loses pushes, it
+        # never holds up a reply (its consumer's own step still reaches it).
+        self.send, self.queue = trio.open_memory_channel(1)
+
+
 class PushLinks:
     """One outbound push stream per downstream server, shared by every session that
-    pushes there. Sends are serialised per stream (a frame must not interleave with
-    another), bounded in time, and a stream that fails is dropped, not retried: the
-    consumer's own steps carry on without it."""
+    pushes there. Dialled in the background when a session is linked (a link reply
+    never waits for a dial); a sender task per stream writes the pushes, so a slow
+    or stalled downstream costs dropped pushes, never a delayed reply, and no write
+    is ever cancelled halfway (which would break the shared secure connection)."""
 
     def __init__(self, host: IHost, nursery: trio.Nursery) -> None:
         self.host = host
         self.nursery = nursery
-        self._streams: dict[str, tuple[FramedStream, trio.Lock]] = {}
+        self._links: dict[str, _Link] = {}
+        self._dialling: set[str] = set()
+        self._last_dial: dict[str, float] = {}
         self.sent = 0
-        self.failed = 0
+        self.dropped = 0
 
-    async def connect(self, target: Downstream) -> None:
-        """Have a push stream to `target` ready (the consumer links a session before
-        its first step, so dialling never delays one)."""
-        if target.peer in self._streams:
+    def ensure(self, target: Downstream) -> None:
+        """Start dialling `target` unless a stream is there, being dialled, or was
+        tried in the last REDIAL_S."""
+        peer = target.peer
+        if peer in self._links or peer in self._dialling:
             return
-        if len(self._streams) >= MAX_PUSH_PEERS:
-            raise Rejected(protocol.BUSY, f"this server already pushes to {MAX_PUSH_PEERS} servers")
-        addrs = []
-        for text in target.addrs:
-            try:
-                addrs.append(multiaddr.Multiaddr(text).decapsulate(multiaddr.Multiaddr(f"/p2p/{target.peer}")))
-            except Exception:
-                raise Rejected(protocol.BAD_REQUEST, f"not a multiaddr: {text[:64]!r}") from None
-        try:
-            with trio.fail_after(DIAL_TIMEOUT_S):
-                info = PeerInfo(ID.from_base58(target.peer), addrs)
-                if addrs:
-                    await self.host.connect(info)
-                stream = await self.host.new_stream(info.peer_id, [protocol.INFER_PROTOCOL])
-        except Exception as exc:
-            raise Rejected(protocol.UNREACHABLE, f"cannot reach downstream {target.peer}: "
-                                                 f"{str(exc) or type(exc).__name__}") from None
-        if target.peer in self._streams:  # another session dialled it meanwhile
-            await _reset(stream)
+        if len(self._links) + len(self._dialling) >= MAX_PUSH_PEERS:
+            log.debug("not pushing to %s: %d push streams open already", peer, MAX_PUSH_PEERS)
             return
-        framed = FramedStream(stream, PUSH_MAX_FRAME)
-        self._streams[target.peer] = (framed, trio.Lock())
-        self.nursery.start_soon(self._drain, target.peer, framed)
+        now = trio.current_time()
+        if now - self._last_dial.get(peer, -REDIAL_S) < REDIAL_S:
+            return
+        self._last_dial[peer] = now
+        self._dialling.add(peer)
+        self.nursery.start_soon(self._dial, target)
 
-    async def push(self, target: Downstream, position: int, hidden_wire: dict) -> bool:
-        entry = self._streams.get(target.peer)
-        if entry is None:
+    def push(self, target: Downstream, position: int, hidden_wire: dict) -> bool:
+        """Queue one push (never blocks); False when it cannot go now."""
+        link = self._links.get(target.peer)
+        if link is None:
+            self.ensure(target)  # a dropped stream is dialled again, at most every REDIAL_S
             return False
-        framed, lock = entry
         message = {"type": "push", "session": target.session, "position": position, "hidden": hidden_wire}
-        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
-            try:
-                async with lock:
-                    await framed.send(message)
-                self.sent += 1
-                return True
-            except Exception as exc:
-                log.debug("push to %s failed: %s", target.peer, exc)
-        if scope.cancelled_caught:
-            log.debug("push to %s timed out", target.peer)
-        self.failed += 1
-        await self._drop(target.peer, framed)
-        return False
+        try:
+            link.send.send_nowait(message)
+        except trio.WouldBlock:  # the previous push is still being written
+            self.dropped += 1
+            return False
+        except trio.ClosedResourceError:
+            return False
+        return True
 
-    async def _drain(self, peer: str, framed: FramedStream) -> None:
+    async def _dial(self, target: Downstream) -> None:
+        peer = target.peer
+        try:
+            peer_id = ID.from_base58(peer)
+            with trio.fail_after(DIAL_TIMEOUT_S):
+                # Addresses the node already knows for that peer (its DHT routing table,
+                # its connections) come first: a consumer's addresses are only a hint,
+                # and never make a server dial somewhere for a peer it can reach anyway.
+                known = []
+                with contextlib.suppress(Exception):  # PeerStoreError: never heard of it
+                    known = self.host.get_peerstore().addrs(peer_id)
+                if not known:
+                    addrs = []
+                    for text in target.addrs:
+                        with contextlib.suppress(Exception):
+                            addr = multiaddr.Multiaddr(text)
+                            with contextlib.suppress(Exception):
+                                addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer}"))
+                            addrs.append(addr)
+                    await self.host.connect(PeerInfo(peer_id, addrs))
+                stream = await self.host.new_stream(peer_id, [protocol.INFER_PROTOCOL])
+        except Exception as exc:  # a push is only ever a saving: the chain works without it
+            log.debug("cannot open a push stream to %s: %s", peer, str(exc) or type(exc).__name__)
+            return
+        finally:
+            self._dialling.discard(peer)
+        link = self._links[peer] = _Link(FramedStream(stream, PUSH_MAX_FRAME))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._drain, peer, link.framed, nursery.cancel_scope)
+                async with link.queue:
+                    async for message in link.queue:
+                        await link.framed.send(message)
+                        self.sent += 1
+                nursery.cancel_scope.cancel()
+        except Exception as exc:
+            log.debug("push stream to %s ended: %s", peer, exc)
+        finally:
+            if self._links.get(peer) is link:
+                del self._links[peer]
+            link.send.close()
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await _reset(stream)
+
+    async def _drain(self, peer: str, framed: FramedStream, scope: trio.CancelScope) -> None:
         """A push gets no reply when it is taken; a refused one gets an error (stale
-        position, unlinked session...), which is normal after a failover."""
+        position, a session relinked elsewhere...), which is normal after a failover."""
         try:
             while True:
                 message = await framed.receive()
                 if message is None:
                     break
                 log.debug("push to %s refused: %s", peer, message.get("message"))
-        except (FrameError, Exception) as exc:
+        except Exception as exc:
             log.debug("push stream to %s ended: %s", peer, exc)
-        await self._drop(peer, framed)
-
-    async def _drop(self, peer: str, framed: FramedStream) -> None:
-        entry = self._streams.get(peer)
-        if entry is not None and entry[0] is framed:
-            del self._streams[peer]
-        await _reset(framed.stream)
+        scope.cancel()  # the stream is gone: so is the sender
 
 
 async def _reset(stream) -> None:

@@ -30,7 +30,7 @@ from . import protocol
 from ..karma.receipts import parse_receipt
 from ..karma.rules import CLOCK_SKEW_S
 from .proofs import sign_step
-from .push import PushLinks, Speculation, parse_downstream, parse_peer
+from .push import PUSH_MAX_BYTES, Downstream, PushLinks, Speculation, parse_downstream, parse_peer
 from .session import Rejected, Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -282,9 +282,9 @@ class InferenceServer:
         else:
             session = sessions.begin_step(session_id, position, tokens, time.monotonic())
             output, seconds = await self._compute(runner, session, hidden, position, chunks)
-            if session.downstream is not None and len(chunks) == 1:  # a replay is not worth pushing
-                # Before the reply: the next hop starts before the consumer's copy arrives.
-                await self.pushes.push(session.downstream, position, encode_tensor(output.to(hidden.dtype)))
+            if len(chunks) == 1:  # a replay (chunks) is not worth pushing
+                # Queued before the reply: the next hop starts before the consumer's copy arrives.
+                self._push_on(session.downstream, position, output.to(hidden.dtype))
         sessions.end_step(session, tokens, time.monotonic(), ok=True)
         self.tokens_served += tokens
         session.unreceipted_tokens += tokens
@@ -343,9 +343,13 @@ class InferenceServer:
         upstream = None if upstream is None else parse_peer(upstream, "upstream")
         downstream = parse_downstream(message.get("downstream"))
         if downstream is not None:
-            await self.pushes.connect(downstream)
+            self.pushes.ensure(downstream)  # dialled in the background: pushes start once it is up
         session.upstream, session.downstream = upstream, downstream
         return {"type": "linked", "session": session_id}
+
+    def _push_on(self, downstream: Downstream | None, position: int, output: torch.Tensor) -> None:
+        if downstream is not None and output.numel() * output.element_size() <= PUSH_MAX_BYTES:
+            self.pushes.push(downstream, position, encode_tensor(output))
 
     def _push(self, session_id: bytes, message: dict, peer: str) -> None:
         """Start computing a step from the upstream server's output; the consumer's own
@@ -360,7 +364,7 @@ class InferenceServer:
         wire = message.get("hidden")
         hidden = decode_tensor(wire, hidden_size=runner.hidden_size, max_tokens=self.limits.max_step_tokens)
         session = sessions.begin_step(session_id, position, hidden.shape[1], time.monotonic())
-        session.speculation = speculation = Speculation(position, hidden.shape[1], bytes(wire["data"]),
+        session.speculation = speculation = Speculation(runner, position, hidden.shape[1], bytes(wire["data"]),
                                                          wire["dtype"])
         self._nursery.start_soon(self._speculate, runner, session, speculation, hidden)
         return None
@@ -369,16 +373,14 @@ class InferenceServer:
                          hidden: torch.Tensor) -> None:
         try:
             # The step stays begun: it ends when the consumer's copy of its input comes.
-            output, speculation.seconds = await self._compute(runner, session, hidden, speculation.position,
-                                                              [speculation.tokens])
-            if session.downstream is not None:
-                await self.pushes.push(session.downstream, speculation.position,
-                                       encode_tensor(output.to(hidden.dtype)))
-            speculation.output = output
-        except Exception as exc:  # _compute rolled back and ended the step
+            speculation.output, speculation.seconds = await self._compute(
+                runner, session, hidden, speculation.position, [speculation.tokens])
+        except Exception as exc:  # _compute rolled the cache back and ended the step
             log.info("a pushed step failed: %s", exc)
             if session.speculation is speculation:
                 session.speculation = None
+        else:
+            self._push_on(session.downstream, speculation.position, speculation.output.to(hidden.dtype))
         finally:
             speculation.finished = True
             speculation.done.set()
@@ -387,18 +389,19 @@ class InferenceServer:
                                    chunks: list[int]) -> Speculation | None:
         """The step computed from a push, if the consumer's step carries the same input
         at the same position (it is still begun); otherwise any is rolled back."""
-        speculation = session.speculation
-        if speculation is None:
-            return None
-        await speculation.done.wait()
-        if session.speculation is not speculation:  # failed, or another step took it
-            return None
+        while True:  # a failed one may have been followed by another push meanwhile
+            speculation = session.speculation
+            if speculation is None:
+                return None
+            await speculation.done.wait()
+            if session.speculation is speculation:
+                break
         session.speculation = None
         if speculation.matches(position, bytes(wire["data"]), wire["dtype"], chunks):
             self.speculation_hits += 1
             return speculation
         self.speculation_misses += 1
-        self.runner.truncate(session.cache, speculation.position)
+        speculation.runner.truncate(session.cache, speculation.position)
         self.sessions.end_step(session, speculation.tokens, time.monotonic(), ok=False)
         return None
 
@@ -409,7 +412,7 @@ class InferenceServer:
         await speculation.done.wait()
         if session.speculation is speculation:
             session.speculation = None
-            self.runner.truncate(session.cache, speculation.position)
+            speculation.runner.truncate(session.cache, speculation.position)
             self.sessions.end_step(session, speculation.tokens, time.monotonic(), ok=False)
 
     def _prove(self, session, position: int, tokens: int, data: bytes, returned_tokens: int) -> dict:
