@@ -38,38 +38,20 @@ if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
+import netlab_tools  # noqa: E402  (bench/, next to this script)
+
 MODEL = "smollm2-135m"
 PROMPT = "What is the capital of France?"
-NETLAB = REPO.parent / "shared" / "tools" / "netlab" / "netlab.sh"
 PFX = "csp"  # our own namespace names: nothing else's lab is touched
 HOSTS = 4  # 1-3 servers, 4 the consumer
 
 
 def netlab(*args: str) -> None:
-    env = dict(os.environ, PFX=PFX, PY=sys.executable)
-    subprocess.run(["bash", str(NETLAB), *args], check=True, env=env, timeout=180)
-
-
-def ensure_netlab_tools() -> None:
-    """netlab's delayer (this kernel has no netem) needs NFQUEUE and netfilterqueue."""
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    missing = [tool for tool in ("ip", "tc", "ethtool", "iptables", "ping") if shutil.which(tool) is None]
-    if missing or not Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h").exists():
-        print("installing netlab's system packages (apt-get)", flush=True)
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "iproute2", "iptables", "ethtool", "iputils-ping",
-                     "libnetfilter-queue-dev"]):
-            subprocess.run(cmd, env=env, timeout=900, check=True, capture_output=True)
-    try:
-        import netfilterqueue  # noqa: F401
-    except ImportError:
-        print("installing netfilterqueue (pip)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "netfilterqueue==1.1.0"], check=True,
-                       timeout=900)
+    netlab_tools.netlab(PFX, *args)
 
 
 def in_ns(host: int, cmd: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", f"{PFX}h{host}", *cmd]
+    return netlab_tools.in_ns(PFX, host, cmd)
 
 
 # ---------------------------------------------------------------- the consumer (host 4)
@@ -156,7 +138,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     lab_up = False
     try:
-        ensure_netlab_tools()
+        netlab_tools.ensure_tools(delayer=True)  # the delay needs netlab's NFQUEUE delayer
         with contextlib.suppress(subprocess.CalledProcessError):
             netlab("down", str(HOSTS))  # a lab left behind by a killed earlier run
         lab_up = True

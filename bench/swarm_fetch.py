@@ -44,13 +44,13 @@ if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
+import netlab_tools  # noqa: E402  (bench/, next to this script)
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.swarm import wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
-NETLAB = REPO.parent / "shared" / "tools" / "netlab" / "netlab.sh"
 NETLAB_PREFIX = "csf"  # our own namespace names: nothing else's lab is touched
 WAN_RATES = "20mbit,20mbit,20mbit,-"
 RAW_PROTOCOL = "/compushare-bench/raw/1.0.0"
@@ -89,8 +89,7 @@ class Lab:
         self.procs.clear()
 
     def netlab(self, *args: str) -> None:
-        env = dict(os.environ, PFX=NETLAB_PREFIX, PY=sys.executable)
-        subprocess.run(["bash", str(NETLAB), *args], check=True, env=env, timeout=120)
+        netlab_tools.netlab(NETLAB_PREFIX, *args)
 
     def close(self) -> None:
         self.stop_all()
@@ -101,7 +100,7 @@ class Lab:
 
 
 def in_ns(host: int | None, cmd: list[str]) -> list[str]:
-    return cmd if host is None else ["ip", "netns", "exec", f"{NETLAB_PREFIX}h{host}", *cmd]
+    return netlab_tools.in_ns(NETLAB_PREFIX, host, cmd)
 
 
 def start_seeders(lab: Lab, root: Path, count: int, ips: list[str], hosts: list[int | None]) -> list[dict]:
@@ -232,18 +231,6 @@ def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool, trials: int 
     return one, three, raws
 
 
-def ensure_netlab_tools() -> None:
-    missing = [tool for tool in ("ip", "tc", "ethtool", "iptables") if shutil.which(tool) is None]
-    if missing:
-        print(f"installing {', '.join(missing)} for netlab (apt-get)", flush=True)
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "iproute2", "iptables", "ethtool", "iputils-ping"]):
-            done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wan", action="store_true", help="also run in netlab namespaces (root)")
@@ -271,7 +258,7 @@ def main() -> None:
         raw = statistics.median(raws)
         wan1 = wan3 = None
         if args.wan:
-            ensure_netlab_tools()
+            netlab_tools.ensure_tools(delayer=False)  # no delay: tbf shaping only
             lab.netlab("down", "4")  # a lab left by a killed earlier run
             lab.netlab_up = True
             lab.netlab("up", "4", "0", "0", "0", WAN_RATES)

@@ -84,6 +84,7 @@ class Speculation:
         self.position, self.tokens, self.data, self.dtype = position, tokens, data, dtype
         self.done = trio.Event()
         self.output: torch.Tensor | None = None
+        self.encoded: dict | None = None  # output on the wire, in the pushed dtype
         self.seconds = 0.0
         self.finished = False  # computed (or failed): the session may expire while it waits
 

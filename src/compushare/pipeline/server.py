@@ -277,21 +277,22 @@ class InferenceServer:
         chunks = _chunks(message.get("chunks"), tokens)
         last_only = message.get("last_only", False) is True
         speculation = await self._confirm_speculation(session, position, wire, chunks)
-        if speculation is not None:  # computed from the upstream server's push already
-            output, seconds = speculation.output, speculation.seconds
+        if speculation is not None:  # computed (and pushed on) from the upstream server's push already
+            output, seconds, encoded = speculation.output, speculation.seconds, speculation.encoded
         else:
             session = sessions.begin_step(session_id, position, tokens, time.monotonic())
             output, seconds = await self._compute(runner, session, hidden, position, chunks)
+            encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype
             if len(chunks) == 1:  # a replay (chunks) is not worth pushing
                 # Queued before the reply: the next hop starts before the consumer's copy arrives.
-                self._push_on(session.downstream, position, output.to(hidden.dtype))
+                self._push_on(session.downstream, position, encoded)
         sessions.end_step(session, tokens, time.monotonic(), ok=True)
         self.tokens_served += tokens
         session.unreceipted_tokens += tokens
         session.unreceipted_ms += seconds * 1000
         if last_only:
             output = output[:, -chunks[-1]:]
-        encoded = encode_tensor(output.to(hidden.dtype))  # reply in the request's dtype
+            encoded = encode_tensor(output.to(hidden.dtype))
         reply = {"type": "result", "session": session_id, "position": position, "hidden": encoded,
                  "compute_ms": seconds * 1000}
         if session.digest is not None:
@@ -347,9 +348,9 @@ class InferenceServer:
         session.upstream, session.downstream = upstream, downstream
         return {"type": "linked", "session": session_id}
 
-    def _push_on(self, downstream: Downstream | None, position: int, output: torch.Tensor) -> None:
-        if downstream is not None and output.numel() * output.element_size() <= PUSH_MAX_BYTES:
-            self.pushes.push(downstream, position, encode_tensor(output))
+    def _push_on(self, downstream: Downstream | None, position: int, encoded: dict) -> None:
+        if downstream is not None and len(encoded["data"]) <= PUSH_MAX_BYTES:
+            self.pushes.push(downstream, position, encoded)
 
     def _push(self, session_id: bytes, message: dict, peer: str) -> None:
         """Start computing a step from the upstream server's output; the consumer's own
@@ -379,8 +380,9 @@ class InferenceServer:
             log.info("a pushed step failed: %s", exc)
             if session.speculation is speculation:
                 session.speculation = None
-        else:
-            self._push_on(session.downstream, speculation.position, speculation.output.to(hidden.dtype))
+        else:  # encoded once: the push and, once confirmed, the reply
+            speculation.encoded = encode_tensor(speculation.output.to(hidden.dtype))
+            self._push_on(session.downstream, speculation.position, speculation.encoded)
         finally:
             speculation.finished = True
             speculation.done.set()
