@@ -9,7 +9,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.errors import PeerMisbehaved
 from compushare.model.catalog import import_path
-from compushare.net.dht import connect_bootstrap, model_key, open_dht
+from compushare.net.dht import connect_bootstrap, find_providers_fresh, model_key, open_dht, sync_routing_table
 from compushare.net.host import full_addrs, open_host
 from compushare.net.records import ServerRecord, record_key
 from compushare.pipeline.consumer import RunRequest, run_prompt
@@ -55,6 +55,27 @@ async def test_late_provider_found_by_next_lookup(processes, tiny_model, unrelat
             records = await discover_servers(dht, model_id, 4)
         assert {r.peer_id for r in records} == {first["peer_id"], late["peer_id"]}
         assert {(r.start, r.end) for r in records} == {(0, 4), (1, 3)}
+
+
+async def test_dht_clients_stay_out_of_a_servers_routing_table():
+    """Consumers query the DHT as clients. Had a node put them in its routing table, each
+    one would set off a full re-provide and be dialled by look-ups long after it left."""
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as node, \
+            open_dht(node, server=True) as node_dht, \
+            open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as peer, \
+            open_dht(peer, server=True) as peer_dht, \
+            open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as consumer, \
+            open_dht(consumer, server=False) as consumer_dht:
+        for host, dht in ((peer, peer_dht), (consumer, consumer_dht)):
+            await connect_bootstrap(host, dht, full_addrs(node))
+            await find_providers_fresh(dht, "ab" * 32)  # opens a DHT stream to the node
+        with trio.fail_after(20):
+            while not node_dht.routing_table.peer_in_table(peer.get_id()):  # once identify ran
+                await sync_routing_table(node, node_dht)
+                await trio.sleep(0.1)
+        await sync_routing_table(node, node_dht)
+        assert not node_dht.routing_table.peer_in_table(consumer.get_id())
+        assert node.get_network().connections.get(consumer.get_id())  # connected all the same
 
 
 async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unrelated_bootstrap):

@@ -96,6 +96,7 @@ async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
     )
     if server:
         _guard_inbound_streams(host, dht)
+        _keep_clients_out(dht)
     async with background_trio_service(dht):
         yield dht
 
@@ -173,10 +174,36 @@ async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> i
     return connected
 
 
+def speaks_dht(host: IHost, peer_id: ID) -> bool:
+    """Whether identify has told us that `peer_id` serves the DHT (server mode)."""
+    try:
+        return str(PROTOCOL_ID) in (host.get_peerstore().get_protocols(peer_id) or ())
+    except Exception:  # not in the peerstore (yet)
+        return False
+
+
+def _keep_clients_out(dht: KadDHT) -> None:
+    """py-libp2p adds whoever opens a DHT stream to the routing table, on the theory
+    that only servers query; consumers query as clients. Each short-lived consumer
+    then sat in every node's table: it set off a full re-provide (a look-up per key,
+    CPU taken from the forward passes of the consumer's own generation) and later
+    look-ups dialled it long after it left. The spec adds a peer only once it is
+    known to serve the DHT; identify tells us, and sync_routing_table adds it then."""
+    add_peer = dht.add_peer
+
+    async def add_identified_peer(peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
+        if skip_server_mode_check and not speaks_dht(dht.host, peer_id):
+            return False
+        return await add_peer(peer_id, skip_server_mode_check=skip_server_mode_check)
+
+    dht.add_peer = add_identified_peer
+
+
 async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
-    """Add every connected peer that speaks the DHT to the routing table."""
+    """Add every connected peer that identify says serves the DHT to the routing table."""
     for peer_id in list(host.get_network().connections):
-        if peer_id != host.get_id() and not dht.routing_table.peer_in_table(peer_id):
+        if (peer_id != host.get_id() and not dht.routing_table.peer_in_table(peer_id)
+                and speaks_dht(host, peer_id)):
             with contextlib.suppress(Exception):
                 await dht.add_peer(peer_id)
 
