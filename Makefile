@@ -41,6 +41,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pipeline_overhead.py
+	$(PY) bench/compute_beside_loop.py
 	$(PY) bench/gossip.py
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
 	$(PY) bench/failover.py

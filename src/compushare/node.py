@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -41,6 +42,7 @@ from .torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 
+COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
 KARMA_WATCH_S = 30.0  # the dashboard's karma of peers: checked this often, each round at most this long
 
 
@@ -71,6 +73,12 @@ class Node:
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         torch.set_num_threads(config.torch_threads)
+        # Forward passes run in worker threads beside this loop. Every torch op lets go
+        # of the GIL; at CPython's default 5 ms switch interval the loop, once it has the
+        # GIL, keeps it for its whole burst of network work (py-libp2p is pure Python)
+        # while the forward waits. A short interval interleaves the two: the loop runs
+        # while the forward is inside an op (bench/compute_beside_loop.py).
+        sys.setswitchinterval(COMPUTE_SWITCH_INTERVAL_S)
         name = config.model or DEFAULT_MODEL
         # A model id this node has never seen comes from the swarm: first its manifest,
         # then the pieces of whatever span the node takes.
