@@ -193,7 +193,12 @@ def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp
         child.expect_exact(">>> ")
         child.sendline("/max 400")
         child.expect_exact(">>> ")
-        child.sendline("Write a very long story about a dragon who learns to cook.")
+        story = "Write a very long story about a dragon who learns to cook."
+        child.sendline(story)
+        # The terminal echoes the line at once, maybe before the REPL has read it (a
+        # Ctrl-C then only clears the input line): match the echo first, so that the
+        # words matched next are the reply's own.
+        child.expect_exact(story)
         child.expect(r"\w+ \w+ \w+")  # the reply has started streaming
         child.sendintr()  # Ctrl-C
         child.expect_exact("[reply cancelled]")
