@@ -73,11 +73,12 @@ class Node:
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         torch.set_num_threads(config.torch_threads)
-        # Forward passes run in worker threads beside this loop. Every torch op lets go
-        # of the GIL; at CPython's default 5 ms switch interval the loop, once it has the
-        # GIL, keeps it for its whole burst of network work (py-libp2p is pure Python)
-        # while the forward waits. A short interval interleaves the two: the loop runs
-        # while the forward is inside an op (bench/compute_beside_loop.py).
+        # Prefills and long steps run in worker threads beside this loop (short decode
+        # steps run on it: InferenceServer._runs_inline). Every torch op lets go of the
+        # GIL; at CPython's default 5 ms switch interval the loop, once it has the GIL,
+        # keeps it for its whole burst of network work (py-libp2p is pure Python) while
+        # the forward waits. A short interval interleaves the two: the loop runs while
+        # the forward is inside an op (bench/compute_beside_loop.py).
         sys.setswitchinterval(COMPUTE_SWITCH_INTERVAL_S)
         name = config.model or DEFAULT_MODEL
         # A model id this node has never seen comes from the swarm: first its manifest,

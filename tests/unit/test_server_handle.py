@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import threading
 
 import pytest
 import torch
@@ -287,3 +288,41 @@ def test_sessions_are_limited_in_total(runner):
         await opened(server, "c")
 
     trio.run(drive)
+
+
+def test_short_decode_steps_run_on_the_loop_and_the_rest_in_worker_threads(runner, monkeypatch):
+    """A one-token step that the measured rate predicts short runs on the event loop
+    (no GIL shared with the loop's own network work); a prefill, a server that has not
+    measured its rate yet, several compute threads and a slowed runner use worker
+    threads. Both give the very same outputs."""
+    on_loop: list[bool] = []
+    forward = runner.forward
+
+    def spy(*args, **kwargs):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    torch.manual_seed(3)
+    inputs = [torch.randn(1, 4, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+
+    def run(server) -> list[torch.Tensor]:
+        async def drive():
+            session = await opened(server)
+            outs, position = [], 0
+            for hidden in inputs:
+                outs.append(output(await step(server, session, position, hidden)))
+                position += hidden.shape[1]
+            return outs
+
+        on_loop.clear()
+        return trio.run(drive)
+
+    inline = run(fresh(runner))
+    assert on_loop == [False, False, True]  # the prefill; unmeasured; measured by the step before
+    threaded = run(fresh(runner, compute_threads=2))
+    assert on_loop == [False, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(inline, threaded))
+    monkeypatch.setattr(runner, "slowdown", 1.5)
+    run(fresh(runner))
+    assert on_loop == [False, False, False]

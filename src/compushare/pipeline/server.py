@@ -40,6 +40,9 @@ EXPIRY_PERIOD_S = 1.0
 OVERSIZE_GRACE_S = 0.5
 LOAD_WINDOW_S = 10.0
 RATE_EWMA = 0.2
+# A one-token step whose forward the measured rate puts at or under this runs on the
+# event loop itself instead of a worker thread (see _runs_inline).
+INLINE_MAX_S = 0.05
 
 
 class InferenceServer:
@@ -322,13 +325,32 @@ class InferenceServer:
             return out, time.perf_counter() - began
 
         try:
-            output, seconds = await trio.to_thread.run_sync(compute, limiter=self.compute_limiter)
+            if self._runs_inline(runner, chunks, session.end - session.start):
+                async with self.compute_limiter:  # never beside a long step in a worker thread
+                    output, seconds = compute()
+            else:
+                output, seconds = await trio.to_thread.run_sync(compute, limiter=self.compute_limiter)
         except BaseException:
             runner.truncate(session.cache, position)  # a failed forward may have half-appended
             self.sessions.end_step(session, hidden.shape[1], time.monotonic(), ok=False)
             raise
         self._observe(hidden.shape[1], session.end - session.start, seconds)
         return output, seconds
+
+    def _runs_inline(self, runner: SpanRunner, chunks: list[int], blocks: int) -> bool:
+        """Whether a step runs on the event loop rather than in a worker thread.
+
+        A decode step's forward is hundreds of small torch ops, each releasing the GIL.
+        In a worker thread it shares the GIL with this loop's network work (py-libp2p
+        is pure Python), which takes the GIL at every op and keeps it for its burst:
+        the pipeline-overhead swarm measured 2.6-4.6 ms per forward asleep on the GIL,
+        plus the thread hand-off, and 109 against 122 ms per token inline vs in a
+        thread, the same run. Inline holds the loop for the forward's duration, so
+        only short one-token steps qualify, predicted from the measured rate; prefills,
+        replays, several compute threads and slowed runners stay in threads."""
+        if chunks != [1] or self.compute_limiter.total_tokens != 1 or runner.slowdown > 1.0:
+            return False
+        return self.block_rate > 0 and blocks / self.block_rate <= INLINE_MAX_S
 
     # -- pushes (pipeline/push.py) ------------------------------------------------------
 
