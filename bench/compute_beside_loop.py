@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/compute_beside_loop.py [--rounds 12] [--busy-ms 0.4 --period-ms 2.5]
 
-A node runs each forward pass (SmolLM2-135M, blocks 10:20, one new token, fp32, one
+A node runs prefills and long steps (SmolLM2-135M here: blocks 10:20, fp32, one
 torch thread) in a worker thread while its trio loop handles the network in pure
-Python (py-libp2p). Every torch op releases the GIL; at CPython's default switch
-interval (5 ms) the loop, once it holds the GIL, keeps it for its whole burst and the
-forward waits. This bench times the same decode step side by side, in one process,
-in interleaved blocks of 8 steps:
+Python (py-libp2p); short decode steps run on the loop itself
+(InferenceServer._runs_inline). Every torch op releases the GIL; at CPython's
+default switch interval (5 ms) the loop, once it holds the GIL, keeps it for its
+whole burst and the threaded forward waits. This bench times the same one-token
+step in a worker thread side by side, in one process, in interleaved blocks of 8
+steps:
 
   idle      the loop has nothing to do (the ideal);
   busy      the loop runs BUSY_MS of Python every PERIOD_MS (a node handling traffic),
