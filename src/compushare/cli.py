@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import sys
@@ -15,6 +16,7 @@ from rich.table import Table
 
 from .config import NodeConfig, Span, load_toml, resolve_data_dir
 from .errors import CompushareError, UsageError
+from .gc_policy import pause_during_startup, startup_done
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
 swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
@@ -245,6 +247,7 @@ def _all(exc: BaseException, kind: type) -> list[BaseException]:
 
 
 def _run_or_exit(fn) -> None:
+    startup_done()  # the command has imported what it needs
     try:
         fn()
     except BaseException as exc:
@@ -531,7 +534,11 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
 
 
 def main() -> None:
-    app()
+    pause_during_startup()
+    try:
+        app()
+    finally:
+        gc.enable()  # a command that ended before _run_or_exit (or a caller running main in-process)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import trio
 from . import __version__
 from .config import PID_FILE, STATE_FILE, NodeConfig, Span
 from .errors import UsageError
+from .gc_policy import startup_done
 from .hardware import available_ram_mb, detect_hardware
 from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
@@ -176,6 +177,7 @@ class Node:
                 if config.blocks is None:
                     nursery.start_soon(provider.rebalance_loop, self.view, me, config.ad_period_s)
                 state = self._write_state(provider)
+                startup_done()  # the span's weights and modules live as long as the node
                 log.info("serving blocks %s of %s as %s on %s", span, model.model_id[:12], me,
                          ", ".join(state["addrs"]))
                 task_status.started(state)

@@ -11,13 +11,11 @@ import numpy as np
 import torch
 
 from ..errors import FrameError
+from .dtypes import WIRE_NUMPY_DTYPES
 
 # name -> (torch dtype, numpy dtype used for the raw bytes)
 WIRE_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
-    "float32": (torch.float32, np.dtype("<f4")),
-    "float16": (torch.float16, np.dtype("<f2")),
-    "bfloat16": (torch.bfloat16, np.dtype("<i2")),
-}
+    name: (getattr(torch, name), numpy_dtype) for name, numpy_dtype in WIRE_NUMPY_DTYPES.items()}
 TORCH_TO_WIRE = {torch_dtype: name for name, (torch_dtype, _) in WIRE_DTYPES.items()}
 
 

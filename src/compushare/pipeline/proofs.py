@@ -20,7 +20,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
-from ..net.tensors import WIRE_DTYPES
+from ..net.dtypes import WIRE_NUMPY_DTYPES
 
 STEP_DOMAIN = "compushare/step-proof/v1"
 REPORT_FORMAT = "compushare/failure-report/v1"
@@ -82,7 +82,7 @@ class StepClaim:
     signature: bytes
 
     def array(self) -> np.ndarray:
-        return np.frombuffer(self.output, dtype=WIRE_DTYPES[self.dtype][1])
+        return np.frombuffer(self.output, dtype=WIRE_NUMPY_DTYPES[self.dtype])
 
     def to_wire(self) -> dict:
         return {"peer": self.peer_id, "dtype": self.dtype, "output": self.output, "sig": self.signature}
@@ -118,7 +118,7 @@ class FailureReport:
         for claim in (self.accused, self.witness):
             if claim.dtype not in ("float32", "float16"):
                 raise PeerMisbehaved(f"report output dtype {claim.dtype!r} is not float32/float16")
-            if len(claim.output) % WIRE_DTYPES[claim.dtype][1].itemsize:
+            if len(claim.output) % WIRE_NUMPY_DTYPES[claim.dtype].itemsize:
                 raise PeerMisbehaved("report output length is not a whole number of values")
             if not verify_step(claim.peer_id, claim.signature, self.model_id, self.start, self.end,
                                self.position, self.tokens, self.input_digest,
