@@ -57,6 +57,26 @@ async def test_smollm2_chat_matches_transformers(smol_swarm, tmp_path):
     assert [(h.start, h.end) for h in outcome.route] == [(0, 10), (10, 20), (20, 30)]
 
 
+def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
+    # A `run` loads the generic fast tokenizer class directly (AutoTokenizer's own
+    # imports cost seconds): same class, same ids, same text as AutoTokenizer's.
+    from transformers import AutoTokenizer
+
+    from compushare.pipeline.consumer import _load_tokenizer
+
+    model = resolve_model("smollm2-135m", tmp_path / "client")
+    ours, reference = _load_tokenizer(model), AutoTokenizer.from_pretrained(str(model.path))
+    assert type(ours) is type(reference)
+    for text in (QUESTION, "  spaces\tand\nnewlines ", "café naïve 東京 🙂", "<|im_start|>user\nhi<|im_end|>"):
+        ids = reference.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": QUESTION}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] \
+        == reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert (ours.eos_token_id, ours.bos_token_id) == (reference.eos_token_id, reference.bos_token_id)
+
+
 def test_smollm2_nodes_hold_only_their_span(smol_swarm):
     home, swarm = smol_swarm
     for node in swarm["nodes"]:

@@ -309,6 +309,36 @@ def test_tied_head_reuses_the_embedding(tmp_path):
     assert torch.equal(head.logits(hidden), expected)
 
 
+def test_head_reads_the_norm_epsilon_from_the_config(tmp_path):
+    import json
+
+    from helpers import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "eps", layers=1)
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5  # far from the default: a head ignoring it gives other logits
+    (path / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hidden = torch.randn(1, 2, 64)
+    with torch.inference_mode():
+        expected = model.lm_head(model.model.norm(hidden)[:, -1:])[0, -1]
+    assert torch.equal(ConsumerHead.load(path).logits(hidden), expected)
+
+
+def test_head_refuses_an_unsupported_architecture(tmp_path):
+    import json
+
+    from compushare.errors import ModelUnavailable
+    from helpers import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "other", layers=1)
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelUnavailable, match="unsupported architecture"):
+        ConsumerHead.load(path)
+
+
 def test_bfloat16_span_runs_and_stays_close(tiny_model, stages):
     first, _ = stages
     bf16 = SpanRunner.load(tiny_model, 0, 2, dtype=torch.bfloat16)

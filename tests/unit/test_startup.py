@@ -45,3 +45,15 @@ def test_commands_start_with_the_collector_paused_and_run_with_it_on_over_a_froz
             seen.append(gc.isenabled())  # on again after a command, or after a usage error
         print(seen)
     """) == "[False, (True, True), True, True]"
+
+
+def test_a_consumer_loads_its_head_without_transformers(tiny_model):
+    # The head is embeddings, the final norm and the LM head: torch only. Importing
+    # transformers' modeling code would cost every `run` seconds before its first token.
+    assert _python(f"""
+        import sys
+        import compushare.pipeline.consumer
+        from compushare.model.head import ConsumerHead
+        ConsumerHead.load({str(tiny_model)!r}).logits(ConsumerHead.load({str(tiny_model)!r}).embed_tokens([1, 2]))
+        print(sorted(m for m in sys.modules if m == "transformers" or m.startswith("transformers.")))
+    """) == "[]"

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from .arch import architecture_of, load_config
+from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
 
@@ -28,16 +28,6 @@ def span_tensor_names(all_names, start: int, end: int) -> list[str]:
             if start <= index < end:
                 wanted.append(name)
     return wanted
-
-
-def read_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
-    """Read only the tensors selected by `names_filter(all_names)` from safetensors files."""
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in names_filter(list(handle.keys())):
-                out[name] = handle.get_tensor(name)
-    return out
 
 
 class SpanRunner:

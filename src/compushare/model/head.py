@@ -1,4 +1,8 @@
-"""ConsumerHead: the parts of a model a consumer keeps locally."""
+"""ConsumerHead: the parts of a model a consumer keeps locally.
+
+Torch only: a consumer never runs a decoder layer, so it does not import
+transformers' modeling code (seconds of imports before a `run`'s first token).
+"""
 
 from __future__ import annotations
 
@@ -6,27 +10,34 @@ from pathlib import Path
 
 import torch
 
-from .arch import architecture_of, load_config
-from .blocks import read_tensors
+from .arch import final_norm_eps
+from .weights import read_tensors
 
 HEAD_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's and Qwen2's final RMSNorm, op for op as transformers runs it (same
+    dtype casts, same order), so the logits match a single-process model's exactly."""
+    input_dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
 class ConsumerHead:
-    def __init__(self, config, state: dict[str, torch.Tensor], dtype=torch.float32):
-        self.config, self.dtype = config, dtype
+    def __init__(self, state: dict[str, torch.Tensor], rms_norm_eps: float, dtype=torch.float32):
+        self.dtype, self.rms_norm_eps = dtype, rms_norm_eps
         self.embed = state["model.embed_tokens.weight"].to(dtype)
         # Tied models (SmolLM2) store no lm_head: the embedding matrix is reused.
         self.lm_head = state.get("lm_head.weight", self.embed).to(dtype)
-        self.norm = architecture_of(config).norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.norm.load_state_dict({"weight": state["model.norm.weight"].to(dtype)})
-        self.norm.to(dtype).eval()
+        self.norm_weight = state["model.norm.weight"].to(dtype)
 
     @classmethod
     def load(cls, model_dir: Path, dtype=torch.float32) -> ConsumerHead:
-        config = load_config(model_dir)
         state = read_tensors(model_dir, lambda names: [n for n in names if n in HEAD_TENSORS])
-        return cls(config, state, dtype)
+        return cls(state, final_norm_eps(model_dir), dtype)
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
@@ -36,5 +47,5 @@ class ConsumerHead:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last position: [vocab]."""
-        last = self.norm(hidden[:, -1:, :].to(self.dtype))
+        last = rms_norm(hidden[:, -1:, :].to(self.dtype), self.norm_weight, self.rms_norm_eps)
         return (last @ self.lm_head.T)[0, -1].float()

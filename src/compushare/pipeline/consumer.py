@@ -76,10 +76,27 @@ def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
     return tokenizer.encode(request.prompt)
 
 
-def _load_tokenizer(model):
-    from transformers import AutoTokenizer
+# What AutoTokenizer resolves these to is transformers' generic fast tokenizer: loading
+# that class directly skips AutoTokenizer's class tables and what they import (the
+# modeling stack, torch._dynamo): 1.4 s against 7.3 s here, before a `run`'s first token.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def _tokenizer_class(model_path: Path) -> str | None:
     try:
+        return json.loads((model_path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer reports what is wrong
+
+
+def _load_tokenizer(model):
+    try:
+        if _tokenizer_class(model.path) in GENERIC_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(model.path))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(model.path))
     except (OSError, ValueError) as exc:
         raise UsageError(f"model {model.model_id[:12]} has no usable tokenizer, so a text prompt cannot be "
