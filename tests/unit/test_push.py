@@ -185,3 +185,71 @@ def test_a_pushed_step_that_fails_leaves_the_consumers_step_to_compute(make_serv
         assert failures and (server.speculation_hits, server.speculation_misses) == (1, 0)
 
     trio.run(main)
+
+
+DOWNSTREAM = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # the next hop
+
+
+class PushStream:
+    """The stream to the next hop: each write takes `delay` seconds (None: it never
+    finishes); nothing ever comes back."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay = delay
+        self.written_at: list[float] = []
+
+    async def write(self, data: bytes) -> None:
+        if self.delay is None:
+            await trio.sleep_forever()
+        await trio.sleep(self.delay)
+        self.written_at.append(trio.current_time())
+
+    async def read(self, n: int = -1) -> bytes:
+        await trio.sleep_forever()
+
+    async def reset(self) -> None:
+        pass
+
+
+async def _linked_downstream(server: InferenceServer, nursery: trio.Nursery, stream: PushStream) -> None:
+    import trio.testing
+
+    server.enable_push(None, nursery)
+    nursery.start_soon(server.pushes.serve_link, DOWNSTREAM, stream)
+    await trio.testing.wait_all_tasks_blocked()
+    await open_session(server, link=False)
+    reply = await server.handle({"type": "link", "session": SESSION, "upstream": None,
+                                 "downstream": {"peer": DOWNSTREAM, "addrs": [], "session": os.urandom(16)}}, OWNER)
+    assert reply == {"type": "linked", "session": SESSION}
+
+
+async def test_a_step_is_pushed_on_before_its_reply_goes_back(make_server):
+    # The push is on the token's critical path, the consumer's reply is not.
+    server = make_server()
+    stream = PushStream(0.005)
+    async with trio.open_nursery() as nursery:
+        await _linked_downstream(server, nursery, stream)
+        position = 0
+        for hidden in inputs():
+            await step(server, hidden, position)
+            position += hidden.shape[1]
+            assert len(stream.written_at) == server.pushes.sent and stream.written_at[-1] <= trio.current_time()
+        assert server.pushes.sent == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stalled_push_holds_a_reply_back_only_briefly(make_server):
+    from compushare.pipeline.server import PUSH_FIRST_MAX_S
+
+    server = make_server()
+    stream = PushStream(None)
+    async with trio.open_nursery() as nursery:
+        await _linked_downstream(server, nursery, stream)
+        position = 0
+        for hidden in inputs()[:2]:  # the 2nd push waits in the queue behind the stalled 1st
+            began = trio.current_time()
+            await step(server, hidden, position)
+            assert PUSH_FIRST_MAX_S <= trio.current_time() - began < PUSH_FIRST_MAX_S + 1.0
+            position += hidden.shape[1]
+        assert stream.written_at == [] and server.pushes.sent == 0
+        nursery.cancel_scope.cancel()

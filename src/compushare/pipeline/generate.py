@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import trio
@@ -9,6 +10,14 @@ import trio
 from ..model.head import ConsumerHead
 from .client import InferenceChain
 from .sampling import Sampler, SamplingParams
+
+
+# The LM head runs on the event loop when the last token's took this long or less (as
+# a server's short decode steps do, pipeline/server.py): every server of the chain is
+# waiting for this token then, the loop has nothing else to do, and a worker thread
+# costs its hand-off and a share of the GIL with the loop's network code. A bigger
+# head (a large vocabulary on a slow machine) stays in a worker thread.
+HEAD_INLINE_MAX_S = 0.05
 
 
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
@@ -22,8 +31,17 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
         chunk = prompt_ids[offset:offset + max_step_tokens]
         hidden = await chain.step(head.embed_tokens(chunk))
     produced: list[int] = []
+    head_s = None  # how long the LM head and sampling took for the last token
+
+    def next_token(h) -> tuple[int, float]:
+        began = time.perf_counter()
+        return sampler.choose(head.logits(h)), time.perf_counter() - began
+
     while True:
-        token = await trio.to_thread.run_sync(lambda h=hidden: sampler.choose(head.logits(h)))
+        if head_s is not None and head_s <= HEAD_INLINE_MAX_S:
+            token, head_s = next_token(hidden)
+        else:
+            token, head_s = await trio.to_thread.run_sync(next_token, hidden)
         produced.append(token)
         if on_token is not None:
             on_token(token)

@@ -99,6 +99,12 @@ class _Link:
         # One push waits at most: a downstream that cannot keep up loses pushes, it
         # never holds up a reply (its consumer's own step still reaches it).
         self.send, self.queue = trio.open_memory_channel(1)
+        self.queued = self.written = 0
+        self.progress = trio.Event()  # set (and replaced) after each write, and when the link ends
+
+    def _wrote(self) -> None:
+        self.progress.set()
+        self.progress = trio.Event()
 
 
 class PushLinks:
@@ -147,7 +153,20 @@ class PushLinks:
             return False
         except trio.ClosedResourceError:
             return False
+        link.queued += 1
         return True
+
+    async def flushed(self, peer: str, timeout: float) -> None:
+        """Wait until the pushes queued for `peer` are written, at most `timeout`. A
+        server sends its reply to the consumer after its push: the push is on the
+        token's critical path, the reply is not (the consumer's copy only confirms a
+        step the next server is already computing). Waiting never cancels a write."""
+        link = self._links.get(peer)
+        if link is None:
+            return
+        with trio.move_on_after(timeout):
+            while link.written < link.queued and self._links.get(peer) is link:
+                await link.progress.wait()
 
     async def _dial(self, target: Downstream) -> None:
         peer = target.peer
@@ -175,6 +194,11 @@ class PushLinks:
             return
         finally:
             self._dialling.discard(peer)
+        await self.serve_link(peer, stream)
+
+    async def serve_link(self, peer: str, stream) -> None:
+        """Write the pushes queued for `peer` to `stream` until either ends (tests run
+        it on a stream of their own)."""
         link = self._links[peer] = _Link(FramedStream(stream, PUSH_MAX_FRAME))
         try:
             async with trio.open_nursery() as nursery:
@@ -183,6 +207,8 @@ class PushLinks:
                     async for message in link.queue:
                         await link.framed.send(message)
                         self.sent += 1
+                        link.written += 1
+                        link._wrote()
                 nursery.cancel_scope.cancel()
         except Exception as exc:
             log.debug("push stream to %s ended: %s", peer, exc)
@@ -190,6 +216,7 @@ class PushLinks:
             if self._links.get(peer) is link:
                 del self._links[peer]
             link.send.close()
+            link._wrote()  # nobody waits for a link that is gone
             with trio.move_on_after(1) as scope:
                 scope.shield = True
                 await _reset(stream)

@@ -43,6 +43,7 @@ RATE_EWMA = 0.2
 # A one-token step whose forward the measured rate puts at or under this runs on the
 # event loop itself instead of a worker thread (see _runs_inline).
 INLINE_MAX_S = 0.05
+PUSH_FIRST_MAX_S = 0.01  # a reply waits this long at most for its step's push to be written
 
 
 class InferenceServer:
@@ -302,6 +303,8 @@ class InferenceServer:
             session.digest.update(wire["data"])
             reply["proof"] = self._prove(session, position + tokens - chunks[-1], chunks[-1], encoded["data"],
                                          output.shape[1])
+        if session.downstream is not None and self.pushes is not None:
+            await self.pushes.flushed(session.downstream.peer, PUSH_FIRST_MAX_S)  # this step's push goes first
         return reply
 
     async def _compute(self, runner: SpanRunner, session: Session, hidden: torch.Tensor, position: int,
