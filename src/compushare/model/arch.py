@@ -17,7 +17,7 @@ class Architecture:
 
 
 def _family(names: tuple[str, ...], model_type: str | None) -> str:
-    """"llama" or "qwen2" (their decoder layers differ; their RMSNorms do not)."""
+    """The model family: "llama" or "qwen2" (their decoder layers differ, their RMSNorms do not)."""
     if "LlamaForCausalLM" in names or model_type == "llama":
         return "llama"
     if "Qwen2ForCausalLM" in names or model_type == "qwen2":

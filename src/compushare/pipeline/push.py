@@ -96,8 +96,9 @@ class Speculation:
 class _Link:
     def __init__(self, framed: FramedStream) -> None:
         self.framed = framed
-        # One push waits at most: a downstream that cannot keep up loses pushes, it
-        # never holds up a reply (its consumer's own step still reaches it).
+        # One push waits at most: a downstream that cannot keep up loses pushes and
+        # holds a reply back by `flushed`'s bound at most (its consumer's own step
+        # still reaches it).
         self.send, self.queue = trio.open_memory_channel(1)
         self.queued = self.written = 0
         self.progress = trio.Event()  # set (and replaced) after each write, and when the link ends
@@ -111,8 +112,9 @@ class PushLinks:
     """One outbound push stream per downstream server, shared by every session that
     pushes there. Dialled in the background when a session is linked (a link reply
     never waits for a dial); a sender task per stream writes the pushes, so a slow
-    or stalled downstream costs dropped pushes, never a delayed reply, and no write
-    is ever cancelled halfway (which would break the shared secure connection)."""
+    or stalled downstream costs dropped pushes and replies delayed by `flushed`'s
+    bound at most, and no write is ever cancelled halfway (which would break the
+    shared secure connection)."""
 
     def __init__(self, host: IHost, nursery: trio.Nursery) -> None:
         self.host = host
