@@ -298,3 +298,18 @@ async def provide_all(dht: KadDHT, keys: Iterable[str]) -> None:
     async with trio.open_nursery() as nursery:
         for key in keys:
             nursery.start_soon(dht.provide, key)
+
+
+PROVIDE_REPLICAS = 20  # k: a provide stores its record on the k peers closest to the key
+
+
+def should_provide(keys, peers: frozenset, provided_keys, provided_peers: frozenset, *, due: bool) -> bool:
+    """Whether to (re-)send provider records: when the keys changed, when they are due,
+    or when the routing table gained peers while the last provide reached fewer than k
+    of them (then every newcomer is among the k closest to every key). In a bigger
+    swarm re-sending on each join would make every join cost every node a look-up per
+    key; the periodic refresh reaches newcomers there, and look-ups still find the
+    records on the other k - 1 closest peers meanwhile."""
+    if keys != provided_keys or due:
+        return True
+    return bool(peers - provided_peers) and len(provided_peers) < PROVIDE_REPLICAS

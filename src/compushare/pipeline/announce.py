@@ -13,7 +13,7 @@ from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 
-from ..net.dht import block_key, model_key, provide_all, sync_routing_table
+from ..net.dht import block_key, model_key, provide_all, should_provide, sync_routing_table
 from ..net.host import full_addrs
 from ..net.records import MAX_ADDRS, ServerRecord, record_key
 from .provider import Provider
@@ -43,8 +43,8 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Re-put the server record every TTL/3, and at once when the provider's span
     changes. Provider records (which py-libp2p keeps 24 h) are re-sent when the span
-    changed, when the routing table gained peers that have not had them, or every
-    PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and running it every
+    changed, when a small routing table gained peers that have not had them
+    (net/dht.should_provide), or every PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and running it every
     few seconds steals CPU from inference on small machines."""
     model_id = provider.model.model_id
     provided: tuple = ((), frozenset())  # (keys, peers they went to)
@@ -64,8 +64,8 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
                 await sync_routing_table(host, dht)
                 await dht.put_value(record_key(record.model_id, record.peer_id), record.sign(key_pair))
                 peers = frozenset(dht.routing_table.get_peer_ids())
-                stale = trio.current_time() - last_provide > PROVIDE_INTERVAL_S
-                if tuple(keys) != provided[0] or peers - provided[1] or stale:
+                due = trio.current_time() - last_provide > PROVIDE_INTERVAL_S
+                if should_provide(tuple(keys), peers, provided[0], provided[1], due=due):
                     await provide_all(dht, keys)
                     provided, last_provide = (tuple(keys), peers), trio.current_time()
         except trio.TooSlowError:

@@ -17,7 +17,7 @@ from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, sync_routing_table
+from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, should_provide, sync_routing_table
 from ..net.view import SwarmView
 from ..errors import ModelUnavailable
 from ..model.store import StoredModel
@@ -94,8 +94,9 @@ class Torrent:
         return out
 
     async def announce_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Provide the seed key of every model held: again when that set changes, when the
-        routing table gains peers that have not had the records, and every 5 minutes.
+        """Provide the seed key of every model held: again when that set changes, when a
+        small routing table gains peers that have not had the records (should_provide),
+        and every 5 minutes.
         Started (task_status) after the first round."""
         provided: tuple[frozenset, frozenset] = (frozenset(), frozenset())
         last = -PROVIDE_INTERVAL_S
@@ -105,7 +106,8 @@ class Torrent:
             if self.dht is not None and models:
                 await sync_routing_table(self.host, self.dht)
                 peers = frozenset(self.dht.routing_table.get_peer_ids())
-                if models != provided[0] or peers - provided[1] or trio.current_time() - last > PROVIDE_INTERVAL_S:
+                if should_provide(models, peers, provided[0], provided[1],
+                                  due=trio.current_time() - last > PROVIDE_INTERVAL_S):
                     with trio.move_on_after(30):
                         await provide_all(self.dht, [seed_key(m) for m in models])
                         provided, last = (models, peers), trio.current_time()
