@@ -164,7 +164,7 @@ class PushLinks:
         token's critical path, the reply is not (the consumer's copy only confirms a
         step the next server is already computing). Waiting never cancels a write."""
         link = self._links.get(peer)
-        if link is None:
+        if link is None or link.written >= link.queued:  # the usual case: written already, no scope
             return
         with trio.move_on_after(timeout):
             while link.written < link.queued and self._links.get(peer) is link:
