@@ -82,10 +82,18 @@ async def test_a_node_with_nothing_fetches_its_span_from_three_seeders_and_serve
 class CorruptPieces(ModelPieces):
     """Holds the real model but flips a byte in every piece it sends."""
 
-    def read(self, index: int) -> bytes:
-        data = bytearray(super().read(index))
+    @staticmethod
+    def _corrupt(data) -> bytes:
+        data = bytearray(data)
         data[len(data) // 2] ^= 0xFF
         return bytes(data)
+
+    def read(self, index: int) -> bytes:
+        return self._corrupt(super().read(index))
+
+    def read_cached(self, index: int):
+        data = super().read_cached(index)
+        return None if data is None else self._corrupt(data)
 
 
 class HostileLibrary(Library):

@@ -151,7 +151,7 @@ def test_frame_decoder_never_buffers_a_frame_over_its_limit(stream, cuts, max_fr
             while (message := decoder.next_message()) is not None:
                 assert isinstance(message, dict) and isinstance(message["type"], str)
                 assert decoder.last_frame_bytes <= LENGTH.size + max_frame
-            assert len(decoder._buffer) < LENGTH.size + max_frame
+            assert decoder.buffered_bytes < LENGTH.size + max_frame
             assert decoder.needed() >= 1
             decoder.feed(chunk)
         while decoder.next_message() is not None:

@@ -10,12 +10,15 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 
 import multiaddr
+import trio
 from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.io.trio import TrioTCPStream
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux import yamux as _yamux
@@ -65,6 +68,72 @@ async def _credit_at_half_window(self: _yamux.YamuxStream, *, bytes_read: int = 
 
 
 _yamux.YamuxStream._auto_tune_and_send_window_update = _credit_at_half_window
+
+# py-libp2p reads its TCP socket exactly as much as each layer asks for: Noise's
+# 2-byte length, then the frame (in pieces if it straddles segments). Every read
+# is a recv() plus a trio scheduling round, two or more per frame. Reading what
+# the kernel holds, up to this much, and serving the small reads from that buffer
+# doubled one stream's bulk rate (80 -> 146 MB/s on loopback, measured side by side).
+_RECV_BYTES = 256 * 1024
+
+
+async def _read_buffered(self: TrioTCPStream, n: int | None = None) -> bytes:
+    """TrioTCPStream.read with a receive buffer: up to `n` bytes (n=None: any)."""
+    if n == 0:
+        return b""
+    while not self._cs_pending:
+        if self._cs_receiving is not None:  # another task is in recv(): its surplus comes first
+            await self._cs_receiving.wait()
+            continue
+        self._cs_receiving = received = trio.Event()
+        try:
+            data = await _unbuffered_read(self, _RECV_BYTES if n is None else max(n, _RECV_BYTES))
+        finally:
+            self._cs_receiving = None
+            received.set()
+        if n is None or len(data) <= n:
+            return data
+        self._cs_pending = memoryview(data)
+    pending = self._cs_pending
+    if n is None or n >= len(pending):
+        self._cs_pending = b""
+        return bytes(pending)
+    self._cs_pending = pending[n:]
+    return bytes(pending[:n])
+
+
+TrioTCPStream._cs_pending = b""  # bytes received and not yet read (a memoryview when set)
+TrioTCPStream._cs_receiving = None  # a trio.Event while one task waits in recv()
+_unbuffered_read = TrioTCPStream.read
+TrioTCPStream.read = _read_buffered
+
+
+# py-libp2p's yamux sends DATA frames of up to 64 KiB: with its 12-byte header a full
+# frame is 17 bytes over Noise's largest message, so Noise sent it as two messages,
+# two encryptions and two socket writes, the second of 17 bytes. Frames sized to
+# fill one Noise message exactly: one stream's bulk rate went from ~150 to ~175 MB/s
+# on loopback, and a seeder's CPU per MB from ~11 to ~7 ms (measured side by side).
+_yamux.MAX_MESSAGE_SIZE = MAX_PLAINTEXT_LENGTH
+
+
+async def widen_receive_window(stream, size: int) -> None:
+    """Let the peer send up to `size` bytes on `stream` without waiting for credit.
+
+    A yamux stream starts with 256 KiB of credit and py-libp2p's sender, once out
+    of credit, polls for more every 10 ms. A downloader asking for 8 MiB of pieces
+    at once left each seeder stalled in that poll 20-90 times per 180 MB (measured).
+    A reader that bounds what it asks for (requests, not a free-running stream)
+    grants that much up front, with an ordinary WINDOW_UPDATE."""
+    muxed = getattr(stream, "muxed_stream", None)
+    if not isinstance(muxed, _yamux.YamuxStream):
+        return
+    async with muxed.window_lock:
+        muxed.target_recv_window = max(muxed.target_recv_window, min(size, _yamux.MAX_WINDOW_SIZE))
+        delta = muxed.target_recv_window - muxed.recv_window
+        if delta <= 0:
+            return
+        muxed.recv_window += delta
+    await muxed.send_window_update(delta, skip_lock=True)  # never under window_lock (py-libp2p's rule)
 
 
 def build_host(key_pair: KeyPair) -> IHost:

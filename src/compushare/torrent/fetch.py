@@ -23,6 +23,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from ..errors import CompushareError, FrameError
 from ..net.framing import FramedStream
+from ..net.host import widen_receive_window
 from .manifest import Manifest, parse
 from .picker import Picker
 from .protocol import MAX_DATA_FRAME, PIECES_PROTOCOL, parse_reply
@@ -82,6 +83,8 @@ async def _open(host: IHost, info: PeerInfo) -> FramedStream:
         if info.addrs:
             await host.connect(info)
         stream = await host.new_stream(info.peer_id, [PIECES_PROTOCOL])
+        # What may be in flight: the requested pieces, plus one frame of slack.
+        await widen_receive_window(stream, PIPELINE_BYTES + MAX_DATA_FRAME)
     return FramedStream(stream, MAX_DATA_FRAME)
 
 

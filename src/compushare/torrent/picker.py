@@ -19,6 +19,7 @@ the peer that sent it bad); the sender's pipeline is halved, and after
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import random
 from collections import Counter
@@ -133,7 +134,8 @@ class Picker:
         if self.completed < self.random_first:
             chosen = self.rng.sample(fresh, count)
         else:
-            chosen = sorted(fresh, key=lambda i: (self.availability[i], self.rng.random()))[:count]
+            # The `count` rarest (ties broken at random): a partial sort, this runs once per piece per peer.
+            chosen = heapq.nsmallest(count, fresh, key=lambda i: (self.availability[i], self.rng.random()))
         if not chosen and not state.inflight and all(i in self.requested for i in self.missing):
             # Strict endgame: a peer with nothing left to do duplicates requests still
             # in flight elsewhere; the first copy wins and the others are cancelled.

@@ -179,7 +179,9 @@ class _Upload:
             while self.queue:
                 index = next(iter(self.queue))
                 try:
-                    data = await trio.to_thread.run_sync(pieces.read, index)
+                    data = pieces.read_cached(index)
+                    if data is None:  # not in the page cache: wait for the disk in a thread
+                        data = await trio.to_thread.run_sync(pieces.read, index)
                 except (KeyError, OSError) as exc:
                     log.warning("cannot read piece %d of %s: %r", index, pieces.model.model_id[:12], exc)
                     self.queue.pop(index, None)

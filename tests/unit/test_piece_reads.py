@@ -1,0 +1,62 @@
+"""torrent/storage.py: a seeder's reads, from the page cache on the event loop or
+from the disk in a thread, return the same verified bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from compushare.model.catalog import import_path
+from compushare.model.store import ModelStore
+from compushare.torrent.storage import ModelPieces
+
+needs_nowait = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="preadv2 RWF_NOWAIT is Linux-only")
+
+
+@pytest.fixture
+def pieces(tiny_model, tmp_path) -> ModelPieces:
+    model_id = import_path(tiny_model, tmp_path / "home", alias="tiny").model_id
+    return ModelPieces(ModelStore(tmp_path / "home").get(model_id))
+
+
+def _matches(pieces: ModelPieces, index: int, data) -> bool:
+    return hashlib.sha256(data).hexdigest() == pieces.manifest.pieces[index].sha256
+
+
+@needs_nowait
+def test_a_piece_in_the_page_cache_is_read_without_the_disk_and_equals_the_blocking_read(pieces):
+    for index in range(pieces.num_pieces):
+        pieces.read(index)  # now in the page cache
+        cached = pieces.read_cached(index)
+        assert cached is not None
+        assert bytes(cached) == pieces.read(index)
+        assert _matches(pieces, index, cached)
+
+
+@needs_nowait
+def test_a_piece_evicted_from_the_page_cache_is_not_read_on_the_loop(pieces):
+    # Clean pages dropped with POSIX_FADV_DONTNEED: a read would have to wait for the disk.
+    evicted = 0
+    for entry in pieces.manifest.files:
+        fd = os.open(pieces.model.path / entry.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    for index in range(pieces.num_pieces):
+        if pieces.read_cached(index) is None:
+            evicted += 1
+            assert _matches(pieces, index, pieces.read(index))  # the thread's read still works
+    if evicted == 0:
+        pytest.skip("this file system kept the pages (tmpfs): nothing to evict")
+
+
+def test_a_piece_not_held_is_a_key_error_either_way(pieces):
+    pieces.have.discard(0)
+    with pytest.raises(KeyError):
+        pieces.read(0)
+    with pytest.raises(KeyError):
+        pieces.read_cached(0)
