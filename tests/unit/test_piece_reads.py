@@ -60,3 +60,11 @@ def test_a_piece_not_held_is_a_key_error_either_way(pieces):
         pieces.read(0)
     with pytest.raises(KeyError):
         pieces.read_cached(0)
+
+
+@needs_nowait
+def test_the_loop_never_waits_for_a_writer_holding_the_lock(pieces):
+    pieces.read(0)  # cached
+    with pieces._lock:  # as a download's pwrite holds it
+        assert pieces.read_cached(0) is None  # the seeder falls back to a thread
+    assert pieces.read_cached(0) is not None

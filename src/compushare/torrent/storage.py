@@ -92,12 +92,18 @@ class ModelPieces:
     def _read(self, index: int, *, cached_only: bool) -> bytes | bytearray | None:
         piece = self.manifest.pieces[index]
         name = self.manifest.files[piece.file].name
-        with self._lock:
+        # A download's writer holds the lock across a pwrite, which the kernel may
+        # throttle: the event loop never waits for it (the thread read will).
+        if not self._lock.acquire(blocking=not cached_only):
+            return None
+        try:
             if index not in self.have:
                 raise KeyError(index)
             paths = [self.model.path / name, part_path(self.model, name)]
             if piece.file not in self._held_files:
                 paths.reverse()
+        finally:
+            self._lock.release()
         for path in paths:  # the part may be renamed into place between the check and the open
             try:
                 fd = os.open(path, os.O_RDONLY)
