@@ -44,8 +44,9 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
     """Re-put the server record every TTL/3, and at once when the provider's span
     changes. Provider records (which py-libp2p keeps 24 h) are re-sent when the span
     changed, when a small routing table gained peers that have not had them
-    (net/dht.should_provide), or every PROVIDE_INTERVAL_S: a full re-provide is a lookup per key, and running it every
-    few seconds steals CPU from inference on small machines."""
+    (net/dht.should_provide), or every PROVIDE_INTERVAL_S: a full re-provide is a
+    lookup per key, and running it every few seconds steals CPU from inference on
+    small machines."""
     model_id = provider.model.model_id
     provided: tuple = ((), frozenset())  # (keys, peers they went to)
     last_provide = -PROVIDE_INTERVAL_S
