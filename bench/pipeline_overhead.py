@@ -3,7 +3,7 @@
     .venv/bin/python bench/pipeline_overhead.py [--trials 3] [--tokens 64]
 
 On SmolLM2-135M (30 blocks, fp32 everywhere, the wire included, one torch thread in
-every process) this measures greedy decode speed three ways:
+every process) this measures greedy decode speed four ways:
 
   swarm  3 node processes on 127.0.0.1 serving blocks 0:10, 10:20, 20:30, driven by
          a libp2p client in this process through the real consumer loop
@@ -11,6 +11,12 @@ every process) this measures greedy decode speed three ways:
   local  three SpanRunner objects (0:10, 10:20, 20:30) + ConsumerHead in this
          process: the same span code, no network;
   hf     transformers' AutoModelForCausalLM.generate on the same weights.
+  ring   the same three spans in three worker processes chained by pipes (raw fp32
+         bytes, no network stack), the head in this process: what splitting the
+         spans into processes costs on this machine before any networking (each
+         process idles between its steps, on 2 vCPUs, and loses its warm caches).
+         ring/local is the ceiling for any 3-process pipeline here; swarm/ring is
+         what the network stack costs on top.
 
 Timing covers the decode only: prefill, model loading and start-up are excluded. A
 "decode step" feeds the previous token through all 30 blocks and picks the next one
@@ -40,6 +46,7 @@ import selectors
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -59,6 +66,7 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 
 from compushare.api.client import call  # noqa: E402
+from compushare.gc_policy import startup_done  # noqa: E402
 from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
@@ -211,6 +219,88 @@ class SwarmClient:
         self._thread.join(timeout=10)
 
 
+# --------------------------------------------------------------------------- ring
+
+# A ring step: position, tokens (0: start a new KV cache), then tokens x hidden fp32.
+RING_HEADER = struct.Struct("<II")
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError("ring pipe closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def ring_worker(span: str, model_dir: str, read_fd: int, write_fd: int) -> None:
+    """One ring process: read a step, run the span on it, pass the output on."""
+    torch.set_num_threads(1)
+    start, end = (int(x) for x in span.split(":"))
+    runner = SpanRunner.load(Path(model_dir), start, end)
+    startup_done()  # as a node does once its span is loaded
+    cache = runner.new_cache()
+    while True:
+        try:
+            header = _read_exact(read_fd, RING_HEADER.size)
+        except EOFError:
+            return
+        position, tokens = RING_HEADER.unpack(header)
+        if tokens == 0:
+            cache = runner.new_cache()
+            _write_all(write_fd, header)
+            continue
+        data = bytearray(_read_exact(read_fd, tokens * runner.hidden_size * 4))
+        hidden = torch.frombuffer(data, dtype=torch.float32).view(1, tokens, runner.hidden_size)
+        output = runner.forward(hidden, cache, position)
+        _write_all(write_fd, header + output.contiguous().numpy().tobytes())
+
+
+class Ring:
+    """Worker processes, one per span, chained by pipes: this process -> span 0 ->
+    span 1 -> span 2 -> this process."""
+
+    def __init__(self, cleanup: Cleanup, model_dir: Path, spans: list[tuple[int, int]], hidden_size: int) -> None:
+        self.hidden_size = hidden_size
+        pipes = [os.pipe() for _ in range(len(spans) + 1)]
+        for k, (start, end) in enumerate(spans):
+            read_fd, write_fd = pipes[k][0], pipes[k + 1][1]
+            cleanup.procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--ring-worker", f"{start}:{end}", str(model_dir), str(read_fd),
+                 str(write_fd)], pass_fds=(read_fd, write_fd), stdin=subprocess.DEVNULL))
+        self.send_fd, self.receive_fd = pipes[0][1], pipes[-1][0]
+        for k, (read_fd, write_fd) in enumerate(pipes):  # the workers hold the rest
+            if k:
+                os.close(write_fd)
+            if k < len(spans):
+                os.close(read_fd)
+
+    def reset(self) -> None:
+        _write_all(self.send_fd, RING_HEADER.pack(0, 0))
+        _read_exact(self.receive_fd, RING_HEADER.size)
+
+    def forward(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        tokens = hidden.shape[1]
+        _write_all(self.send_fd, RING_HEADER.pack(position, tokens) + hidden.contiguous().numpy().tobytes())
+        _read_exact(self.receive_fd, RING_HEADER.size)
+        data = bytearray(_read_exact(self.receive_fd, tokens * self.hidden_size * 4))
+        return torch.frombuffer(data, dtype=torch.float32).view(1, tokens, self.hidden_size)
+
+    def close(self) -> None:
+        for fd in (self.send_fd, self.receive_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 # --------------------------------------------------------------------------- local, hf
 
 
@@ -238,7 +328,6 @@ def _first_mismatch(reference: list[int], results: list[dict]) -> int | None:
 def local_trial(runners: list[SpanRunner], head: ConsumerHead, prompt_ids: list[int], decode_tokens: int) -> dict:
     """The same spans and head in-process, mirroring pipeline/generate.py without the
     network (and without its worker-thread hop for the head)."""
-    sampler = Sampler(SamplingParams(max_new_tokens=decode_tokens + 1, stop_at_eos=False))
     caches = [runner.new_cache() for runner in runners]  # one per "server", as in the swarm
 
     def through(hidden: torch.Tensor, position: int) -> torch.Tensor:
@@ -246,6 +335,17 @@ def local_trial(runners: list[SpanRunner], head: ConsumerHead, prompt_ids: list[
             hidden = runner.forward(hidden, cache, position)
         return hidden
 
+    return _greedy(through, head, prompt_ids, decode_tokens)
+
+
+def ring_trial(ring: Ring, head: ConsumerHead, prompt_ids: list[int], decode_tokens: int) -> dict:
+    """The local trial's loop with the spans in the ring's processes."""
+    ring.reset()
+    return _greedy(ring.forward, head, prompt_ids, decode_tokens)
+
+
+def _greedy(through, head: ConsumerHead, prompt_ids: list[int], decode_tokens: int) -> dict:
+    sampler = Sampler(SamplingParams(max_new_tokens=decode_tokens + 1, stop_at_eos=False))
     hidden = through(head.embed_tokens(prompt_ids), 0)
     position = len(prompt_ids)
     token = sampler.choose(head.logits(hidden))
@@ -352,7 +452,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="timed decode tokens per trial")
+    parser.add_argument("--ring-worker", nargs=4, help=argparse.SUPPRESS)  # internal: span, model dir, fds
     args = parser.parse_args()
+    if args.ring_worker:
+        span, model_dir, read_fd, write_fd = args.ring_worker
+        ring_worker(span, model_dir, int(read_fd), int(write_fd))
+        return 0
 
     wall_began = time.perf_counter()
     torch.set_num_threads(1)
@@ -362,7 +467,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
     cleanup = Cleanup()
-    client = None
+    client = ring = None
     try:
         log(f"pipeline overhead bench: {MODEL}, {NODES} nodes, {args.tokens} decode tokens, "
             f"{args.trials} interleaved trials, fp32, 1 torch thread per process")
@@ -382,6 +487,7 @@ def main() -> int:
         head = ConsumerHead.load(model.path)
         runners = [SpanRunner.load(model.path, start, end) for start, end in split_blocks(model.num_blocks, NODES)]
         hf_model = load_full_model(model.path)  # sdpa, like the spans
+        ring = Ring(cleanup, model.path, split_blocks(model.num_blocks, NODES), model.hidden_size)
         log(f"prompt: {len(prompt_ids)} tokens (chat template of {PROMPT!r})")
 
         client = SwarmClient(bench_dir, bootstrap, model, head, prompt_ids)
@@ -395,6 +501,7 @@ def main() -> int:
             "swarm": lambda n: client.trial(n),
             "local": lambda n: local_trial(runners, head, prompt_ids, n),
             "hf": lambda n: hf_trial(hf_model, prompt_ids, n),
+            "ring": lambda n: ring_trial(ring, head, prompt_ids, n),
         }
         for run in runs.values():  # warm-up: first-call costs, connections, caches
             run(WARMUP_TOKENS)
@@ -414,6 +521,8 @@ def main() -> int:
         tokens_match_hf = all(r["tokens"] == local_tokens for r in results["hf"])
         mismatch = {name: _first_mismatch(local_tokens, rs) for name, rs in results.items() if name != "local"}
         ratio = med["swarm"] / med["local"]
+        ring_ratio = med["ring"] / med["local"]
+        tokens_match_ring = all(r["tokens"] == local_tokens for r in results["ring"])
 
         first_token: list[float] = []
         client_dir = cleanup.tmp / "cli-client"
@@ -431,6 +540,8 @@ def main() -> int:
         log(f"swarm  {med['swarm']:7.2f} tok/s  ({step_med['swarm']:.2f} ms/token)")
         log(f"local  {med['local']:7.2f} tok/s  ({step_med['local']:.2f} ms/token)")
         log(f"hf     {med['hf']:7.2f} tok/s  ({step_med['hf']:.2f} ms/token)")
+        log(f"ring   {med['ring']:7.2f} tok/s  ({step_med['ring']:.2f} ms/token): ring/local {ring_ratio:.3f}, "
+            f"the ceiling for 3 processes here; swarm/ring {med['swarm'] / med['ring']:.3f}")
         log(f"ratio swarm/local {ratio:.3f} (target >= {TARGET_RATIO:.2f}): "
             f"{'OK' if ratio >= TARGET_RATIO else 'BELOW TARGET'}; "
             f"swarm overhead {step_med['swarm'] - step_med['local']:.2f} ms/token")
@@ -449,6 +560,10 @@ def main() -> int:
             "ratio": round(ratio, 4),
             "tokens_match": tokens_match,
             "tokens_match_hf": tokens_match_hf,
+            "ring_tok_s": round(med["ring"], 3),
+            "ring_ratio": round(ring_ratio, 4),
+            "swarm_vs_ring": round(med["swarm"] / med["ring"], 4),
+            "tokens_match_ring": tokens_match_ring,
             "first_mismatch": mismatch,
             "first_token_s": round(first_token_s, 3),
             "targets": {"ratio": TARGET_RATIO, "tokens_match": True, "first_token_s": TARGET_FIRST_TOKEN_S},
@@ -474,6 +589,8 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
+        if ring is not None:
+            ring.close()
         cleanup.run()
 
 

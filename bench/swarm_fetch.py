@@ -14,6 +14,12 @@ raw       one libp2p stream between two processes (a source process writing 1 Mi
           of as many bytes; loopback_3_vs_raw is the median of the pairs' ratios
           (this machine's speed drifts by 2x within minutes), the MB/s figures are
           medians.
+raw_3_verified  three raw sources (a third of the bytes each) into one reader that,
+          like a fetch, hashes each MiB and writes it to a file in a worker thread,
+          and fsyncs the file at the end: a 3-seeder fetch's processes and its
+          mandatory work (verify, persist) without its protocol. Measured in each
+          pair too, so loopback_3 / raw_3_verified says what the protocol costs and
+          raw_3_verified / raw what the topology and the work cost on this machine.
 wan       with --wan (root only): ../shared/tools/netlab hosts, `netlab.sh up 4 0 0 0
           20mbit,20mbit,20mbit,-`: seeders on hosts 1-3 with 20mbit links, the
           downloader on host 4 unshaped. The namespaces are removed on every exit path.
@@ -24,6 +30,7 @@ Human-readable lines first; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import contextlib
 import json
 import os
@@ -184,9 +191,74 @@ async def _raw_sink(addr: str, mib: int) -> float:
     return received / 1e6 / elapsed
 
 
-def start_raw_source(lab: Lab, root: Path, mib: int) -> str:
-    addr_file = root / "raw.addr"
-    lab.start([sys.executable, __file__, "--raw-source", str(addr_file), "--raw-mib", str(mib)], root / "raw.log")
+async def _raw_sink_verified(addrs: list[str], mib_each: int, out_dir: Path) -> float:
+    """One stream from each raw source at once into one file: every MiB hashed and
+    written in a worker thread (one trip per MiB, as a fetch makes per piece), the
+    file fsynced at the end."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.network.stream.exceptions import StreamEOF
+
+    from compushare.net.host import open_host, parse_peer_addr
+
+    path = out_dir / f"verified-{time.monotonic_ns()}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    kept = [0]
+
+    def keep(chunk: bytes, offset: int) -> None:
+        hashlib.sha256(chunk).digest()
+        os.pwrite(fd, chunk, offset)
+
+    async def drain(stream) -> None:
+        pending: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                data = await stream.read(CHUNK)
+            except StreamEOF:
+                break
+            if not data:
+                break
+            pending.append(data)
+            size += len(data)
+            while size >= CHUNK:
+                joined = b"".join(pending)
+                chunk, rest = joined[:CHUNK], joined[CHUNK:]
+                pending, size = ([rest] if rest else []), len(rest)
+                offset = kept[0]
+                kept[0] += CHUNK
+                await trio.to_thread.run_sync(keep, chunk, offset)
+
+    try:
+        async with open_host(create_new_key_pair(), []) as host:
+            streams = []
+            for addr in addrs:
+                info = parse_peer_addr(addr)
+                await host.connect(info)
+                streams.append(await host.new_stream(info.peer_id, [RAW_PROTOCOL]))
+            began = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for stream in streams:
+                    nursery.start_soon(drain, stream)
+            await trio.to_thread.run_sync(os.fsync, fd)
+            elapsed = time.perf_counter() - began
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    if kept[0] != len(addrs) * mib_each * CHUNK:
+        raise RuntimeError(f"raw sources delivered {kept[0]} of {len(addrs) * mib_each * CHUNK} bytes")
+    return kept[0] / 1e6 / elapsed
+
+
+def raw_3_verified_mbps(addrs: list[str], mib_each: int, out_dir: Path) -> float:
+    rate = trio.run(_raw_sink_verified, addrs, mib_each, out_dir)
+    print(f"  {len(addrs)} raw streams, hashed and written: {len(addrs) * mib_each} MiB at {rate:.2f} MB/s",
+          flush=True)
+    return rate
+
+
+def start_raw_source(lab: Lab, root: Path, mib: int, name: str = "raw") -> str:
+    addr_file = root / f"{name}.addr"
+    lab.start([sys.executable, __file__, "--raw-source", str(addr_file), "--raw-mib", str(mib)], root / f"{name}.log")
     deadline = time.monotonic() + 60
     while not addr_file.exists() or not addr_file.read_text():
         if time.monotonic() > deadline:
@@ -205,10 +277,11 @@ def raw_stream_mbps(addr: str, mib: int) -> float:
 
 
 def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool, trials: int = 1,
-                 raw_mib: int = 0) -> tuple[dict, dict, list[float]]:
+                 raw_mib: int = 0) -> tuple[dict, dict, list[float], list[float]]:
     """1 seeder once, then `trials` fetches from 3 seeders; on loopback each of those
-    follows a raw-stream measurement (side by side: this machine's speed drifts).
-    Returns the 1-seeder result, the median 3-seeder result and the raw rates."""
+    follows a raw-stream and a raw_3_verified measurement (side by side: this
+    machine's speed drifts). Returns the 1-seeder result, the median 3-seeder result
+    and the two references' rates."""
     ips = [f"10.200.0.{i}" for i in (1, 2, 3)] if wan else ["127.0.0.1"] * 3
     hosts: list[int | None] = [1, 2, 3] if wan else [None] * 3
     downloader = 4 if wan else None
@@ -216,19 +289,24 @@ def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool, trials: int 
     one = fetch_once(lab, root, model_id, start_seeders(lab, root, 1, ips, hosts), downloader)
     lab.stop_all()
     raw_addr = start_raw_source(lab, root, raw_mib) if raw_mib else None
+    verified_addrs = [start_raw_source(lab, root, raw_mib // 3, f"raw3v-{i}") for i in range(3)] if raw_mib else []
     seeders = start_seeders(lab, root, 3, ips, hosts)
-    threes, raws = [], []
+    threes, raws, verifieds = [], [], []
     for _ in range(trials):
         if raw_addr:
             raws.append(raw_stream_mbps(raw_addr, raw_mib))
+            verifieds.append(raw_3_verified_mbps(verified_addrs, raw_mib // 3, root))
         threes.append(fetch_once(lab, root, model_id, seeders, downloader))
         if raws:
             threes[-1]["vs_raw"] = threes[-1]["MBps"] / raws[-1]
+            threes[-1]["vs_raw_3_verified"] = threes[-1]["MBps"] / verifieds[-1]
     lab.stop_all()
     three = sorted(threes, key=lambda r: r["MBps"])[len(threes) // 2]
     if raws:  # the ratio of each side-by-side pair, then their median
         three["vs_raw"] = statistics.median(r["vs_raw"] for r in threes)
-    return one, three, raws
+        three["vs_raw_3_verified"] = statistics.median(r["vs_raw_3_verified"] for r in threes)
+        three["raw_3_verified_vs_raw"] = statistics.median(v / r for v, r in zip(verifieds, raws))
+    return one, three, raws, verifieds
 
 
 def main() -> None:
@@ -253,8 +331,8 @@ def main() -> None:
         size = model.manifest.total_bytes
         print(f"{MODEL} ({model.model_id[:12]}): {size / 1e6:.1f} MB stored in {len(model.manifest.pieces)} "
               f"pieces of {model.manifest.piece_size // 1024} KiB", flush=True)
-        lo1, lo3, raws = run_scenario(lab, root, model.model_id, wan=False, trials=args.trials,
-                                      raw_mib=args.raw_mib)
+        lo1, lo3, raws, verifieds = run_scenario(lab, root, model.model_id, wan=False, trials=args.trials,
+                                                 raw_mib=args.raw_mib)
         raw = statistics.median(raws)
         wan1 = wan3 = None
         if args.wan:
@@ -262,7 +340,7 @@ def main() -> None:
             lab.netlab("down", "4")  # a lab left by a killed earlier run
             lab.netlab_up = True
             lab.netlab("up", "4", "0", "0", "0", WAN_RATES)
-            wan1, wan3, _ = run_scenario(lab, root, model.model_id, wan=True)
+            wan1, wan3, _, _ = run_scenario(lab, root, model.model_id, wan=True)
     finally:
         lab.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -274,6 +352,10 @@ def main() -> None:
         "raw_stream_MBps": round(raw, 2),
         "loopback_3_vs_raw": round(lo3["vs_raw"], 3),
         "raw_stream_trials_MBps": [round(r, 2) for r in raws],
+        "raw_3_verified_MBps": round(statistics.median(verifieds), 2),
+        "raw_3_verified_trials_MBps": [round(v, 2) for v in verifieds],
+        "raw_3_verified_vs_raw": round(lo3["raw_3_verified_vs_raw"], 3),
+        "loopback_3_vs_raw_3_verified": round(lo3["vs_raw_3_verified"], 3),
         "wan_1_MBps": round(wan1["MBps"], 2) if wan1 else None,
         "wan_3_MBps": round(wan3["MBps"], 2) if wan3 else None,
         "wan_ratio_3v1": round(wan3["MBps"] / wan1["MBps"], 3) if wan1 else None,
