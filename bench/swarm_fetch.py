@@ -157,7 +157,7 @@ async def _raw_source(mib: int, addr_file: Path) -> None:
 
     async def handler(stream) -> None:
         for _ in range(mib):
-            await stream.write(chunk)
+            await stream.write(memoryview(chunk))  # as seeders write: yamux slices it without copies
         await stream.close()
 
     async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host:

@@ -91,9 +91,11 @@ class CorruptPieces(ModelPieces):
     def read(self, index: int) -> bytes:
         return self._corrupt(super().read(index))
 
-    def read_cached(self, index: int):
-        data = super().read_cached(index)
-        return None if data is None else self._corrupt(data)
+    def read_cached(self, index: int, headroom: int = 0):
+        data = super().read_cached(index, headroom)
+        if data is not None:
+            data[headroom + (len(data) - headroom) // 2] ^= 0xFF
+        return data
 
 
 class HostileLibrary(Library):

@@ -9,11 +9,13 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import trio
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from compushare.errors import FrameError
 from compushare.net.codec import DEFAULT_MAX_FRAME, LENGTH, FrameDecoder, decode_payload, encode_frame
+from compushare.net.framing import FramedStream
 from compushare.net.tensors import decode_tensor, encode_tensor
 
 # ---------------------------------------------------------------- strategies
@@ -382,3 +384,34 @@ def test_unhashable_dtype_is_a_frame_error(dtype):
     with pytest.raises(FrameError) as info:
         decode_tensor({"dtype": dtype, "shape": [1, 1, H], "data": bytes(4 * H)}, hidden_size=H, max_tokens=1)
     assert info.value.code == "bad_dtype"
+
+
+class _EchoStream:
+    """Reads return what was written, at most `n` bytes at a time."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self._unread = b""
+
+    async def write(self, data) -> None:
+        self.writes.append(bytes(data))
+        self._unread += bytes(data)
+
+    async def read(self, n: int) -> bytes:
+        data, self._unread = self._unread[:n], self._unread[n:]
+        return data
+
+
+@given(st.lists(messages, max_size=6))
+def test_send_many_is_one_write_that_reads_back_as_the_messages_in_order(batch):
+    async def main() -> list[dict]:
+        stream = _EchoStream()
+        framed = FramedStream(stream, 1 << 20)
+        await framed.send_many(batch)
+        assert len(stream.writes) == (1 if batch else 0)
+        received = []
+        while (message := await framed.receive()) is not None:
+            received.append(message)
+        return received
+
+    assert trio.run(main) == batch

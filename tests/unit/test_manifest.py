@@ -174,3 +174,10 @@ def test_piece_frame_is_what_the_codec_would_make(index, data):
     from compushare.torrent.protocol import piece_frame
 
     assert piece_frame(index, data) == encode_frame({"type": "piece", "index": index, "data": data})
+
+
+@given(st.integers(0, 2**32), st.binary(max_size=70000))
+def test_a_piece_frame_is_its_head_then_the_data(index, data):
+    from compushare.torrent.protocol import piece_frame, piece_frame_head
+
+    assert piece_frame_head(index, len(data)) + data == piece_frame(index, data)

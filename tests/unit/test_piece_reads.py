@@ -37,6 +37,16 @@ def test_a_piece_in_the_page_cache_is_read_without_the_disk_and_equals_the_block
 
 
 @needs_nowait
+def test_a_cached_read_with_headroom_puts_the_piece_after_it(pieces):
+    # The seeder fills the headroom with its frame's head: one buffer, one copy of the piece.
+    pieces.read(0)
+    buffer = pieces.read_cached(0, headroom=13)
+    assert buffer is not None and len(buffer) == 13 + pieces.manifest.pieces[0].length
+    assert buffer[:13] == bytes(13)
+    assert bytes(buffer[13:]) == pieces.read(0)
+
+
+@needs_nowait
 def test_a_piece_evicted_from_the_page_cache_is_not_read_on_the_loop(pieces):
     # Clean pages dropped with POSIX_FADV_DONTNEED: a read would have to wait for the disk.
     # The import hard-links the session's model files, which other tests' processes may

@@ -274,11 +274,12 @@ class Download:
                     self.sent_at.pop((peer, index), None)
                     self.outboxes[peer].append(index)
             outbox = self.outboxes[peer]
-            while outbox:
-                await framed.send({"type": "cancel", "index": outbox.popleft()})
+            messages = [{"type": "cancel", "index": outbox.popleft()} for _ in range(len(outbox))]
+            now = time.monotonic()
             for index in self.picker.pick(peer):
-                self.sent_at[(peer, index)] = time.monotonic()
-                await framed.send({"type": "request", "index": index})
+                self.sent_at[(peer, index)] = now
+                messages.append({"type": "request", "index": index})
+            await framed.send_many(messages)  # one write for all of them
             with trio.move_on_after(1.0):  # also the tick that finds timed-out requests
                 await wake.wait()
 

@@ -68,13 +68,19 @@ def _bin_header(size: int) -> bytes:
     return b"\xc6" + size.to_bytes(4, "big")
 
 
+def piece_frame_head(index: int, length: int) -> bytes:
+    """The bytes of a piece frame before its `length` bytes of data. A seeder reads the
+    piece from disk right behind them, into one buffer: the piece is copied once."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = b"".join((packer.pack_map_header(3), packer.pack("type"), packer.pack("piece"), packer.pack("index"),
+                     packer.pack(index), packer.pack("data"), _bin_header(length)))
+    return LENGTH.pack(len(head) + length) + head
+
+
 def piece_frame(index: int, data: bytes) -> bytes:
     """The frame of `{"type": "piece", "index": index, "data": data}`, byte for byte what
     codec.encode_frame makes, with one copy of the piece instead of two."""
-    packer = msgpack.Packer(use_bin_type=True)
-    head = b"".join((packer.pack_map_header(3), packer.pack("type"), packer.pack("piece"), packer.pack("index"),
-                     packer.pack(index), packer.pack("data"), _bin_header(len(data))))
-    return b"".join((LENGTH.pack(len(head) + len(data)), head, data))
+    return piece_frame_head(index, len(data)) + data
 
 
 # ---------------------------------------------------------------- downloader -> seeder

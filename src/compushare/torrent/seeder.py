@@ -16,7 +16,7 @@ from libp2p.abc import INetStream
 
 from ..errors import FrameError
 from ..net.framing import FramedStream
-from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request, piece_frame
+from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request, piece_frame, piece_frame_head
 from .storage import Library, ModelPieces
 
 log = logging.getLogger(__name__)
@@ -178,30 +178,35 @@ class _Upload:
                 await self._send({"type": "have", "index": self.haves.popleft()})
             while self.queue:
                 index = next(iter(self.queue))
+                length = pieces.manifest.pieces[index].length
+                head = piece_frame_head(index, length)
                 try:
-                    data = pieces.read_cached(index)
-                    if data is None:  # not in the page cache: wait for the disk in a thread
-                        data = await trio.to_thread.run_sync(pieces.read, index)
+                    frame = pieces.read_cached(index, headroom=len(head))
+                    if frame is None:  # not in the page cache: wait for the disk in a thread
+                        frame = piece_frame(index, await trio.to_thread.run_sync(pieces.read, index))
+                    else:
+                        frame[:len(head)] = head
                 except (KeyError, OSError) as exc:
                     log.warning("cannot read piece %d of %s: %r", index, pieces.model.model_id[:12], exc)
                     self.queue.pop(index, None)
                     await self._send({"type": "reject", "index": index, "code": "not_held"})
                     continue
                 if self.seeder.limit is not None:
-                    await self.seeder.limit.take(len(data))
+                    await self.seeder.limit.take(length)
                 if self.queue.pop(index, None) is None:
                     continue  # cancelled while it was being read (or while waiting its turn)
-                await self._send(piece_frame(index, data))
-                self.seeder.sent_bytes[self.peer] += len(data)
+                # A view: yamux slices it into frames without copying each slice first.
+                await self._send(memoryview(frame))
+                self.seeder.sent_bytes[self.peer] += length
                 while self.haves:
                     await self._send({"type": "have", "index": self.haves.popleft()})
 
-    async def _send(self, message: dict | bytes) -> None:
+    async def _send(self, message: dict | memoryview) -> None:
         """Send a message (or an already encoded frame)."""
         async with self.send_lock:
             with trio.fail_after(SEND_TIMEOUT_S):
-                if isinstance(message, bytes):
-                    await self.framed.stream.write(message)
-                else:
+                if isinstance(message, dict):
                     await self.framed.send(message)
+                else:
+                    await self.framed.stream.write(message)
 

@@ -79,17 +79,18 @@ class ModelPieces:
         assert data is not None
         return data
 
-    def read_cached(self, index: int) -> bytearray | None:
+    def read_cached(self, index: int, headroom: int = 0) -> bytearray | None:
         """One piece's bytes if the page cache holds all of them, else None, without
         ever waiting for the disk (KeyError if not held). A seeder serves hot pieces
         this way on its event loop: a worker-thread hop per piece cost more CPU than
         the copy (~15 % of a seeder's, measured), and the CPU is what a swarm on a
-        small machine runs out of."""
+        small machine runs out of. The piece starts `headroom` bytes into the buffer
+        (the seeder puts its frame's head there)."""
         if _NOWAIT is None:
             return None
-        return self._read(index, cached_only=True)
+        return self._read(index, cached_only=True, headroom=headroom)
 
-    def _read(self, index: int, *, cached_only: bool) -> bytes | bytearray | None:
+    def _read(self, index: int, *, cached_only: bool, headroom: int = 0) -> bytes | bytearray | None:
         piece = self.manifest.pieces[index]
         name = self.manifest.files[piece.file].name
         # A download's writer holds the lock across a pwrite, which the kernel may
@@ -112,9 +113,9 @@ class ModelPieces:
             try:
                 if not cached_only:
                     return os.pread(fd, piece.length, piece.offset)
-                buffer = bytearray(piece.length)
+                buffer = bytearray(headroom + piece.length)
                 try:
-                    got = os.preadv(fd, [buffer], piece.offset, _NOWAIT)
+                    got = os.preadv(fd, [memoryview(buffer)[headroom:]], piece.offset, _NOWAIT)
                 except BlockingIOError:
                     return None
                 return buffer if got == piece.length else None
