@@ -198,7 +198,8 @@ async def _raw_sink_verified(addrs: list[str], mib_each: int, out_dir: Path) -> 
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.network.stream.exceptions import StreamEOF
 
-    from compushare.net.host import open_host, parse_peer_addr
+    from compushare.net.host import open_host, parse_peer_addr, widen_receive_window
+    from compushare.torrent.fetch import PIPELINE_BYTES
 
     path = out_dir / f"verified-{time.monotonic_ns()}.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -234,7 +235,9 @@ async def _raw_sink_verified(addrs: list[str], mib_each: int, out_dir: Path) -> 
             for addr in addrs:
                 info = parse_peer_addr(addr)
                 await host.connect(info)
-                streams.append(await host.new_stream(info.peer_id, [RAW_PROTOCOL]))
+                stream = await host.new_stream(info.peer_id, [RAW_PROTOCOL])
+                await widen_receive_window(stream, PIPELINE_BYTES)  # the credit a fetch grants a seeder
+                streams.append(stream)
             began = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for stream in streams:
