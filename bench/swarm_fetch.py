@@ -166,9 +166,22 @@ async def _raw_source(mib: int, addr_file: Path) -> None:
         await trio.sleep_forever()
 
 
+async def _arriving(stream):
+    """A stream's data as it arrives, until its end."""
+    from libp2p.network.stream.exceptions import StreamEOF
+
+    while True:
+        try:
+            data = await stream.read(CHUNK)
+        except StreamEOF:
+            return
+        if not data:
+            return
+        yield data
+
+
 async def _raw_sink(addr: str, mib: int) -> float:
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.network.stream.exceptions import StreamEOF
 
     from compushare.net.host import open_host, parse_peer_addr
 
@@ -177,13 +190,7 @@ async def _raw_sink(addr: str, mib: int) -> float:
         await host.connect(info)
         stream = await host.new_stream(info.peer_id, [RAW_PROTOCOL])
         received, began = 0, time.perf_counter()
-        while True:
-            try:
-                data = await stream.read(CHUNK)
-            except StreamEOF:
-                break
-            if not data:
-                break
+        async for data in _arriving(stream):
             received += len(data)
         elapsed = time.perf_counter() - began
     if received != mib * CHUNK:
@@ -196,7 +203,6 @@ async def _raw_sink_verified(addrs: list[str], mib_each: int, out_dir: Path) -> 
     written in a worker thread (one trip per MiB, as a fetch makes per piece), the
     file fsynced at the end."""
     from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.network.stream.exceptions import StreamEOF
 
     from compushare.net.host import open_host, parse_peer_addr, widen_receive_window
     from compushare.torrent.fetch import PIPELINE_BYTES
@@ -212,13 +218,7 @@ async def _raw_sink_verified(addrs: list[str], mib_each: int, out_dir: Path) -> 
     async def drain(stream) -> None:
         pending: list[bytes] = []
         size = 0
-        while True:
-            try:
-                data = await stream.read(CHUNK)
-            except StreamEOF:
-                break
-            if not data:
-                break
+        async for data in _arriving(stream):
             pending.append(data)
             size += len(data)
             while size >= CHUNK:
