@@ -85,7 +85,7 @@ def test_concurrent_readers_never_reorder_bytes():
             async with trio.open_nursery() as nursery:
                 for tag in range(4):
                     nursery.start_soon(read_some, tag)
-                await trio.sleep(0.05)  # all four wait: one in recv(), three on the lock
+                await trio.sleep(0.05)  # all four wait: one in recv(), three wait for its result
                 await writer.send_all(b"abcdefghijkl")
         await writer.aclose()
         await reader.close()
