@@ -14,7 +14,7 @@ steps:
   idle      the loop has nothing to do (the ideal);
   busy      the loop runs BUSY_MS of Python every PERIOD_MS (a node handling traffic),
             at the default switch interval and at the one a node sets
-            (compushare.node.COMPUTE_SWITCH_INTERVAL_S).
+            (compushare.app.node.COMPUTE_SWITCH_INTERVAL_S).
 
 Each figure is the median step time relative to `idle` at the default interval;
 interleaving cancels this machine's drift. Last line: one JSON object.
@@ -44,7 +44,7 @@ import trio  # noqa: E402
 
 from compushare.model.blocks import SpanRunner  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.node import COMPUTE_SWITCH_INTERVAL_S  # noqa: E402
+from compushare.app.node import COMPUTE_SWITCH_INTERVAL_S  # noqa: E402
 
 MODEL = "smollm2-135m"
 SPAN = (10, 20)

@@ -50,9 +50,9 @@ os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.pipeline.consumer import Consumer, RunRequest  # noqa: E402
-from compushare.pipeline.sampling import SamplingParams  # noqa: E402
-from compushare.swarm import node_command, start_node, wait_ready  # noqa: E402
+from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
+from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
+from compushare.app.swarm import node_command, start_node, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 SPANS = {"a1": (0, 15), "a2": (0, 15), "b1": (15, 30), "b2": (15, 30)}

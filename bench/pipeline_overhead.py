@@ -65,19 +65,19 @@ os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from compushare.api.client import call  # noqa: E402
+from compushare.app.api.client import call  # noqa: E402
 from compushare.gc_policy import startup_done  # noqa: E402
 from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
-from compushare.pipeline.client import open_chain  # noqa: E402
-from compushare.pipeline.consumer import RunRequest, _prompt_ids, find_route  # noqa: E402
-from compushare.pipeline.generate import generate  # noqa: E402
-from compushare.pipeline.sampling import Sampler, SamplingParams  # noqa: E402
+from compushare.pipeline.client.chain import open_chain  # noqa: E402
+from compushare.pipeline.client.consumer import RunRequest, _prompt_ids, find_route  # noqa: E402
+from compushare.pipeline.client.generate import generate  # noqa: E402
+from compushare.pipeline.client.sampling import Sampler, SamplingParams  # noqa: E402
 from compushare.net.dht import connect_bootstrap, open_dht  # noqa: E402
 from compushare.net.host import open_host  # noqa: E402
 from compushare.net.identity import load_or_create_identity  # noqa: E402
-from compushare.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready  # noqa: E402
+from compushare.app.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "What is the capital of France?"

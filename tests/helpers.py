@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from compushare.model.catalog import import_path
-from compushare.swarm import node_command, start_node, wait_ready
+from compushare.app.swarm import node_command, start_node, wait_ready
 
 TINY_LAYERS = 4
 

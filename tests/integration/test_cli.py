@@ -81,7 +81,7 @@ def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
     """`node --detach` returns once the node serves, leaving a pid file and a log in
     the data dir; `stop` ends it by that pid (SIGTERM) and the files go away."""
     from compushare.model.catalog import import_path
-    from compushare.swarm import is_our_node
+    from compushare.app.swarm import is_our_node
 
     home = tmp_path / "daemon"
     import_path(tiny_model, home, alias="tiny")

@@ -12,11 +12,11 @@ import urllib.request
 import pytest
 import trio
 
-from compushare.api.auth import TOKEN_FILE
+from compushare.app.api.auth import TOKEN_FILE
 from compushare.errors import RouteError
 from compushare.model.catalog import import_path
-from compushare.pipeline.consumer import Consumer, RunRequest
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import Consumer, RunRequest
+from compushare.pipeline.client.sampling import SamplingParams
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -12,9 +12,9 @@ from compushare.model.catalog import import_path
 from compushare.net.dht import connect_bootstrap, find_providers_fresh, model_key, open_dht, sync_routing_table
 from compushare.net.host import full_addrs, open_host
 from compushare.net.records import ServerRecord, record_key
-from compushare.pipeline.consumer import RunRequest, run_prompt
-from compushare.pipeline.discovery import discover_servers
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.discovery import discover_servers
+from compushare.pipeline.client.sampling import SamplingParams
 from helpers import reference_greedy
 
 

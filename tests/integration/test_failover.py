@@ -11,9 +11,9 @@ import time
 import pytest
 import trio
 
-from compushare.pipeline.consumer import Consumer, RunRequest
-from compushare.pipeline.proofs import FailureReport
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import Consumer, RunRequest
+from compushare.proofs import FailureReport
+from compushare.pipeline.client.sampling import SamplingParams
 from compushare.model.catalog import import_path
 from helpers import liar_and_honest, reference_greedy
 

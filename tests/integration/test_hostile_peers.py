@@ -42,9 +42,9 @@ from compushare.net.ads import AD_TOPIC
 from compushare.net.codec import LENGTH, FrameDecoder
 from compushare.net.gossip import VIEW_PROTOCOL
 from compushare.net.host import open_host, parse_peer_addr
-from compushare.pipeline.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.protocol import INFER_PROTOCOL
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.sampling import SamplingParams
 from compushare.torrent.protocol import PIECES_PROTOCOL
 from helpers import reference_greedy
 

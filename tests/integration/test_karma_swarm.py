@@ -15,8 +15,8 @@ from compushare.karma.service import karma_of
 from compushare.model.catalog import import_path
 from compushare.net.dht import connect_bootstrap, open_dht
 from compushare.net.host import open_host
-from compushare.pipeline.consumer import Consumer, RunRequest
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import Consumer, RunRequest
+from compushare.pipeline.client.sampling import SamplingParams
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from helpers import liar_and_honest

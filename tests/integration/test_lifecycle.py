@@ -12,9 +12,9 @@ from safetensors import safe_open
 from compushare.net.dht import connect_bootstrap, open_dht
 from compushare.net.host import open_host
 from compushare.errors import RemoteError
-from compushare.pipeline.client import open_chain
-from compushare.pipeline.consumer import find_route
-from compushare.pipeline.discovery import discover_servers
+from compushare.pipeline.client.chain import open_chain
+from compushare.pipeline.client.consumer import find_route
+from compushare.pipeline.client.discovery import discover_servers
 
 
 def _parameters(model_dir, predicate) -> int:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from compushare.api.client import call
-from compushare.pipeline.consumer import RunRequest, run_prompt
-from compushare.pipeline.sampling import SamplingParams
+from compushare.app.api.client import call
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
 from compushare.model.catalog import import_path
 from helpers import reference_greedy
 

@@ -13,8 +13,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from compushare.model.catalog import import_path
 from compushare.net.dht import connect_bootstrap, open_dht
 from compushare.net.host import open_host
-from compushare.pipeline.consumer import RunRequest, find_route, run_prompt
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import RunRequest, find_route, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
 
 SLOWDOWN = "100"  # its compute takes 100x as long: tens of ms per step instead of a fraction of one
 

@@ -21,8 +21,8 @@ from libp2p.peer.peerinfo import PeerInfo
 from compushare.model.catalog import import_path
 from compushare.model.store import ModelStore
 from compushare.net.host import open_host
-from compushare.pipeline.consumer import RunRequest, run_prompt
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
 from compushare.torrent.fetch import Bans, fetch_model, peer_info
 from compushare.torrent.protocol import PIECES_PROTOCOL
 from compushare.torrent.seeder import Seeder

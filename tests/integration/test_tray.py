@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from compushare.api.auth import TOKEN_FILE
-from compushare.tray import COLOURS, describe
+from compushare.app.api.auth import TOKEN_FILE
+from compushare.app.tray import COLOURS, describe
 
 NEEDED = [shutil.which(tool) for tool in ("Xvfb", "trayer")] + [importlib.util.find_spec("pystray")]
 

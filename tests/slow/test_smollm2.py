@@ -15,9 +15,9 @@ import torch
 from compushare.model.blocks import load_full_model
 
 from compushare.model.catalog import resolve_model
-from compushare.pipeline.consumer import RunRequest, run_prompt
-from compushare.pipeline.sampling import SamplingParams
-from compushare.swarm import swarm_down, swarm_up
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
+from compushare.app.swarm import swarm_down, swarm_up
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -62,7 +62,7 @@ def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
     # imports cost seconds): same class, same ids, same text as AutoTokenizer's.
     from transformers import AutoTokenizer
 
-    from compushare.pipeline.consumer import _load_tokenizer
+    from compushare.pipeline.client.consumer import _load_tokenizer
 
     model = resolve_model("smollm2-135m", tmp_path / "client")
     ours, reference = _load_tokenizer(model), AutoTokenizer.from_pretrained(str(model.path))
@@ -129,7 +129,7 @@ def test_ctrl_c_in_run_leaves_no_stray_process(smol_swarm, tmp_path):
 def test_streamed_text_equals_full_decode(tmp_path):
     from transformers import AutoTokenizer
 
-    from compushare.pipeline.detokenize import IncrementalDetokenizer
+    from compushare.pipeline.client.detokenize import IncrementalDetokenizer
 
     model = resolve_model("smollm2-135m", tmp_path / "client")
     tokenizer = AutoTokenizer.from_pretrained(str(model.path))
@@ -144,7 +144,7 @@ def test_streamed_text_equals_full_decode(tmp_path):
 def _openai_client(node: dict):
     from openai import OpenAI
 
-    from compushare.api.auth import TOKEN_FILE
+    from compushare.app.api.auth import TOKEN_FILE
 
     token = (Path(node["data_dir"]) / TOKEN_FILE).read_text().strip()
     return OpenAI(base_url=f"{node['api']}/v1", api_key=token, timeout=120, max_retries=0)
@@ -240,7 +240,7 @@ def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
     """A client that hangs up mid-stream ends the generation: the swarm stops computing."""
     import httpx
 
-    from compushare.api.auth import TOKEN_FILE
+    from compushare.app.api.auth import TOKEN_FILE
 
     home, swarm = smol_swarm
     node, first = swarm["nodes"][1], swarm["nodes"][0]

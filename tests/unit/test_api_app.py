@@ -5,9 +5,9 @@ swarm: tests/slow/test_smollm2.py, with the official `openai` package.)"""
 import pytest
 from starlette.testclient import TestClient
 
-from compushare.api.app import build_app
-from compushare.api.auth import TOKEN_FILE, bearer_ok, load_or_create_token
-from compushare.api.engine import ChatEngine
+from compushare.app.api.app import build_app
+from compushare.app.api.auth import TOKEN_FILE, bearer_ok, load_or_create_token
+from compushare.app.api.engine import ChatEngine
 from compushare.model.catalog import import_path
 
 AUTH = {"authorization": "Bearer secret-token"}
@@ -98,7 +98,7 @@ def test_unknown_model_is_a_404_streaming_or_not(client, stream):
 
 
 def test_messages_accept_text_parts_and_the_developer_role():
-    from compushare.api.engine import messages_to_ids
+    from compushare.app.api.engine import messages_to_ids
     from compushare.errors import UsageError
 
     class Words:  # a tokenizer without a chat template: the plain transcript is encoded

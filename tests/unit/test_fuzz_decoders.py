@@ -40,8 +40,8 @@ from compushare.net.framing import FramedStream
 from compushare.net.records import ServerRecord, parse_record, record_key
 from compushare.net.signed import open_sealed, signer_of
 from compushare.net.tensors import WIRE_DTYPES, decode_tensor
-from compushare.pipeline.proofs import FailureReport, StepClaim, sign_step
-from compushare.torrent.manifest import parse
+from compushare.proofs import FailureReport, StepClaim, sign_step
+from compushare.model.manifest import parse
 from compushare.torrent.protocol import decode_bitfield, parse_reply, parse_request
 
 NOW = 1_700_000_000.0

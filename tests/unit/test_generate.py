@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from compushare.pipeline.generate import HEAD_INLINE_MAX_S, generate
-from compushare.pipeline.sampling import SamplingParams
+from compushare.pipeline.client.generate import HEAD_INLINE_MAX_S, generate
+from compushare.pipeline.client.sampling import SamplingParams
 
 
 class EchoChain:

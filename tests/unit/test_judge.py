@@ -4,7 +4,7 @@ server from a lying verifier."""
 import pytest
 import torch
 
-from compushare.pipeline.client import judge
+from compushare.pipeline.client.chain import judge
 
 TOL = 1e-3
 TRUE = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))

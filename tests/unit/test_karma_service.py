@@ -13,7 +13,7 @@ from compushare.karma.receipts import Receipt, countersign, sign_receipt
 from compushare.karma.service import PAGE, REPLY_BYTES, KarmaService
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
-from compushare.pipeline.proofs import FailureReport, StepClaim, sign_step
+from compushare.proofs import FailureReport, StepClaim, sign_step
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 

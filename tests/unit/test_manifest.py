@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from compushare.errors import FrameError
 from compushare.model.layout import lay_out
-from compushare.torrent.manifest import MIN_PIECE_SIZE, auto_piece_size, parse
+from compushare.model.manifest import MIN_PIECE_SIZE, auto_piece_size, parse
 from compushare.torrent.protocol import decode_bitfield, encode_bitfield, parse_reply, parse_request
 
 
@@ -162,7 +162,7 @@ def test_manifest_module_needs_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, compushare.torrent.manifest, compushare.torrent.protocol; print('torch' in sys.modules)"
+    code = "import sys, compushare.model.manifest, compushare.torrent.protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).parent)
     assert out.stdout.strip() == "False", out.stderr

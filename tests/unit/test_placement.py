@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from compushare.config import Span
 from compushare.hardware import Hardware
 from compushare.net.ads import CapabilityAd, Serving
-from compushare.pipeline.placement import better_span, block_strength, choose_span, span_length
+from compushare.pipeline.server.placement import better_span, block_strength, choose_span, span_length
 
 MODEL = "ab" * 32
 HW = Hardware(cpu_cores=2, ram_mb=1000, ram_free_mb=500, gpu=None, gpu_mb=0)

@@ -18,7 +18,7 @@ from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_
 from libp2p.peer.id import ID
 
 from compushare.errors import PeerMisbehaved
-from compushare.pipeline.proofs import (
+from compushare.proofs import (
     DEFAULT_TOLERANCE,
     MAX_REPORT_BYTES,
     REPORT_FORMAT,

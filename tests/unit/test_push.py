@@ -13,7 +13,7 @@ from libp2p.peer.id import ID
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
-from compushare.pipeline.server import InferenceServer
+from compushare.pipeline.server.inference import InferenceServer
 
 KEY = create_new_key_pair()
 OWNER = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # the consumer
@@ -239,7 +239,7 @@ async def test_a_step_is_pushed_on_before_its_reply_goes_back(make_server):
 
 
 async def test_a_stalled_push_holds_a_reply_back_only_briefly(make_server):
-    from compushare.pipeline.server import PUSH_FIRST_MAX_S
+    from compushare.pipeline.server.inference import PUSH_FIRST_MAX_S
 
     server = make_server()
     stream = PushStream(None)

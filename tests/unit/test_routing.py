@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from compushare.errors import RouteError
 from compushare.net.records import ServerRecord
-from compushare.pipeline.routing import HOP_OVERHEAD_S, TIE_QUANTUM_S, Hop, Measure, describe_route, plan_route, uncovered_blocks
+from compushare.pipeline.client.routing import HOP_OVERHEAD_S, TIE_QUANTUM_S, Hop, Measure, describe_route, plan_route, uncovered_blocks
 
 NOW = 1000.0
 
@@ -213,7 +213,7 @@ def _hop_cost(records, measures, record, start, end) -> float:
     """The planner's cost model, restated independently of its code."""
     import statistics
 
-    from compushare.pipeline.routing import DEFAULT_BLOCK_RATE, DEFAULT_RTT_S, MAX_LOAD
+    from compushare.pipeline.client.routing import DEFAULT_BLOCK_RATE, DEFAULT_RTT_S, MAX_LOAD
 
     live = [r for r in records if r.is_live(NOW)]
 

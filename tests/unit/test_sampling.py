@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from compushare.pipeline.sampling import Sampler, SamplingParams
+from compushare.pipeline.client.sampling import Sampler, SamplingParams
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:

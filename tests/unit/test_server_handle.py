@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
-from compushare.pipeline.proofs import verify_step
-from compushare.pipeline.server import InferenceServer
+from compushare.proofs import verify_step
+from compushare.pipeline.server.inference import InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 

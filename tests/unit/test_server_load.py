@@ -11,7 +11,7 @@ import torch
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import encode_tensor
-from compushare.pipeline.server import LOAD_WINDOW_S, InferenceServer
+from compushare.pipeline.server.inference import LOAD_WINDOW_S, InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 KEY = create_new_key_pair()

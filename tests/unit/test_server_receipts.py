@@ -14,7 +14,7 @@ from compushare.karma.ledger import Ledger, ReceiptBook
 from compushare.karma.receipts import Receipt, parse_receipt, sign_receipt
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import encode_tensor
-from compushare.pipeline.server import InferenceServer
+from compushare.pipeline.server.inference import InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from compushare.pipeline import protocol
-from compushare.pipeline.session import Rejected, SessionTable
+from compushare.pipeline.server.session import Rejected, SessionTable
 
 BUDGET, MAX_SESSION, MAX_STEP, IDLE = 40, 24, 6, 10.0
 IDS = [bytes([i]) * 16 for i in range(4)]

@@ -19,7 +19,7 @@ def _python(code: str) -> str:
 def test_seeding_and_fetching_code_does_not_import_torch():
     assert _python("""
         import sys
-        import compushare.karma.rules, compushare.pipeline.proofs, compushare.runtime, compushare.torrent.service
+        import compushare.karma.rules, compushare.proofs, compushare.runtime, compushare.torrent.service
         print("torch" in sys.modules)
     """) == "False"
 
@@ -27,7 +27,7 @@ def test_seeding_and_fetching_code_does_not_import_torch():
 def test_commands_start_with_the_collector_paused_and_run_with_it_on_over_a_frozen_start_up():
     assert _python("""
         import gc, sys
-        from compushare import cli
+        from compushare.app import cli
 
         seen = []
 
@@ -52,7 +52,7 @@ def test_a_consumer_loads_its_head_without_transformers(tiny_model):
     # transformers' modeling code would cost every `run` seconds before its first token.
     assert _python(f"""
         import sys
-        import compushare.pipeline.consumer
+        import compushare.pipeline.client.consumer
         from compushare.model.head import ConsumerHead
         ConsumerHead.load({str(tiny_model)!r}).logits(ConsumerHead.load({str(tiny_model)!r}).embed_tokens([1, 2]))
         print(sorted(m for m in sys.modules if m == "transformers" or m.startswith("transformers.")))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from compushare.errors import UsageError
 from compushare.model.layout import lay_out
 from compushare.model.store import MANIFEST_FILE, ModelStore
-from compushare.torrent.manifest import parse
+from compushare.model.manifest import parse
 from helpers import make_tiny_llama
 
 WEIGHTS = "model.safetensors"

@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from ..errors import PeerMisbehaved
-from ..pipeline.proofs import FailureReport
+from ..proofs import FailureReport
 from .receipts import Receipt, parse_receipt
 
 DAILY_CAP_MS = 3_600_000.0  # one consumer's receipts, per server, per UTC day

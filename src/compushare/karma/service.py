@@ -28,7 +28,7 @@ from ..errors import FrameError, PeerMisbehaved
 from ..net.dht import connect_bootstrap, find_provider_infos_fresh, get_value_fresh, open_dht
 from ..net.framing import FramedStream
 from ..net.host import full_addrs, open_host, parse_peer_addr
-from ..pipeline.proofs import FailureReport
+from ..proofs import FailureReport
 from .ledger import ReceiptBook, ReportStore
 from .receipts import MAX_RECEIPT_BYTES
 from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record

@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 
 from ..errors import UsageError
-from ..torrent.manifest import HEAD_FILE, FileEntry, Manifest, TensorEntry, auto_piece_size, block_file_name
+from .manifest import HEAD_FILE, FileEntry, Manifest, TensorEntry, auto_piece_size, block_file_name
 
 LAYER_PREFIX = "model.layers."
 # config.json keys that say nothing about the computation.

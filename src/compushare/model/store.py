@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import FrameError, UsageError
-from ..torrent.manifest import Manifest, parse
+from .manifest import Manifest, parse
 from .layout import lay_out, write_config
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from ..errors import CompushareError, FrameError
 from ..net.framing import FramedStream
 from ..net.host import widen_receive_window
-from .manifest import Manifest, parse
+from ..model.manifest import Manifest, parse
 from .picker import Picker
 from .protocol import MAX_DATA_FRAME, PIECES_PROTOCOL, parse_reply
 from .storage import Library, ModelPieces

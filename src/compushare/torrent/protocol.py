@@ -15,7 +15,7 @@ import msgpack
 
 from ..errors import FrameError
 from ..net.codec import LENGTH
-from .manifest import MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES
+from ..model.manifest import MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES
 
 PIECES_PROTOCOL = "/compushare/pieces/1.0.0"
 # Downloaders send only small control messages; seeders send pieces and manifests.

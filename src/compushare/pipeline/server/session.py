@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import protocol
-from .proofs import InputDigest
+from .. import protocol
+from ...proofs import InputDigest
 
 
 class Rejected(Exception):

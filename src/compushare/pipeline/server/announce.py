@@ -13,9 +13,9 @@ from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 
-from ..net.dht import block_key, model_key, provide_all, should_provide, sync_routing_table
-from ..net.host import full_addrs
-from ..net.records import MAX_ADDRS, ServerRecord, record_key
+from ...net.dht import block_key, model_key, provide_all, should_provide, sync_routing_table
+from ...net.host import full_addrs
+from ...net.records import MAX_ADDRS, ServerRecord, record_key
 from .provider import Provider
 
 log = logging.getLogger(__name__)

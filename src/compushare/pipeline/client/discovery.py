@@ -13,8 +13,8 @@ import time
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
 
-from ..net.dht import block_key, find_providers_fresh, get_record_fresh, model_key
-from ..net.records import ServerRecord
+from ...net.dht import block_key, find_providers_fresh, get_record_fresh, model_key
+from ...net.records import ServerRecord
 from .routing import uncovered_blocks
 
 log = logging.getLogger(__name__)

@@ -17,13 +17,13 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from .api.client import call as control_call
-from .config import STATE_FILE
-from .model.store import ModelStore
-from .net.dht import connect_bootstrap, open_dht
-from .net.gossip import learn_views
-from .net.host import open_host
-from .net.view import SwarmView, coverage
-from .karma.service import karma_of
+from ..config import STATE_FILE
+from ..model.store import ModelStore
+from ..net.dht import connect_bootstrap, open_dht
+from ..net.gossip import learn_views
+from ..net.host import open_host
+from ..net.view import SwarmView, coverage
+from ..karma.service import karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .config import NodeConfig, Span, load_toml, resolve_data_dir
-from .errors import CompushareError, UsageError
-from .gc_policy import pause_during_startup, startup_done
+from ..config import NodeConfig, Span, load_toml, resolve_data_dir
+from ..errors import CompushareError, UsageError
+from ..gc_policy import pause_during_startup, startup_done
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
 swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
@@ -87,11 +87,11 @@ def _detach(home: Path) -> None:
     and return once it serves (or say why it did not)."""
     import subprocess
 
-    from .config import LOG_FILE, STATE_FILE
+    from ..config import LOG_FILE, STATE_FILE
     from .status import local_node
     from .swarm import wait_ready
 
-    from .config import PID_FILE
+    from ..config import PID_FILE
     from .swarm import is_our_node
 
     try:
@@ -132,7 +132,7 @@ def tray(data_dir: Path = DATA_DIR, log_level: str = typer.Option("warning")) ->
 
 
 def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:
-    from .errors import SwarmUnreachable
+    from ..errors import SwarmUnreachable
     from .swarm import read_swarm
 
     if flags:
@@ -169,15 +169,15 @@ def run(
     """Answer PROMPT through the swarm, streaming tokens as they come."""
     import trio
 
-    from .pipeline.consumer import RunRequest, run_prompt
-    from .pipeline.sampling import SamplingParams
+    from ..pipeline.client.consumer import RunRequest, run_prompt
+    from ..pipeline.client.sampling import SamplingParams
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def show_route(route) -> None:
         if verbose:
-            from .pipeline.routing import describe_route
+            from ..pipeline.client.routing import describe_route
 
             err.print(f"[bold]route[/bold] ({len(route)} hops, chosen for the least expected latency):")
             for line in describe_route(route):
@@ -302,8 +302,8 @@ def karma(
     failure reports against it (karma never gates access)."""
     import trio
 
-    from .karma.service import read_karma
-    from .net.identity import KEY_FILE, load_or_create_identity, peer_id_of
+    from ..karma.service import read_karma
+    from ..net.identity import KEY_FILE, load_or_create_identity, peer_id_of
     from .status import local_node
 
     _setup_logging(log_level)
@@ -339,7 +339,7 @@ def karma(
 @app.command("id")
 def show_id(data_dir: Path = DATA_DIR) -> None:
     """Print this data dir's peer id."""
-    from .net.identity import load_or_create_identity, peer_id_of
+    from ..net.identity import load_or_create_identity, peer_id_of
 
     print(peer_id_of(load_or_create_identity(resolve_data_dir(data_dir))).to_string())
 
@@ -394,8 +394,8 @@ def _held(model) -> str:
 @models_app.command("list")
 def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "--json")) -> None:
     """Models in the local store (and what of each this node holds), and the catalog."""
-    from .model.catalog import CATALOG
-    from .model.store import ModelStore
+    from ..model.catalog import CATALOG
+    from ..model.store import ModelStore
 
     stored = ModelStore(resolve_data_dir(data_dir)).list()
     if as_json:
@@ -460,8 +460,8 @@ def models_fetch(
     """Fetch a model (or a span of it) from the swarm's seeders, verifying every piece."""
     import trio
 
-    from .model.store import is_model_id
-    from .torrent.service import fetch_from_swarm
+    from ..model.store import is_model_id
+    from ..torrent.service import fetch_from_swarm
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -502,7 +502,7 @@ def models_seed(
     """Seed models to the swarm without serving inference (runs in the foreground)."""
     import trio
 
-    from .torrent.service import seed_forever
+    from ..torrent.service import seed_forever
 
     _setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -518,7 +518,7 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
                   as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
                   ) -> None:
     """Import a safetensors / Hugging Face directory or a GGUF file (prints its id)."""
-    from .model.catalog import import_path
+    from ..model.catalog import import_path
 
     def do():
         with _Progress(f"importing {path.name}", not as_json) as shown:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import trio
 
-from ..model.head import ConsumerHead
-from .client import InferenceChain
+from ...model.head import ConsumerHead
+from .chain import InferenceChain
 from .sampling import Sampler, SamplingParams
 
 

@@ -31,13 +31,13 @@ from libp2p.network.stream.exceptions import StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..errors import FrameError, HopFailed, HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
-from ..net.codec import DEFAULT_MAX_FRAME
-from ..net.framing import FramedStream
-from ..net.tensors import decode_tensor, encode_tensor
-from ..karma.receipts import RECEIPT_STEPS, Receipt, parse_receipt, sign_receipt
-from . import protocol
-from .proofs import DEFAULT_TOLERANCE, FailureReport, StepClaim, relative_error
+from ...errors import FrameError, HopFailed, HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
+from ...net.codec import DEFAULT_MAX_FRAME
+from ...net.framing import FramedStream
+from ...net.tensors import decode_tensor, encode_tensor
+from ...karma.receipts import RECEIPT_STEPS, Receipt, parse_receipt, sign_receipt
+from .. import protocol
+from ...proofs import DEFAULT_TOLERANCE, FailureReport, StepClaim, relative_error
 from .routing import Hop
 from .spotcheck import Penalties, SpotCheckSchedule
 

@@ -12,26 +12,26 @@ from pathlib import Path
 
 import trio
 
-from ..errors import RouteError, SwarmUnreachable, UsageError
-from ..karma.ledger import ReportStore
-from ..karma.service import KarmaBook, submit_report
-from ..model.catalog import resolve_model
-from ..model.store import ModelStore, is_model_id
-from ..model.head import ConsumerHead
-from ..net.dht import connect_bootstrap, open_dht
-from ..torrent.service import Torrent
-from ..net.gossip import learn_views
-from ..net.host import open_host
-from ..net.identity import load_or_create_identity
-from ..net.records import ServerRecord
-from ..net.view import SwarmView
-from .client import Failover, open_chain
+from ...errors import RouteError, SwarmUnreachable, UsageError
+from ...karma.ledger import ReportStore
+from ...karma.service import KarmaBook, submit_report
+from ...model.catalog import resolve_model
+from ...model.store import ModelStore, is_model_id
+from ...model.head import ConsumerHead
+from ...net.dht import connect_bootstrap, open_dht
+from ...torrent.service import Torrent
+from ...net.gossip import learn_views
+from ...net.host import open_host
+from ...net.identity import load_or_create_identity
+from ...net.records import ServerRecord
+from ...net.view import SwarmView
+from .chain import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
 from .generate import generate
 from .measure import measure_servers
 from .routing import Hop, Measure, plan_route
-from .proofs import FailureReport
+from ...proofs import FailureReport
 from .sampling import SamplingParams
 from .spotcheck import DEFAULT_RATE as DEFAULT_SPOT_CHECK_RATE, Penalties
 

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreachable, UsageError
-from ..pipeline.sampling import SamplingParams
+from ...errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreachable, UsageError
+from ...pipeline.client.sampling import SamplingParams
 from .auth import bearer_ok
 from .dashboard import DASHBOARD_HTML
 from .engine import ChatEngine

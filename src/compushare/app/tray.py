@@ -20,8 +20,8 @@ from pathlib import Path
 
 from .api.auth import load_or_create_token
 from .api.client import call
-from .config import STATE_FILE
-from .errors import UsageError
+from ..config import STATE_FILE
+from ..errors import UsageError
 from .swarm import stop_node
 
 log = logging.getLogger(__name__)

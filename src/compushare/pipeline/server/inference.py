@@ -20,16 +20,16 @@ from libp2p.abc import INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.network.stream.exceptions import StreamError
 
-from ..config import ServerLimits
-from ..errors import FrameError, PeerMisbehaved
-from ..model.blocks import SpanRunner
-from ..net.framing import FramedStream
-from ..net.limits import PeerRateLimiter
-from ..net.tensors import decode_tensor, encode_tensor
-from . import protocol
-from ..karma.receipts import parse_receipt
-from ..karma.rules import CLOCK_SKEW_S
-from .proofs import sign_step
+from ...config import ServerLimits
+from ...errors import FrameError, PeerMisbehaved
+from ...model.blocks import SpanRunner
+from ...net.framing import FramedStream
+from ...net.limits import PeerRateLimiter
+from ...net.tensors import decode_tensor, encode_tensor
+from .. import protocol
+from ...karma.receipts import parse_receipt
+from ...karma.rules import CLOCK_SKEW_S
+from ...proofs import sign_step
 from .push import PUSH_MAX_BYTES, Downstream, PushLinks, Speculation, parse_downstream, parse_peer
 from .session import Rejected, Session, SessionTable
 

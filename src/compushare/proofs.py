@@ -19,8 +19,8 @@ import numpy as np
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from ..errors import PeerMisbehaved
-from ..net.dtypes import WIRE_NUMPY_DTYPES
+from .errors import PeerMisbehaved
+from .net.dtypes import WIRE_NUMPY_DTYPES
 
 STEP_DOMAIN = "compushare/step-proof/v1"
 REPORT_FORMAT = "compushare/failure-report/v1"

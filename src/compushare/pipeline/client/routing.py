@@ -7,8 +7,8 @@ import dataclasses
 import heapq
 import statistics
 
-from ..errors import RouteError
-from ..net.records import ServerRecord
+from ...errors import RouteError
+from ...net.records import ServerRecord
 
 TIE_QUANTUM_S = 0.0005  # expected times this close are a tie, broken by karma
 HOP_OVERHEAD_S = 0.003  # framing, crypto and waking two processes, measured per hop on loopback

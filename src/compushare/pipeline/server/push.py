@@ -24,8 +24,8 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..net.framing import FramedStream
-from . import protocol
+from ...net.framing import FramedStream
+from .. import protocol
 from .session import Rejected
 
 log = logging.getLogger(__name__)

@@ -16,14 +16,14 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..config import Span
-from ..model.blocks import SpanRunner
-from ..model.store import StoredModel
-from ..net.ads import Serving
-from ..net.tensors import TORCH_TO_WIRE
-from ..net.view import SwarmView
+from ...config import Span
+from ...model.blocks import SpanRunner
+from ...model.store import StoredModel
+from ...net.ads import Serving
+from ...net.tensors import TORCH_TO_WIRE
+from ...net.view import SwarmView
 from .placement import better_span, block_strength, choose_span, holes_outside, span_length
-from .server import InferenceServer
+from .inference import InferenceServer
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import trio
 
-from ..errors import UsageError
-from ..model.catalog import resolve_model
-from ..model.head import ConsumerHead
-from ..model.store import ModelStore
-from ..pipeline.consumer import Consumer, RunOutcome, RunRequest, _load_tokenizer
-from ..pipeline.sampling import SamplingParams
-from ..pipeline.spotcheck import DEFAULT_RATE
+from ...errors import UsageError
+from ...model.catalog import resolve_model
+from ...model.head import ConsumerHead
+from ...model.store import ModelStore
+from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest, _load_tokenizer
+from ...pipeline.client.sampling import SamplingParams
+from ...pipeline.client.spotcheck import DEFAULT_RATE
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import trio
 from libp2p.abc import IHost
 from libp2p.host.ping import PingService
 
-from ..net.gossip import learn_views
-from ..net.records import ServerRecord
-from ..net.view import SwarmView
-from .client import peer_info
+from ...net.gossip import learn_views
+from ...net.records import ServerRecord
+from ...net.view import SwarmView
+from .chain import peer_info
 from .routing import Hop, Measure
 
 log = logging.getLogger(__name__)

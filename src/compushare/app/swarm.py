@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import STATE_FILE
-from .errors import CompushareError, UsageError
+from ..config import STATE_FILE
+from ..errors import CompushareError, UsageError
 
 SWARM_FILE = "swarm.json"
 START_TIMEOUT_S = 300.0
@@ -110,7 +110,7 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
     if existing and any(is_our_node(n["pid"]) for n in existing["nodes"]):
         raise UsageError(f"a swarm is already running in {home}; `compushare swarm down` first")
     dirs = [home / f"node-{i}" for i in range(nodes)]
-    from .model.catalog import resolve_model
+    from ..model.catalog import resolve_model
 
     stored = resolve_model(model, dirs[0])  # converts once into the shared cache
     spans = split_blocks(stored.num_blocks, nodes)
@@ -149,7 +149,7 @@ def swarm_down(home: Path) -> int:
 def stop_node(data_dir: Path) -> int:
     """Stop the node running on `data_dir` by the pid in its pid file; its pid.
     UsageError if none runs (a stale pid file is removed)."""
-    from .config import PID_FILE
+    from ..config import PID_FILE
 
     path = data_dir / PID_FILE
     try:

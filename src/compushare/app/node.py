@@ -13,33 +13,33 @@ import time
 import torch
 import trio
 
-from . import __version__
-from .config import PID_FILE, STATE_FILE, NodeConfig, Span
-from .errors import UsageError
-from .gc_policy import startup_done
-from .hardware import available_ram_mb, detect_hardware
+from .. import __version__
+from ..config import PID_FILE, STATE_FILE, NodeConfig, Span
+from ..errors import UsageError
+from ..gc_policy import startup_done
+from ..hardware import available_ram_mb, detect_hardware
 from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
 from .api.server import serve_api
-from .karma.rules import base_score
-from .karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
-from .model.catalog import DEFAULT_MODEL, resolve_model
-from .model.store import ModelStore, is_model_id
-from .model.selfbench import cached_block_rate, measure_block_rate
-from .net.ads import ad_ttl, make_ad
-from .net.dht import open_dht
-from .net.gossip import Gossip, learn_views
-from .net.host import full_addrs, open_host
-from .net.identity import load_or_create_identity
-from .net.view import SwarmView
-from .pipeline.announce import announce_loop
-from .pipeline.protocol import INFER_PROTOCOL
-from .pipeline.provider import Provider, blocks_for_budget
-from .pipeline.server import InferenceServer
-from .runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
+from ..karma.rules import base_score
+from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
+from ..model.catalog import DEFAULT_MODEL, resolve_model
+from ..model.store import ModelStore, is_model_id
+from ..model.selfbench import cached_block_rate, measure_block_rate
+from ..net.ads import ad_ttl, make_ad
+from ..net.dht import open_dht
+from ..net.gossip import Gossip, learn_views
+from ..net.host import full_addrs, open_host
+from ..net.identity import load_or_create_identity
+from ..net.view import SwarmView
+from ..pipeline.server.announce import announce_loop
+from ..pipeline.protocol import INFER_PROTOCOL
+from ..pipeline.server.provider import Provider, blocks_for_budget
+from ..pipeline.server.inference import InferenceServer
+from ..runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
 from .status import summarize
-from .torrent.service import Torrent
+from ..torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import random
 import statistics
 from collections.abc import Iterable
 
-from ..config import Span
-from ..net.ads import CapabilityAd, Serving
+from ...config import Span
+from ...net.ads import CapabilityAd, Serving
 
 MIN_GAIN = 0.2
 RATE_CAP = 4.0

@@ -19,9 +19,9 @@ from pathlib import Path
 import trio
 
 from .api.engine import messages_to_ids
-from .errors import CompushareError, UsageError
-from .pipeline.consumer import Consumer, RunOutcome, RunRequest
-from .pipeline.sampling import SamplingParams
+from ..errors import CompushareError, UsageError
+from ..pipeline.client.consumer import Consumer, RunOutcome, RunRequest
+from ..pipeline.client.sampling import SamplingParams
 
 HISTORY_FILE = "chat_history"
 PROMPT = ">>> "

@@ -1,0 +1,1 @@
+"""compushare.pipeline.server"""
