@@ -42,3 +42,13 @@ def processes(tmp_path):
         yield procs
     finally:
         procs.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers follow the layout: tests/unit are fast and in-process; tests/integration
+    start real hosts or processes; tests/slow use the real SmolLM2 weights. `make
+    test-fast` runs `-m unit`; `make test` runs everything."""
+    for item in items:
+        kind = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
+        if kind in ("unit", "integration", "slow"):
+            item.add_marker(getattr(pytest.mark, kind))
