@@ -1,5 +1,8 @@
-"""CKKS private stages with TenSEAL (a later issue).
+"""CKKS homomorphic encryption for private mode (TenSEAL). Not built yet.
 
-Will hold context and key management and encrypted linear projections, with the
-consumer applying the nonlinear parts; see DESIGN.md §5 for the measured costs.
+Private mode is planned as follows: the consumer holds the secret key, the
+embeddings, the LM head, every norm and the attention itself; providers run their
+span's weight projections on CKKS ciphertexts with plaintext weights and return
+ciphertexts. docs/architecture.md says where it plugs into the inference path.
+Nothing here is imported by the rest of the package yet.
 """
