@@ -2,6 +2,7 @@
 
     CompushareError
     ├── UsageError          the user's mistake: a bad flag, a bad path (clear message)
+    ├── UnsupportedLibp2p   an installed libp2p other than the one net/libp2p_patches.py patches
     ├── ModelUnavailable    a model that is neither stored nor obtainable here
     ├── SwarmUnreachable    no bootstrap peer answered
     ├── RouteError          the DHT holds no chain of servers covering every block
@@ -22,6 +23,10 @@ class CompushareError(Exception):
 
 class UsageError(CompushareError):
     """Raised for a user's mistake: bad flag, missing file, bad config."""
+
+
+class UnsupportedLibp2p(CompushareError):
+    """Raised when the installed libp2p is not the version CompuShare's patches were written for."""
 
 
 class ModelUnavailable(CompushareError):

@@ -8,9 +8,11 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.errors import PeerMisbehaved
+from compushare.karma.record import karma_validators
 from compushare.model.catalog import import_path
 from compushare.net.dht import connect_bootstrap, find_providers_fresh, model_key, open_dht, sync_routing_table
 from compushare.net.host import full_addrs, open_host
+from compushare.net.peer import open_swarm_host
 from compushare.net.records import ServerRecord, record_key
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.discovery import discover_servers
@@ -43,9 +45,9 @@ async def test_late_provider_found_by_next_lookup(processes, tiny_model, unrelat
     boot, _ = unrelated_bootstrap
     (first,) = processes.nodes([("a", "0:4")], tiny_model, bootstrap=boot)
     model_id = first["model_id"]
-    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-            open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, boot)
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+        host, dht = swarm.host, swarm.dht
         with trio.fail_after(20):
             records = await discover_servers(dht, model_id, 4)
         assert {r.peer_id for r in records} == {first["peer_id"]}
@@ -61,11 +63,11 @@ async def test_dht_clients_stay_out_of_a_servers_routing_table():
     """Consumers query the DHT as clients. Had a node put them in its routing table, each
     one would set off a full re-provide and be dialled by look-ups long after it left."""
     async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as node, \
-            open_dht(node, server=True) as node_dht, \
+            open_dht(node, server=True, validators=karma_validators()) as node_dht, \
             open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as peer, \
-            open_dht(peer, server=True) as peer_dht, \
+            open_dht(peer, server=True, validators=karma_validators()) as peer_dht, \
             open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as consumer, \
-            open_dht(consumer, server=False) as consumer_dht:
+            open_dht(consumer, server=False, validators=karma_validators()) as consumer_dht:
         for host, dht in ((peer, peer_dht), (consumer, consumer_dht)):
             await connect_bootstrap(host, dht, full_addrs(node))
             await find_providers_fresh(dht, "ab" * 32)  # opens a DHT stream to the node
@@ -83,8 +85,9 @@ async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unre
     (honest,) = processes.nodes([("a", "0:4")], tiny_model, bootstrap=boot)
     model_id = honest["model_id"]
     forger_key, other_key = create_new_key_pair(), create_new_key_pair()
-    async with open_host(forger_key, ["/ip4/127.0.0.1/tcp/0"]) as forger, open_dht(forger, server=True) as fdht:
-        await connect_bootstrap(forger, fdht, boot)
+    async with open_swarm_host(forger_key, server=True, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+        forger, fdht = swarm.host, swarm.dht
         forger_id = forger.get_id().to_string()
         forged = ServerRecord(peer_id=forger_id, model_id=model_id, start=0, end=4, dtype="float32",
                               addrs=tuple(full_addrs(forger)), expires=time.time() + 600, seq=time.time_ns(),
@@ -100,9 +103,9 @@ async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unre
         assert len(envelope["sig"]) == 64
         await fdht.provide(model_key(model_id))
 
-        async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-                open_dht(host, server=False) as dht:
-            await connect_bootstrap(host, dht, boot)
+        async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                                   listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+            host, dht = swarm.host, swarm.dht
             with trio.fail_after(20):
                 records = await discover_servers(dht, model_id, 4)
     peers = {r.peer_id for r in records}

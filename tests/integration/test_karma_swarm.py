@@ -13,8 +13,8 @@ import trio
 from compushare.karma.rules import REPORT_FACTOR, base_score
 from compushare.karma.service import karma_of
 from compushare.model.catalog import import_path
-from compushare.net.dht import connect_bootstrap, open_dht
-from compushare.net.host import open_host
+from compushare.karma.record import karma_validators
+from compushare.net.peer import open_swarm_host
 from compushare.pipeline.client.consumer import Consumer, RunRequest
 from compushare.pipeline.client.sampling import SamplingParams
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -59,8 +59,9 @@ async def test_karma_rises_after_serving_is_shared_by_readers_and_drops_after_a_
         processes, tiny_model, client_dir, tmp_path):
     a, boot, b, c = liar_and_honest(processes, tiny_model)  # B lies but is fast: routes take it
 
-    async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, boot)
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               bootstrap=boot) as swarm:
+        host, dht = swarm.host, swarm.dht
         before = await karma_of(host, dht, b["peer_id"])
         assert before.score == 1.0 and before.compute_ms == 0  # a newcomer
 

@@ -9,8 +9,8 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from safetensors import safe_open
 
-from compushare.net.dht import connect_bootstrap, open_dht
-from compushare.net.host import open_host
+from compushare.karma.record import karma_validators
+from compushare.net.peer import open_swarm_host
 from compushare.errors import RemoteError
 from compushare.pipeline.client.chain import open_chain
 from compushare.pipeline.client.consumer import find_route
@@ -40,9 +40,9 @@ async def test_sigterm_stops_node_quickly_and_its_record_lapses(processes, tiny_
     boot = stays["addrs"][:1]
     proc, _ = processes.node("goes", tiny_model, "0:4", bootstrap=boot, extra=ttl, wait=False)
     goes = processes.ready("goes", proc)
-    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-            open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, boot)
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+        host, dht = swarm.host, swarm.dht
         with trio.fail_after(20):
             records = await discover_servers(dht, stays["model_id"], 4)
         assert {r.peer_id for r in records} == {stays["peer_id"], goes["peer_id"]}
@@ -67,9 +67,9 @@ async def test_provider_killed_mid_generation_is_a_clear_error(processes, tiny_m
     (first,) = processes.nodes([("a", "0:2")], tiny_model)
     proc, _ = processes.node("b", tiny_model, "2:4", bootstrap=first["addrs"][:1], wait=False)
     victim = processes.ready("b", proc)
-    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-            open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, first["addrs"][:1])
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=first["addrs"][:1]) as swarm:
+        host, dht = swarm.host, swarm.dht
         route = await find_route(host, dht, first["model_id"], 4)
         async with open_chain(host, route, first["model_id"], max_tokens=64, hidden_size=64) as chain:
             for _ in range(10):

@@ -11,8 +11,8 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.model.catalog import import_path
-from compushare.net.dht import connect_bootstrap, open_dht
-from compushare.net.host import open_host
+from compushare.karma.record import karma_validators
+from compushare.net.peer import open_swarm_host
 from compushare.pipeline.client.consumer import RunRequest, find_route, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 
@@ -27,9 +27,9 @@ async def test_routes_avoid_the_slow_server(processes, tiny_model, tmp_path):
                                   extra=["--debug-slowdown", SLOWDOWN])
     fast, slow = processes.ready("fast", fast_proc), processes.ready("slow", slow_proc)
 
-    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host, \
-            open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, boot)
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+        host, dht = swarm.host, swarm.dht
         with trio.fail_after(60):
             for _ in range(3):
                 route = await find_route(host, dht, a["model_id"], 4)

@@ -20,10 +20,11 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from compushare.model.catalog import import_path
 from compushare.model.store import ModelStore
+from compushare.net.dial import peer_info
 from compushare.net.host import open_host
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
-from compushare.torrent.fetch import Bans, fetch_model, peer_info
+from compushare.torrent.fetch import Bans, fetch_model
 from compushare.torrent.protocol import PIECES_PROTOCOL
 from compushare.torrent.seeder import Seeder
 from compushare.torrent.storage import Library, ModelPieces, part_path

@@ -1,4 +1,4 @@
-"""net/host.py's transport changes on two real libp2p hosts over loopback: receive
+"""net/libp2p_patches.py's transport changes on two real libp2p hosts over loopback: receive
 credit granted up front, and bulk data intact through the read buffer and the
 one-Noise-message yamux frames."""
 
@@ -13,7 +13,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 
-from compushare.net.host import open_host, widen_receive_window
+from compushare.net.host import open_host
+from compushare.net.libp2p_patches import widen_receive_window
 
 PROTOCOL = "/compushare-test/bulk/1.0.0"
 SIZE = 3 * 1024 * 1024

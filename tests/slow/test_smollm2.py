@@ -62,10 +62,10 @@ def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
     # imports cost seconds): same class, same ids, same text as AutoTokenizer's.
     from transformers import AutoTokenizer
 
-    from compushare.pipeline.client.consumer import _load_tokenizer
+    from compushare.pipeline.client.consumer import load_tokenizer
 
     model = resolve_model("smollm2-135m", tmp_path / "client")
-    ours, reference = _load_tokenizer(model), AutoTokenizer.from_pretrained(str(model.path))
+    ours, reference = load_tokenizer(model), AutoTokenizer.from_pretrained(str(model.path))
     assert type(ours) is type(reference)
     for text in (QUESTION, "  spaces\tand\nnewlines ", "café naïve 東京 🙂", "<|im_start|>user\nhi<|im_end|>"):
         ids = reference.encode(text)

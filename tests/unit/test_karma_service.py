@@ -10,6 +10,7 @@ import trio
 
 from compushare.errors import PeerMisbehaved
 from compushare.karma.receipts import Receipt, countersign, sign_receipt
+from compushare.karma.record import karma_validators
 from compushare.karma.service import PAGE, REPLY_BYTES, KarmaService
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
@@ -36,7 +37,7 @@ def _report(accused, witness) -> FailureReport:
 
 def test_karma_service_pages_receipts_reports_and_refuses_reports_it_did_not_witness(tmp_path):
     async def main():
-        async with open_host(NODE, []) as host, open_dht(host, server=False) as dht:
+        async with open_host(NODE, []) as host, open_dht(host, server=False, validators=karma_validators()) as dht:
             service = KarmaService(host, dht, NODE, tmp_path)
             for seq in range(PAGE + 10):
                 body = Receipt(pid(NODE), pid(CONSUMER), "m", 0, 2, b"s" * 16, seq, 1, 1.0, 2.0, 1.7e9)

@@ -1,5 +1,5 @@
-"""net/host.py's receive buffer under py-libp2p's TCP stream: any pattern of reads
-returns the bytes sent, in order, never more than asked for."""
+"""net/libp2p_patches.py's receive buffer under py-libp2p's TCP stream: any pattern of
+reads returns the bytes sent, in order, never more than asked for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.io.trio import TrioTCPStream
 
-import compushare.net.host as host_module
+import compushare.net.libp2p_patches as patches
+
+patches.apply()  # what open_host does before its first host
 
 
 async def _pair() -> tuple[TrioTCPStream, trio.SocketStream]:
@@ -50,13 +52,13 @@ def test_one_recv_serves_many_small_reads():
 
     async def main() -> None:
         reader, writer = await _pair()
-        original = host_module._unbuffered_read
+        original = patches._unbuffered_read
 
         async def counting(self, n=None):
             calls.append(n)
             return await original(self, n)
 
-        host_module._unbuffered_read = counting
+        patches._unbuffered_read = counting
         try:
             frames = [len(body).to_bytes(2, "big") + body for body in (b"a" * 100, b"b" * 2000, b"c" * 7)]
             await writer.send_all(b"".join(frames))
@@ -65,7 +67,7 @@ def test_one_recv_serves_many_small_reads():
                     length = int.from_bytes(await reader.read(2), "big")
                     assert await reader.read(length) == frame[2:]
         finally:
-            host_module._unbuffered_read = original
+            patches._unbuffered_read = original
             await writer.aclose()
             await reader.close()
 

@@ -1,39 +1,30 @@
-"""Command line: parse, then call into node / pipeline / model / swarm."""
+"""Command line: parse, then call into node / pipeline / model / swarm.
+
+  cli.py         the typer app; node, stop, tray, run, chat
+  cli_swarm.py   status, karma, id; swarm up|down
+  cli_models.py  models list|fetch|seed|import
+  cli_common.py  shared options, logging, error reporting
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-import logging
 import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
-from ..config import NodeConfig, Span, load_toml, resolve_data_dir
-from ..errors import CompushareError, UsageError
-from ..gc_policy import pause_during_startup, startup_done
+from ..config import NodeConfig, Span, resolve_data_dir
+from ..errors import UsageError
+from ..gc_policy import pause_during_startup
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, _bootstrap_for, _run_or_exit, _setup_logging, err, out
+from .cli_models import models_app
+from .cli_swarm import karma, show_id, status, swarm_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
-swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
-models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
-
-DATA_DIR = typer.Option(None, "--data-dir", "--home", help="Data dir (default: $COMPUSHARE_HOME or the platform's).")
-BOOTSTRAP = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repeatable).")
-SWARM_HOME = typer.Option(None, help="Join the local swarm started with this --home (default: the data dir's swarm/).")
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
 @app.command()
@@ -131,24 +122,6 @@ def tray(data_dir: Path = DATA_DIR, log_level: str = typer.Option("warning")) ->
     _run_or_exit(Tray(resolve_data_dir(data_dir)).run)
 
 
-def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:
-    from ..errors import SwarmUnreachable
-    from .swarm import read_swarm
-
-    if flags:
-        return tuple(flags)
-    configured = load_toml(home).get("node", {}).get("bootstrap")
-    if configured:
-        return tuple(configured)
-    swarm = read_swarm(swarm_home or resolve_data_dir(None) / "swarm")
-    if swarm:
-        return tuple(swarm["bootstrap"])
-    raise SwarmUnreachable(
-        "no swarm to join: pass --bootstrap /ip4/.../tcp/.../p2p/ID, set [node] bootstrap in config.toml, "
-        "or start a local swarm with `compushare swarm up`."
-    )
-
-
 @app.command()
 def run(
     prompt: str = typer.Argument(..., help="The prompt."),
@@ -237,300 +210,9 @@ def _stream(text: str) -> None:
     sys.stdout.flush()
 
 
-def _all(exc: BaseException, kind: type) -> list[BaseException]:
-    """trio nurseries wrap errors in exception groups: find the ones that matter."""
-    if isinstance(exc, kind):
-        return [exc]
-    if isinstance(exc, BaseExceptionGroup):
-        return [found for inner in exc.exceptions for found in _all(inner, kind)]
-    return []
-
-
-def _run_or_exit(fn) -> None:
-    startup_done()  # the command has imported what it needs
-    try:
-        fn()
-    except BaseException as exc:
-        if _all(exc, KeyboardInterrupt):
-            err.print("interrupted")
-            raise typer.Exit(130) from None
-        known = _all(exc, CompushareError)
-        if known:
-            for message in dict.fromkeys(str(e) for e in known):
-                err.print(f"[red]error:[/red] {escape(message)}", markup=True, highlight=False)  # peers' text
-            raise typer.Exit(2) from None
-        raise
-
-
-@app.command()
-def status(
-    data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = BOOTSTRAP,
-    swarm_home: Path = SWARM_HOME,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    log_level: str = typer.Option("warning"),
-) -> None:
-    """Peers, coverage per block of each model, and this node's roles."""
-    import trio
-
-    from .status import gather_status, local_node, render
-
-    _setup_logging(log_level)
-    home = resolve_data_dir(data_dir)
-
-    def main_status():
-        boot = () if local_node(home) is not None and not bootstrap else _bootstrap_for(home, bootstrap, swarm_home)
-        result = trio.run(gather_status, home, boot)
-        if as_json:
-            print(json.dumps(result, indent=2))
-        else:
-            render(result, out)
-
-    _run_or_exit(main_status)
-
-
-@app.command()
-def karma(
-    peer: str = typer.Argument(None, help="Peer id (default: this data dir's)."),
-    data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = BOOTSTRAP,
-    swarm_home: Path = SWARM_HOME,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    log_level: str = typer.Option("warning"),
-) -> None:
-    """A peer's karma, recomputed here from its DHT record, its receipts and the
-    failure reports against it (karma never gates access)."""
-    import trio
-
-    from ..karma.service import read_karma
-    from ..net.identity import KEY_FILE, load_or_create_identity, peer_id_of
-    from .status import local_node
-
-    _setup_logging(log_level)
-    home = resolve_data_dir(data_dir)
-
-    def main_karma():
-        if peer is None and not (home / KEY_FILE).exists():
-            raise UsageError(f"{home} has no identity yet (no node ever ran there): name a PEER")
-        target = peer or peer_id_of(load_or_create_identity(home)).to_string()
-        local = local_node(home)
-        boot = tuple(local["addrs"][:1]) if local is not None and not bootstrap \
-            else _bootstrap_for(home, bootstrap, swarm_home)
-        result = trio.run(read_karma, boot, target)
-        if as_json:
-            print(json.dumps(result.to_wire(), indent=2))
-            return
-        table = Table(title=f"karma of {target}")
-        table.add_column("figure")
-        table.add_column("value")
-        table.add_row("score", f"{result.score:.4f}")
-        table.add_row("compute counted", f"{result.compute_ms / 1000:.1f} s in {result.counted} of "
-                                         f"{result.receipts} receipts")
-        table.add_row("verified failure reports", str(result.reports))
-        if result.rejected:
-            table.add_row("receipts not counted", ", ".join(f"{k}: {v}" for k, v in sorted(result.rejected.items())))
-        if result.problem:
-            table.add_row("note", escape(result.problem))
-        out.print(table)
-
-    _run_or_exit(main_karma)
-
-
-@app.command("id")
-def show_id(data_dir: Path = DATA_DIR) -> None:
-    """Print this data dir's peer id."""
-    from ..net.identity import load_or_create_identity, peer_id_of
-
-    print(peer_id_of(load_or_create_identity(resolve_data_dir(data_dir))).to_string())
-
-
-@swarm_app.command("up")
-def swarm_up_cmd(
-    nodes: int = typer.Option(3, help="Number of node processes."),
-    model: str = typer.Option("smollm2-135m"),
-    home: Path = typer.Option(None, help="Directory holding the nodes' data dirs (default <data dir>/swarm)."),
-) -> None:
-    """Start N nodes on 127.0.0.1 splitting the model's blocks between them."""
-    from .swarm import swarm_up
-
-    _setup_logging("warning")
-    target = home or resolve_data_dir(None) / "swarm"
-
-    def up():
-        swarm = swarm_up(target, nodes, model)
-        for n in swarm["nodes"]:
-            err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
-        err.print(f"bootstrap: {swarm['bootstrap'][0]}")
-
-    _run_or_exit(up)
-
-
-@swarm_app.command("down")
-def swarm_down_cmd(home: Path = typer.Option(None)) -> None:
-    """Stop the local swarm's nodes (by pid)."""
-    from .swarm import swarm_down
-
-    count = swarm_down(home or resolve_data_dir(None) / "swarm")
-    err.print(f"stopped {count} nodes")
-
-
-def _held(model) -> str:
-    """What of a model this node holds, e.g. "all", "blocks 10-19", "head, blocks 0-4"."""
-    held = model.held_files()
-    if held == set(range(len(model.manifest.files))):
-        return "all"
-    blocks = model.held_blocks()
-    runs, start = [], None
-    for i, b in enumerate(blocks):
-        if start is None:
-            start = b
-        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
-            runs.append(f"{start}" if start == b else f"{start}-{b}")
-            start = None
-    parts = (["head"] if model.holds(head=True) else []) + ([f"blocks {', '.join(runs)}"] if runs else [])
-    return ", ".join(parts) or "manifest only"
-
-
-@models_app.command("list")
-def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Models in the local store (and what of each this node holds), and the catalog."""
-    from ..model.catalog import CATALOG
-    from ..model.store import ModelStore
-
-    stored = ModelStore(resolve_data_dir(data_dir)).list()
-    if as_json:
-        print(json.dumps([{"names": n, "id": m.model_id, "blocks": m.num_blocks, "dtype": m.dtype,
-                           "bytes": m.manifest.total_bytes, "held_blocks": m.held_blocks(),
-                           "holds_head": m.holds(head=True)} for n, m in stored]))
-        return
-    table = Table("names", "id", "blocks", "dtype", "size", "held here")
-    for names, m in stored:
-        table.add_row(", ".join(names), m.model_id[:16], str(m.num_blocks), m.dtype,
-                      f"{m.manifest.total_bytes / 1e6:.1f} MB", _held(m))
-    Console().print(table)
-    for entry in CATALOG.values():
-        print(f"catalog: {entry.name:14} {entry.description}")
-
-
-class _Progress:
-    """A rich progress bar on stderr (bytes, rate, ETA), or nothing at all (--json):
-    its callbacks are safe to hand to the code doing the work either way."""
-
-    def __init__(self, description: str, enabled: bool) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                            TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
-                            transient=False) if enabled else None
-        self.task = self.bar.add_task(description, total=None) if self.bar else None
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def progress(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, total=total)
-
-    def describe(self, description: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=description)
-
-
-@models_app.command("fetch")
-def models_fetch(
-    model: str = typer.Argument(..., help="Model id (64 hex digits): names are local only."),
-    blocks: str = typer.Option(None, help="Fetch only these blocks, e.g. 10:20."),
-    head: bool = typer.Option(False, "--head", help="Fetch only what a consumer needs (embeddings, LM head, "
-                                                    "tokenizer); with --blocks, those too."),
-    name: str = typer.Option(None, help="Alias for the model."),
-    data_dir: Path = DATA_DIR,
-    bootstrap: list[str] = BOOTSTRAP,
-    swarm_home: Path = SWARM_HOME,
-    upload_limit_kbps: float = typer.Option(None, "--upload-limit", help="Seeding limit while fetching, KB/s."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
-    log_level: str = typer.Option("warning"),
-) -> None:
-    """Fetch a model (or a span of it) from the swarm's seeders, verifying every piece."""
-    import trio
-
-    from ..model.store import is_model_id
-    from ..torrent.service import fetch_from_swarm
-
-    _setup_logging(log_level)
-    home = resolve_data_dir(data_dir)
-
-    def do():
-        if not is_model_id(model):
-            raise UsageError(f"{model!r} is not a model id: peers know models by id only "
-                             "(`compushare status` lists the swarm's)")
-        span = Span.parse(blocks) if blocks else None
-        boot = _bootstrap_for(home, bootstrap, swarm_home)
-        with _Progress(f"fetching {model[:12]}", not as_json) as shown:
-            result = trio.run(lambda: fetch_from_swarm(
-                home, boot, model, blocks=(span.start, span.end) if span else None, head=head,
-                everything=span is None and not head, progress=shown.progress, alias=name,
-                upload_limit=upload_limit_kbps * 1000 if upload_limit_kbps else None))
-        if as_json:
-            print(json.dumps(dataclasses.asdict(result)))
-            return
-        err.print(f"fetched {result.pieces} pieces ({result.bytes / 1e6:.1f} MB) in {result.seconds:.1f}s, "
-                  f"{result.rate_mbps:.1f} MB/s; {result.already_held} were already here")
-        for peer, count in sorted(result.bytes_from.items(), key=lambda kv: -kv[1]):
-            err.print(f"  {peer}: {count / 1e6:.1f} MB", highlight=False)
-        for peer in result.banned:
-            err.print(f"  [red]banned[/red] {escape(peer)}: sent corrupted pieces")
-
-    _run_or_exit(do)
-
-
-@models_app.command("seed")
-def models_seed(
-    models: list[str] = typer.Argument(None, help="Models to seed (default: every model stored)."),
-    data_dir: Path = DATA_DIR,
-    listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
-    bootstrap: list[str] = BOOTSTRAP,
-    upload_limit_kbps: float = typer.Option(None, "--upload-limit", help="Upload limit over all peers, KB/s."),
-    log_level: str = typer.Option("info"),
-) -> None:
-    """Seed models to the swarm without serving inference (runs in the foreground)."""
-    import trio
-
-    from ..torrent.service import seed_forever
-
-    _setup_logging(log_level)
-    home = resolve_data_dir(data_dir)
-    config = NodeConfig.build(home, listen=listen, bootstrap=bootstrap)
-    _run_or_exit(lambda: trio.run(lambda: seed_forever(
-        home, listen=config.listen, bootstrap=config.bootstrap, models=models or None,
-        upload_limit=upload_limit_kbps * 1000 if upload_limit_kbps else None)))
-
-
-@models_app.command("import")
-def models_import(path: Path, name: str = typer.Option(None, help="Alias for the model."),
-                  data_dir: Path = DATA_DIR,
-                  as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
-                  ) -> None:
-    """Import a safetensors / Hugging Face directory or a GGUF file (prints its id)."""
-    from ..model.catalog import import_path
-
-    def do():
-        with _Progress(f"importing {path.name}", not as_json) as shown:
-            model = import_path(path, resolve_data_dir(data_dir), alias=name, progress=shown.progress,
-                                on_stage=lambda stage: shown.describe(f"{stage} {path.name}"))
-        if as_json:
-            print(json.dumps({"model_id": model.model_id, "name": name, "num_blocks": model.num_blocks,
-                              "bytes": sum(f.size for f in model.manifest.files)}))
-        else:
-            print(model.model_id)
-
-    _run_or_exit(do)
+app.command()(status)
+app.command()(karma)
+app.command("id")(show_id)
 
 
 def main() -> None:

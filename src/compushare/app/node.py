@@ -22,22 +22,24 @@ from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
 from .api.server import serve_api
+from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
 from ..model.catalog import DEFAULT_MODEL, resolve_model
 from ..model.store import ModelStore, is_model_id
 from ..model.selfbench import cached_block_rate, measure_block_rate
 from ..net.ads import ad_ttl, make_ad
-from ..net.dht import open_dht
+from ..net.dht import routing_sync_loop
 from ..net.gossip import Gossip, learn_views
-from ..net.host import full_addrs, open_host
+from ..net.host import full_addrs
 from ..net.identity import load_or_create_identity
+from ..net.peer import open_swarm_host
 from ..net.view import SwarmView
 from ..pipeline.server.announce import announce_loop
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.provider import Provider, blocks_for_budget
 from ..pipeline.server.inference import InferenceServer
-from ..runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
+from ..runtime import stop_on_signal, write_state
 from .status import summarize
 from ..torrent.service import Torrent
 
@@ -89,8 +91,9 @@ class Node:
         self._check_span(model)
         hardware = detect_hardware()
         key_pair = load_or_create_identity(config.data_dir)
-        async with open_host(key_pair, config.listen) as host, open_dht(host, server=True) as dht:
-            dht._provider_rate_max = PROVIDER_RATE_MAX
+        async with open_swarm_host(key_pair, server=True, validators=karma_validators(), listen=config.listen,
+                                   bootstrap=config.bootstrap, join=False) as swarm:
+            host, dht = swarm.host, swarm.dht
             me = host.get_id().to_string()
             torrent = self.torrent = Torrent(host, dht, config.data_dir, self.view)
             torrent.start_seeding()
@@ -111,8 +114,7 @@ class Node:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stop_on_signal, nursery.cancel_scope)
                 await nursery.start(gossip.run)  # before dialling: pubsub learns peers from connections
-                if config.bootstrap:
-                    await join_swarm(host, dht, config.bootstrap)
+                await swarm.join(retry=True)
                 nursery.start_soon(routing_sync_loop, host, dht)
                 nursery.start_soon(karma.publish_loop)
                 nursery.start_soon(karma.provide_reports_loop)

@@ -1,4 +1,5 @@
-"""`compushare status`: the swarm as the ads describe it, and this node's part in it.
+"""`compushare status`: the swarm as the ads describe it, and this node's part in it;
+`compushare karma`: one peer's karma.
 
 A short-lived client with a throwaway identity (so it never collides with a node
 running on the same data dir) joins through the local node if one runs, else the
@@ -19,11 +20,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from .api.client import call as control_call
 from ..config import STATE_FILE
 from ..model.store import ModelStore
-from ..net.dht import connect_bootstrap, open_dht
 from ..net.gossip import learn_views
-from ..net.host import open_host
+from ..net.peer import open_swarm_host
 from ..net.view import SwarmView, coverage
-from ..karma.service import karma_of
+from ..karma.record import karma_validators
+from ..karma.service import KarmaReport, karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0
@@ -91,9 +92,11 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
         bootstrap = tuple(local["addrs"][:1]) + tuple(bootstrap)
     view = SwarmView()
     scores: dict[str, float] = {}
-    async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               bootstrap=bootstrap, join=False) as swarm:
+        host, dht = swarm.host, swarm.dht
         with trio.fail_after(JOIN_TIMEOUT_S):
-            await connect_bootstrap(host, dht, bootstrap)
+            await swarm.join()
             await learn_views(host, view)
         asked = len(host.get_network().connections)
         peers = [ad.peer_id for ad in view.live(time.time())][:MAX_KARMA_LOOKUPS]
@@ -114,6 +117,16 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
             status["this_node"]["daemon"] = await trio.to_thread.run_sync(
                 control_call, data_dir, local["api"], "/control/status")
     return status
+
+
+async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float = 30.0) -> KarmaReport:
+    """`compushare karma`: join through `bootstrap` with a throwaway identity (a node
+    may be running on this data dir) and compute `peer_id`'s karma."""
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               bootstrap=bootstrap, join=False) as swarm:
+        with trio.fail_after(timeout_s):
+            await swarm.join()
+            return await karma_of(swarm.host, swarm.dht, peer_id)
 
 
 def render(status: dict, console) -> None:

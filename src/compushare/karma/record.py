@@ -16,7 +16,7 @@ import time
 from libp2p.crypto.keys import KeyPair
 
 from ..errors import PeerMisbehaved
-from ..net.signed import addrs_field, field, newest_valid, open_sealed, seal
+from ..net.signed import SignedRecordValidator, addrs_field, field, newest_valid, open_sealed, seal
 from .merkle import merkle_root
 from .rules import CLOCK_SKEW_S, Tally, base_score, tally
 
@@ -109,3 +109,9 @@ def check_evidence(record: KarmaRecord, wires: list[bytes]) -> Tally:
 def newest_karma_index(key: str, values: list[bytes]) -> int:
     """DHT select(): the valid record with the highest seq wins."""
     return newest_valid(values, lambda value: parse_karma_record(key, value, allow_expired=True))
+
+
+def karma_validators() -> dict[str, SignedRecordValidator]:
+    """The DHT validator of karma records, by namespace: every node hands it to
+    net/dht.open_dht (with strict validation, a DHT takes no record it cannot check)."""
+    return {KARMA_NAMESPACE: SignedRecordValidator(parse_karma_record, newest_karma_index)}

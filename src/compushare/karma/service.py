@@ -9,7 +9,6 @@ one frame and one reply on its own stream.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -19,15 +18,16 @@ from pathlib import Path
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 
 from ..errors import FrameError, PeerMisbehaved
-from ..net.dht import connect_bootstrap, find_provider_infos_fresh, get_value_fresh, open_dht
+from ..net.dht import find_provider_infos_fresh, get_value_fresh
+from ..net.dial import dial
 from ..net.framing import FramedStream
-from ..net.host import full_addrs, open_host, parse_peer_addr
+from ..net.host import full_addrs
+from ..net.serve import GuardedHandler
 from ..proofs import FailureReport
 from .ledger import ReceiptBook, ReportStore
 from .receipts import MAX_RECEIPT_BYTES
@@ -67,7 +67,9 @@ class KarmaService:
         self.signed_record: bytes | None = None  # what we last put in the DHT
         self._changed = trio.Event()
         self._new_reports = trio.Event()
-        self._streams: collections.Counter[str] = collections.Counter()  # open karma streams per peer
+        # The stream handler (host.set_stream_handler(KARMA_PROTOCOL, service.handle)):
+        # at most MAX_STREAMS_PER_PEER of one peer's requests at once, more are reset.
+        self.handle = GuardedHandler(self._serve, per_peer=MAX_STREAMS_PER_PEER)
 
     def keep_report(self, report: FailureReport) -> bool:
         """Keep a checked report and advertise it; False if not kept (known, or full)."""
@@ -122,15 +124,9 @@ class KarmaService:
 
     # -- serving ----------------------------------------------------------------------
 
-    async def handle(self, stream: INetStream) -> None:
-        """Stream handler: one request, one reply (task boundary: never raises)."""
+    async def _serve(self, stream: INetStream) -> None:
+        """One request, one reply (task boundary: never raises)."""
         framed = FramedStream(stream, MAX_FRAME)
-        peer = str(stream.muxed_conn.peer_id)
-        if self._streams[peer] >= MAX_STREAMS_PER_PEER:
-            with contextlib.suppress(Exception):
-                await framed.reset()
-            return
-        self._streams[peer] += 1
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 try:
@@ -144,10 +140,6 @@ class KarmaService:
             log.debug("karma request failed: %s", exc)
             with contextlib.suppress(Exception):
                 await framed.reset()
-        finally:
-            self._streams[peer] -= 1
-            if not self._streams[peer]:
-                del self._streams[peer]
 
     async def _answer(self, request: dict | None) -> dict:
         kind = request.get("type") if request else None
@@ -200,11 +192,9 @@ def _natural(request: dict, name: str) -> int:
 async def _ask(host: IHost, peer: ID, request: dict, addrs: tuple[str, ...] = ()) -> dict:
     with trio.fail_after(REQUEST_TIMEOUT_S):
         if addrs and peer not in host.get_network().connections:
-            with contextlib.suppress(Exception):
-                host.get_network().unblock_peer(peer)
             for addr in addrs:
                 with contextlib.suppress(Exception):
-                    await host.connect(parse_peer_addr(addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"))
+                    await dial(host, peer, [addr], timeout=REQUEST_TIMEOUT_S)
                     break
         stream = await host.new_stream(peer, [KARMA_PROTOCOL])
         framed = FramedStream(stream, MAX_FRAME)
@@ -355,12 +345,3 @@ class KarmaBook:
             async with trio.open_nursery() as nursery:
                 for peer in stale:
                     nursery.start_soon(one, peer)
-
-
-async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float = 30.0) -> KarmaReport:
-    """`compushare karma`: join through `bootstrap` with a throwaway identity (a node
-    may be running on this data dir) and compute `peer_id`'s karma."""
-    async with open_host(create_new_key_pair(), []) as host, open_dht(host, server=False) as dht:
-        with trio.fail_after(timeout_s):
-            await connect_bootstrap(host, dht, bootstrap)
-            return await karma_of(host, dht, peer_id)

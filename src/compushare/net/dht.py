@@ -1,6 +1,6 @@
 """Kademlia DHT glue: strict validation, provider keys, and fresh look-ups.
 
-py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
+py-libp2p 0.8.1 facts this module works around:
 - validation is off unless strict and a validator is registered per namespace;
 - its routing table is not filled on connect: we add peers ourselves;
 - the per-subnet diversity cap (2 per /24) would refuse a loopback swarm;
@@ -11,24 +11,26 @@ py-libp2p 0.8.1 facts this module works around (see DESIGN.md §4):
   `find_providers_fresh` / `get_record_fresh` always ask the network.
 - every DHT request to one peer may take 10 s (QUERY_TIMEOUT), and an iterative
   look-up waits for its slowest peer: one hung peer stalls every look-up. We cut
-  the per-request time to 3 s, and our fresh look-ups also ask the peers we know
-  directly, each on its own deadline.
+  the per-request time to 3 s (net/libp2p_patches.py), and our fresh look-ups also
+  ask the peers we know directly, each on its own deadline.
 - it serves 12 inbound streams at once, node-wide, each waiting forever for the
   peer's next message: one peer's stalled streams took the DHT from everyone. We
   bound streams per peer and reset silent ones (_guard_inbound_streams).
+
+Record namespaces: this module validates its own (server records); the caller
+hands `open_dht` the validators of every other namespace its node accepts (karma
+records: karma.record.karma_validators()), so that net imports nothing above it.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.kad_dht import kad_dht as _kad_dht, peer_routing as _peer_routing, provider_store as _provider_store
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
@@ -37,37 +39,21 @@ from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
 from ..errors import PeerMisbehaved, SwarmUnreachable
-from ..karma.record import KARMA_NAMESPACE, newest_karma_index, parse_karma_record
-from .host import parse_peer_addr
+from .dial import dial, parse_peer_addr
+from .libp2p_patches import PEER_QUERY_TIMEOUT_S
 from .records import RECORD_NAMESPACE, ServerRecord, newest_index, parse_record, record_key
+from .serve import GuardedHandler
+from .signed import SignedRecordValidator
 
 log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 5.0
 DIAL_TIMEOUT_S = 5.0
-PEER_QUERY_TIMEOUT_S = 3.0
 INBOUND_STREAMS = 48  # inbound DHT streams served at once (py-libp2p: 12)
 INBOUND_PER_PEER = 12  # of which one peer may hold (what py-libp2p allowed every peer together)
 INBOUND_IDLE_S = 10.0  # an inbound DHT stream silent this long is reset
 INBOUND_MAX_S = 120.0  # and none is served longer
-
-for _module in (_kad_dht, _peer_routing, _provider_store):
-    _module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
-
-
-class SignedRecordValidator(Validator):
-    """A namespace of owner-signed records with a seq: `parse` checks signature, then
-    schema, then freshness (raising PeerMisbehaved); `select` keeps the newest valid
-    one. (Whether a karma record's receipts bear it out is for its readers to check.)"""
-
-    def __init__(self, parse, select) -> None:
-        self._parse, self._select = parse, select
-
-    def validate(self, key: str, value: bytes) -> None:
-        self._parse(key, value)
-
-    def select(self, key: str, values: list[bytes]) -> int:
-        return self._select(key, values)
+ROUTING_SYNC_PERIOD_S = 2.0
 
 
 def block_key(model_id: str, block: int) -> str:
@@ -81,11 +67,17 @@ def model_key(model_id: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def open_dht(host: IHost, *, server: bool) -> AsyncIterator[KadDHT]:
-    validator = NamespacedValidator({
-        RECORD_NAMESPACE: SignedRecordValidator(parse_record, newest_index),
-        KARMA_NAMESPACE: SignedRecordValidator(parse_karma_record, newest_karma_index),
-    }, strict_validation=True)
+async def open_dht(host: IHost, *, server: bool,
+                   validators: Mapping[str, Validator] | None = None) -> AsyncIterator[KadDHT]:
+    """A running DHT on `host`: a server (it stores records and answers queries) or a
+    client. Validation is strict: a record is accepted only in a namespace with a
+    validator, net's server records and `validators` (namespace -> Validator)."""
+    namespaces: dict[str, Validator] = {RECORD_NAMESPACE: SignedRecordValidator(parse_record, newest_index)}
+    for namespace, validator in (validators or {}).items():
+        if namespace in namespaces:
+            raise ValueError(f"DHT namespace {namespace!r} is net's own")
+        namespaces[namespace] = validator
+    validator = NamespacedValidator(namespaces, strict_validation=True)
     dht = KadDHT(
         host,
         DHTMode.SERVER if server else DHTMode.CLIENT,
@@ -122,43 +114,27 @@ def _guard_inbound_streams(host: IHost, dht: KadDHT) -> None:
     peer gets at most INBOUND_PER_PEER streams of INBOUND_STREAMS, a stream that stays
     silent for INBOUND_IDLE_S (or lives INBOUND_MAX_S) is reset."""
     dht._inbound_limiter.total_tokens = INBOUND_STREAMS  # private in the pinned 0.8.1
-    per_peer: collections.Counter[ID] = collections.Counter()
 
-    async def handler(stream: INetStream) -> None:
-        peer = stream.muxed_conn.peer_id
-        if per_peer[peer] >= INBOUND_PER_PEER:
+    async def serve(stream: INetStream) -> None:
+        with trio.move_on_after(INBOUND_MAX_S) as scope:
+            await dht.handle_stream(_IdleBoundedStream(stream, INBOUND_IDLE_S))
+        if scope.cancelled_caught:
             with contextlib.suppress(Exception):
                 await stream.reset()
-            return
-        per_peer[peer] += 1
-        try:
-            with trio.move_on_after(INBOUND_MAX_S) as scope:
-                await dht.handle_stream(_IdleBoundedStream(stream, INBOUND_IDLE_S))
-            if scope.cancelled_caught:
-                with contextlib.suppress(Exception):
-                    await stream.reset()
-        finally:
-            per_peer[peer] -= 1
-            if not per_peer[peer]:
-                del per_peer[peer]
 
-    host.set_stream_handler(PROTOCOL_ID, handler)
+    host.set_stream_handler(PROTOCOL_ID, GuardedHandler(serve, per_peer=INBOUND_PER_PEER))
 
 
 async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> int:
     """Dial every bootstrap address concurrently; return how many answered."""
+    addrs = list(addrs)
     infos = [parse_peer_addr(a) for a in addrs]
     connected = 0
 
-    async def dial(info: PeerInfo) -> None:
+    async def one(info: PeerInfo) -> None:
         nonlocal connected
         try:
-            # py-libp2p refuses, for a while, to redial a peer whose addresses all
-            # failed once: a bootstrap peer that was still starting stays unreachable.
-            with contextlib.suppress(Exception):
-                host.get_network().unblock_peer(info.peer_id)
-            with trio.fail_after(DIAL_TIMEOUT_S):
-                await host.connect(info)
+            await dial(host, info.peer_id, info.addrs, timeout=DIAL_TIMEOUT_S)
             await dht.add_peer(info.peer_id)
             connected += 1
         except trio.TooSlowError:
@@ -168,7 +144,7 @@ async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> i
 
     async with trio.open_nursery() as nursery:
         for info in infos:
-            nursery.start_soon(dial, info)
+            nursery.start_soon(one, info)
     if infos and not connected:
         raise SwarmUnreachable(f"none of {len(infos)} bootstrap peers answered: {', '.join(addrs)}")
     return connected
@@ -206,6 +182,13 @@ async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
                 and speaks_dht(host, peer_id)):
             with contextlib.suppress(Exception):
                 await dht.add_peer(peer_id)
+
+
+async def routing_sync_loop(host: IHost, dht: KadDHT) -> None:
+    """sync_routing_table every ROUTING_SYNC_PERIOD_S, for as long as a node runs."""
+    while True:
+        await sync_routing_table(host, dht)
+        await trio.sleep(ROUTING_SYNC_PERIOD_S)
 
 
 def seed_key(model_id: str) -> str:

@@ -1,6 +1,6 @@
 """GossipSub glue for capability ads, and the view protocol that hands them out.
 
-GossipSub v1.1 only (v1.2's IDONTWANT path stalls under load, DESIGN.md §4), with
+GossipSub v1.1 only (py-libp2p 0.8.1's v1.2 IDONTWANT path stalls under load), with
 pubsub-level signing on. A topic validator runs net/ads.parse_ad and the view's
 rate/replay rules on every ad before it is forwarded, so an invalid ad neither
 enters this node's view nor travels further through it.
@@ -30,7 +30,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ..errors import PeerMisbehaved
 from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
-from .host import parse_peer_addr
+from .dial import peer_info
 from .view import PUBLISH_INTERVAL_S, SwarmView
 
 log = logging.getLogger(__name__)
@@ -245,8 +245,7 @@ async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
         nonlocal dialed
         for addr in ad.addrs:
             with contextlib.suppress(Exception), trio.move_on_after(DIAL_TIMEOUT_S):
-                info = parse_peer_addr(addr if "/p2p/" in addr else f"{addr}/p2p/{ad.peer_id}")
-                await host.connect(info)
+                await host.connect(peer_info(ad.peer_id, [addr]))
                 dialed += 1
                 return
 

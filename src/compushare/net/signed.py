@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgpack
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
+from libp2p.records.validator import Validator
 
 from ..errors import PeerMisbehaved
 
@@ -90,3 +91,18 @@ def newest_valid(values: list[bytes], parse) -> int:
         if best_seq is None or seq > best_seq:
             best, best_seq = index, seq
     return best
+
+
+class SignedRecordValidator(Validator):
+    """The DHT's validator of one namespace of owner-signed records with a seq:
+    `parse(key, value)` checks signature, then schema, then freshness (raising
+    PeerMisbehaved); `select(key, values)` picks the newest valid one."""
+
+    def __init__(self, parse, select) -> None:
+        self._parse, self._select = parse, select
+
+    def validate(self, key: str, value: bytes) -> None:
+        self._parse(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return self._select(key, values)

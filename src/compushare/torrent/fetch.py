@@ -18,12 +18,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost
-from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from ..errors import CompushareError, FrameError
 from ..net.framing import FramedStream
-from ..net.host import widen_receive_window
+from ..net.libp2p_patches import widen_receive_window
 from ..model.manifest import Manifest, parse
 from .picker import Picker
 from .protocol import MAX_DATA_FRAME, PIECES_PROTOCOL, parse_reply
@@ -361,9 +360,3 @@ async def fetch_model(host: IHost, library: Library, model_id: str, discover: Di
     manifest = pieces.manifest
     wanted = manifest.all_pieces() if everything else manifest.pieces_for(blocks=blocks, head=head)
     return await Download(host, pieces, wanted, discover, bans=bans, progress=progress).run()
-
-
-def peer_info(peer_id: str, addrs) -> PeerInfo:
-    from multiaddr import Multiaddr
-
-    return PeerInfo(ID.from_base58(peer_id), [Multiaddr(a) for a in addrs])

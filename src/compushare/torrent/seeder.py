@@ -16,6 +16,7 @@ from libp2p.abc import INetStream
 
 from ..errors import FrameError
 from ..net.framing import FramedStream
+from ..net.serve import GuardedHandler, peer_of
 from .protocol import MAX_CONTROL_FRAME, encode_bitfield, parse_request, piece_frame, piece_frame_head
 from .storage import Library, ModelPieces
 
@@ -52,16 +53,15 @@ class Seeder:
     def __init__(self, library: Library, upload_limit: float | None = None) -> None:
         self.library = library
         self.limit = UploadLimit(upload_limit) if upload_limit else None
-        self.streams: collections.Counter[str] = collections.Counter()
         self.sent_bytes: collections.Counter[str] = collections.Counter()  # peer id -> piece bytes sent
+        # The stream handler (host.set_stream_handler(PIECES_PROTOCOL, seeder.handle)):
+        # MAX_STREAMS downloads at once, MAX_STREAMS_PER_PEER of one peer.
+        self.handle = GuardedHandler(self._serve, per_peer=MAX_STREAMS_PER_PEER, total=MAX_STREAMS,
+                                     refuse=self._refuse)
 
-    async def handle(self, stream: INetStream) -> None:
-        peer = stream.muxed_conn.peer_id.to_string()
+    async def _serve(self, stream: INetStream) -> None:
+        peer = peer_of(stream)
         framed = FramedStream(stream, MAX_CONTROL_FRAME)
-        if sum(self.streams.values()) >= MAX_STREAMS or self.streams[peer] >= MAX_STREAMS_PER_PEER:
-            await self._error_and_close(framed, "busy", "too many downloads at once; try later")
-            return
-        self.streams[peer] += 1
         try:
             await _Upload(self, framed, peer).run()
         except FrameError as exc:
@@ -69,10 +69,10 @@ class Seeder:
         except Exception as exc:  # the peer went away or broke the stream: its problem
             log.debug("pieces stream with %s ended: %r", peer[:12], exc)
             await _quietly(framed.reset)
-        finally:
-            self.streams[peer] -= 1
-            if not self.streams[peer]:
-                del self.streams[peer]
+
+    async def _refuse(self, stream: INetStream, _why: str) -> None:
+        await self._error_and_close(FramedStream(stream, MAX_CONTROL_FRAME), "busy",
+                                    "too many downloads at once; try later")
 
     @staticmethod
     async def _error_and_close(framed: FramedStream, code: str, message: str) -> None:

@@ -8,7 +8,6 @@ of the swarm view (a server holds the blocks it serves).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -17,11 +16,12 @@ from libp2p.abc import IHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.peerinfo import PeerInfo
 
-from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, should_provide, sync_routing_table
-from ..net.view import SwarmView
 from ..errors import ModelUnavailable
 from ..model.store import StoredModel
-from .fetch import Bans, FetchError, FetchResult, Progress, fetch_manifest, fetch_model, peer_info
+from ..net.dht import find_provider_infos_fresh, provide_all, seed_key, should_provide, sync_routing_table
+from ..net.dial import peer_info
+from ..net.view import SwarmView
+from .fetch import Bans, FetchError, FetchResult, Progress, fetch_manifest, fetch_model
 from .protocol import PIECES_PROTOCOL
 from .seeder import Seeder
 from .storage import Library
@@ -116,70 +116,3 @@ class Torrent:
                 task_status = trio.TASK_STATUS_IGNORED
             with trio.move_on_after(CHECK_PERIOD_S):
                 await changed.wait()
-
-
-async def fetch_from_swarm(data_dir: Path, bootstrap, model_id: str, *, blocks: tuple[int, int] | None = None,
-                           head: bool = False, everything: bool = False, progress: Progress | None = None,
-                           alias: str | None = None, upload_limit: float | None = None) -> FetchResult:
-    """`compushare models fetch`: join as a short-lived peer, fetch, and seed to the
-    peers we are connected to while the download runs."""
-    from ..net.dht import connect_bootstrap, open_dht
-    from ..net.gossip import learn_views
-    from ..net.host import open_host
-    from ..net.identity import load_or_create_identity
-
-    key_pair = load_or_create_identity(data_dir)
-    async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
-        await connect_bootstrap(host, dht, bootstrap)
-        view = SwarmView()
-        with trio.move_on_after(5):
-            await learn_views(host, view)
-        torrent = Torrent(host, dht, data_dir, view, upload_limit=upload_limit)
-        torrent.start_seeding()
-        return await torrent.fetch(model_id, blocks=blocks, head=head, everything=everything, progress=progress,
-                                   alias=alias)
-
-
-async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None = None,
-                       upload_limit: float | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A node that only seeds: `compushare models seed`. It serves the pieces of every
-    model in its store (or of `models`) and announces them in the DHT."""
-    from ..config import STATE_FILE
-    from ..errors import UsageError
-    from ..model.store import ModelStore
-
-    store = ModelStore(data_dir)
-    model_ids = None
-    if models:
-        model_ids = set()
-        for name in models:
-            model = store.get(name)
-            if model is None:
-                raise UsageError(f"{name!r} is not in the local store (see `compushare models list`)")
-            model_ids.add(model.model_id)
-    from ..net.dht import open_dht
-    from ..net.host import full_addrs, open_host
-    from ..net.identity import load_or_create_identity
-    from ..runtime import PROVIDER_RATE_MAX, join_swarm, routing_sync_loop, stop_on_signal, write_state
-
-    key_pair = load_or_create_identity(data_dir)
-    async with open_host(key_pair, listen) as host, open_dht(host, server=True) as dht:
-        dht._provider_rate_max = PROVIDER_RATE_MAX
-        torrent = Torrent(host, dht, data_dir, only=model_ids, upload_limit=upload_limit)
-        torrent.start_seeding()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stop_on_signal, nursery.cancel_scope)
-            if bootstrap:
-                await join_swarm(host, dht, bootstrap)
-            nursery.start_soon(routing_sync_loop, host, dht)
-            await nursery.start(torrent.announce_loop)  # ready means findable
-            state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),
-                     "role": "seeder", "models": await torrent.seeded_models(), "started": time.time()}
-            write_state(data_dir, state)
-            log.info("seeding %d models as %s on %s", len(state["models"]), state["peer_id"],
-                     ", ".join(state["addrs"]))
-            task_status.started(state)
-            try:
-                await trio.sleep_forever()
-            finally:
-                (data_dir / STATE_FILE).unlink(missing_ok=True)

@@ -14,7 +14,7 @@ from ...errors import UsageError
 from ...model.catalog import resolve_model
 from ...model.head import ConsumerHead
 from ...model.store import ModelStore
-from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest, _load_tokenizer
+from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest, load_tokenizer
 from ...pipeline.client.sampling import SamplingParams
 from ...pipeline.client.spotcheck import DEFAULT_RATE
 
@@ -73,7 +73,7 @@ class ChatEngine:
                 await self.torrent.fetch(model.model_id, head=True)
 
             def load():
-                return _load_tokenizer(model), ConsumerHead.load(model.path)
+                return load_tokenizer(model), ConsumerHead.load(model.path)
 
             tokenizer, head = await trio.to_thread.run_sync(load)
             consumer = Consumer(self.host, self.dht, self.data_dir, model, tokenizer, head,

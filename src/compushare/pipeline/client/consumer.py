@@ -14,15 +14,15 @@ import trio
 
 from ...errors import RouteError, SwarmUnreachable, UsageError
 from ...karma.ledger import ReportStore
+from ...karma.record import karma_validators
 from ...karma.service import KarmaBook, submit_report
 from ...model.catalog import resolve_model
 from ...model.store import ModelStore, is_model_id
 from ...model.head import ConsumerHead
-from ...net.dht import connect_bootstrap, open_dht
 from ...torrent.service import Torrent
 from ...net.gossip import learn_views
-from ...net.host import open_host
 from ...net.identity import load_or_create_identity
+from ...net.peer import open_swarm_host
 from ...net.records import ServerRecord
 from ...net.view import SwarmView
 from .chain import Failover, open_chain
@@ -78,7 +78,7 @@ def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
 
 # What AutoTokenizer resolves these to is transformers' generic fast tokenizer: loading
 # that class directly skips AutoTokenizer's class tables and what they import (the
-# modeling stack, torch._dynamo): 1.4 s against 7.3 s here, before a `run`'s first token.
+# modeling stack, torch._dynamo), seconds before a `run`'s first token.
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -89,7 +89,7 @@ def _tokenizer_class(model_path: Path) -> str | None:
         return None  # AutoTokenizer reports what is wrong
 
 
-def _load_tokenizer(model):
+def load_tokenizer(model):
     try:
         if _tokenizer_class(model.path) in GENERIC_TOKENIZER_CLASSES:
             from transformers import PreTrainedTokenizerFast
@@ -292,7 +292,7 @@ class Consumer:
             try:
                 model = resolve_model(model_name, data_dir)
                 loaded["model"] = model
-                loaded["tokenizer"] = _load_tokenizer(model) if text_prompts else None
+                loaded["tokenizer"] = load_tokenizer(model) if text_prompts else None
                 loaded["head"] = ConsumerHead.load(model.path)
             except Exception as exc:
                 loaded["error"] = exc
@@ -303,14 +303,16 @@ class Consumer:
         from_swarm = (stored is None and is_model_id(model_name)) or (stored is not None
                                                                       and not stored.holds(head=True))
         key_pair = load_or_create_identity(data_dir)
-        async with open_host(key_pair, ["/ip4/127.0.0.1/tcp/0"]) as host, open_dht(host, server=False) as dht:
+        async with open_swarm_host(key_pair, server=False, validators=karma_validators(),
+                                   listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap, join=False) as swarm:
+            host, dht = swarm.host, swarm.dht
             # Joining the swarm and loading the local parts overlap: both take seconds.
             unreachable: SwarmUnreachable | None = None
             async with trio.open_nursery() as nursery:
                 if not from_swarm:
                     nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
                 try:
-                    await connect_bootstrap(host, dht, bootstrap)
+                    await swarm.join()
                 except SwarmUnreachable as exc:
                     unreachable = exc
             if "error" in loaded:
