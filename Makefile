@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml | sysdeps
 	touch $(STAMP)
 
 test: $(STAMP) testsysdeps
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
 demo: $(STAMP)
