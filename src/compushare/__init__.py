@@ -1,17 +1,17 @@
 """CompuShare: peer-to-peer LLM inference over libp2p.
 
-Package map:
-  cli.py       typer commands: parse, then call into the packages below
-  config.py    frozen configuration dataclasses, data-dir resolution, TOML
-  errors.py    the CompushareError tree
-  node.py      Node.run(): the one trio nursery wiring a node's roles
-  swarm.py     a local swarm of node processes on 127.0.0.1 (demo, tests)
-  net/         libp2p: identity, host, framed codec, DHT records and validators
-  model/       catalog of names, weight sources and the store, span runner
-  pipeline/    inference sessions: server (provider), client (consumer), routing
-  torrent/     BitTorrent-style weight distribution (later issue)
-  karma/       contribution ledger (later issue)
+Package map, top layer first (each imports only the layers below it; the contracts
+in pyproject.toml's [tool.importlinter] are checked by `make test`):
+  app/         the surfaces: cli, chat, tray, status, swarm, node, seed, api/
+  pipeline/    inference sessions: server/ (provider) and client/ (consumer), which
+               never import each other, over the shared protocol
+  torrent/     BitTorrent-style weight distribution
+  karma/       contribution ledger, karma records and the karma protocol
+  proofs.py    signed step outputs, input digests, failure reports
+  net/         libp2p: patches, host, the swarm seam, dialling, serving, DHT, gossip
+  model/       catalog of names, weight sources, the store and its manifests
   he/          CKKS private stages (later issue)
+  runtime.py, gc_policy.py, config.py, hardware.py, errors.py: the base modules
 """
 
 __version__ = "0.1.0"

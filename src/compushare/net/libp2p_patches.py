@@ -87,8 +87,8 @@ def apply() -> None:
     # py-libp2p reads its TCP socket exactly as much as each layer asks for: Noise's
     # 2-byte length, then the frame (in pieces if it straddles segments). Every read
     # is a recv() plus a trio scheduling round, two or more per frame. Reading what the
-    # kernel holds and serving the small reads from that buffer nearly doubles one
-    # stream's bulk rate on loopback (measured side by side).
+    # kernel holds and serving the small reads from that buffer raises one stream's
+    # bulk rate markedly on loopback (measured side by side).
     TrioTCPStream._cs_pending = b""  # bytes received and not yet read (a memoryview when set)
     TrioTCPStream._cs_receiving = None  # a trio.Event while one task waits in recv()
     _unbuffered_read = TrioTCPStream.read
