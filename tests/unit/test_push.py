@@ -14,6 +14,7 @@ from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
 from compushare.pipeline.server.inference import InferenceServer
+from compushare.pipeline.server.session import State
 
 KEY = create_new_key_pair()
 OWNER = ID.from_pubkey(create_new_key_pair().public_key).to_base58()  # the consumer
@@ -148,7 +149,7 @@ def test_a_pushed_step_never_confirmed_lets_its_session_expire(make_server):
             await open_session(server)
             await push(server, inputs()[0], 0)
             with trio.fail_after(10):
-                while not server.sessions.get(SESSION).speculation.finished:
+                while server.sessions.get(SESSION).state is not State.SPECULATED:
                     await trio.sleep(0.01)
         table = server.sessions
         expired = table.expire(table.get(SESSION).last_used + table.idle_timeout_s + 1)
@@ -239,7 +240,7 @@ async def test_a_step_is_pushed_on_before_its_reply_goes_back(make_server):
 
 
 async def test_a_stalled_push_holds_a_reply_back_only_briefly(make_server):
-    from compushare.pipeline.server.inference import PUSH_FIRST_MAX_S
+    from compushare.pipeline.server.speculation import PUSH_FIRST_MAX_S
 
     server = make_server()
     stream = PushStream(None)

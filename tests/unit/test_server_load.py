@@ -11,7 +11,8 @@ import torch
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import encode_tensor
-from compushare.pipeline.server.inference import LOAD_WINDOW_S, InferenceServer
+from compushare.pipeline.server.compute import LOAD_WINDOW_S
+from compushare.pipeline.server.inference import InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 KEY = create_new_key_pair()
@@ -24,21 +25,21 @@ def server(tiny_model):
 
 def test_load_is_the_busy_share_of_the_window(server):
     assert server.load(now=1000.0) == 0.0
-    server._busy.extend([(997.0, 2.0, 5), (999.0, 1.0, 1)])
+    server.compute.busy.extend([(997.0, 2.0, 5), (999.0, 1.0, 1)])
     assert server.load(now=1000.0) == pytest.approx(3.0 / LOAD_WINDOW_S)
     assert server.throughput(now=1000.0) == pytest.approx(6 / LOAD_WINDOW_S)
     # Work that ended before the window counts for nothing; work straddling its start, in part.
     assert server.load(now=1000.0 + LOAD_WINDOW_S - 4.0) == pytest.approx((1.0 + 1.0) / LOAD_WINDOW_S)
-    assert server.load(now=1000.0 + LOAD_WINDOW_S + 1) == 0.0 and not server._busy
+    assert server.load(now=1000.0 + LOAD_WINDOW_S + 1) == 0.0 and not server.compute.busy
 
 
 def test_decode_steps_refine_the_rate_prefill_does_not(server):
-    server._observe(tokens=16, blocks=2, seconds=1.0)
+    server.compute.observe(tokens=16, blocks=2, seconds=1.0)
     assert server.block_rate == 100.0
-    server._observe(tokens=1, blocks=2, seconds=0.1)  # 20 block-steps/s
+    server.compute.observe(tokens=1, blocks=2, seconds=0.1)  # 20 block-steps/s
     assert server.block_rate == pytest.approx(0.8 * 100 + 0.2 * 20)
     fresh = InferenceServer(server.runner, "m", ServerLimits(), key_pair=KEY)
-    fresh._observe(tokens=1, blocks=2, seconds=0.1)
+    fresh.compute.observe(tokens=1, blocks=2, seconds=0.1)
     assert fresh.block_rate == pytest.approx(20.0)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from compushare.pipeline import protocol
 from compushare.pipeline.server.session import Rejected, SessionTable
@@ -306,3 +306,356 @@ class SessionMachine(RuleBasedStateMachine):
 
 SessionMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestSessionTable = SessionMachine.TestCase
+
+
+# ---------------------------------------------------------------- the core's transitions
+
+
+def test_the_transition_table_is_the_only_way_a_state_changes():
+    from compushare.pipeline.server.session import TRANSITIONS, Event, InvalidTransition, State
+
+    t = table()
+    s = t.open(IDS[0], 0, 1, 20, now=0)
+    assert s.state is State.READY
+    # every (state, event) pair not in the table is refused, with the peer's error or as a driver bug
+    assert (State.STEPPING, Event.STEP) not in TRANSITIONS and (State.READY, Event.COMPUTED) not in TRANSITIONS
+    t.begin_step(IDS[0], 0, 1, now=0)
+    with pytest.raises(Rejected, match="still being computed"):
+        t.push(IDS[0], 0, 1, b"x", "float32", now=0)
+    with pytest.raises(InvalidTransition, match="computed is not allowed in state stepping"):
+        t.computed(s, s.step, None, None, 0.0)
+    assert s.state is State.STEPPING
+    # everything a live session can do, and nothing leaves CLOSED
+    for state in State:
+        if state is not State.CLOSED:
+            assert TRANSITIONS[state, Event.CLOSE] is State.CLOSED
+            assert TRANSITIONS[state, Event.RECEIPT] is state and TRANSITIONS[state, Event.LINK] is state
+    assert {after for (before, _), after in TRANSITIONS.items() if before is State.CLOSED} == {State.CLOSED}
+    assert {state for state, event in TRANSITIONS if event is Event.EXPIRE} == {State.READY, State.SPECULATED}
+
+
+def test_a_pushed_step_confirmed_mismatched_or_discarded():
+    from compushare.pipeline.server.session import RollBack, State, UsePushed, Wait
+
+    t = table()
+    s = t.open(IDS[0], 0, 1, 20, now=0, owner="consumer")
+    with pytest.raises(Rejected, match="takes no pushes"):
+        t.check_pusher(s, "upstream")
+    assert code_of(t.link, s, "stranger", "upstream", None, pushes=True) == "bad_request"
+    assert code_of(t.link, s, "consumer", "upstream", None, pushes=False) == "bad_request"
+    t.link(s, "consumer", "upstream", None, pushes=True)
+    t.check_pusher(s, "upstream")
+    step = t.push(IDS[0], 0, 2, b"ab", "float32", now=1)
+    assert s.state is State.SPECULATING and s.step is step and s.in_step
+    assert t.settle(s, 0, b"ab", "float32", 1, now=2) == Wait(step)
+    assert t.expire(now=1e9) == []  # being computed: never expires
+    t.computed(s, step, "output", "encoded", 0.5)
+    assert s.state is State.SPECULATED and s.last_used == 1  # idle since the push
+    decision = t.settle(s, 0, b"ab", "float32", 1, now=3)
+    assert decision == UsePushed(step) and decision.step.output == "output"
+    assert (s.state, s.length, s.step, t.tokens_served, t.speculation_hits) == (State.READY, 2, None, 2, 1)
+    assert (s.unreceipted_tokens, s.unreceipted_ms) == (2, 500.0)
+    # another input, dtype or chunking: rolled back, counted as a miss, the length unchanged
+    for data, dtype, chunks in [(b"xx", "float32", 1), (b"cd", "float16", 1), (b"cd", "float32", 2)]:
+        t.computed(s, t.push(IDS[0], 2, 2, b"cd", "float32", now=4), None, None, 0.1)
+        assert t.settle(s, 2, data, dtype, chunks, now=5) == RollBack(2)
+        assert (s.state, s.length, s.step) == (State.READY, 2, None)
+    assert (t.speculation_hits, t.speculation_misses, t.tokens_served) == (1, 3, 2)
+    # a truncate discards a computed one first (not a miss), and waits for one being computed
+    pending = t.push(IDS[0], 2, 1, b"e", "float32", now=6)
+    assert t.discard(s, now=6) == Wait(pending)
+    t.failed(s, pending, now=7)  # its compute failed: rolled back by the driver
+    assert (s.state, s.step, s.last_used) == (State.READY, None, 7)
+    assert t.discard(s, now=7) is None
+    t.computed(s, t.push(IDS[0], 2, 1, b"e", "float32", now=8), None, None, 0.1)
+    assert code_of(t.truncate, IDS[0], 1, 8) == "out_of_order"  # not past a step waiting to be confirmed
+    assert t.discard(s, now=9) == RollBack(2) and s.state is State.READY
+    assert t.truncate(IDS[0], 1, now=9).length == 1 and t.speculation_misses == 3
+
+
+def test_work_begun_before_a_close_still_ends():
+    from compushare.pipeline.server.session import State
+
+    t = table()
+    s = t.open(IDS[0], 0, 1, 20, now=0)
+    t.begin_step(IDS[0], 0, 3, now=0)
+    assert t.close(IDS[0]) is s and s.state is State.CLOSED
+    t.end_step(s, 3, now=1, ok=True)  # its reply still goes out, and it was served
+    assert s.state is State.CLOSED and t.tokens_served == 3
+    t.receipted(s)  # a receipt kept while it closed is still countersigned
+    assert code_of(t.begin_step, IDS[0], 3, 1, 2) == "unknown_session"
+    u = t.open(IDS[1], 0, 1, 20, now=0, owner="c")
+    t.link(u, "c", "up", None, pushes=True)
+    step = t.push(IDS[1], 0, 1, b"x", "float32", now=0)
+    assert t.drop_all() == 1 and len(t) == 0 and t.reserved_tokens == 0
+    t.computed(u, step, None, None, 0.0)
+    assert u.state is State.CLOSED
+
+
+@dataclasses.dataclass
+class Held:
+    max_tokens: int
+    owner: str
+    last_used: float
+    length: int = 0
+    state: str = "ready"
+    step: tuple | None = None  # (position, tokens, pushed data or None, dtype)
+    upstream: str | None = None
+    receipt_seq: int = 0
+    unreceipted: int = 0
+    provable: bool = True
+
+
+OWNERS, DATA = ["alice", "bob"], [b"aa", b"bb"]
+
+
+class CoreMachine(RuleBasedStateMachine):
+    """Random sequences of every event the driver reports, against a simple model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = table(max_sessions=3, max_sessions_per_peer=2)
+        self.model: dict[bytes, Held] = {}
+        self.closed_in_flight: list[tuple[object, object]] = []  # (session, step) closed mid-compute
+        self.now = 0.0
+        self.served = self.hits = self.misses = 0
+
+    def session(self, sid):
+        return self.table.get(sid)
+
+    def begin_expected(self, held: Held | None, position: int, tokens: int) -> str | None:
+        if held is None:
+            return "unknown_session"
+        if held.state != "ready" or position != held.length:
+            return "out_of_order"
+        if not 1 <= tokens <= MAX_STEP or held.length + tokens > held.max_tokens:
+            return "too_long"
+        return None
+
+    @initialize(max_tokens=st.integers(6, 16))
+    def two_linked_sessions(self, max_tokens):
+        for sid, owner in zip(IDS[:2], OWNERS):
+            self.open(sid, max_tokens, owner, linked=True)
+
+    @rule(dt=st.floats(min_value=0, max_value=6), expire=st.booleans())
+    def time_passes(self, dt, expire):
+        self.now += dt
+        if expire:
+            self.expire()
+
+    @rule(sid=st.sampled_from(IDS), max_tokens=st.one_of(st.integers(6, 12), st.integers(0, MAX_SESSION + 1)),
+          owner=st.sampled_from(OWNERS), linked=st.booleans())
+    def open(self, sid, max_tokens, owner, linked):
+        reserved = sum(h.max_tokens for h in self.model.values())
+        if sid in self.model:
+            expected = "session_exists"
+        elif len(self.model) >= 3 or sum(h.owner == owner for h in self.model.values()) >= 2:
+            expected = "busy"
+        elif not 1 <= max_tokens <= MAX_SESSION:
+            expected = "too_long"
+        elif max_tokens > BUDGET - reserved:
+            expected = "busy"
+        else:
+            expected = None
+        assert code_of(self.table.open, sid, 0, 1, max_tokens, self.now, owner=owner) == expected
+        if expected is None:
+            self.model[sid] = Held(max_tokens, owner, self.now)
+            if linked:  # the consumer links it at once, as it does
+                self.table.link(self.table.get(sid), owner, "up", None, pushes=True)
+                self.model[sid].upstream = "up"
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), stranger=st.booleans(), upstream=st.sampled_from([None, "up", "up", "other"]))
+    def link(self, data, stranger, upstream):
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        held = self.model[sid]
+        peer = "mallory" if stranger else held.owner
+        got = code_of(self.table.link, self.session(sid), peer, upstream, None, pushes=True)
+        assert got == ("bad_request" if stranger else None)
+        if got is None:
+            held.upstream = upstream
+
+    @rule(sid=st.sampled_from(IDS))
+    def step_of_an_unknown_session(self, sid):
+        if sid not in self.model:
+            assert code_of(self.table.get, sid) == "unknown_session"
+            assert code_of(self.table.begin_step, sid, 0, 1, self.now) == "unknown_session"
+            assert code_of(self.table.push, sid, 0, 1, b"x", "float32", self.now) == "unknown_session"
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.data(), tokens=st.one_of(st.integers(1, 3), st.integers(0, MAX_STEP + 1)),
+          offset=st.sampled_from([0, 0, 0, -1, 1]),
+          same=st.booleans(), data=st.sampled_from(DATA), dtype=st.sampled_from(["float32", "float16"]),
+          chunks=st.sampled_from([1, 1, 2]))
+    def consumer_step(self, pick, tokens, offset, same, data, dtype, chunks):
+        self.step_on(pick.draw(st.sampled_from(sorted(self.model))), tokens, offset, same, data, dtype, chunks)
+
+    @precondition(lambda self: any(h.state == "speculated" for h in self.model.values()))
+    @rule(pick=st.data(), same=st.booleans(), data=st.sampled_from(DATA), dtype=st.sampled_from(["float32", "float16"]),
+          chunks=st.sampled_from([1, 1, 2]))
+    def consumer_step_after_a_push(self, pick, same, data, dtype, chunks):
+        sid = pick.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "speculated")))
+        self.step_on(sid, self.model[sid].step[1], 0, same, data, dtype, chunks)
+
+    def step_on(self, sid, tokens, offset, same, data, dtype, chunks):
+        """What the driver does with a consumer's step: settle any pushed step, then begin its own."""
+        held = self.model[sid]
+        session = self.session(sid)
+        if same and held.step is not None and held.step[2] is not None:  # the pushed input, as pushed
+            offset, tokens, data, dtype, chunks = held.step[0] - held.length, held.step[1], held.step[2], \
+                held.step[3], 1
+        position = held.length + offset
+        before = held.length
+        decision = self.table.settle(session, position, data, dtype, chunks, self.now)
+        kind = type(decision).__name__ if decision is not None else None
+        if held.state == "speculating":
+            assert kind == "Wait" and decision.step is session.step
+            return
+        if held.state == "speculated":
+            pos, n, pushed, pushed_dtype = held.step
+            if (position, data, dtype, chunks) == (pos, pushed, pushed_dtype, 1):
+                assert kind == "UsePushed" and decision.step.tokens == n
+                held.length += n
+                held.unreceipted += n
+                self.served += n
+                self.hits += 1
+                held.state, held.step, held.last_used = "ready", None, self.now
+                return
+            assert kind == "RollBack" and decision.position == pos
+            assert session.length == before  # a rolled-back pushed step leaves the length as it was
+            self.misses += 1
+            held.state, held.step, held.last_used = "ready", None, self.now
+        else:
+            assert decision is None
+        expected = self.begin_expected(held, position, tokens)
+        snapshot = (session.length, session.state, session.last_used)
+        assert code_of(self.table.begin_step, sid, position, tokens, self.now) == expected
+        if expected is None:
+            held.state, held.step, held.last_used = "stepping", (position, tokens, None, None), self.now
+        else:  # a refused step touches nothing
+            assert (session.length, session.state, session.last_used) == snapshot
+
+    @precondition(lambda self: any(h.state == "stepping" for h in self.model.values()))
+    @rule(data=st.data(), ok=st.booleans(), seconds=st.floats(0, 2))
+    def step_ends(self, data, ok, seconds):
+        sid = data.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "stepping")))
+        held = self.model[sid]
+        _, tokens, _, _ = held.step
+        self.table.end_step(self.session(sid), tokens, self.now, ok=ok, seconds=seconds, data=b"in")
+        if ok:
+            held.length += tokens
+            held.unreceipted += tokens
+            self.served += tokens
+        held.state, held.step, held.last_used = "ready", None, self.now
+
+    @precondition(lambda self: self.model)
+    @rule(pick=st.data(), peer=st.sampled_from(["up", "up", "up", "other"]),
+          tokens=st.one_of(st.integers(1, 3), st.integers(0, MAX_STEP + 1)),
+          offset=st.sampled_from([0, 0, 1]), data=st.sampled_from(DATA), dtype=st.sampled_from(["float32", "float16"]))
+    def push(self, pick, peer, tokens, offset, data, dtype):
+        sid = pick.draw(st.sampled_from(sorted(self.model)))
+        held = self.model[sid]
+        session = self.session(sid)
+        if held.upstream is None or held.upstream != peer:
+            assert code_of(self.table.check_pusher, session, peer) == "bad_request"
+            return
+        self.table.check_pusher(session, peer)
+        position = held.length + offset
+        expected = self.begin_expected(held, position, tokens)
+        assert code_of(self.table.push, sid, position, tokens, data, dtype, self.now) == expected
+        if expected is None:
+            held.state, held.step, held.last_used = "speculating", (position, tokens, data, dtype), self.now
+
+    @precondition(lambda self: any(h.state == "speculating" for h in self.model.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def pushed_step_ends(self, data, ok):
+        sid = data.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "speculating")))
+        held, session = self.model[sid], self.session(sid)
+        if ok:
+            self.table.computed(session, session.step, "out", "wire", 0.25)
+            held.state = "speculated"  # idle time runs from the push
+        else:
+            self.table.failed(session, session.step, self.now)
+            held.state, held.step, held.last_used = "ready", None, self.now
+
+    @rule(sid=st.sampled_from(IDS), position=st.integers(-1, MAX_SESSION + 1))
+    def truncate(self, sid, position):
+        """What the driver does with a truncate: discard a computed pushed step, then truncate."""
+        held = self.model.get(sid)
+        if held is None:
+            assert code_of(self.table.truncate, sid, position, self.now) == "unknown_session"
+            return
+        session = self.session(sid)
+        decision = self.table.discard(session, self.now)
+        if held.state == "speculating":
+            assert type(decision).__name__ == "Wait"
+            return
+        if held.state == "speculated":
+            assert type(decision).__name__ == "RollBack" and decision.position == held.step[0]
+            held.state, held.step, held.last_used = "ready", None, self.now
+        else:
+            assert decision is None
+        if held.state != "ready" or not 0 <= position <= held.length:
+            expected = "out_of_order"
+        else:
+            expected = None
+        assert code_of(self.table.truncate, sid, position, self.now) == expected
+        if expected is None:
+            held.provable = held.provable and position == held.length
+            held.length, held.last_used = position, self.now
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def receipt(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        self.table.receipted(self.session(sid))
+        held = self.model[sid]
+        held.receipt_seq, held.unreceipted = held.receipt_seq + 1, 0
+
+    @rule(sid=st.sampled_from(IDS))
+    def close(self, sid):
+        held = self.model.pop(sid, None)
+        session = self.table.get(sid) if held is not None else None
+        assert (self.table.close(sid) is session) and (session is None) == (held is None)
+        if held is not None and held.state in ("stepping", "speculating"):
+            self.closed_in_flight.append((session, session.step))
+
+    @precondition(lambda self: self.closed_in_flight)
+    @rule(ok=st.booleans())
+    def late_end(self, ok):
+        from compushare.pipeline.server.session import State
+
+        session, step = self.closed_in_flight.pop()
+        if step.pushed is not None:
+            (self.table.computed(session, step, None, None, 0.0) if ok else self.table.failed(session, step, self.now))
+        else:
+            self.table.end_step(session, step.tokens, self.now, ok=ok)
+            self.served += step.tokens if ok else 0
+        assert session.state is State.CLOSED
+
+    def expire(self):
+        expected = {s for s, h in self.model.items()
+                    if h.state in ("ready", "speculated") and self.now - h.last_used > IDLE}
+        assert {s.session_id for s in self.table.expire(self.now)} == expected
+        for sid in expected:
+            del self.model[sid]
+
+    @invariant()
+    def matches_model(self):
+        assert len(self.table) == len(self.model)
+        assert self.table.reserved_tokens == sum(h.max_tokens for h in self.model.values()) <= BUDGET
+        assert (self.table.tokens_served, self.table.speculation_hits, self.table.speculation_misses) == (
+            self.served, self.hits, self.misses)
+        for sid, held in self.model.items():
+            s = self.table.get(sid)
+            assert s.state.value == held.state and s.in_step == (held.state != "ready")
+            assert 0 <= s.length == held.length <= s.max_tokens
+            step = None if s.step is None else (s.step.position, s.step.tokens, s.step.pushed, s.step.dtype)
+            assert step == held.step
+            assert (s.last_used, s.upstream, s.receipt_seq, s.unreceipted_tokens) == (
+                held.last_used, held.upstream, held.receipt_seq, held.unreceipted)
+            assert (s.digest is not None) == held.provable
+
+
+CoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestSessionCore = CoreMachine.TestCase

@@ -1,1 +1,29 @@
-"""compushare.pipeline.server"""
+"""The provider side: serving a span of a model's blocks over /compushare/infer.
+
+  session.py      pure core: each session's state machine (one TRANSITIONS table), admission by KV budget
+  receipts.py     pure: the audit a consumer's receipt passes before this server countersigns it
+  inference.py    InferenceServer, the thin trio driver: limits, decoded requests to the core, replies
+  streams.py      an infer stream: frames in order, one reply each, idle and oversized streams closed
+  compute.py      where a step's forward runs (worker thread or event loop) and the load it measures
+  speculation.py  trio glue of pushes: pushed steps computed in the background, outputs pushed on
+  push.py         the outbound push streams to downstream servers (one per server, dialled lazily)
+  provider.py     the node's provider: which span it serves, loading and moving between spans
+  placement.py    pure: which span of blocks the swarm needs this server to hold
+  announce.py     keeps this provider's DHT server record and provider records fresh
+
+Where what comes next plugs in (each a new state, event or module, not a rewrite):
+- Per-peer fair shares of KV and compute: admission stays in SessionTable.open (a share
+  per owner beside the per-peer caps); a scheduler takes the place of the direct call
+  to Compute.run in InferenceServer._run, ordering begun steps decode-first and
+  splitting a prefill's chunks (`StepRequest.sizes`) into slices the core sees as one step.
+- Encrypted per-layer round trips: a session mode fixed at OPEN, with states of its own
+  (awaiting the consumer's layer reply) between STEP and DONE, and request types in
+  messages.py; the session's digest and proofs follow the mode.
+- Direct return and speculative decoding: a consumer's rollback to a position is
+  TRUNCATE (READY only, after DISCARD); drafting several positions is a pushed step of
+  many tokens settled against the consumer's, as CONFIRM / MISMATCH do now.
+- Relayed hops: a transport matter (push.py dials, streams.py serves); the core sees
+  the same events whoever carried them.
+- Weight formats: SpanRunner's business (model/); the driver only swaps runners
+  (replace_runner, which CLOSEs every session by drop_all).
+"""

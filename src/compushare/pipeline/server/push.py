@@ -14,83 +14,24 @@ between hops), as in Petals' server-to-server pushes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
-import multiaddr
-import torch
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
+from ...net.dial import peer_info
 from ...net.framing import FramedStream
 from .. import protocol
-from .session import Rejected
+from ..messages import Downstream, PushRequest, WireTensor
 
 log = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 5.0
 REDIAL_S = 5.0  # a downstream that could not be dialled is tried again after this
 PUSH_MAX_BYTES = 1 << 20  # bigger outputs (a long prefill) are not pushed: the consumer's copy is as fast
-MAX_ADDRS = 8
-MAX_ADDR_CHARS = 256
 MAX_PUSH_PEERS = 64
 PUSH_MAX_FRAME = 1 << 16  # what comes back on a push stream: error replies only
-
-
-@dataclasses.dataclass(frozen=True)
-class Downstream:
-    """Where a session's outputs go: the next hop's server and its session."""
-
-    peer: str
-    addrs: tuple[str, ...]
-    session: bytes
-
-    def to_wire(self) -> dict:
-        return {"peer": self.peer, "addrs": list(self.addrs), "session": self.session}
-
-
-def parse_peer(value: object, name: str) -> str:
-    if not isinstance(value, str) or len(value) > 128:
-        raise Rejected(protocol.BAD_REQUEST, f"{name!r} must be a peer id")
-    try:
-        ID.from_base58(value)
-    except Exception:
-        raise Rejected(protocol.BAD_REQUEST, f"{name!r} is not a valid peer id") from None
-    return value
-
-
-def parse_downstream(value: object) -> Downstream | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise Rejected(protocol.BAD_REQUEST, "'downstream' must be a map or nil")
-    peer = parse_peer(value.get("peer"), "downstream.peer")
-    addrs, session = value.get("addrs"), value.get("session")
-    if (not isinstance(addrs, list) or len(addrs) > MAX_ADDRS
-            or not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in addrs)):
-        raise Rejected(protocol.BAD_REQUEST, f"'downstream.addrs' must be at most {MAX_ADDRS} multiaddr strings")
-    if not isinstance(session, bytes) or len(session) != protocol.SESSION_ID_BYTES:
-        raise Rejected(protocol.BAD_REQUEST, f"'downstream.session' must be {protocol.SESSION_ID_BYTES} bytes")
-    return Downstream(peer, tuple(addrs), session)
-
-
-class Speculation:
-    """A step computed from a push, waiting for the consumer's copy of its input."""
-
-    def __init__(self, runner, position: int, tokens: int, data: bytes, dtype: str) -> None:
-        self.runner = runner  # the span it ran on (a move to another span swaps the server's)
-        self.position, self.tokens, self.data, self.dtype = position, tokens, data, dtype
-        self.done = trio.Event()
-        self.output: torch.Tensor | None = None
-        self.encoded: dict | None = None  # output on the wire, in the pushed dtype
-        self.seconds = 0.0
-        self.finished = False  # computed (or failed): the session may expire while it waits
-
-    def matches(self, position: int, data: bytes, dtype: str, chunks: list[int]) -> bool:
-        return (self.output is not None and position == self.position and len(chunks) == 1
-                and dtype == self.dtype and data == self.data)
 
 
 class _Link:
@@ -141,13 +82,13 @@ class PushLinks:
         self._dialling.add(peer)
         self.nursery.start_soon(self._dial, target)
 
-    def push(self, target: Downstream, position: int, hidden_wire: dict) -> bool:
+    def push(self, target: Downstream, position: int, hidden: WireTensor) -> bool:
         """Queue one push (never blocks); False when it cannot go now."""
         link = self._links.get(target.peer)
         if link is None:
             self.ensure(target)  # a dropped stream is dialled again, at most every REDIAL_S
             return False
-        message = {"type": "push", "session": target.session, "position": position, "hidden": hidden_wire}
+        message = PushRequest(target.session, position, hidden).to_wire()
         try:
             link.send.send_nowait(message)
         except trio.WouldBlock:  # the previous push is still being written
@@ -182,14 +123,7 @@ class PushLinks:
                 with contextlib.suppress(Exception):  # PeerStoreError: never heard of it
                     known = self.host.get_peerstore().addrs(peer_id)
                 if not known:
-                    addrs = []
-                    for text in target.addrs:
-                        with contextlib.suppress(Exception):
-                            addr = multiaddr.Multiaddr(text)
-                            with contextlib.suppress(Exception):
-                                addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer}"))
-                            addrs.append(addr)
-                    await self.host.connect(PeerInfo(peer_id, addrs))
+                    await self.host.connect(peer_info(peer_id, target.addrs))
                 stream = await self.host.new_stream(peer_id, [protocol.INFER_PROTOCOL])
         except Exception as exc:  # a push is only ever a saving: the chain works without it
             log.debug("cannot open a push stream to %s: %s", peer, str(exc) or type(exc).__name__)

@@ -1,4 +1,10 @@
-"""The server's session table: pure state, no I/O, no torch.
+"""A server's sessions as a state machine: pure, no I/O, no trio, no torch, no libp2p.
+
+The driver (inference.py) tells the table what happened (a step begun, a compute
+ended, a push taken, a truncate asked for...); the table checks that it may happen
+in the session's state, changes the state by the one TRANSITIONS table, keeps the
+books (length, KV reservation, receipts, counters) and says what the driver must
+do about the KV cache (`RollBack`) or a pushed step (`Wait`, `UsePushed`).
 
 Every step names the position of its first token; it must equal the number of
 tokens the session already holds, so a stale, repeated or skipped frame is
@@ -9,9 +15,14 @@ operation (`truncate`), never a side effect of a step.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import TYPE_CHECKING
 
 from .. import protocol
 from ...proofs import InputDigest
+
+if TYPE_CHECKING:
+    from ..messages import Downstream
 
 
 class Rejected(Exception):
@@ -23,7 +34,99 @@ class Rejected(Exception):
         self.message = message
 
 
-@dataclasses.dataclass
+class InvalidTransition(RuntimeError):
+    """The driver reported an event the session's state does not allow: a bug, not a peer's doing."""
+
+
+class State(enum.Enum):
+    READY = "ready"  # open, no step in flight
+    STEPPING = "stepping"  # a consumer's step is being computed
+    SPECULATING = "speculating"  # a step begun from the upstream server's push is being computed
+    SPECULATED = "speculated"  # that step is computed; it waits for the consumer's copy of its input
+    CLOSED = "closed"  # closed, expired or dropped with its span; work begun before still ends here
+
+
+class Event(enum.Enum):
+    STEP = "step"  # the consumer's step begins
+    DONE = "done"  # its compute ended
+    FAILED = "failed"  # a compute (the consumer's or a pushed step's) failed: rolled back
+    PUSH = "push"  # a push begins a step
+    COMPUTED = "computed"  # the pushed step's compute ended
+    CONFIRM = "confirm"  # the consumer's step carries the pushed input: the pushed step is its answer
+    MISMATCH = "mismatch"  # it carries another: the pushed step is rolled back
+    DISCARD = "discard"  # a truncate rolls the pushed step back first
+    TRUNCATE = "truncate"
+    RECEIPT = "receipt"
+    LINK = "link"
+    CLOSE = "close"
+    EXPIRE = "expire"  # idle longer than the timeout
+
+
+S, E = State, Event
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (S.READY, E.STEP): S.STEPPING,
+    (S.READY, E.PUSH): S.SPECULATING,
+    (S.READY, E.TRUNCATE): S.READY,
+    (S.READY, E.RECEIPT): S.READY,
+    (S.READY, E.LINK): S.READY,
+    (S.READY, E.CLOSE): S.CLOSED,
+    (S.READY, E.EXPIRE): S.CLOSED,
+
+    (S.STEPPING, E.DONE): S.READY,
+    (S.STEPPING, E.FAILED): S.READY,
+    (S.STEPPING, E.RECEIPT): S.STEPPING,
+    (S.STEPPING, E.LINK): S.STEPPING,
+    (S.STEPPING, E.CLOSE): S.CLOSED,
+
+    (S.SPECULATING, E.COMPUTED): S.SPECULATED,
+    (S.SPECULATING, E.FAILED): S.READY,
+    (S.SPECULATING, E.RECEIPT): S.SPECULATING,
+    (S.SPECULATING, E.LINK): S.SPECULATING,
+    (S.SPECULATING, E.CLOSE): S.CLOSED,
+
+    (S.SPECULATED, E.CONFIRM): S.READY,
+    (S.SPECULATED, E.MISMATCH): S.READY,
+    (S.SPECULATED, E.DISCARD): S.READY,
+    (S.SPECULATED, E.RECEIPT): S.SPECULATED,
+    (S.SPECULATED, E.LINK): S.SPECULATED,
+    (S.SPECULATED, E.CLOSE): S.CLOSED,
+    (S.SPECULATED, E.EXPIRE): S.CLOSED,  # a pushed step its consumer never confirmed does not hold a session
+
+    # Work begun before its session closed still ends (its reply still goes out).
+    (S.CLOSED, E.DONE): S.CLOSED,
+    (S.CLOSED, E.FAILED): S.CLOSED,
+    (S.CLOSED, E.COMPUTED): S.CLOSED,
+    (S.CLOSED, E.RECEIPT): S.CLOSED,
+}
+
+# What a peer is told when its request's event is not allowed in the session's state.
+_BUSY_STEP = (protocol.OUT_OF_ORDER, "a step of this session is still being computed")
+_GONE = (protocol.UNKNOWN_SESSION, "no such session (never opened, closed or expired)")
+REFUSALS: dict[Event, tuple[str, str]] = {
+    E.STEP: _BUSY_STEP,
+    E.PUSH: _BUSY_STEP,
+    E.TRUNCATE: (protocol.OUT_OF_ORDER, "cannot truncate during a step"),
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """The one step a session has in flight, or computed from a push and waiting."""
+
+    position: int
+    tokens: int
+    pushed: bytes | None = None  # a pushed step's input bytes (None: the consumer's own step)
+    dtype: str | None = None  # ... and their wire dtype
+    output: object = None  # a pushed step's output once computed (the driver's tensor)
+    encoded: object = None  # ... on the wire, in the pushed dtype
+    seconds: float = 0.0  # ... and its compute time
+
+    def matches(self, position: int, data: bytes, dtype: str, chunks: int) -> bool:
+        """Whether a consumer's step carries this pushed step's very input."""
+        return position == self.position and chunks == 1 and dtype == self.dtype and data == self.pushed
+
+
+@dataclasses.dataclass(eq=False)
 class Session:
     session_id: bytes
     start: int
@@ -31,7 +134,8 @@ class Session:
     max_tokens: int
     last_used: float
     length: int = 0
-    in_step: bool = False
+    state: State = State.READY
+    step: Step | None = None
     cache: object = None  # the KV cache; opaque here
     owner: str = ""  # the peer that opened it
     digest: InputDigest | None = dataclasses.field(default_factory=InputDigest)  # every input, in order
@@ -39,11 +143,35 @@ class Session:
     receipt_seq: int = 0
     unreceipted_tokens: int = 0
     unreceipted_ms: float = 0.0
-    # Pushes (pipeline/push.py): who may push inputs here, where outputs are pushed,
-    # and a step computed from a push that awaits the consumer's copy of its input.
+    # Pushes: who may push inputs here, and where outputs are pushed.
     upstream: str | None = None
-    downstream: object = None
-    speculation: object = None
+    downstream: Downstream | None = None
+
+    @property
+    def in_step(self) -> bool:
+        return self.step is not None
+
+
+# What the driver does about a consumer's step meeting a pushed one (`SessionTable.settle`).
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A pushed step is being computed: wait until `step` is computed or failed, then settle again."""
+
+    step: Step
+
+
+@dataclasses.dataclass(frozen=True)
+class UsePushed:
+    """The pushed step was the consumer's: its output is the reply (the step has ended)."""
+
+    step: Step
+
+
+@dataclasses.dataclass(frozen=True)
+class RollBack:
+    """Truncate the session's KV cache to `position` (a pushed step was rolled back)."""
+
+    position: int
 
 
 class SessionTable:
@@ -56,6 +184,9 @@ class SessionTable:
         self.max_step_tokens = max_step_tokens
         self.idle_timeout_s = idle_timeout_s
         self._sessions: dict[bytes, Session] = {}
+        self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
+        self.speculation_hits = 0  # pushed steps the consumer confirmed
+        self.speculation_misses = 0  # pushed steps rolled back for the consumer's other input
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -70,6 +201,26 @@ class SessionTable:
     @property
     def free_tokens(self) -> int:
         return self.budget_tokens - self.reserved_tokens
+
+    # -- transitions ---------------------------------------------------------------------
+
+    @staticmethod
+    def _check(session: Session, event: Event) -> State:
+        """The state `event` takes the session to; Rejected (a peer's request) or
+        InvalidTransition (the driver's report) when its state does not allow it."""
+        after = TRANSITIONS.get((session.state, event))
+        if after is None:
+            if session.state is State.CLOSED:
+                raise Rejected(*_GONE)
+            if event in REFUSALS:
+                raise Rejected(*REFUSALS[event])
+            raise InvalidTransition(f"{event.value} is not allowed in state {session.state.value}")
+        return after
+
+    def _fire(self, session: Session, event: Event) -> None:
+        session.state = self._check(session, event)
+
+    # -- requests --------------------------------------------------------------------------
 
     def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float,
              owner: str = "") -> Session:
@@ -93,13 +244,13 @@ class SessionTable:
     def get(self, session_id: bytes) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            raise Rejected(protocol.UNKNOWN_SESSION, "no such session (never opened, closed or expired)")
+            raise Rejected(*_GONE)
         return session
 
-    def begin_step(self, session_id: bytes, position: int, tokens: int, now: float) -> Session:
+    def _begin(self, session_id: bytes, event: Event, position: int, tokens: int, now: float,
+               **pushed) -> Session:
         session = self.get(session_id)
-        if session.in_step:
-            raise Rejected(protocol.OUT_OF_ORDER, "a step of this session is still being computed")
+        self._check(session, event)
         if position != session.length:
             raise Rejected(
                 protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens"
@@ -110,22 +261,43 @@ class SessionTable:
             raise Rejected(
                 protocol.TOO_LONG, f"{session.length}+{tokens} tokens exceed the session's {session.max_tokens}"
             )
-        session.in_step = True
+        self._fire(session, event)
+        session.step = Step(position, tokens, **pushed)
         session.last_used = now
         return session
 
-    def end_step(self, session: Session, tokens: int, now: float, *, ok: bool) -> None:
-        session.in_step = False
+    def begin_step(self, session_id: bytes, position: int, tokens: int, now: float) -> Session:
+        """The consumer's step begins (STEP)."""
+        return self._begin(session_id, Event.STEP, position, tokens, now)
+
+    def end_step(self, session: Session, tokens: int, now: float, *, ok: bool, seconds: float = 0.0,
+                 data: bytes | None = None) -> None:
+        """The consumer's step ended (DONE: `data` is its input, for the running
+        digest), or a compute failed and its cache was rolled back (FAILED)."""
+        if session.step is None or session.step.tokens != tokens:
+            raise InvalidTransition(f"no step of {tokens} tokens in flight")
+        self._fire(session, Event.DONE if ok else Event.FAILED)
+        session.step = None
         session.last_used = now
         if ok:
-            session.length += tokens
+            self._ran(session, tokens, seconds, data)
+
+    def _ran(self, session: Session, tokens: int, seconds: float, data: bytes | None) -> None:
+        session.length += tokens
+        session.unreceipted_tokens += tokens
+        session.unreceipted_ms += seconds * 1000
+        self.tokens_served += tokens
+        if session.digest is not None and data is not None:
+            session.digest.update(data)
 
     def truncate(self, session_id: bytes, position: int, now: float) -> Session:
+        """TRUNCATE: the cache keeps its first `position` tokens (a pushed step waiting
+        must be discarded first)."""
         session = self.get(session_id)
-        if session.in_step:
-            raise Rejected(protocol.OUT_OF_ORDER, "cannot truncate during a step")
+        self._check(session, Event.TRUNCATE)
         if not (0 <= position <= session.length):
             raise Rejected(protocol.OUT_OF_ORDER, f"cannot truncate to {position}: holds {session.length}")
+        self._fire(session, Event.TRUNCATE)
         if position != session.length:
             # The running digest cannot be rewound: steps after a rollback are not provable.
             session.digest = None
@@ -133,16 +305,108 @@ class SessionTable:
         session.last_used = now
         return session
 
+    def link(self, session: Session, peer: str, upstream: str | None, downstream: Downstream | None, *,
+             pushes: bool) -> None:
+        """LINK: the session's neighbours in its consumer's chain (`pushes`: whether
+        this server takes part in pushes at all)."""
+        if peer != session.owner:
+            raise Rejected(protocol.BAD_REQUEST, "only the consumer that opened a session may link it")
+        if not pushes:
+            raise Rejected(protocol.BAD_REQUEST, "this server does not take part in pushes")
+        self._fire(session, Event.LINK)
+        session.upstream, session.downstream = upstream, downstream
+
+    def receipted(self, session: Session) -> None:
+        """RECEIPT: the consumer's receipt for the steps since the last one is countersigned."""
+        self._fire(session, Event.RECEIPT)
+        session.receipt_seq += 1
+        session.unreceipted_tokens, session.unreceipted_ms = 0, 0.0
+
     def close(self, session_id: bytes) -> Session | None:
-        return self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._fire(session, Event.CLOSE)
+        return session
+
+    def drop_all(self) -> int:
+        """CLOSE every session (their caches belong to a span this server no longer serves)."""
+        dropped = list(self._sessions)
+        for session_id in dropped:
+            self.close(session_id)
+        return len(dropped)
 
     def expire(self, now: float) -> list[Session]:
-        """Drop sessions idle for longer than the timeout (never one mid-step; a step
+        """EXPIRE sessions idle for longer than the timeout (never one mid-step; a step
         computed from a push that its consumer never confirmed does not count)."""
-        idle = [
-            s for s in self._sessions.values()
-            if (not s.in_step or getattr(s.speculation, "finished", False)) and now - s.last_used > self.idle_timeout_s
-        ]
+        idle = [s for s in self._sessions.values()
+                if (s.state, Event.EXPIRE) in TRANSITIONS and now - s.last_used > self.idle_timeout_s]
         for session in idle:
             del self._sessions[session.session_id]
+            self._fire(session, Event.EXPIRE)
         return idle
+
+    # -- pushes ------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_pusher(session: Session, peer: str) -> None:
+        if session.upstream is None or peer != session.upstream:
+            raise Rejected(protocol.BAD_REQUEST, "this session takes no pushes from this peer")
+
+    def push(self, session_id: bytes, position: int, tokens: int, data: bytes, dtype: str, now: float) -> Step:
+        """PUSH: a step begins from the upstream server's output, before the consumer's
+        copy of it arrives."""
+        return self._begin(session_id, Event.PUSH, position, tokens, now, pushed=data, dtype=dtype).step
+
+    def computed(self, session: Session, step: Step, output: object, encoded: object, seconds: float) -> None:
+        """COMPUTED: the pushed step's output waits for the consumer's step (the
+        session's idle time runs from the push)."""
+        if session.state is not State.CLOSED and session.step is not step:
+            raise InvalidTransition("that pushed step is not the session's")
+        self._fire(session, Event.COMPUTED)
+        step.output, step.encoded, step.seconds = output, encoded, seconds
+
+    def failed(self, session: Session, step: Step, now: float) -> None:
+        """FAILED: a compute failed (its cache is rolled back to the step's position)."""
+        if session.state is not State.CLOSED and session.step is not step:
+            raise InvalidTransition("that step is not the session's")
+        self._fire(session, Event.FAILED)
+        if session.step is step:
+            session.step = None
+        session.last_used = now
+
+    def settle(self, session: Session, position: int, data: bytes, dtype: str, chunks: int,
+               now: float) -> Wait | UsePushed | RollBack | None:
+        """The consumer's step (its input's bytes, dtype and number of chunks) meets a
+        pushed step: Wait for one being computed; CONFIRM one computed from the very
+        same input (UsePushed: it is the reply, and the step has ended); otherwise
+        MISMATCH (RollBack its cache). None: no pushed step, begin the consumer's."""
+        step = session.step
+        if session.state is State.SPECULATING:
+            return Wait(step)
+        if session.state is not State.SPECULATED:
+            return None
+        if step.matches(position, data, dtype, chunks):
+            self._fire(session, Event.CONFIRM)
+            session.step = None
+            session.last_used = now
+            self.speculation_hits += 1
+            self._ran(session, step.tokens, step.seconds, data)
+            return UsePushed(step)
+        self._fire(session, Event.MISMATCH)
+        session.step = None
+        session.last_used = now
+        self.speculation_misses += 1
+        return RollBack(step.position)
+
+    def discard(self, session: Session, now: float) -> Wait | RollBack | None:
+        """DISCARD a computed pushed step before a truncate (RollBack its cache); Wait
+        for one being computed; None if there is none."""
+        step = session.step
+        if session.state is State.SPECULATING:
+            return Wait(step)
+        if session.state is not State.SPECULATED:
+            return None
+        self._fire(session, Event.DISCARD)
+        session.step = None
+        session.last_used = now
+        return RollBack(step.position)
