@@ -68,10 +68,10 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
     from compushare.net.dht import connect_bootstrap, open_dht
     from compushare.net.host import open_host
     from compushare.net.identity import load_or_create_identity
-    from compushare.pipeline.client import open_chain
-    from compushare.pipeline.consumer import RunRequest, _prompt_ids, find_route
-    from compushare.pipeline.generate import generate
-    from compushare.pipeline.sampling import SamplingParams
+    from compushare.pipeline.client.chain import open_chain
+    from compushare.pipeline.client.consumer import RunRequest, _prompt_ids, find_route
+    from compushare.pipeline.client.generate import generate
+    from compushare.pipeline.client.sampling import SamplingParams
 
     torch.set_num_threads(1)
     data_dir = Path(tempfile.mkdtemp(prefix="compushare-push-client-"))
@@ -130,7 +130,7 @@ def main() -> int:
         parser.error("needs root (network namespaces)")
 
     from compushare.model.catalog import resolve_model
-    from compushare.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready
+    from compushare.app.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))

@@ -55,7 +55,7 @@ import netlab_tools  # noqa: E402  (bench/, next to this script)
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.swarm import wait_ready  # noqa: E402
+from compushare.app.swarm import wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 NETLAB_PREFIX = "csf"  # our own namespace names: nothing else's lab is touched

@@ -1,0 +1,135 @@
+"""The consumer chain's pure plans and verdicts: what it keeps for replay, how a
+history is replayed or a verifier caught up (positions and chunks), and who is
+blamed when two servers disagree. No I/O; payloads are opaque except in `judge`
+and `build_report`, which read outputs and proofs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ...errors import PeerMisbehaved
+from ...proofs import FailureReport, StepClaim, relative_error
+from .chain_events import FileReport, Session, StepRequest
+
+log = logging.getLogger(__name__)
+
+REPLAY_MAX_TOKENS = 2048  # tokens per replay request (the servers' default max_step_tokens)
+
+
+class History:
+    """Every step's input at every block boundary of the chain: enough to replay any hop."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []  # tokens per step
+        self.inputs: dict[int, list[Any]] = {}  # boundary -> one payload per step
+
+    def at(self, boundary: int) -> list[Any]:
+        return self.inputs.setdefault(boundary, [])
+
+
+@dataclasses.dataclass
+class Failover:
+    peer_id: str
+    start: int
+    end: int
+    reason: str
+    noticed: float  # time.time() when the failure was noticed
+    recovered: float = 0.0  # time.time() when the replacement had answered the step
+    replacements: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Verifier:
+    """A session recomputing sampled steps of one span."""
+
+    session: Session
+    fed: int = 0  # steps of the history it has seen
+
+
+def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS) -> list[tuple[int, int]]:
+    """Consecutive steps packed into requests of at most `limit` tokens (a longer step
+    goes alone): index ranges [i, j) into `sizes`."""
+    groups: list[tuple[int, int]] = []
+    begin = total = 0
+    for index, size in enumerate(sizes):
+        if index > begin and total + size > limit:
+            groups.append((begin, index))
+            begin, total = index, 0
+        total += size
+    if begin < len(sizes):
+        groups.append((begin, len(sizes)))
+    return groups
+
+
+def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKENS) -> tuple[StepRequest, ...]:
+    """A fresh session fed `steps` (one payload per step, `sizes` tokens each) from
+    position 0, each step a chunk of its original size: its KV cache and outputs are
+    then bit-identical to the first computation's."""
+    requests = []
+    position = 0
+    for i, j in group_steps(sizes, limit):
+        requests.append(StepRequest(position, tuple(steps[i:j]), tuple(sizes[i:j])))
+        position += sum(sizes[i:j])
+    return tuple(requests)
+
+
+def catch_up_plan(seen: list[Any], sizes: list[int], fed: int, hidden: Any, tokens: int,
+                  limit: int = REPLAY_MAX_TOKENS) -> tuple[StepRequest, ...]:
+    """Bring a verifier that has seen `fed` steps of `seen` (a span's inputs, `sizes`
+    tokens each) up to this step, then compute it (`hidden`, `tokens`): the missed
+    steps batched (costs little, stays within the tolerance), every request with
+    last_only, the last one's final chunk being this step."""
+    missed = list(seen[fed:]) + [hidden]
+    missed_sizes = list(sizes[fed:]) + [tokens]
+    position = sum(sizes[:fed])
+    groups = group_steps(missed_sizes, limit)
+    requests = []
+    for index, (i, j) in enumerate(groups):
+        group = missed_sizes[i:j]
+        last = index == len(groups) - 1
+        chunks = (sum(group[:-1]), group[-1]) if last and len(group) > 1 else (sum(group),)
+        requests.append(StepRequest(position, tuple(missed[i:j]), chunks, last_only=True))
+        position += sum(group)
+    return tuple(requests)
+
+
+def judge(primary, check, arbiter, tolerance: float) -> str:
+    """Who is wrong when a spot check disagrees: "primary", "verifier", "both" or
+    "neither" (both within the tolerance of a third opinion: a borderline case).
+    Without a third opinion the checked server is blamed; with one, whoever the
+    third server disagrees with."""
+    if arbiter is None:
+        return "primary"
+    a = arbiter.numpy()
+    primary_ok = relative_error(primary.numpy(), a) <= tolerance
+    check_ok = relative_error(check.numpy(), a) <= tolerance
+    if primary_ok:
+        return "neither" if check_ok else "verifier"
+    return "primary" if check_ok else "both"
+
+
+def build_report(model_id: str, filed: FileReport, tolerance: float) -> FailureReport | None:
+    """The failure report for `filed`, when both replies carry matching signed proofs."""
+    accused, witness = filed.accused, filed.witness
+    ours, theirs = filed.accused_reply, filed.witness_reply
+    proofs = ours.proof, theirs.proof
+    try:
+        if None in proofs or proofs[0].get("input_digest") != proofs[1].get("input_digest"):
+            raise PeerMisbehaved("the two answers do not carry proofs for the same input")
+        report = FailureReport(
+            model_id, accused.hop.start, accused.hop.end, filed.position, filed.tokens,
+            proofs[0]["input_digest"],
+            StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0]["sig"]),
+            StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1]["sig"]),
+            tolerance=tolerance,
+        )
+        report.check()
+    except (PeerMisbehaved, KeyError, TypeError) as exc:
+        log.warning("mismatch on blocks %d:%d without a checkable report: %s", accused.hop.start,
+                    accused.hop.end, exc)
+        return None
+    log.warning("failure report %s: %s disagrees with %s on blocks %d:%d", report.digest[:12],
+                accused.peer_id, witness.peer_id, accused.hop.start, accused.hop.end)
+    return report
