@@ -35,12 +35,12 @@ from .chain_events import (
     Penalise, Reply, RouteFound, SendReceipt, SendSteps, Session, VerifierFound,
 )
 from .chain_plan import Failover, History, build_report, judge
-from .hop import RECEIPT_TIMEOUT_S, RemoteHop, StepResult, open_hop, peer_info
+from .hop import RECEIPT_TIMEOUT_S, RemoteHop, StepResult, open_hop
 from .routing import Hop
 from .spotcheck import Penalties
 
 __all__ = ["FAILOVER_TIMEOUT_S", "Failover", "History", "InferenceChain", "Planner", "RemoteHop", "StepResult",
-           "judge", "open_chain", "open_hop", "peer_info"]
+           "judge", "open_chain", "open_hop"]
 
 log = logging.getLogger(__name__)
 

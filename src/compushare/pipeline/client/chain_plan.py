@@ -116,13 +116,13 @@ def build_report(model_id: str, filed: FileReport, tolerance: float) -> FailureR
     ours, theirs = filed.accused_reply, filed.witness_reply
     proofs = ours.proof, theirs.proof
     try:
-        if None in proofs or proofs[0].get("input_digest") != proofs[1].get("input_digest"):
+        if None in proofs or proofs[0].input_digest != proofs[1].input_digest:
             raise PeerMisbehaved("the two answers do not carry proofs for the same input")
         report = FailureReport(
             model_id, accused.hop.start, accused.hop.end, filed.position, filed.tokens,
-            proofs[0]["input_digest"],
-            StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0]["sig"]),
-            StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1]["sig"]),
+            proofs[0].input_digest,
+            StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0].sig),
+            StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1].sig),
             tolerance=tolerance,
         )
         report.check()

@@ -15,20 +15,22 @@ import logging
 import os
 import time
 
-import multiaddr
 import torch
 import trio
 from libp2p.abc import IHost
 from libp2p.network.stream.exceptions import StreamError
-from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
 from ...errors import FrameError, HopFailed, HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
 from ...karma.receipts import Receipt, parse_receipt, sign_receipt
 from ...net.codec import DEFAULT_MAX_FRAME
+from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import decode_tensor, encode_tensor
 from .. import protocol
+from ..messages import (
+    CloseRequest, Downstream, ErrorReply, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply, Request, Result,
+    StepRequest, WireTensor, decode_reply,
+)
 from .routing import Hop
 
 log = logging.getLogger(__name__)
@@ -39,16 +41,6 @@ DEADLINE_LATENCIES = 5.0  # a step may take this many times the hop's usual late
 DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much per token it carries
 LATENCY_EWMA = 0.2
 RECEIPT_TIMEOUT_S = 2.0
-
-
-def peer_info(hop: Hop) -> PeerInfo:
-    addrs = []
-    for text in hop.record.addrs:
-        addr = multiaddr.Multiaddr(text)
-        with contextlib.suppress(Exception):
-            addr = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{hop.peer_id}"))
-        addrs.append(addr)
-    return PeerInfo(ID.from_base58(hop.peer_id), addrs)
 
 
 @dataclasses.dataclass
@@ -71,7 +63,7 @@ class StepResult:
     output: torch.Tensor  # [1, n, H] (all chunks, or the last one with last_only)
     data: bytes  # the output's wire bytes (what the proof signs)
     dtype: str
-    proof: dict | None
+    proof: Proof | None
 
 
 class RemoteHop:
@@ -96,71 +88,66 @@ class RemoteHop:
     def deadline(self, tokens: int, chunks: int = 1) -> float:
         return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + DEADLINE_PER_TOKEN_S * tokens
 
-    async def request(self, message: dict, timeout: float) -> dict:
-        """Send, await the reply; a "rate limited" reply is retried within the deadline.
-        Every failure is a HopFailed naming this server."""
+    async def request(self, message: Request, timeout: float) -> Reply:
+        """Send, await the reply (checked by messages.decode_reply against `message`);
+        a "rate limited" reply is retried within the deadline. Every failure is a
+        HopFailed naming this server ("bad_reply": a reply that is not an answer to
+        `message`), or ServerBusy."""
         try:
             with trio.fail_after(timeout):
                 while True:
-                    await self.framed.send(message)
-                    reply = await self.framed.receive()
-                    if reply is None or reply.get("type") != "error" or reply.get("code") != protocol.RATE_LIMITED:
+                    await self.framed.send(message.to_wire())
+                    raw = await self.framed.receive()
+                    if raw is None:
+                        raise HopFailed(self.peer_id, "closed", f"{self._where()} closed the stream")
+                    reply = decode_reply(raw, message)
+                    if not (isinstance(reply, ErrorReply) and reply.code == protocol.RATE_LIMITED):
                         break
-                    wait = reply.get("retry_after_s")
-                    await trio.sleep(min(float(wait), 5.0) if isinstance(wait, float | int) else 0.1)
+                    wait = reply.retry_after_s
+                    await trio.sleep(min(wait, 5.0) if wait is not None else 0.1)
         except trio.TooSlowError:
             raise HopFailed(self.peer_id, "timeout", f"{self._where()} did not answer within {timeout:.1f}s") \
                 from None
         except (StreamError, FrameError) as exc:
             raise HopFailed(self.peer_id, "connection_lost",
                             f"lost the stream to {self._where()}: {str(exc) or type(exc).__name__}") from None
-        if reply is None:
-            raise HopFailed(self.peer_id, "closed", f"{self._where()} closed the stream")
-        if reply.get("type") == "error":
-            code, text = str(reply.get("code")), str(reply.get("message"))
-            if code == protocol.BUSY:
-                raise ServerBusy(code, f"{self._where()}: {text}")
-            raise HopFailed(self.peer_id, code, f"{self._where()}: {text}")
+        except PeerMisbehaved as exc:
+            raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
+        if isinstance(reply, ErrorReply):
+            if reply.code == protocol.BUSY:
+                raise ServerBusy(reply.code, f"{self._where()}: {reply.message}")
+            raise HopFailed(self.peer_id, reply.code, f"{self._where()}: {reply.message}")
         return reply
 
     async def step(self, hidden: torch.Tensor, position: int, *,
                    chunks: list[int] | None = None, last_only: bool = False) -> StepResult:
         tokens = hidden.shape[1]
-        message = {"type": "step", "session": self.session_id, "position": position, "hidden": encode_tensor(hidden)}
-        if chunks is not None and len(chunks) > 1:
-            message["chunks"] = chunks
-        if last_only:
-            message["last_only"] = True
+        encoded = encode_tensor(hidden)
+        message = StepRequest(self.session_id, position,
+                              WireTensor(encoded["dtype"], tuple(encoded["shape"]), encoded["data"]),
+                              tuple(chunks) if chunks is not None and len(chunks) > 1 else None, last_only)
         began = time.perf_counter()
         try:
-            reply = await self.request(message, self.deadline(tokens, len(chunks or [tokens])))
+            reply: Result = await self.request(message, self.deadline(tokens, len(chunks or [tokens])))
         except ServerBusy as exc:  # busy mid-session: as good as gone for this session
             raise HopFailed(self.peer_id, exc.code, exc.message) from None
-        expect = chunks[-1] if last_only and chunks else tokens
-        try:
-            if reply.get("type") != "result" or reply.get("position") != position:
-                raise PeerMisbehaved(f"answered step {position} with {reply.get('type')}")
-            wire = reply.get("hidden")
-            output = decode_tensor(wire, hidden_size=self.hidden_size, max_tokens=expect)
-            if output.shape[1] != expect:
-                raise PeerMisbehaved(f"returned {output.shape[1]} tokens for {expect}")
+        try:  # type, position and token count were checked by decode_reply; the values here
+            output = decode_tensor(reply.hidden.to_wire(), hidden_size=self.hidden_size,
+                                   max_tokens=message.reply_tokens)
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
         wall = time.perf_counter() - began
         if tokens == 1:
             self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
-        compute_ms = reply.get("compute_ms")
-        self.usage.add(tokens, float(compute_ms) if isinstance(compute_ms, float | int) else 0.0, wall * 1000)
-        proof = reply.get("proof")
-        return StepResult(output, wire["data"], wire["dtype"], proof if isinstance(proof, dict) else None)
+        self.usage.add(tokens, reply.compute_ms, wall * 1000)
+        return StepResult(output, reply.hidden.data, reply.hidden.dtype, reply.proof)
 
     async def link(self, upstream: str | None, downstream: RemoteHop | None) -> None:
         """Tell the server its neighbours, so it pushes its output straight to the next
         hop (pipeline/server/push.py). A refusal only costs the time pushes save."""
-        message = {"type": "link", "session": self.session_id, "upstream": upstream, "downstream": None}
-        if downstream is not None:
-            message["downstream"] = {"peer": downstream.peer_id, "addrs": list(downstream.hop.record.addrs),
-                                     "session": downstream.session_id}
+        target = None if downstream is None else Downstream(
+            downstream.peer_id, tuple(downstream.hop.record.addrs), downstream.session_id)
+        message = LinkRequest(self.session_id, upstream, target)
         try:
             await self.request(message, self.deadline(1))
         except RemoteError as exc:  # refused (busy, bad request...): the chain works without pushes
@@ -182,10 +169,13 @@ class RemoteHop:
         wire = sign_receipt(receipt, host.get_private_key())
         self.usage = Usage(seq=usage.seq)  # those steps are settled, accepted or not
         try:
-            reply = await self.request({"type": "receipt", "session": self.session_id, "receipt": wire},
-                                       RECEIPT_TIMEOUT_S)
-            parse_receipt(reply.get("receipt"))  # countersigned by the server it names
+            reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S)
+            parse_receipt(reply.receipt)  # countersigned by the server it names
         except RemoteError as exc:  # HopFailed, or a (misplaced) busy
+            if exc.code == "bad_reply":  # answered, but not with a receipt
+                log.info("%s answered a receipt with a bad countersignature: %s", self._where(), exc)
+                self.usage.seq = usage.seq + 1
+                return
             if exc.code in (protocol.BAD_RECEIPT, protocol.BAD_REQUEST, protocol.INTERNAL, protocol.BUSY):
                 log.info("%s did not countersign a receipt: %s", self._where(), exc)
                 return  # refused: the server's seq did not move, neither does ours
@@ -198,7 +188,7 @@ class RemoteHop:
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await self.request({"type": "close", "session": self.session_id}, timeout=1)
+            await self.request(CloseRequest(self.session_id), timeout=1)
             await self.framed.close()
 
     async def abort(self) -> None:
@@ -211,19 +201,11 @@ async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden
     session_id = os.urandom(protocol.SESSION_ID_BYTES)
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
-            info = peer_info(hop)
-            # py-libp2p refuses to redial, for a while, a peer whose addresses failed
-            # once: a server restarted on a new port must be reachable at once.
-            with contextlib.suppress(Exception):
-                host.get_network().unblock_peer(info.peer_id)
-            await host.connect(info)
+            info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
             stream = await host.new_stream(info.peer_id, [protocol.INFER_PROTOCOL])
         remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size, session_id)
-        await remote.request(
-            {"type": "open", "session": session_id, "model": model_id, "start": hop.start, "end": hop.end,
-             "max_tokens": max_tokens},
-            timeout=CONNECT_TIMEOUT_S,
-        )
+        await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens),
+                             timeout=CONNECT_TIMEOUT_S)
         return remote
     except RemoteError as exc:
         raise HopUnavailable(hop.peer_id, exc.code, exc.message) from None

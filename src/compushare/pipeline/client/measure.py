@@ -8,7 +8,6 @@ re-checked against its own signer, so a relaying peer cannot invent load figures
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -16,11 +15,11 @@ import trio
 from libp2p.abc import IHost
 from libp2p.host.ping import PingService
 
+from ...net.dial import dial
 from ...net.gossip import learn_views
 from ...net.records import ServerRecord
 from ...net.view import SwarmView
-from .chain import peer_info
-from .routing import Hop, Measure
+from .routing import Measure
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +29,7 @@ MAX_PINGS = 64
 
 async def ping_rtt(host: IHost, record: ServerRecord) -> float:
     """One round trip on an open ping stream (the first ping also pays for the stream)."""
-    info = peer_info(Hop(record, record.start, record.end))
-    # py-libp2p's negative cache would fail the ping of a server that restarted
-    # (same peer id, new address) without dialling it.
-    with contextlib.suppress(Exception):
-        host.get_network().unblock_peer(info.peer_id)
-    await host.connect(info)
+    info = await dial(host, record.peer_id, record.addrs, timeout=PING_TIMEOUT_S)
     stamps = []
     async for _rtt in PingService(host).ping_iter(info.peer_id, ping_amt=2):
         stamps.append(time.perf_counter())
