@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
 DEMO_HOME := $(CURDIR)/demo-swarm
 
-.PHONY: demo test bench sysdeps testsysdeps clean
+.PHONY: demo test test-fast bench sysdeps testsysdeps clean
 
 sysdeps:
 	@# libp2p builds fastecdsa from source: it needs a compiler and GMP headers.
@@ -32,6 +32,12 @@ $(STAMP): pyproject.toml | sysdeps
 test: $(STAMP) testsysdeps
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
+
+# The developer loop: the import contracts and the unit tests (pure cores, codecs,
+# in-memory drivers; no node processes, no network namespaces), about a minute.
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -ra -m unit
 
 demo: $(STAMP)
 	$(VENV)/bin/compushare swarm up --nodes 3 --model smollm2-135m --home $(DEMO_HOME)

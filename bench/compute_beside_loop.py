@@ -5,7 +5,7 @@
 A node runs prefills and long steps (SmolLM2-135M here: blocks 10:20, fp32, one
 torch thread) in a worker thread while its trio loop handles the network in pure
 Python (py-libp2p); short decode steps run on the loop itself
-(InferenceServer._runs_inline). Every torch op releases the GIL; at CPython's
+(pipeline/server/compute.Compute.runs_inline). Every torch op releases the GIL; at CPython's
 default switch interval (5 ms) the loop, once it holds the GIL, keeps it for its
 whole burst and the threaded forward waits. This bench times the same one-token
 step in a worker thread side by side, in one process, in interleaved blocks of 8

@@ -71,7 +71,7 @@ from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
 from compushare.pipeline.client.chain import open_chain  # noqa: E402
-from compushare.pipeline.client.consumer import RunRequest, _prompt_ids, find_route  # noqa: E402
+from compushare.pipeline.client.consumer import RunRequest, find_route, prompt_ids_of  # noqa: E402
 from compushare.pipeline.client.generate import generate  # noqa: E402
 from compushare.pipeline.client.sampling import Sampler, SamplingParams  # noqa: E402
 from compushare.net.dht import connect_bootstrap, open_dht  # noqa: E402
@@ -483,7 +483,7 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model.path))
-        prompt_ids = _prompt_ids(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
+        prompt_ids = prompt_ids_of(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
         head = ConsumerHead.load(model.path)
         runners = [SpanRunner.load(model.path, start, end) for start, end in split_blocks(model.num_blocks, NODES)]
         hf_model = load_full_model(model.path)  # sdpa, like the spans
@@ -531,7 +531,7 @@ def main() -> int:
             log(f"compushare run: first byte on stdout after {first_token[-1]:.2f}s "
                 f"({'fresh' if attempt == 0 else 'reused'} client dir)")
         first_token_s = statistics.median(first_token)
-        # Decode steps each node computed from its upstream's push (pipeline/push.py).
+        # Decode steps each node computed from its upstream's push (pipeline/server/push.py).
         pushed = [call(cleanup.tmp / f"node-{i}", state["api"], "/control/status").get("pushed_steps")
                   for i, state in enumerate(states)]
         log(f"steps started by a push, per node: {pushed}")

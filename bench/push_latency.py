@@ -69,7 +69,7 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
     from compushare.net.host import open_host
     from compushare.net.identity import load_or_create_identity
     from compushare.pipeline.client.chain import open_chain
-    from compushare.pipeline.client.consumer import RunRequest, _prompt_ids, find_route
+    from compushare.pipeline.client.consumer import RunRequest, find_route, prompt_ids_of
     from compushare.pipeline.client.generate import generate
     from compushare.pipeline.client.sampling import SamplingParams
 
@@ -77,7 +77,8 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="compushare-push-client-"))
     try:
         model = resolve_model(MODEL, data_dir)
-        prompt_ids = _prompt_ids(AutoTokenizer.from_pretrained(str(model.path)), RunRequest(model=MODEL, prompt=PROMPT))
+        tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+        prompt_ids = prompt_ids_of(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
         head = ConsumerHead.load(model.path)
 
         async def trial(host, route, push: bool, steps: int) -> dict:

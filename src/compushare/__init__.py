@@ -9,8 +9,9 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   karma/       contribution ledger, karma records and the karma protocol
   proofs.py    signed step outputs, input digests, failure reports
   net/         libp2p: patches, host, the swarm seam, dialling, serving, DHT, gossip
-  model/       catalog of names, weight sources, the store and its manifests
-  he/          CKKS private stages (later issue)
+  model/       catalog of names, weight sources, the store and its manifests, the
+               span runner and the consumer's head
+  he/          CKKS private mode: not built yet
   runtime.py, gc_policy.py, config.py, hardware.py, errors.py: the base modules
 """
 

@@ -63,7 +63,7 @@ async def test_sigterm_stops_node_quickly_and_its_record_lapses(processes, tiny_
 
 
 async def test_provider_killed_mid_generation_is_a_clear_error(processes, tiny_model):
-    """Failover is a later issue; until then the consumer must say what happened."""
+    """A chain without a planner (no failover) says which server went and why."""
     (first,) = processes.nodes([("a", "0:2")], tiny_model)
     proc, _ = processes.node("b", tiny_model, "2:4", bootstrap=first["addrs"][:1], wait=False)
     victim = processes.ready("b", proc)

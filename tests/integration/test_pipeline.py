@@ -35,7 +35,7 @@ async def test_three_processes_match_transformers_greedy(tiny_swarm, tiny_model,
         assert [(h.start, h.end) for h in outcome.route] == [(0, 1), (1, 3), (3, 4)]
         assert {h.peer_id for h in outcome.route} == {s["peer_id"] for s in states}
     # The 2nd and 3rd hops computed their decode steps from their upstream's pushes
-    # (pipeline/push.py), and the answers above are still exactly the reference's.
+    # (pipeline/server/push.py), and the answers above are still exactly the reference's.
     # A push sent before the reply nearly always beats the consumer's copy; the bound
     # leaves room for a loaded machine.
     pushed = [call(tmp_path / "nodes" / name, s["api"], "/control/status")["pushed_steps"]

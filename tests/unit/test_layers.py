@@ -32,6 +32,7 @@ def test_the_tree_keeps_every_contract():
     ("karma/_violation.py", "from compushare.pipeline.client import routing\n", "Layers"),
     ("pipeline/client/_violation.py", "import compushare.pipeline.server.session\n", "are independent"),
     ("torrent/picker.py", "import trio\n", "Pure cores do no I/O"),
+    ("pipeline/client/chain_rebuild.py", "from compushare.net import dial\n", "Pure cores do no I/O"),
     ("karma/rules.py", "from libp2p.peer.id import ID\n", "Pure cores import no libp2p"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, where, violation, contract):

@@ -1,4 +1,4 @@
-"""Server-to-server pushes (pipeline/push.py) on the receiving server: a pushed step
+"""Server-to-server pushes (pipeline/server/push.py) on the receiving server: a pushed step
 is used only when the consumer's step carries the same input; anything else is
 rolled back, so a wrong push never changes an answer."""
 

@@ -34,7 +34,7 @@ def test_commands_start_with_the_collector_paused_and_run_with_it_on_over_a_froz
         @cli.app.command("probe")
         def probe():
             seen.append(gc.isenabled())  # a command's imports happen here
-            cli._run_or_exit(lambda: seen.append((gc.isenabled(), gc.get_freeze_count() > 0)))
+            cli.run_or_exit(lambda: seen.append((gc.isenabled(), gc.get_freeze_count() > 0)))
 
         for argv in (["probe"], ["no-such-command"]):
             sys.argv = ["compushare", *argv]

@@ -1,1 +1,15 @@
-"""compushare.app"""
+"""The surfaces users meet; everything below (pipeline, torrent, karma, net, model)
+knows nothing of them.
+
+  cli.py, cli_swarm.py, cli_models.py, cli_common.py
+               the typer command line: run, chat, node, status, karma, id, swarm, models
+  chat.py      `compushare chat`: the interactive consumer REPL
+  node.py      the daemon: one trio nursery owning every task of a node
+               (provider, seeder, karma, gossip, the HTTP API)
+  seed.py      the torrent role on its own: `models fetch`, `models seed`
+  status.py    `compushare status` and `compushare karma`
+  swarm.py     a local swarm of node processes on 127.0.0.1
+  tray.py      the system-tray icon
+  api/         the daemon's local HTTP API: OpenAI-compatible chat completions,
+               the control API and the dashboard
+"""

@@ -18,7 +18,7 @@ import typer
 from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from ..gc_policy import pause_during_startup
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, _bootstrap_for, _run_or_exit, _setup_logging, err, out
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
 from .cli_swarm import karma, show_id, status, swarm_app
 
@@ -60,9 +60,9 @@ def node(
 
     home = resolve_data_dir(data_dir)
     if detach:
-        _run_or_exit(lambda: _detach(home))
+        run_or_exit(lambda: _detach(home))
         return
-    _setup_logging(log_level)
+    setup_logging(log_level)
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
@@ -70,7 +70,7 @@ def node(
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
-    _run_or_exit(lambda: trio.run(Node(config).run))
+    run_or_exit(lambda: trio.run(Node(config).run))
 
 
 def _detach(home: Path) -> None:
@@ -109,7 +109,7 @@ def stop(data_dir: Path = DATA_DIR) -> None:
     """Stop the node running on this data dir (SIGTERM, then SIGKILL after 10 s)."""
     from .swarm import stop_node
 
-    _run_or_exit(lambda: out.print(f"stopped node {stop_node(resolve_data_dir(data_dir))}"))
+    run_or_exit(lambda: out.print(f"stopped node {stop_node(resolve_data_dir(data_dir))}"))
 
 
 @app.command()
@@ -118,8 +118,8 @@ def tray(data_dir: Path = DATA_DIR, log_level: str = typer.Option("warning")) ->
     served; pause/resume, dashboard, quit. Needs the [tray] extra and a tray host."""
     from .tray import Tray
 
-    _setup_logging(log_level)
-    _run_or_exit(Tray(resolve_data_dir(data_dir)).run)
+    setup_logging(log_level)
+    run_or_exit(Tray(resolve_data_dir(data_dir)).run)
 
 
 @app.command()
@@ -145,7 +145,7 @@ def run(
     from ..pipeline.client.consumer import RunRequest, run_prompt
     from ..pipeline.client.sampling import SamplingParams
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def show_route(route) -> None:
@@ -160,7 +160,7 @@ def run(
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template,
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
-        boot = _bootstrap_for(home, bootstrap, swarm_home)
+        boot = bootstrap_for(home, bootstrap, swarm_home)
         outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,
                                               spot_check_rate=spot_check))
         sys.stdout.write("\n")
@@ -175,7 +175,7 @@ def run(
             err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
                       f"{outcome.decode_tok_s:.1f} tok/s; {outcome.checks} spot checks")
 
-    _run_or_exit(main_run)
+    run_or_exit(main_run)
 
 
 @app.command()
@@ -192,16 +192,16 @@ def chat(
     """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
     from .chat import repl
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
-    boot = _bootstrap_for(home, bootstrap, swarm_home)
+    boot = bootstrap_for(home, bootstrap, swarm_home)
     code = 0
 
     def main_chat():
         nonlocal code
         code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check)
 
-    _run_or_exit(main_chat)
+    run_or_exit(main_chat)
     raise typer.Exit(code)
 
 
@@ -220,7 +220,7 @@ def main() -> None:
     try:
         app()
     finally:
-        gc.enable()  # a command that ended before _run_or_exit (or a caller running main in-process)
+        gc.enable()  # a command that ended before run_or_exit (or a caller running main in-process)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ BOOTSTRAP = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repe
 SWARM_HOME = typer.Option(None, help="Join the local swarm started with this --home (default: the data dir's swarm/).")
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:
+def bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:
     from ..errors import SwarmUnreachable
     from .swarm import read_swarm
 
@@ -55,7 +55,7 @@ def _all(exc: BaseException, kind: type) -> list[BaseException]:
     return []
 
 
-def _run_or_exit(fn) -> None:
+def run_or_exit(fn) -> None:
     startup_done()  # the command has imported what it needs
     try:
         fn()

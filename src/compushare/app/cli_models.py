@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, _bootstrap_for, _run_or_exit, _setup_logging, err
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, run_or_exit, setup_logging
 
 models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
 
@@ -107,7 +107,7 @@ def models_fetch(
     from ..model.store import is_model_id
     from .seed import fetch_from_swarm
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def do():
@@ -115,7 +115,7 @@ def models_fetch(
             raise UsageError(f"{model!r} is not a model id: peers know models by id only "
                              "(`compushare status` lists the swarm's)")
         span = Span.parse(blocks) if blocks else None
-        boot = _bootstrap_for(home, bootstrap, swarm_home)
+        boot = bootstrap_for(home, bootstrap, swarm_home)
         with _Progress(f"fetching {model[:12]}", not as_json) as shown:
             result = trio.run(lambda: fetch_from_swarm(
                 home, boot, model, blocks=(span.start, span.end) if span else None, head=head,
@@ -131,7 +131,7 @@ def models_fetch(
         for peer in result.banned:
             err.print(f"  [red]banned[/red] {escape(peer)}: sent corrupted pieces")
 
-    _run_or_exit(do)
+    run_or_exit(do)
 
 
 @models_app.command("seed")
@@ -148,10 +148,10 @@ def models_seed(
 
     from .seed import seed_forever
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
     config = NodeConfig.build(home, listen=listen, bootstrap=bootstrap)
-    _run_or_exit(lambda: trio.run(lambda: seed_forever(
+    run_or_exit(lambda: trio.run(lambda: seed_forever(
         home, listen=config.listen, bootstrap=config.bootstrap, models=models or None,
         upload_limit=upload_limit_kbps * 1000 if upload_limit_kbps else None)))
 
@@ -174,4 +174,4 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
         else:
             print(model.model_id)
 
-    _run_or_exit(do)
+    run_or_exit(do)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..config import resolve_data_dir
 from ..errors import UsageError
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, _bootstrap_for, _run_or_exit, _setup_logging, err, out
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 
 swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
 
@@ -29,18 +29,18 @@ def status(
 
     from .status import gather_status, local_node, render
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def main_status():
-        boot = () if local_node(home) is not None and not bootstrap else _bootstrap_for(home, bootstrap, swarm_home)
+        boot = () if local_node(home) is not None and not bootstrap else bootstrap_for(home, bootstrap, swarm_home)
         result = trio.run(gather_status, home, boot)
         if as_json:
             print(json.dumps(result, indent=2))
         else:
             render(result, out)
 
-    _run_or_exit(main_status)
+    run_or_exit(main_status)
 
 
 def karma(
@@ -58,7 +58,7 @@ def karma(
     from ..net.identity import KEY_FILE, load_or_create_identity, peer_id_of
     from .status import local_node, read_karma
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
     def main_karma():
@@ -67,7 +67,7 @@ def karma(
         target = peer or peer_id_of(load_or_create_identity(home)).to_string()
         local = local_node(home)
         boot = tuple(local["addrs"][:1]) if local is not None and not bootstrap \
-            else _bootstrap_for(home, bootstrap, swarm_home)
+            else bootstrap_for(home, bootstrap, swarm_home)
         result = trio.run(read_karma, boot, target)
         if as_json:
             print(json.dumps(result.to_wire(), indent=2))
@@ -85,7 +85,7 @@ def karma(
             table.add_row("note", escape(result.problem))
         out.print(table)
 
-    _run_or_exit(main_karma)
+    run_or_exit(main_karma)
 
 
 def show_id(data_dir: Path = DATA_DIR) -> None:
@@ -104,7 +104,7 @@ def swarm_up_cmd(
     """Start N nodes on 127.0.0.1 splitting the model's blocks between them."""
     from .swarm import swarm_up
 
-    _setup_logging("warning")
+    setup_logging("warning")
     target = home or resolve_data_dir(None) / "swarm"
 
     def up():
@@ -113,7 +113,7 @@ def swarm_up_cmd(
             err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
         err.print(f"bootstrap: {swarm['bootstrap'][0]}")
 
-    _run_or_exit(up)
+    run_or_exit(up)
 
 
 @swarm_app.command("down")

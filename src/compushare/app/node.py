@@ -77,7 +77,7 @@ class Node:
         config = self.config
         torch.set_num_threads(config.torch_threads)
         # Prefills and long steps run in worker threads beside this loop (short decode
-        # steps run on it: InferenceServer._runs_inline). Every torch op lets go of the
+        # steps run on it: pipeline/server/compute.Compute.runs_inline). Every torch op lets go of the
         # GIL; at CPython's default 5 ms switch interval the loop, once it has the GIL,
         # keeps it for its whole burst of network work (py-libp2p is pure Python) while
         # the forward waits. A short interval interleaves the two: the loop runs while

@@ -6,4 +6,8 @@
   blocks.py    SpanRunner: a contiguous span of decoder layers with a KV cache
   head.py      ConsumerHead: embeddings, final norm and LM head
   arch.py      architecture table (Llama, Qwen2) -> transformers classes
+  manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
+  layout.py    a Hugging Face directory laid out the way the store and the swarm hold it
+  weights.py   selected tensors read from safetensors files (the head's loader)
+  selfbench.py how fast this node decodes one block: a short benchmark, cached
 """

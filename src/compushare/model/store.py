@@ -101,7 +101,7 @@ class ModelStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._aliases_path = self.root / "aliases.json"
         # Parsed manifests by (model id, mtime, size): a node lists its models every few
-        # seconds (torrent announce) and parsing a 500-piece manifest takes ~6 ms of GIL.
+        # seconds (torrent announce), and parsing a large manifest holds the GIL.
         self._parsed: dict[tuple[str, int, int], Manifest] = {}
 
     def aliases(self) -> dict[str, str]:

@@ -82,8 +82,8 @@ class ModelPieces:
     def read_cached(self, index: int, headroom: int = 0) -> bytearray | None:
         """One piece's bytes if the page cache holds all of them, else None, without
         ever waiting for the disk (KeyError if not held). A seeder serves hot pieces
-        this way on its event loop: a worker-thread hop per piece cost more CPU than
-        the copy (~15 % of a seeder's, measured), and the CPU is what a swarm on a
+        this way on its event loop: a worker-thread hop per piece costs more CPU than
+        the copy (docs/performance.md), and the CPU is what a swarm on a
         small machine runs out of. The piece starts `headroom` bytes into the buffer
         (the seeder puts its frame's head there)."""
         if _NOWAIT is None:

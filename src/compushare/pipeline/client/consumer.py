@@ -64,7 +64,7 @@ class RunOutcome:
     checks: int = 0  # spot checks made
 
 
-def _prompt_ids(tokenizer, request: RunRequest) -> list[int]:
+def prompt_ids_of(tokenizer, request: RunRequest) -> list[int]:
     if isinstance(request.prompt, list):
         return list(request.prompt)
     if request.chat_template and tokenizer.chat_template:
@@ -332,7 +332,7 @@ class Consumer:
                        on_token: Callable[[int], None] = lambda _t: None) -> RunOutcome:
         began = time.perf_counter()
         model, tokenizer = self.model, self.tokenizer
-        prompt_ids = _prompt_ids(tokenizer, request)
+        prompt_ids = prompt_ids_of(tokenizer, request)
         produced: list[int] = []
         times: list[float] = []
         detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None

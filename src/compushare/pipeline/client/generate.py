@@ -13,7 +13,7 @@ from .sampling import Sampler, SamplingParams
 
 
 # The LM head runs on the event loop when the last token's took this long or less (as
-# a server's short decode steps do, pipeline/server.py): every server of the chain is
+# a server's short decode steps do, server/compute.py): every server of the chain is
 # waiting for this token then, the loop has nothing else to do, and a worker thread
 # costs its hand-off and a share of the GIL with the loop's network code. A bigger
 # head (a large vocabulary on a slow machine) stays in a worker thread.
