@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
 DEMO_HOME := $(CURDIR)/demo-swarm
 
-.PHONY: demo test test-fast bench sysdeps testsysdeps clean
+.PHONY: demo test test-fast bench sysdeps testsysdeps netlabdeps clean
 
 sysdeps:
 	@# libp2p builds fastecdsa from source: it needs a compiler and GMP headers.
@@ -22,6 +22,17 @@ testsysdeps:
 	    chromium xvfb trayer; \
 	  else echo "please install chromium, xvfb and trayer"; fi; fi
 
+# tools/netlab (network namespaces: WAN delay, rate limits, NAT routers) needs root,
+# iproute2/iptables/ethtool/ping, and netfilterqueue where the kernel has no netem.
+NETLAB_APT := iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev
+netlabdeps: $(STAMP)
+	@if [ "$$(id -u)" = 0 ]; then \
+	  if ! command -v iptables >/dev/null || ! command -v ethtool >/dev/null || ! command -v ping >/dev/null \
+	     || ! dpkg -s libnetfilter-queue-dev >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(NETLAB_APT); fi; \
+	  $(PY) -c 'import netfilterqueue' 2>/dev/null || $(PY) -m pip install -q -e '.[netlab]'; \
+	else echo "tools/netlab needs root: its tests will be skipped"; fi
+
 $(STAMP): pyproject.toml | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -29,7 +40,7 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PY) -m pip install -q -e '.[test,tray]'
 	touch $(STAMP)
 
-test: $(STAMP) testsysdeps
+test: $(STAMP) testsysdeps netlabdeps
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
