@@ -3,7 +3,8 @@
     sudo .venv/bin/python bench/push_latency.py [--delay-ms 10] [--trials 3] [--tokens 32]
 
 Three node processes (blocks 0:10, 10:20, 20:30 of SmolLM2-135M, fp32, 1 torch
-thread) each in its own ../shared/tools/netlab namespace, the consumer in a fourth;
+thread) each in its own network namespace of the project's harness (tools/netlab),
+the consumer in a fourth;
 every link delays packets by --delay-ms on the way in, so a round trip between two
 hosts takes 2 x delay. The consumer generates greedily through the same three
 servers, alternating trials with the chain linked (each server pushes its output
@@ -38,20 +39,13 @@ if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
-import netlab_tools  # noqa: E402  (bench/, next to this script)
+sys.path.insert(0, str(REPO / "tools"))
+import netlab  # noqa: E402  (tools/netlab, the project's namespace harness)
 
 MODEL = "smollm2-135m"
 PROMPT = "What is the capital of France?"
 PFX = "csp"  # our own namespace names: nothing else's lab is touched
 HOSTS = 4  # 1-3 servers, 4 the consumer
-
-
-def netlab(*args: str) -> None:
-    netlab_tools.netlab(PFX, *args)
-
-
-def in_ns(host: int, cmd: list[str]) -> list[str]:
-    return netlab_tools.in_ns(PFX, host, cmd)
 
 
 # ---------------------------------------------------------------- the consumer (host 4)
@@ -97,7 +91,7 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
                     "step_ms_median": 1000 * statistics.median(gaps)}
 
         async def main() -> dict:
-            async with open_host(load_or_create_identity(data_dir), [f"/ip4/10.200.0.{HOSTS}/tcp/0"]) as host, \
+            async with open_host(load_or_create_identity(data_dir), [f"/ip4/{netlab.Topology(PFX, hosts=HOSTS).addr(HOSTS)}/tcp/0"]) as host, \
                     open_dht(host, server=False) as dht:
                 await connect_bootstrap(host, dht, [bootstrap])
                 route = await find_route(host, dht, model.model_id, model.num_blocks)
@@ -137,13 +131,9 @@ def main() -> int:
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     root = Path(tempfile.mkdtemp(prefix="compushare-push-bench-"))
     procs: list[subprocess.Popen] = []
-    lab_up = False
+    lab = netlab.Lab(netlab.Topology(PFX, hosts=HOSTS, delay_ms=args.delay_ms))
     try:
-        netlab_tools.ensure_tools(delayer=True)  # the delay needs netlab's NFQUEUE delayer
-        with contextlib.suppress(subprocess.CalledProcessError):
-            netlab("down", str(HOSTS))  # a lab left behind by a killed earlier run
-        lab_up = True
-        netlab("up", str(HOSTS), str(args.delay_ms), "0", "0", "-")
+        lab.__enter__()  # removes a lab left by a killed earlier run, then builds this one
         model = resolve_model(MODEL, root / "reference")
         print(f"{MODEL}: 3 servers in namespaces {PFX}h1-3, the consumer in {PFX}h{HOSTS}, "
               f"{args.delay_ms} ms added per one-way transit", flush=True)
@@ -152,18 +142,17 @@ def main() -> int:
         for index, span in enumerate(split_blocks(model.num_blocks, 3)):
             data_dir = root / f"node-{index}"
             cmd = node_command(MODEL, span, data_dir, bootstrap)
-            cmd[cmd.index("--listen") + 1] = f"/ip4/10.200.0.{index + 1}/tcp/0"
-            proc = start_node(in_ns(index + 1, cmd), data_dir)
+            cmd[cmd.index("--listen") + 1] = f"/ip4/{lab.addr(index + 1)}/tcp/0"
+            proc = start_node(lab.wrap(index + 1, cmd), data_dir)
             procs.append(proc)
             states.append(wait_ready(proc, data_dir, timeout=180))
             bootstrap = bootstrap or states[0]["addrs"][:1]
-        ping = subprocess.run(in_ns(HOSTS, ["ping", "-U", "-c", "5", "-i", "0.2", "10.200.0.1"]),
-                              capture_output=True, text=True, timeout=60).stdout
+        ping = lab.run(HOSTS, ["ping", "-U", "-c", "5", "-i", "0.2", lab.addr(1)], capture_output=True,
+                       text=True).stdout
         rtt = ping.strip().splitlines()[-1] if ping else "?"
         print(f"ping consumer -> server: {rtt}", flush=True)
-        done = subprocess.run(in_ns(HOSTS, [sys.executable, __file__, "--client", bootstrap[0], "--trials",
-                                            str(args.trials), "--tokens", str(args.tokens)]),
-                              capture_output=True, text=True, timeout=1200)
+        done = lab.run(HOSTS, [sys.executable, __file__, "--client", bootstrap[0], "--trials", str(args.trials),
+                               "--tokens", str(args.tokens)], capture_output=True, text=True, timeout=1200)
         if done.returncode != 0:
             raise RuntimeError(f"the consumer failed: {done.stderr[-3000:]}")
         runs = json.loads(done.stdout.strip().splitlines()[-1])
@@ -172,9 +161,7 @@ def main() -> int:
         for proc in procs:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5)
-        if lab_up:
-            with contextlib.suppress(Exception):
-                netlab("down", str(HOSTS))
+        lab.close()
         shutil.rmtree(root, ignore_errors=True)
 
     for push, name in ((True, "push"), (False, "no_push")):

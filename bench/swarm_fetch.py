@@ -20,9 +20,10 @@ raw_3_verified  three raw sources (a third of the bytes each) into one reader th
           mandatory work (verify, persist) without its protocol. Measured in each
           pair too, so loopback_3 / raw_3_verified says what the protocol costs and
           raw_3_verified / raw what the topology and the work cost on this machine.
-wan       with --wan (root only): ../shared/tools/netlab hosts, `netlab.sh up 4 0 0 0
-          20mbit,20mbit,20mbit,-`: seeders on hosts 1-3 with 20mbit links, the
-          downloader on host 4 unshaped. The namespaces are removed on every exit path.
+wan       with --wan (root only): four hosts of the project's namespace harness
+          (tools/netlab), seeders on hosts 1-3 with 20mbit links (tbf, upload and
+          download), the downloader on host 4 unshaped, no added delay. The
+          namespaces are removed on every exit path.
 
 Human-readable lines first; the last line is one JSON object.
 """
@@ -51,7 +52,8 @@ if str(REPO / "src") not in sys.path:
         sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
-import netlab_tools  # noqa: E402  (bench/, next to this script)
+sys.path.insert(0, str(REPO / "tools"))
+import netlab  # noqa: E402  (tools/netlab, the project's namespace harness)
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
@@ -59,7 +61,7 @@ from compushare.app.swarm import wait_ready  # noqa: E402
 
 MODEL = "smollm2-135m"
 NETLAB_PREFIX = "csf"  # our own namespace names: nothing else's lab is touched
-WAN_RATES = "20mbit,20mbit,20mbit,-"
+WAN_RATES = ("20mbit", "20mbit", "20mbit", None)  # seeders shaped, the downloader not
 RAW_PROTOCOL = "/compushare-bench/raw/1.0.0"
 CHUNK = 1 << 20
 FETCH_TIMEOUT_S = 900
@@ -71,7 +73,7 @@ class Lab:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
-        self.netlab_up = False
+        self.net: netlab.Lab | None = None  # the namespaces, with --wan
 
     def start(self, cmd: list[str], log: Path) -> subprocess.Popen:
         handle = open(log, "ab")
@@ -95,19 +97,19 @@ class Lab:
                 proc.wait(timeout=5)
         self.procs.clear()
 
-    def netlab(self, *args: str) -> None:
-        netlab_tools.netlab(NETLAB_PREFIX, *args)
+    def wan_up(self) -> None:
+        self.net = netlab.Lab(netlab.Topology(NETLAB_PREFIX, hosts=4, rates=WAN_RATES))
+        self.net.__enter__()  # removes a lab left by a killed earlier run first
+
+    def in_ns(self, host: int | None, cmd: list[str]) -> list[str]:
+        """`cmd` on namespace host `host` (None: here, on loopback)."""
+        return cmd if host is None else self.net.wrap(host, cmd)
 
     def close(self) -> None:
         self.stop_all()
-        if self.netlab_up:
-            with contextlib.suppress(Exception):
-                self.netlab("down", "4")
-            self.netlab_up = False
-
-
-def in_ns(host: int | None, cmd: list[str]) -> list[str]:
-    return netlab_tools.in_ns(NETLAB_PREFIX, host, cmd)
+        if self.net is not None:
+            self.net.close()
+            self.net = None
 
 
 def start_seeders(lab: Lab, root: Path, count: int, ips: list[str], hosts: list[int | None]) -> list[dict]:
@@ -120,7 +122,7 @@ def start_seeders(lab: Lab, root: Path, count: int, ips: list[str], hosts: list[
                "--listen", f"/ip4/{ips[i]}/tcp/0", "--log-level", "warning"]
         for addr in boot:
             cmd += ["--bootstrap", addr]
-        proc = lab.start(in_ns(hosts[i], cmd), data_dir / "seed.log")
+        proc = lab.start(lab.in_ns(hosts[i], cmd), data_dir / "seed.log")
         states.append(wait_ready(proc, data_dir, timeout=120))
         if not boot:
             boot = states[0]["addrs"][:1]
@@ -131,7 +133,7 @@ def fetch_once(lab: Lab, root: Path, model_id: str, seeders: list[dict], host: i
     data_dir = root / f"downloader-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "compushare", "models", "fetch", model_id, "--data-dir", str(data_dir),
            "--bootstrap", seeders[0]["addrs"][0], "--json"]
-    done = subprocess.run(in_ns(host, cmd), capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+    done = subprocess.run(lab.in_ns(host, cmd), capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"fetch failed ({done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -285,7 +287,7 @@ def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool, trials: int 
     follows a raw-stream and a raw_3_verified measurement (side by side: this
     machine's speed drifts). Returns the 1-seeder result, the median 3-seeder result
     and the two references' rates."""
-    ips = [f"10.200.0.{i}" for i in (1, 2, 3)] if wan else ["127.0.0.1"] * 3
+    ips = [lab.net.addr(i) for i in (1, 2, 3)] if wan else ["127.0.0.1"] * 3
     hosts: list[int | None] = [1, 2, 3] if wan else [None] * 3
     downloader = 4 if wan else None
     print(f"{'wan (20mbit seeders)' if wan else 'loopback'}:", flush=True)
@@ -314,7 +316,7 @@ def run_scenario(lab: Lab, root: Path, model_id: str, *, wan: bool, trials: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wan", action="store_true", help="also run in netlab namespaces (root)")
+    parser.add_argument("--wan", action="store_true", help="also run in tools/netlab namespaces (root)")
     parser.add_argument("--raw-mib", type=int, default=512, help="as much as a fetch moves: both take as long")
     parser.add_argument("--trials", type=int, default=3, help="loopback 3-seeder fetches (median), each "
                                                                  "after a raw-stream measurement")
@@ -339,10 +341,7 @@ def main() -> None:
         raw = statistics.median(raws)
         wan1 = wan3 = None
         if args.wan:
-            netlab_tools.ensure_tools(delayer=False)  # no delay: tbf shaping only
-            lab.netlab("down", "4")  # a lab left by a killed earlier run
-            lab.netlab_up = True
-            lab.netlab("up", "4", "0", "0", "0", WAN_RATES)
+            lab.wan_up()
             wan1, wan3, _, _ = run_scenario(lab, root, model.model_id, wan=True)
     finally:
         lab.close()
