@@ -11,7 +11,7 @@ import trio
 from compushare.errors import PeerMisbehaved
 from compushare.karma.receipts import Receipt, countersign, sign_receipt
 from compushare.karma.record import karma_validators
-from compushare.karma.service import PAGE, REPLY_BYTES, KarmaService
+from compushare.karma.service import PAGE, REPLY_BYTES, KarmaBook, KarmaService
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
 from compushare.proofs import FailureReport, StepClaim, sign_step
@@ -65,3 +65,16 @@ def test_karma_service_pages_receipts_reports_and_refuses_reports_it_did_not_wit
                 await service._answer({"type": "bogus"})
 
     trio.run(main)
+
+
+def test_karma_book_checks_new_peers_at_once_rechecks_old_ones_and_backs_off_failures():
+    book = KarmaBook()
+    assert book.due(["a", "b"], now=100.0) == ["a", "b"]  # never checked: due at once
+    book.checked("a", 1.5, now=100.0)
+    book.checked("b", None, now=100.0)  # b showed no evidence
+    assert book.known("a") == 1.5 and book.known("b") is None and book.get("b") == 1.0
+    assert book.due(["a", "b", "c"], now=101.0) == ["c"]  # a is fresh; b is not retried at once
+    assert book.due(["a", "b"], now=100.0 + KarmaBook.RETRY_S) == ["b"]
+    assert book.due(["a", "b"], now=100.0 + KarmaBook.MAX_AGE_S) == ["a", "b"]
+    book.checked("b", 0.7, now=200.0)
+    assert book.known("b") == 0.7 and book.due(["b"], now=201.0) == []

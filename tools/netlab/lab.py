@@ -122,6 +122,7 @@ class Lab:
     def __enter__(self) -> Lab:
         if os.geteuid() != 0:
             raise LabError("network namespaces need root")
+        ensure_tools(self.python, delayer=False)
         down(self.topology.prefix)  # what a killed earlier run left
         try:
             self._up()
@@ -149,7 +150,8 @@ class Lab:
     def _up(self) -> None:
         top = self.topology
         self.netem = has_netem(top.prefix) if top.delayed else False
-        ensure_tools(self.python, delayer=top.delayed and not self.netem)
+        if top.delayed and not self.netem:
+            ensure_tools(self.python, delayer=True)
         for cmd in top.up_commands(netem=self.netem):
             _sh(cmd)
         if top.delayed and not self.netem:

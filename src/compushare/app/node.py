@@ -46,7 +46,10 @@ from ..torrent.service import Torrent
 log = logging.getLogger(__name__)
 
 COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
-KARMA_WATCH_S = 30.0  # the dashboard's karma of peers: checked this often, each round at most this long
+# The dashboard's karma of peers: a peer new in view is checked within KARMA_TICK_S
+# (KarmaBook says who is due: rechecks and retries are slower); a round takes at most KARMA_ROUND_S.
+KARMA_TICK_S = 5.0
+KARMA_ROUND_S = 30.0
 
 
 class Node:
@@ -268,8 +271,8 @@ class Node:
         """Check the karma of the peers in view, for the dashboard (and `status`)."""
         while True:
             peers = [ad.peer_id for ad in self.view.live(time.time())]
-            await self.karma_book.refresh(host, dht, peers, timeout_s=KARMA_WATCH_S)
-            await trio.sleep(KARMA_WATCH_S)
+            await self.karma_book.refresh(host, dht, peers, timeout_s=KARMA_ROUND_S)
+            await trio.sleep(KARMA_TICK_S)
 
     def _write_state(self, provider: Provider) -> dict:
         span = provider.span

@@ -317,12 +317,15 @@ async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
 
 class KarmaBook:
     """Verified scores of the peers a consumer may route through, recomputed at most
-    every MAX_AGE_S: routing breaks ties by them."""
+    every MAX_AGE_S: routing breaks ties by them. A peer whose check failed (no
+    record yet, unreachable) is tried again after RETRY_S, not on every refresh."""
 
     MAX_AGE_S = 60.0
+    RETRY_S = 30.0
 
     def __init__(self) -> None:
         self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, when)
+        self._failed: dict[str, float] = {}  # peer -> when its last check failed
 
     def get(self, peer_id: str) -> float:
         return self._scores.get(peer_id, (1.0, 0.0))[0]
@@ -332,16 +335,33 @@ class KarmaBook:
         entry = self._scores.get(peer_id)
         return entry[0] if entry is not None else None
 
-    async def refresh(self, host: IHost, dht: KadDHT, peers, *, timeout_s: float) -> None:
-        """Check the peers whose score is unknown or old, for at most `timeout_s`."""
-        now = time.monotonic()
-        stale = [p for p in peers if now - self._scores.get(p, (0.0, -self.MAX_AGE_S))[1] >= self.MAX_AGE_S]
+    def due(self, peers, now: float) -> list[str]:
+        """The peers to check now: never checked, or checked too long ago, and not failed lately."""
+        def is_due(peer: str) -> bool:
+            if now - self._failed.get(peer, -self.RETRY_S) < self.RETRY_S:
+                return False
+            entry = self._scores.get(peer)
+            return entry is None or now - entry[1] >= self.MAX_AGE_S
+        return [p for p in peers if is_due(p)]
 
+    def checked(self, peer_id: str, score: float | None, now: float) -> None:
+        """A check's outcome (None: it failed)."""
+        if score is None:
+            self._failed[peer_id] = now
+        else:
+            self._scores[peer_id] = (score, now)
+            self._failed.pop(peer_id, None)
+
+    async def refresh(self, host: IHost, dht: KadDHT, peers, *, timeout_s: float) -> None:
+        """Check the peers that are due, for at most `timeout_s`."""
         async def one(peer: str) -> None:
-            with contextlib.suppress(Exception):
-                self._scores[peer] = ((await karma_of(host, dht, peer)).score, time.monotonic())
+            try:
+                score = (await karma_of(host, dht, peer)).score
+            except Exception:  # no evidence to be had now: as unknown, retried later
+                score = None
+            self.checked(peer, score, time.monotonic())
 
         with trio.move_on_after(timeout_s):
             async with trio.open_nursery() as nursery:
-                for peer in stale:
+                for peer in self.due(peers, time.monotonic()):
                     nursery.start_soon(one, peer)
