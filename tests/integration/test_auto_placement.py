@@ -50,7 +50,7 @@ def wait_covered(processes, names, deadline: float) -> dict[str, tuple[int, int]
 
 def test_six_nodes_without_spans_cover_the_model_and_heal_after_two_die(processes, tmp_path):
     model = make_tiny_llama(tmp_path / "tiny30", layers=LAYERS)
-    extra = ["--max-blocks", str(MAX_BLOCKS)]
+    extra = ["--max-blocks", str(MAX_BLOCKS), "--ad-period", "1"]  # ads (and warm-ups) at test pace
     names = [f"n{i}" for i in range(NODES)]
     # All six start at once: the first one's address is fixed beforehand (its identity
     # and port), and the others retry the bootstrap until it answers.
