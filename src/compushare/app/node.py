@@ -13,7 +13,7 @@ import time
 import torch
 import trio
 
-from .. import __version__
+from .. import __version__, defences
 from ..config import PID_FILE, STATE_FILE, NodeConfig, Span
 from ..errors import UsageError
 from ..gc_policy import startup_done
@@ -78,6 +78,8 @@ class Node:
 
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
+        if defences.disabled_now():
+            log.warning("DEFENCES SWITCHED OFF (tests only): %s", ", ".join(defences.disabled_now()))
         torch.set_num_threads(config.torch_threads)
         # Prefills and long steps run in worker threads beside this loop (short decode
         # steps run on it: pipeline/server/compute.Compute.runs_inline). Every torch op lets go of the
