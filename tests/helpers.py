@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from compushare.model.catalog import import_path
+from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, StepClaim, step_digest
 from compushare.app.swarm import node_command, start_node, wait_ready
 
 TINY_LAYERS = 4
@@ -128,3 +129,16 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def signed_claim(key_pair, output: bytes, *, model: str, start: int, end: int, position: int, tokens: int,
+                 input_digest: bytes, prefix: bytes = GENESIS, dtype: str = "float32", mode: str = DEFAULT_MODE,
+                 peer: str | None = None) -> StepClaim:
+    """A server's claim of `output` for a step, signed by `key_pair` (as `peer`, if
+    given: a forgery), the way a server signs its step proofs."""
+    from libp2p.peer.id import ID
+
+    statement = Statement(mode, model, start, end, position, tokens, prefix, input_digest,
+                          step_digest(dtype, output, tokens))
+    return StepClaim(peer or ID.from_pubkey(key_pair.public_key).to_base58(), dtype, output,
+                     statement.sign(key_pair))

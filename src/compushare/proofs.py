@@ -1,12 +1,33 @@
 """Signed step outputs and failure reports. Pure, no I/O.
 
-A server signs every step it answers: "for model M, blocks s:e, given the input
-stream whose running digest is D (every hidden state this session sent to the span,
-in position order), the output of positions p..p+n-1 has digest O". Two such claims
-with the same (M, s, e, p, n, D) and outputs that differ beyond the tolerance prove
-that one of the two servers computed wrongly: a failure report anyone can check.
-The running digest covers the whole prefix, so a consumer cannot pair one server's
-answer with another server's answer to a different history.
+A server signs every step it answers (version 2 of the statement):
+
+    ["compushare/step-proof/v2", mode, model, start, end, position, tokens,
+     prefix, input, output]
+
+"computing in `mode` (fp32: its tolerance is fixed by TOLERANCES), blocks
+start:end of model M, after inputs whose chain is `prefix`, the input of positions
+position..position+tokens-1 with digest `input` gives the output with digest
+`output`". Digests are built from one digest per token row, which names the row's
+dtype:
+
+    t      = SHA-256(dtype || 0x00 || the row's little-endian bytes)
+    digest = SHA-256(t_position || ... || t_position+tokens-1)     (a step's input or output)
+    c_0    = 32 zero bytes;  c_i+1 = SHA-256(c_i || t_i)           (the input chain)
+
+and `prefix` is c_position. So a proof
+
+- covers the dtype and the shape of what it signs: relabelling an output's dtype
+  or cutting its rows breaks the signature;
+- survives a rollback: the chain is kept per position, and a truncate cuts it
+  back (speculation truncates KV caches);
+- can be linked without the bytes: server 2's signed `input` of a step is server
+  1's signed `output` of it when server 2 was given exactly server 1's output.
+
+Two such claims with the same statement up to `output`, whose outputs differ
+beyond TOLERANCES[mode], prove that one of the two servers computed wrongly: a
+failure report anyone can check. The reporter chooses nothing the verdict rests
+on: the tolerance is the protocol's, not the report's.
 """
 
 from __future__ import annotations
@@ -22,46 +43,100 @@ from libp2p.peer.id import ID
 from .errors import PeerMisbehaved
 from .net.dtypes import WIRE_NUMPY_DTYPES
 
-STEP_DOMAIN = "compushare/step-proof/v1"
-REPORT_FORMAT = "compushare/failure-report/v1"
-DEFAULT_TOLERANCE = 1e-3  # relative L2 error; chunking alone gives ~1e-5 on SmolLM2
+STEP_DOMAIN = "compushare/step-proof/v2"
+REPORT_FORMAT = "compushare/failure-report/v2"
+# Relative L2 error two honest servers' outputs of one step may differ by, per compute
+# mode (protocol.md's table): chunking alone gives ~1e-5 on SmolLM2 in fp32.
+TOLERANCES = {"fp32": 1e-3}
+DEFAULT_MODE = "fp32"
+DEFAULT_TOLERANCE = TOLERANCES[DEFAULT_MODE]
+REPORT_DTYPES = ("float32", "float16")  # reports compare these; bfloat16 outputs are not reportable
 MAX_REPORT_BYTES = 4 * 1024 * 1024
+DIGEST_BYTES = 32
+GENESIS = bytes(DIGEST_BYTES)
 
 
-class InputDigest:
-    """Running SHA-256 over a session's input bytes, independent of how they were chunked."""
+def token_digests(dtype: str, data: bytes | memoryview, tokens: int) -> list[bytes]:
+    """One digest per token row of `data` (`tokens` rows of `dtype` values)."""
+    view = memoryview(data).cast("B")
+    if tokens < 1 or len(view) % tokens:
+        raise ValueError(f"{len(view)} bytes are not {tokens} equal rows")
+    row, tag = len(view) // tokens, dtype.encode() + b"\x00"
+    return [hashlib.sha256(tag + view[i * row:(i + 1) * row]).digest() for i in range(tokens)]
+
+
+def rows_digest(digests: list[bytes]) -> bytes:
+    """The digest of a step's input or output, from its rows' digests."""
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
+def step_digest(dtype: str, data: bytes | memoryview, tokens: int) -> bytes:
+    return rows_digest(token_digests(dtype, data, tokens))
+
+
+class InputChain:
+    """The chain c_0..c_n over a session's input rows, and the rows' digests, kept
+    per position so that a truncate can cut them back (64 bytes per token held)."""
 
     def __init__(self) -> None:
-        self._hash = hashlib.sha256()
+        self._links = [GENESIS]
+        self._rows: list[bytes] = []
 
-    def update(self, data: bytes | memoryview) -> None:
-        self._hash.update(data)
+    def __len__(self) -> int:
+        """How many input tokens the chain covers."""
+        return len(self._rows)
 
-    def digest(self) -> bytes:
-        return self._hash.copy().digest()
+    def extend(self, digests: list[bytes]) -> None:
+        link = self._links[-1]
+        for digest in digests:
+            link = hashlib.sha256(link + digest).digest()
+            self._links.append(link)
+        self._rows.extend(digests)
+
+    def at(self, position: int) -> bytes:
+        """c_position: the chain over the first `position` inputs."""
+        return self._links[position]
+
+    def digest(self, position: int, tokens: int) -> bytes:
+        """The input digest of positions position..position+tokens-1."""
+        if not (0 <= position and tokens >= 1 and position + tokens <= len(self)):
+            raise ValueError(f"positions {position}+{tokens} are not all held ({len(self)})")
+        return rows_digest(self._rows[position:position + tokens])
+
+    def truncate(self, position: int) -> None:
+        if not 0 <= position <= len(self):
+            raise ValueError(f"cannot cut a chain of {len(self)} back to {position}")
+        del self._links[position + 1:]
+        del self._rows[position:]
 
 
-def statement(model_id: str, start: int, end: int, position: int, tokens: int, input_digest: bytes,
-              output_digest: bytes) -> bytes:
-    """The canonical bytes a server signs for one step."""
-    return msgpack.packb([STEP_DOMAIN, model_id, start, end, position, tokens, input_digest, output_digest],
-                         use_bin_type=True)
+@dataclasses.dataclass(frozen=True)
+class Statement:
+    """What a server signs for one step (see the module docstring)."""
 
+    mode: str
+    model_id: str
+    start: int
+    end: int
+    position: int
+    tokens: int
+    prefix: bytes
+    input_digest: bytes
+    output_digest: bytes
 
-def sign_step(key_pair: KeyPair, model_id: str, start: int, end: int, position: int, tokens: int,
-              input_digest: bytes, output_digest: bytes) -> bytes:
-    return key_pair.private_key.sign(
-        statement(model_id, start, end, position, tokens, input_digest, output_digest))
+    def encode(self) -> bytes:
+        return msgpack.packb([STEP_DOMAIN, self.mode, self.model_id, self.start, self.end, self.position,
+                              self.tokens, self.prefix, self.input_digest, self.output_digest], use_bin_type=True)
 
+    def sign(self, key_pair: KeyPair) -> bytes:
+        return key_pair.private_key.sign(self.encode())
 
-def verify_step(peer_id: str, signature: bytes, model_id: str, start: int, end: int, position: int,
-                tokens: int, input_digest: bytes, output_digest: bytes) -> bool:
-    try:
-        key = ID.from_base58(peer_id).extract_public_key()
-        return key is not None and bool(key.verify(
-            statement(model_id, start, end, position, tokens, input_digest, output_digest), signature))
-    except Exception:  # a malformed peer id or signature is simply not valid
-        return False
+    def verify(self, peer_id: str, signature: bytes) -> bool:
+        try:
+            key = ID.from_base58(peer_id).extract_public_key()
+            return key is not None and bool(key.verify(self.encode(), signature))
+        except Exception:  # a malformed peer id or signature is simply not valid
+            return False
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
@@ -90,48 +165,60 @@ class StepClaim:
 
 @dataclasses.dataclass(frozen=True)
 class FailureReport:
-    """Two signed, conflicting answers to the same step of the same input stream.
+    """Two signed, conflicting answers to the same step of the same input chain.
 
     `accused` is the server the reporter excluded (the checked one); the report
     itself proves only that the two disagree.
     """
 
+    mode: str
     model_id: str
     start: int
     end: int
     position: int
     tokens: int
+    prefix: bytes
     input_digest: bytes
     accused: StepClaim
     witness: StepClaim
-    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCES[self.mode]
+
+    def statement(self, claim: StepClaim) -> Statement:
+        """What `claim`'s server must have signed for its output."""
+        return Statement(self.mode, self.model_id, self.start, self.end, self.position, self.tokens, self.prefix,
+                         self.input_digest, step_digest(claim.dtype, claim.output, self.tokens))
 
     def error(self) -> float:
-        if self.accused.dtype == "bfloat16" or self.witness.dtype == "bfloat16":
-            return float("inf")  # reports carry float32/float16 outputs only
+        if self.accused.dtype not in REPORT_DTYPES or self.witness.dtype not in REPORT_DTYPES:
+            return float("inf")
         return relative_error(self.accused.array(), self.witness.array())
 
     def check(self) -> None:
         """Raise PeerMisbehaved unless both claims are signed and really conflict."""
         if self.accused.peer_id == self.witness.peer_id:
             raise PeerMisbehaved("a failure report needs two different servers")
+        if self.mode not in TOLERANCES:
+            raise PeerMisbehaved(f"compute mode {self.mode!r} has no tolerance in the protocol")
         for claim in (self.accused, self.witness):
-            if claim.dtype not in ("float32", "float16"):
+            if claim.dtype not in REPORT_DTYPES:
                 raise PeerMisbehaved(f"report output dtype {claim.dtype!r} is not float32/float16")
-            if len(claim.output) % WIRE_NUMPY_DTYPES[claim.dtype].itemsize:
-                raise PeerMisbehaved("report output length is not a whole number of values")
-            if not verify_step(claim.peer_id, claim.signature, self.model_id, self.start, self.end,
-                               self.position, self.tokens, self.input_digest,
-                               hashlib.sha256(claim.output).digest()):
+            if not claim.output or len(claim.output) % (WIRE_NUMPY_DTYPES[claim.dtype].itemsize * self.tokens):
+                raise PeerMisbehaved("report output is not a whole number of values in every token row")
+            if not self.statement(claim).verify(claim.peer_id, claim.signature):
                 raise PeerMisbehaved(f"the claim of {claim.peer_id} is not signed by it")
+        if self.accused.array().size != self.witness.array().size:
+            raise PeerMisbehaved("the two outputs have different shapes: not answers to one step")
         if not self.error() > self.tolerance:
             raise PeerMisbehaved("the two outputs agree within the tolerance: nothing to report")
 
     def to_wire(self) -> bytes:
         return msgpack.packb({
-            "format": REPORT_FORMAT, "model": self.model_id, "start": self.start, "end": self.end,
-            "position": self.position, "tokens": self.tokens, "input_digest": self.input_digest,
-            "accused": self.accused.to_wire(), "witness": self.witness.to_wire(), "tolerance": self.tolerance,
+            "format": REPORT_FORMAT, "mode": self.mode, "model": self.model_id, "start": self.start,
+            "end": self.end, "position": self.position, "tokens": self.tokens, "prefix": self.prefix,
+            "input_digest": self.input_digest, "accused": self.accused.to_wire(), "witness": self.witness.to_wire(),
         }, use_bin_type=True)
 
     @classmethod
@@ -143,27 +230,35 @@ class FailureReport:
             body = msgpack.unpackb(data, raw=False, strict_map_key=True)
             if body["format"] != REPORT_FORMAT:
                 raise ValueError(f"format {body['format']!r}")
+            if set(body) != _REPORT_KEYS:
+                raise ValueError(f"fields {sorted(body)}")
             claims = []
             for name in ("accused", "witness"):
                 c = body[name]
+                if set(c) != _CLAIM_KEYS:
+                    raise ValueError(f"{name} fields {sorted(c)}")
                 claims.append(StepClaim(_typed(c["peer"], str), _typed(c["dtype"], str),
                                         _typed(c["output"], bytes), _typed(c["sig"], bytes)))
-            report = cls(_typed(body["model"], str), _typed(body["start"], int), _typed(body["end"], int),
-                         _typed(body["position"], int), _typed(body["tokens"], int),
-                         _typed(body["input_digest"], bytes), claims[0], claims[1],
-                         float(_typed(body["tolerance"], float | int)))
+            report = cls(_typed(body["mode"], str), _typed(body["model"], str), _typed(body["start"], int),
+                         _typed(body["end"], int), _typed(body["position"], int), _typed(body["tokens"], int),
+                         _typed(body["prefix"], bytes), _typed(body["input_digest"], bytes), claims[0], claims[1])
         except PeerMisbehaved:
             raise
         except Exception as exc:
             raise PeerMisbehaved(f"malformed failure report: {exc}") from None
         if not (0 <= report.start < report.end and report.position >= 0 and report.tokens >= 1
-                and len(report.input_digest) == 32 and 0 < report.tolerance < 1):
+                and len(report.prefix) == DIGEST_BYTES and len(report.input_digest) == DIGEST_BYTES):
             raise PeerMisbehaved("failure report fields out of range")
         return report
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(self.to_wire()).hexdigest()
+
+
+_REPORT_KEYS = {"format", "mode", "model", "start", "end", "position", "tokens", "prefix", "input_digest",
+                "accused", "witness"}
+_CLAIM_KEYS = {"peer", "dtype", "output", "sig"}
 
 
 def _typed(value, kind):

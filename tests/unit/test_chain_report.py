@@ -16,7 +16,8 @@ from compushare.pipeline.client.chain_events import FileReport, Reply, Session
 from compushare.pipeline.client.chain_plan import build_report
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.messages import Proof
-from compushare.proofs import DEFAULT_TOLERANCE, FailureReport, sign_step
+from compushare.proofs import DEFAULT_MODE, GENESIS, FailureReport, step_digest
+from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(2)]
 PEERS = [ID.from_pubkey(kp.public_key).to_base58() for kp in KEYS]
@@ -33,8 +34,10 @@ def reply(index: int, output: np.ndarray, *, input_digest: bytes = INPUT, signed
     data = output.astype("<f4").tobytes()
     proof = None
     if signed:
-        sig = sign_step(KEYS[index], MODEL, START, END, POSITION, TOKENS, input_digest, hashlib.sha256(data).digest())
-        proof = Proof(POSITION, TOKENS, input_digest, sig)
+        claim = signed_claim(KEYS[index], data, model=MODEL, start=START, end=END, position=POSITION,
+                             tokens=TOKENS, input_digest=input_digest)
+        proof = Proof(POSITION, TOKENS, DEFAULT_MODE, GENESIS, input_digest, step_digest("float32", data, TOKENS),
+                      claim.signature)
     return Reply(output, data, "float32", proof)
 
 
@@ -43,7 +46,7 @@ def filed(accused: Reply, witness: Reply) -> FileReport:
 
 
 def test_two_signed_conflicting_answers_make_a_report_anyone_can_check():
-    report = build_report(MODEL, filed(reply(0, TRUE * np.float32(1.05)), reply(1, TRUE)), DEFAULT_TOLERANCE)
+    report = build_report(MODEL, filed(reply(0, TRUE * np.float32(1.05)), reply(1, TRUE)))
     assert isinstance(report, FailureReport)
     assert (report.accused.peer_id, report.witness.peer_id) == (PEERS[0], PEERS[1])
     assert (report.start, report.end, report.position, report.tokens) == (START, END, POSITION, TOKENS)
@@ -56,4 +59,4 @@ def test_two_signed_conflicting_answers_make_a_report_anyone_can_check():
     (reply(0, TRUE * np.float32(1 + 1e-6)), reply(1, TRUE)),  # within the tolerance: no conflict
 ])
 def test_no_report_without_matching_proofs_of_a_real_conflict(accused, witness):
-    assert build_report(MODEL, filed(accused, witness), DEFAULT_TOLERANCE) is None
+    assert build_report(MODEL, filed(accused, witness)) is None

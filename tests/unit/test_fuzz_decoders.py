@@ -40,7 +40,8 @@ from compushare.net.framing import FramedStream
 from compushare.net.records import ServerRecord, parse_record, record_key
 from compushare.net.signed import open_sealed, signer_of
 from compushare.net.tensors import WIRE_DTYPES, decode_tensor
-from compushare.proofs import FailureReport, StepClaim, sign_step
+from compushare.proofs import GENESIS, FailureReport
+from helpers import signed_claim
 from compushare.model.manifest import parse
 from compushare.torrent.protocol import decode_bitfield, parse_reply, parse_request
 
@@ -432,9 +433,9 @@ def _report() -> FailureReport:
     claims = []
     for kp, scale in ((ALICE, 1.0), (BOB, 2.0)):
         output = (np.arange(H, dtype="<f4") * scale).tobytes()
-        signature = sign_step(kp, MODEL, 0, 4, 7, 1, digest, hashlib.sha256(output).digest())
-        claims.append(StepClaim(peer_of(kp), "float32", output, signature))
-    return FailureReport(MODEL, 0, 4, 7, 1, digest, claims[0], claims[1])
+        claims.append(signed_claim(kp, output, model=MODEL, start=0, end=4, position=7, tokens=1,
+                                   input_digest=digest))
+    return FailureReport("fp32", MODEL, 0, 4, 7, 1, GENESIS, digest, claims[0], claims[1])
 
 
 REPORT = _report()

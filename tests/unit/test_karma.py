@@ -18,7 +18,8 @@ from compushare.karma.receipts import Receipt, countersign, parse_receipt, sign_
 from compushare.karma.record import (MAX_KARMA_RECORD_BYTES, KarmaRecord, check_evidence, karma_key, make_record,
                                      newest_karma_index, parse_karma_record)
 from compushare.karma.rules import DAILY_CAP_MS, REPORT_FACTOR, base_score, score, tally, verified_reports
-from compushare.proofs import FailureReport, StepClaim, sign_step
+from compushare.proofs import GENESIS, FailureReport, StepClaim
+from helpers import signed_claim
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -194,8 +195,8 @@ def test_karma_dht_select_keeps_the_newest_valid_record():
 
 def _claim(key_pair, output: np.ndarray, digest: bytes, position=5) -> StepClaim:
     data = output.astype("<f4").tobytes()
-    sig = sign_step(key_pair, "model-x", 0, 2, position, 1, digest, hashlib.sha256(data).digest())
-    return StepClaim(pid(key_pair), "float32", data, sig)
+    return signed_claim(key_pair, data, model="model-x", start=0, end=2, position=position, tokens=1,
+                        input_digest=digest)
 
 
 def _report(accused, witness, *, position=5, forge_with=None) -> bytes:
@@ -204,7 +205,7 @@ def _report(accused, witness, *, position=5, forge_with=None) -> bytes:
     bad = good + 0.5
     claim = _claim(forge_with or accused, bad, digest, position)
     claim = StepClaim(pid(accused), claim.dtype, claim.output, claim.signature)
-    return FailureReport("model-x", 0, 2, position, 1, digest, claim, _claim(witness, good, digest, position)).to_wire()
+    return FailureReport("fp32", "model-x", 0, 2, position, 1, GENESIS, digest, claim, _claim(witness, good, digest, position)).to_wire()
 
 
 def test_karma_failure_report_with_a_forged_signature_is_ignored():

@@ -14,7 +14,8 @@ from compushare.karma.record import karma_validators
 from compushare.karma.service import PAGE, REPLY_BYTES, KarmaBook, KarmaService
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
-from compushare.proofs import FailureReport, StepClaim, sign_step
+from compushare.proofs import GENESIS, FailureReport
+from helpers import signed_claim
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -30,9 +31,9 @@ def _report(accused, witness) -> FailureReport:
     claims = []
     for key_pair, value in ((accused, 1.5), (witness, 1.0)):
         data = np.full(64, value, dtype="<f4").tobytes()
-        sig = sign_step(key_pair, "m", 0, 2, 3, 1, digest, hashlib.sha256(data).digest())
-        claims.append(StepClaim(pid(key_pair), "float32", data, sig))
-    return FailureReport("m", 0, 2, 3, 1, digest, claims[0], claims[1])
+        claims.append(signed_claim(key_pair, data, model="m", start=0, end=2, position=3, tokens=1,
+                                   input_digest=digest))
+    return FailureReport("fp32", "m", 0, 2, 3, 1, GENESIS, digest, claims[0], claims[1])
 
 
 def test_karma_service_pages_receipts_reports_and_refuses_reports_it_did_not_witness(tmp_path):

@@ -57,7 +57,9 @@ requests = st.one_of(
     st.builds(m.ReceiptRequest, sessions, st.binary(max_size=64)),
     st.builds(m.CloseRequest, sessions),
 )
-proofs = st.builds(m.Proof, naturals, naturals, st.binary(min_size=32, max_size=32), st.binary(max_size=64))
+digests = st.binary(min_size=32, max_size=32)
+proofs = st.builds(m.Proof, naturals, naturals, st.sampled_from(["fp32", "int8"]), digests, digests, digests,
+                   st.binary(max_size=64))
 replies = st.one_of(
     st.builds(m.Opened, sessions, naturals),
     st.builds(m.Result, sessions, naturals, tensors(), st.floats(0, 1e6), st.one_of(st.none(), proofs)),

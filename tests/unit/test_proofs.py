@@ -1,17 +1,17 @@
-"""pipeline/proofs.py: signed step claims, chunking-independent input digests, failure reports
-that anyone can check and that no input can turn into anything but PeerMisbehaved."""
+"""proofs.py: signed step statements, the rewindable input chain, failure reports
+that anyone can check, that frame no one, and that no input can turn into anything
+but PeerMisbehaved."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import os
 
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_pair
@@ -20,47 +20,50 @@ from libp2p.peer.id import ID
 from compushare.errors import PeerMisbehaved
 from compushare.proofs import (
     DEFAULT_TOLERANCE,
+    GENESIS,
     MAX_REPORT_BYTES,
     REPORT_FORMAT,
+    TOLERANCES,
     FailureReport,
-    InputDigest,
+    InputChain,
+    Statement,
     StepClaim,
-    sign_step,
-    verify_step,
+    step_digest,
+    token_digests,
 )
+from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i]) * 32) for i in range(3)]
 PEERS = [ID.from_pubkey(kp.public_key).to_base58() for kp in KEYS]
 MODEL, START, END, POSITION, TOKENS = "model-x", 2, 5, 7, 2
-INPUT = hashlib.sha256(b"the session's inputs so far").digest()
+PREFIX = hashlib.sha256(b"the chain of the session's inputs before this step").digest()
+INPUT = hashlib.sha256(b"this step's input").digest()
 OUTPUT = hashlib.sha256(b"the step's output").digest()
-STEP = (MODEL, START, END, POSITION, TOKENS, INPUT, OUTPUT)
+STEP = Statement("fp32", MODEL, START, END, POSITION, TOKENS, PREFIX, INPUT, OUTPUT)
 
 
 # ---------------------------------------------------------------- sign / verify
 
 
 def test_sign_verify_round_trip():
-    signature = sign_step(KEYS[0], *STEP)
-    assert verify_step(PEERS[0], signature, *STEP)
-    assert not verify_step(PEERS[1], signature, *STEP)  # another peer did not sign it
+    signature = STEP.sign(KEYS[0])
+    assert STEP.verify(PEERS[0], signature)
+    assert not STEP.verify(PEERS[1], signature)  # another peer did not sign it
 
 
-@pytest.mark.parametrize(("index", "other"), [
-    (0, "model-y"), (1, START + 1), (2, END + 1), (3, POSITION + 1), (4, TOKENS + 1),
-    (5, hashlib.sha256(b"another history").digest()), (6, hashlib.sha256(b"another output").digest()),
+@pytest.mark.parametrize(("field", "other"), [
+    ("mode", "int8"), ("model_id", "model-y"), ("start", START + 1), ("end", END + 1), ("position", POSITION + 1),
+    ("tokens", TOKENS + 1), ("prefix", GENESIS), ("input_digest", OUTPUT), ("output_digest", INPUT),
 ])
-def test_any_changed_field_fails_verification(index, other):
-    signature = sign_step(KEYS[0], *STEP)
-    changed = list(STEP)
-    changed[index] = other
-    assert not verify_step(PEERS[0], signature, *changed)
+def test_any_changed_field_fails_verification(field, other):
+    signature = STEP.sign(KEYS[0])
+    assert not dataclasses.replace(STEP, **{field: other}).verify(PEERS[0], signature)
 
 
 def test_fields_do_not_run_together():
     """The statement is structured, not concatenated: (2, 15) and (21, 5) differ."""
-    signature = sign_step(KEYS[0], MODEL, 2, 15, POSITION, TOKENS, INPUT, OUTPUT)
-    assert not verify_step(PEERS[0], signature, MODEL, 21, 5, POSITION, TOKENS, INPUT, OUTPUT)
+    signature = dataclasses.replace(STEP, start=2, end=15).sign(KEYS[0])
+    assert not dataclasses.replace(STEP, start=21, end=5).verify(PEERS[0], signature)
 
 
 @pytest.mark.parametrize("peer", [
@@ -69,62 +72,93 @@ def test_fields_do_not_run_together():
     ID.from_pubkey(create_secp256k1_key_pair().public_key).to_base58(),  # signed with another key type
 ])
 def test_garbage_peer_id_is_not_valid_and_does_not_raise(peer):
-    assert verify_step(peer, sign_step(KEYS[0], *STEP), *STEP) is False
+    assert STEP.verify(peer, STEP.sign(KEYS[0])) is False
 
 
 @pytest.mark.parametrize("signature", [b"", b"\x00" * 64, b"\xff" * 63, b"\x01" * 65, os.urandom(64), "text", None])
 def test_garbage_signature_is_not_valid_and_does_not_raise(signature):
-    assert verify_step(PEERS[0], signature, *STEP) is False
+    assert STEP.verify(PEERS[0], signature) is False
 
 
-# ---------------------------------------------------------------- input digest
+# ---------------------------------------------------------------- digests and the input chain
 
 
-@given(st.binary(max_size=2000), st.lists(st.integers(0, 2000), max_size=8))
-def test_input_digest_is_independent_of_chunking(data, cuts):
-    """A replayed history sent in other chunks proves the same input stream."""
-    bounds = [0, *sorted(min(c, len(data)) for c in cuts), len(data)]
-    digest = InputDigest()
-    for lo, hi in itertools.pairwise(bounds):
-        digest.update(memoryview(data)[lo:hi] if lo % 2 else data[lo:hi])
-    assert digest.digest() == hashlib.sha256(data).digest()
+def test_a_row_digest_names_its_dtype_and_its_rows():
+    data = np.arange(8, dtype="<f4").tobytes()
+    assert step_digest("float32", data, 2) != step_digest("float16", data, 2)  # same bytes, other dtype
+    assert step_digest("float32", data, 2) != step_digest("float32", data, 1)  # same bytes, other shape
+    assert step_digest("float32", data, 2) != step_digest("float32", data[:16], 1)
+    with pytest.raises(ValueError):
+        token_digests("float32", data, 3)
 
 
-def test_input_digest_reading_does_not_end_it():
-    digest = InputDigest()
-    digest.update(b"ab")
-    assert digest.digest() == digest.digest() == hashlib.sha256(b"ab").digest()
-    digest.update(b"c")
-    assert digest.digest() == hashlib.sha256(b"abc").digest()
-    assert InputDigest().digest() == hashlib.sha256().digest()
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=6), st.lists(st.integers(1, 5), min_size=1, max_size=6))
+def test_the_chain_is_independent_of_chunking(first, second):
+    """A replayed history sent in other chunks has the same chain at every position."""
+    rows = [os.urandom(16) for _ in range(max(sum(first), sum(second)))]
+    chains = []
+    for sizes in (first, second):
+        chain, at = InputChain(), 0
+        for size in sizes:
+            if at + size > len(rows):
+                break
+            chain.extend(token_digests("float32", b"".join(rows[at:at + size]), size))
+            at += size
+        chains.append(chain)
+    common = min(len(c) for c in chains)
+    for position in range(common + 1):
+        assert chains[0].at(position) == chains[1].at(position)
+
+
+@given(st.integers(1, 12), st.data())
+def test_a_truncated_chain_equals_a_chain_that_never_held_the_rest(tokens, data):
+    """A rollback cuts the chain back: proofs go on after speculation's truncates."""
+    rows = [os.urandom(8) for _ in range(tokens)]
+    cut = data.draw(st.integers(0, tokens))
+    chain = InputChain()
+    chain.extend(token_digests("float16", b"".join(rows), tokens))
+    chain.truncate(cut)
+    other = os.urandom(8)
+    chain.extend(token_digests("float16", other, 1))
+    fresh = InputChain()
+    fresh.extend(token_digests("float16", b"".join(rows[:cut] + [other]), cut + 1))
+    assert len(chain) == len(fresh) == cut + 1
+    assert chain.at(cut + 1) == fresh.at(cut + 1) and chain.digest(cut, 1) == fresh.digest(cut, 1)
+    with pytest.raises(ValueError):
+        chain.truncate(cut + 2)
+
+
+def test_the_empty_chain_is_the_genesis():
+    assert InputChain().at(0) == GENESIS and len(InputChain()) == 0
 
 
 # ---------------------------------------------------------------- failure reports
 
 
 def claim(index: int, output: np.ndarray, *, dtype: str = "float32", signer: int | None = None,
-          input_digest: bytes = INPUT) -> StepClaim:
+          input_digest: bytes = INPUT, prefix: bytes = PREFIX) -> StepClaim:
     """Peer `index`'s signed claim (signed by `signer`'s key if given: a forgery)."""
     data = output.astype("<f4" if dtype == "float32" else "<f2").tobytes()
     key = KEYS[index if signer is None else signer]
-    signature = sign_step(key, MODEL, START, END, POSITION, TOKENS, input_digest, hashlib.sha256(data).digest())
-    return StepClaim(PEERS[index], dtype, data, signature)
+    return signed_claim(key, data, model=MODEL, start=START, end=END, position=POSITION, tokens=TOKENS,
+                        input_digest=input_digest, prefix=prefix, dtype=dtype, peer=PEERS[index])
 
 
 TRUE = np.random.default_rng(0).standard_normal(TOKENS * 64).astype(np.float32)
 WRONG = TRUE * np.float32(1.05)  # 5% off: far beyond the tolerance
 ROUNDED = TRUE * np.float32(1 + 1e-6)  # float rounding: within it
+ULP = np.nextafter(TRUE, np.float32(np.inf))  # one ulp apart
 
 
 def report(accused: StepClaim, witness: StepClaim, **overrides) -> FailureReport:
-    return dataclasses.replace(FailureReport(MODEL, START, END, POSITION, TOKENS, INPUT, accused, witness),
-                               **overrides)
+    return dataclasses.replace(FailureReport("fp32", MODEL, START, END, POSITION, TOKENS, PREFIX, INPUT, accused,
+                                             witness), **overrides)
 
 
 def test_report_of_two_conflicting_signed_claims_checks_and_round_trips():
     r = report(claim(0, WRONG), claim(1, TRUE))
     r.check()
-    assert r.error() == pytest.approx(0.05, rel=1e-4) and r.tolerance == DEFAULT_TOLERANCE
+    assert r.error() == pytest.approx(0.05, rel=1e-4) and r.tolerance == DEFAULT_TOLERANCE == TOLERANCES["fp32"]
     wire = r.to_wire()
     back = FailureReport.from_wire(wire)
     assert back == r and back.to_wire() == wire and back.digest == r.digest
@@ -151,12 +185,41 @@ def test_a_tampered_output_is_rejected():
         report(claim(0, TRUE), tampered).check()
 
 
+def test_byte_identical_outputs_relabelled_with_another_dtype_are_rejected():
+    """The first forgery found: the accused's honest float32 output, relabelled
+    float16, "differs" from the witness's identical bytes. The dtype is signed."""
+    accused, witness = claim(0, TRUE), claim(1, TRUE)
+    relabelled = dataclasses.replace(accused, dtype="float16")
+    forged = report(relabelled, witness, tokens=TOKENS)
+    assert forged.error() > DEFAULT_TOLERANCE  # what the reporter hoped to exploit
+    with pytest.raises(PeerMisbehaved, match="not signed"):
+        forged.check()
+
+
+def test_a_report_cannot_choose_its_tolerance():
+    """The second forgery: outputs one ulp apart with a tolerance of 1e-12. A report
+    has no tolerance field; the protocol's, per mode, decides."""
+    r = report(claim(0, ULP), claim(1, TRUE))
+    assert 0 < r.error() < 1e-6
+    with pytest.raises(PeerMisbehaved, match="agree within the tolerance"):
+        r.check()
+    body = msgpack.unpackb(r.to_wire(), raw=False)
+    body["tolerance"] = 1e-12
+    with pytest.raises(PeerMisbehaved, match="malformed"):
+        FailureReport.from_wire(msgpack.packb(body, use_bin_type=True))
+
+
+def test_a_mode_without_a_tolerance_is_rejected():
+    with pytest.raises(PeerMisbehaved, match="no tolerance"):
+        report(claim(0, WRONG), claim(1, TRUE), mode="exact").check()
+
+
 def test_both_claims_from_the_same_peer_are_rejected():
     with pytest.raises(PeerMisbehaved, match="two different servers"):
         report(claim(0, WRONG), claim(0, TRUE)).check()
 
 
-@pytest.mark.parametrize("output", [TRUE, ROUNDED])
+@pytest.mark.parametrize("output", [TRUE, ROUNDED, ULP])
 def test_agreeing_outputs_are_nothing_to_report(output):
     with pytest.raises(PeerMisbehaved, match="agree within the tolerance"):
         report(claim(0, output), claim(1, TRUE)).check()
@@ -180,21 +243,71 @@ def test_unknown_dtype_and_ragged_output_are_rejected():
         report(dataclasses.replace(accused, output=accused.output + b"\x00"), claim(1, TRUE)).check()
 
 
-def test_input_digest_other_than_the_signed_one_is_rejected():
+def test_outputs_of_different_shapes_are_not_answers_to_one_step():
+    """Each server signed its own output, but one signed fewer values per row: that
+    is not a disagreement about one step that a tolerance can judge."""
+    short = np.concatenate([TRUE.reshape(TOKENS, -1)[:, :32]]).ravel()
+    with pytest.raises(PeerMisbehaved, match="different shapes"):
+        report(claim(0, short), claim(1, TRUE)).check()
+
+
+def test_input_or_prefix_other_than_the_signed_ones_is_rejected():
     """Claims about different histories do not conflict: the report must name the
-    input digest both servers signed."""
+    prefix and input both servers signed."""
     other = hashlib.sha256(b"another history").digest()
-    with pytest.raises(PeerMisbehaved, match="not signed"):
-        report(claim(0, WRONG), claim(1, TRUE), input_digest=other).check()
+    for field in ("input_digest", "prefix"):
+        with pytest.raises(PeerMisbehaved, match="not signed"):
+            report(claim(0, WRONG), claim(1, TRUE), **{field: other}).check()
     with pytest.raises(PeerMisbehaved, match="not signed"):  # each signed a different history
-        report(claim(0, WRONG, input_digest=other), claim(1, TRUE)).check()
+        report(claim(0, WRONG, prefix=other), claim(1, TRUE)).check()
 
 
 @pytest.mark.parametrize(("field", "changed"), [("model_id", "model-y"), ("start", START - 1), ("end", END + 1),
-                                               ("position", POSITION + 1), ("tokens", TOKENS + 1)])
+                                               ("position", POSITION + 1), ("tokens", 1)])
 def test_report_fields_other_than_the_signed_ones_are_rejected(field, changed):
     with pytest.raises(PeerMisbehaved, match="not signed"):
         report(claim(0, WRONG), claim(1, TRUE), **{field: changed}).check()
+
+
+# Every field of a report's wire form, and a value to change it to of the same type.
+def _changed(value, draw):
+    if isinstance(value, bool) or value is None:
+        return not value
+    if isinstance(value, int):
+        return value + draw(st.sampled_from([-1, 1, 2]))
+    if isinstance(value, bytes):
+        index = draw(st.integers(0, max(0, len(value) - 1)))
+        return value[:index] + bytes([value[index] ^ draw(st.integers(1, 255))]) + value[index + 1:] if value \
+            else b"\x00"
+    if isinstance(value, str):
+        return draw(st.sampled_from([value + "x", value[:-1], "float16" if value == "float32" else "float32",
+                                     PEERS[2]]).filter(lambda v: v != value))
+    raise AssertionError(value)
+
+
+VALID = report(claim(0, WRONG), claim(1, TRUE))
+FIELDS = [(k,) for k, v in msgpack.unpackb(VALID.to_wire(), raw=False).items() if not isinstance(v, dict)] + \
+    [(who, k) for who in ("accused", "witness") for k in ("peer", "dtype", "output", "sig")]
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(FIELDS), st.data())
+def test_every_single_field_change_to_a_valid_report_is_rejected(path, data):
+    """Whatever one field of a kept report is changed to (same type, other value),
+    the report no longer checks: everything its verdict rests on is signed."""
+    body = msgpack.unpackb(VALID.to_wire(), raw=False)
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = _changed(target[path[-1]], data.draw)
+    with pytest.raises(PeerMisbehaved):
+        FailureReport.from_wire(msgpack.packb(body, use_bin_type=True)).check()
+
+
+def test_swapping_accused_and_witness_still_proves_only_a_disagreement():
+    """Not a single-field change: both claims stay signed, so the swapped report
+    checks too (a report proves two servers disagree; karma counts one per witness)."""
+    report(claim(1, TRUE), claim(0, WRONG)).check()
 
 
 # ---------------------------------------------------------------- from_wire on anything
@@ -224,8 +337,8 @@ BAD_FIELDS = [
     (("format",), "compushare/failure-report/v0"), (("format",), _DELETE), (("model",), 3),
     (("start",), True), (("start",), "2"), (("start",), -1), (("end",), START), (("position",), -1),
     (("tokens",), 0), (("tokens",), 1.0), (("input_digest",), INPUT[:31]), (("input_digest",), INPUT.hex()),
-    (("tolerance",), 0), (("tolerance",), 1.0), (("tolerance",), -0.5), (("tolerance",), "0.001"),
-    (("tolerance",), float("nan")), (("accused",), None), (("accused",), [1, 2]), (("witness", "peer"), b"x"),
+    (("prefix",), PREFIX[:31]), (("prefix",), None), (("mode",), 1), (("mode",), _DELETE), (("tolerance",), 1e-3),
+    (("accused",), None), (("accused",), [1, 2]), (("witness", "peer"), b"x"), (("witness", "extra"), 1),
     (("witness", "output"), "text"), (("witness", "sig"), _DELETE), (("accused", "dtype"), None),
 ]
 
@@ -269,7 +382,7 @@ msgpack_values = st.recursive(
     max_leaves=12,
 )
 paths = st.sampled_from([("format",), ("model",), ("start",), ("end",), ("position",), ("tokens",),
-                         ("input_digest",), ("tolerance",), ("accused",), ("witness",)]
+                         ("input_digest",), ("prefix",), ("mode",), ("accused",), ("witness",)]
                         + [(who, key) for who in ("accused", "witness") for key in ("peer", "dtype", "output", "sig")])
 
 

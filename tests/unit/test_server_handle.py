@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
-from compushare.proofs import verify_step
+from compushare.proofs import DEFAULT_MODE, InputChain, Statement, step_digest, token_digests
 from compushare.pipeline.server.inference import InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
@@ -127,17 +127,23 @@ def output(reply: dict) -> torch.Tensor:
     return decode_tensor(reply["hidden"], hidden_size=64, max_tokens=64)
 
 
-def assert_proof(reply: dict, start: int, end: int, inputs: bytes) -> None:
-    """The proof signs the last chunk's output over the digest of every input so far."""
+def assert_proof(reply: dict, start: int, end: int, inputs: bytes, dtype: str = "float32") -> None:
+    """The proof signs the last chunk's output after the chain of every input before
+    it, and the last chunk's input (all as sent)."""
     proof = reply["proof"]
-    assert proof["input_digest"] == hashlib.sha256(inputs).digest()
+    position, tokens = proof["position"], proof["tokens"]
+    chain = InputChain()
+    chain.extend(token_digests(dtype, inputs, position + tokens))
+    assert proof["mode"] == DEFAULT_MODE
+    assert proof["prefix"] == chain.at(position) and proof["input"] == chain.digest(position, tokens)
     data = reply["hidden"]["data"]
-    last = data[len(data) - len(data) // reply["hidden"]["shape"][1] * proof["tokens"]:]
-    assert verify_step(PEER_ID, proof["sig"], "model-x", start, end, proof["position"], proof["tokens"],
-                       proof["input_digest"], hashlib.sha256(last).digest())
+    last = data[len(data) - len(data) // reply["hidden"]["shape"][1] * tokens:]
+    assert proof["output"] == step_digest(reply["hidden"]["dtype"], last, tokens)
+    statement = Statement(DEFAULT_MODE, "model-x", start, end, position, tokens, proof["prefix"], proof["input"],
+                          proof["output"])
+    assert statement.verify(PEER_ID, proof["sig"])
     other = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
-    assert not verify_step(other, proof["sig"], "model-x", start, end, proof["position"], proof["tokens"],
-                           proof["input_digest"], hashlib.sha256(last).digest())
+    assert not statement.verify(other, proof["sig"])
 
 
 def test_chunked_step_is_bit_identical_to_separate_steps(runner):
@@ -226,7 +232,7 @@ def test_half_precision_inputs_are_digested_as_sent(runner):
     async def drive():
         reply = await step(server, await opened(server), 0, x, chunks=[2, 1])
         assert reply["hidden"]["dtype"] == "float16"
-        assert_proof(reply, 0, 2, x.numpy().tobytes())
+        assert_proof(reply, 0, 2, x.numpy().tobytes(), "float16")
 
     trio.run(drive)
 

@@ -515,6 +515,7 @@ class CoreMachine(RuleBasedStateMachine):
             pos, n, pushed, pushed_dtype = held.step
             if (position, data, dtype, chunks) == (pos, pushed, pushed_dtype, 1):
                 assert kind == "UsePushed" and decision.step.tokens == n
+                held.provable = held.provable and len(pushed) % n == 0  # rows the chain can take
                 held.length += n
                 held.unreceipted += n
                 self.served += n
@@ -541,7 +542,8 @@ class CoreMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "stepping")))
         held = self.model[sid]
         _, tokens, _, _ = held.step
-        self.table.end_step(self.session(sid), tokens, self.now, ok=ok, seconds=seconds, data=b"in")
+        self.table.end_step(self.session(sid), tokens, self.now, ok=ok, seconds=seconds, data=b"in!!" * tokens,
+                            dtype="float32")
         if ok:
             held.length += tokens
             held.unreceipted += tokens
@@ -601,7 +603,6 @@ class CoreMachine(RuleBasedStateMachine):
             expected = None
         assert code_of(self.table.truncate, sid, position, self.now) == expected
         if expected is None:
-            held.provable = held.provable and position == held.length
             held.length, held.last_used = position, self.now
 
     @precondition(lambda self: self.model)
@@ -654,7 +655,8 @@ class CoreMachine(RuleBasedStateMachine):
             assert step == held.step
             assert (s.last_used, s.upstream, s.receipt_seq, s.unreceipted_tokens) == (
                 held.last_used, held.upstream, held.receipt_seq, held.unreceipted)
-            assert (s.digest is not None) == held.provable
+            assert (s.chain is not None) == held.provable  # a truncate keeps it: the chain is cut back
+            assert s.chain is None or len(s.chain) == s.length
 
 
 CoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -1,4 +1,4 @@
-"""The messages of /compushare/infer/1.3.0, typed. Pure: no I/O, no torch, no libp2p.
+"""The messages of /compushare/infer/1.4.0, typed. Pure: no I/O, no torch, no libp2p.
 
 Every request and reply is a frozen dataclass with `to_wire()` (the msgpack map of
 protocol.md). `decode_request` and `decode_reply` are the only readers of those
@@ -96,27 +96,33 @@ class Downstream:
 
 @dataclasses.dataclass(frozen=True)
 class Proof:
-    """A step proof (proofs.py): the server's signature over the last chunk's output."""
+    """A step proof (proofs.py): the server's signed statement about the last chunk."""
 
     position: int
     tokens: int
+    mode: str
+    prefix: bytes
     input_digest: bytes
+    output_digest: bytes
     sig: bytes
 
     def to_wire(self) -> dict:
-        return {"position": self.position, "tokens": self.tokens, "input_digest": self.input_digest,
-                "sig": self.sig}
+        return {"position": self.position, "tokens": self.tokens, "mode": self.mode, "prefix": self.prefix,
+                "input": self.input_digest, "output": self.output_digest, "sig": self.sig}
 
     @classmethod
     def from_wire(cls, value: object) -> Proof | None:
-        """None unless a map of these four typed fields: a proof that cannot be read
-        cannot convict anyone, so it counts as none."""
+        """None unless a map of these typed fields: a proof that cannot be read cannot
+        convict anyone, so it counts as none."""
         if not isinstance(value, dict):
             return None
-        position, tokens, digest, sig = (value.get(k) for k in ("position", "tokens", "input_digest", "sig"))
-        if not (_is_int(position) and _is_int(tokens) and isinstance(digest, bytes) and isinstance(sig, bytes)):
+        position, tokens, mode, prefix, digest, output, sig = (
+            value.get(k) for k in ("position", "tokens", "mode", "prefix", "input", "output", "sig"))
+        if not (_is_int(position) and _is_int(tokens) and isinstance(mode, str) and len(mode) <= 16
+                and all(isinstance(d, bytes) and len(d) == 32 for d in (prefix, digest, output))
+                and isinstance(sig, bytes) and len(sig) <= 128):
             return None
-        return cls(position, tokens, digest, sig)
+        return cls(position, tokens, mode, prefix, digest, output, sig)
 
 
 def parse_peer(value: object, name: str) -> str:

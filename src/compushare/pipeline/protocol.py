@@ -1,6 +1,6 @@
-"""/compushare/infer/1.3.0 — see protocol.md for the full description."""
+"""/compushare/infer/1.4.0 — see protocol.md for the full description."""
 
-INFER_PROTOCOL = "/compushare/infer/1.3.0"
+INFER_PROTOCOL = "/compushare/infer/1.4.0"
 SESSION_ID_BYTES = 16
 
 # Error codes carried in {"type": "error", "code": ...} replies.

@@ -1,4 +1,4 @@
-"""The consumer's side of /compushare/infer/1.3.0: a chain of sessions that outlives
+"""The consumer's side of /compushare/infer/1.4.0: a chain of sessions that outlives
 its servers.
 
 The chain keeps what it sent into every block boundary. When a hop fails
@@ -139,7 +139,7 @@ class InferenceChain:
                 elif isinstance(action, Close):
                     await self._remotes[action.session].close()
                 elif isinstance(action, FileReport):
-                    report = build_report(self.model_id, action, self.tolerance)
+                    report = build_report(self.model_id, action)
                     if report is not None:
                         self.reports.append(report)
                 else:

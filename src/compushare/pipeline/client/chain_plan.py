@@ -110,26 +110,33 @@ def judge(primary, check, arbiter, tolerance: float) -> str:
     return "primary" if check_ok else "both"
 
 
-def build_report(model_id: str, filed: FileReport, tolerance: float) -> FailureReport | None:
-    """The failure report for `filed`, when both replies carry matching signed proofs."""
+def build_report(model_id: str, filed: FileReport) -> FailureReport | None:
+    """The failure report for `filed`, when both replies carry proofs of one statement
+    but for the output (the same mode, step, prefix and input)."""
     accused, witness = filed.accused, filed.witness
     ours, theirs = filed.accused_reply, filed.witness_reply
     proofs = ours.proof, theirs.proof
     try:
-        if None in proofs or proofs[0].input_digest != proofs[1].input_digest:
+        if None in proofs or _common(proofs[0]) != _common(proofs[1]):
             raise PeerMisbehaved("the two answers do not carry proofs for the same input")
+        proof = proofs[0]
+        if (proof.position, proof.tokens) != (filed.position, filed.tokens):
+            raise PeerMisbehaved("the proofs are not of the disputed step")
         report = FailureReport(
-            model_id, accused.hop.start, accused.hop.end, filed.position, filed.tokens,
-            proofs[0].input_digest,
+            proof.mode, model_id, accused.hop.start, accused.hop.end, proof.position, proof.tokens, proof.prefix,
+            proof.input_digest,
             StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0].sig),
             StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1].sig),
-            tolerance=tolerance,
         )
         report.check()
-    except (PeerMisbehaved, KeyError, TypeError) as exc:
+    except (PeerMisbehaved, KeyError, TypeError, ValueError) as exc:
         log.warning("mismatch on blocks %d:%d without a checkable report: %s", accused.hop.start,
                     accused.hop.end, exc)
         return None
     log.warning("failure report %s: %s disagrees with %s on blocks %d:%d", report.digest[:12],
                 accused.peer_id, witness.peer_id, accused.hop.start, accused.hop.end)
     return report
+
+
+def _common(proof) -> tuple:
+    return proof.mode, proof.position, proof.tokens, proof.prefix, proof.input_digest

@@ -1,4 +1,4 @@
-"""The provider: serves a span of blocks over /compushare/infer/1.3.0.
+"""The provider: serves a span of blocks over /compushare/infer/1.4.0.
 
 A thin trio driver. One handler task per stream reads frames in order (a stream
 may carry several sessions); each frame is rate-limited per peer, decoded once
@@ -12,7 +12,6 @@ remaining bytes cannot be skipped safely.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 
@@ -26,7 +25,7 @@ from ...model.blocks import SpanRunner
 from ...net.limits import PeerRateLimiter
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
-from ...proofs import sign_step
+from ...proofs import DEFAULT_MODE, Statement, step_digest
 from .. import protocol
 from ..messages import (
     CloseRequest, Closed, ErrorReply, Linked, LinkRequest, Opened, OpenRequest, Proof, PushRequest, Receipted,
@@ -197,12 +196,13 @@ class InferenceServer:
             if len(chunks) == 1 and self.speculation is not None:  # a replay (chunks) is not worth pushing
                 # Queued before the reply: the next hop starts before the consumer's copy arrives.
                 self.speculation.push_on(session.downstream, position, encoded)
-            table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data)
+            table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data,
+                           dtype=request.hidden.dtype)
         if request.last_only:
             output = output[:, -chunks[-1]:]
             encoded = wire(output.to(hidden.dtype))
         proof = None
-        if session.digest is not None:
+        if session.chain is not None:
             proof = prove(self.key_pair, self.model_id, session, position + tokens - chunks[-1], chunks[-1],
                           encoded, output.shape[1])
         if self.speculation is not None:
@@ -238,11 +238,12 @@ class InferenceServer:
 
 def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tokens: int, encoded: WireTensor,
           returned: int) -> Proof:
-    """The step proof of the last chunk's output: the last `tokens` of the `returned`
-    tokens `encoded`, over every input the session has sent (proofs.py)."""
+    """The step proof of the last chunk (positions position..position+tokens-1):
+    the last `tokens` of the `returned` token rows `encoded` (proofs.py)."""
     data = encoded.data
     last = memoryview(data)[len(data) - len(data) // returned * tokens:]
-    input_digest = session.digest.digest()
-    signature = sign_step(key_pair, model_id, session.start, session.end, position, tokens, input_digest,
-                          hashlib.sha256(last).digest())
-    return Proof(position, tokens, input_digest, signature)
+    statement = Statement(DEFAULT_MODE, model_id, session.start, session.end, position, tokens,
+                          session.chain.at(position), session.chain.digest(position, tokens),
+                          step_digest(encoded.dtype, last, tokens))
+    return Proof(position, tokens, statement.mode, statement.prefix, statement.input_digest,
+                 statement.output_digest, statement.sign(key_pair))

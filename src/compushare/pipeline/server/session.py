@@ -19,7 +19,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from .. import protocol
-from ...proofs import InputDigest
+from ...proofs import InputChain, token_digests
 
 if TYPE_CHECKING:
     from ..messages import Downstream
@@ -138,7 +138,7 @@ class Session:
     step: Step | None = None
     cache: object = None  # the KV cache; opaque here
     owner: str = ""  # the peer that opened it
-    digest: InputDigest | None = dataclasses.field(default_factory=InputDigest)  # every input, in order
+    chain: InputChain | None = dataclasses.field(default_factory=InputChain)  # every input row's digest, in order
     # Karma: what the next receipt may cover (the steps computed since the last one).
     receipt_seq: int = 0
     unreceipted_tokens: int = 0
@@ -271,24 +271,27 @@ class SessionTable:
         return self._begin(session_id, Event.STEP, position, tokens, now)
 
     def end_step(self, session: Session, tokens: int, now: float, *, ok: bool, seconds: float = 0.0,
-                 data: bytes | None = None) -> None:
-        """The consumer's step ended (DONE: `data` is its input, for the running
-        digest), or a compute failed and its cache was rolled back (FAILED)."""
+                 data: bytes | None = None, dtype: str | None = None) -> None:
+        """The consumer's step ended (DONE: `data` is its input, of wire `dtype`, for
+        the input chain), or a compute failed and its cache was rolled back (FAILED)."""
         if session.step is None or session.step.tokens != tokens:
             raise InvalidTransition(f"no step of {tokens} tokens in flight")
         self._fire(session, Event.DONE if ok else Event.FAILED)
         session.step = None
         session.last_used = now
         if ok:
-            self._ran(session, tokens, seconds, data)
+            self._ran(session, tokens, seconds, data, dtype)
 
-    def _ran(self, session: Session, tokens: int, seconds: float, data: bytes | None) -> None:
+    def _ran(self, session: Session, tokens: int, seconds: float, data: bytes | None, dtype: str | None) -> None:
+        if session.chain is not None:
+            if data is None or dtype is None or len(data) % tokens:
+                session.chain = None  # an input not told in rows: no later step is provable
+            else:
+                session.chain.extend(token_digests(dtype, data, tokens))
         session.length += tokens
         session.unreceipted_tokens += tokens
         session.unreceipted_ms += seconds * 1000
         self.tokens_served += tokens
-        if session.digest is not None and data is not None:
-            session.digest.update(data)
 
     def truncate(self, session_id: bytes, position: int, now: float) -> Session:
         """TRUNCATE: the cache keeps its first `position` tokens (a pushed step waiting
@@ -298,9 +301,8 @@ class SessionTable:
         if not (0 <= position <= session.length):
             raise Rejected(protocol.OUT_OF_ORDER, f"cannot truncate to {position}: holds {session.length}")
         self._fire(session, Event.TRUNCATE)
-        if position != session.length:
-            # The running digest cannot be rewound: steps after a rollback are not provable.
-            session.digest = None
+        if session.chain is not None:
+            session.chain.truncate(position)  # proofs go on after a rollback
         session.length = position
         session.last_used = now
         return session
@@ -390,7 +392,7 @@ class SessionTable:
             session.step = None
             session.last_used = now
             self.speculation_hits += 1
-            self._ran(session, step.tokens, step.seconds, data)
+            self._ran(session, step.tokens, step.seconds, data, dtype)
             return UsePushed(step)
         self._fire(session, Event.MISMATCH)
         session.step = None
