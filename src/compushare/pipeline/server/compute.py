@@ -1,6 +1,8 @@
 """Where a step's forward runs, and what this server measures of its compute.
 
-Torch runs in worker threads behind a CapacityLimiter, so the event loop keeps
+A step is computed as pieces (scheduler.pieces), each waiting for its turn in the
+FairScheduler, so one peer's long prefill cannot hold another's decode step for
+more than one piece. Torch runs in worker threads, so the event loop keeps
 reading every stream (yamux resets a stream whose reader stalls for 5 s); a short
 one-token step runs on the event loop itself (`runs_inline`). Every step's compute
 time feeds the load and throughput this server advertises, and decode steps refine
@@ -10,6 +12,8 @@ its decode rate (block-steps/s), which predicts how long the next one takes.
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import time
 
 import torch
@@ -18,6 +22,7 @@ import trio
 from ...model.blocks import SpanRunner
 from ...net.tensors import encode_tensor
 from ..messages import WireTensor
+from .scheduler import FairScheduler, Ticket, pieces
 
 LOAD_WINDOW_S = 10.0
 RATE_EWMA = 0.2
@@ -27,39 +32,57 @@ INLINE_MAX_S = 0.05
 
 
 class Compute:
-    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0) -> None:
-        self.limiter = trio.CapacityLimiter(threads)
+    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
+        self.scheduler = FairScheduler(threads, fair=fair)
+        self._threads = trio.CapacityLimiter(threads)
+        self._granted: dict[Ticket, trio.Event] = {}
         self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
         self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
 
     async def run(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
-                  end: int, chunks: list[int]) -> tuple[torch.Tensor, float]:
+                  end: int, chunks: list[int], peer: str = "") -> tuple[torch.Tensor, float]:
         """The output of blocks start:end for `hidden` at `position`, and the seconds its
-        forward took. On failure the cache may hold part of the step: the caller rolls
-        it back."""
-
-        def compute() -> tuple:
-            # Chunks run one after another, exactly as the original steps did: a replayed
-            # history then rebuilds the very same KV cache (one batched prefill would not).
-            # Timed in the worker: waiting for the limiter is queueing (load), not speed.
-            began = time.perf_counter()
-            outputs, offset = [], 0
-            for size in chunks:
-                outputs.append(runner.forward(hidden[:, offset:offset + size], cache, position + offset, start, end))
-                offset += size
-            out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-            if self.noise > 0:
-                out = out + torch.randn_like(out) * self.noise * out.abs().mean()
-            return out, time.perf_counter() - began
-
-        if self.runs_inline(runner, chunks, end - start):
-            async with self.limiter:  # never beside a long step in a worker thread
-                output, seconds = compute()
-        else:
-            output, seconds = await trio.to_thread.run_sync(compute, limiter=self.limiter)
+        forwards took (waiting for turns is queueing, not speed). On failure the cache
+        may hold part of the step: the caller rolls it back."""
+        # Pieces run one after another, exactly as the original steps' did: a replayed
+        # history then rebuilds the very same KV cache (one batched prefill would not).
+        outputs, offset, seconds = [], 0, 0.0
+        sizes = pieces(chunks, fair=self.scheduler.fair)
+        inline = self.runs_inline(runner, sizes, end - start)
+        for size in sizes:
+            piece = hidden[:, offset:offset + size]
+            forward = functools.partial(_timed, runner.forward, piece, cache, position + offset, start, end)
+            async with self.turn(peer, size):
+                out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+            outputs.append(out)
+            offset += size
+            seconds += took
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self.noise > 0:
+            output = output + torch.randn_like(output) * self.noise * output.abs().mean()
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
+
+    @contextlib.asynccontextmanager
+    async def turn(self, peer: str, tokens: int):
+        """Hold one of the compute slots for a piece of `tokens` tokens of `peer`'s."""
+        ticket = self.scheduler.submit(peer, tokens)
+        try:
+            self._grant()
+            if not ticket.granted:
+                event = self._granted[ticket] = trio.Event()
+                await event.wait()
+            yield
+        finally:
+            self._granted.pop(ticket, None)
+            self.scheduler.done(ticket)
+            self._grant()
+
+    def _grant(self) -> None:
+        for ticket in self.scheduler.grant():
+            if ticket in self._granted:
+                self._granted[ticket].set()
 
     def runs_inline(self, runner: SpanRunner, chunks: list[int], blocks: int) -> bool:
         """Whether a step runs on the event loop rather than in a worker thread.
@@ -72,7 +95,7 @@ class Compute:
         loop for the forward's duration, so only short one-token steps qualify,
         predicted from the measured rate; prefills, replays, several compute threads
         and slowed runners stay in threads."""
-        if chunks != [1] or self.limiter.total_tokens != 1 or runner.slowdown > 1.0:
+        if chunks != [1] or self.scheduler.slots != 1 or runner.slowdown > 1.0:
             return False
         return self.block_rate > 0 and blocks / self.block_rate <= INLINE_MAX_S
 
@@ -98,6 +121,11 @@ class Compute:
         while self.busy and self.busy[0][0] < now - LOAD_WINDOW_S:
             self.busy.popleft()
         return now
+
+
+def _timed(forward, *args) -> tuple[torch.Tensor, float]:
+    began = time.perf_counter()
+    return forward(*args), time.perf_counter() - began
 
 
 def wire(tensor: torch.Tensor) -> WireTensor:

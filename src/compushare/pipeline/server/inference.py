@@ -19,6 +19,7 @@ import torch
 import trio
 from libp2p.crypto.keys import KeyPair
 
+from ... import defences
 from ...config import ServerLimits
 from ...errors import FrameError, PeerMisbehaved
 from ...model.blocks import SpanRunner
@@ -56,8 +57,10 @@ class InferenceServer:
         self.sessions = SessionTable(
             budget_tokens=limits.kv_budget_tokens, max_session_tokens=limits.max_session_tokens,
             max_step_tokens=limits.max_step_tokens, idle_timeout_s=limits.session_idle_timeout_s,
-            max_sessions=limits.max_sessions, max_sessions_per_peer=limits.max_sessions_per_peer)
-        self.compute = Compute(limits.compute_threads, block_rate=block_rate, noise=noise)
+            max_sessions=limits.max_sessions, max_sessions_per_peer=limits.max_sessions_per_peer,
+            fair=not defences.disabled("fair_share"))
+        self.compute = Compute(limits.compute_threads, block_rate=block_rate, noise=noise,
+                               fair=not defences.disabled("fair_share"))
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
         self.speculation: Speculation | None = None  # set by enable_push: this server pushes and takes pushes
@@ -156,6 +159,9 @@ class InferenceServer:
         if not (runner.start <= start < end <= runner.end):
             raise Rejected(protocol.BAD_SPAN, f"{start}:{end} is not within {runner.start}:{runner.end}")
         session = table.open(request.session, start, end, request.max_tokens, time.monotonic(), owner=peer)
+        for lost in table.take_reclaimed():
+            log.info("session %s of %s reclaimed for a peer within its fair share; freed %d tokens",
+                     lost.session_id.hex()[:8], lost.owner[-8:], lost.max_tokens)
         session.cache = runner.new_cache()
         return Opened(request.session, table.free_tokens)
 
@@ -229,7 +235,7 @@ class InferenceServer:
         step failed, and the error propagates."""
         try:
             return await self.compute.run(runner, session.cache, hidden, step.position, session.start, session.end,
-                                          chunks)
+                                          chunks, peer=session.owner)
         except BaseException:
             runner.truncate(session.cache, step.position)  # a failed forward may have half-appended
             self.sessions.failed(session, step, time.monotonic())

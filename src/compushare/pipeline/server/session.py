@@ -19,6 +19,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from .. import protocol
+from . import kv_share
 from ...proofs import InputChain, token_digests
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Event(enum.Enum):
     LINK = "link"
     CLOSE = "close"
     EXPIRE = "expire"  # idle longer than the timeout
+    RECLAIM = "reclaim"  # its peer holds more than its fair share of the KV budget, and another wants it
 
 
 S, E = State, Event
@@ -71,6 +73,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.READY, E.LINK): S.READY,
     (S.READY, E.CLOSE): S.CLOSED,
     (S.READY, E.EXPIRE): S.CLOSED,
+    (S.READY, E.RECLAIM): S.CLOSED,
 
     (S.STEPPING, E.DONE): S.READY,
     (S.STEPPING, E.FAILED): S.READY,
@@ -91,6 +94,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.SPECULATED, E.LINK): S.SPECULATED,
     (S.SPECULATED, E.CLOSE): S.CLOSED,
     (S.SPECULATED, E.EXPIRE): S.CLOSED,  # a pushed step its consumer never confirmed does not hold a session
+    (S.SPECULATED, E.RECLAIM): S.CLOSED,
 
     # Work begun before its session closed still ends (its reply still goes out).
     (S.CLOSED, E.DONE): S.CLOSED,
@@ -175,9 +179,15 @@ class RollBack:
 
 
 class SessionTable:
+    """Every session of a server, and the KV budget they share max-min fairly
+    (kv_share.py): a session of a peer over its share is reclaimed, however cheaply
+    it is kept alive, when another peer within its share needs the room."""
+
     def __init__(self, *, budget_tokens: int, max_session_tokens: int, max_step_tokens: int,
-                 idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32) -> None:
+                 idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32,
+                 fair: bool = True) -> None:
         self.budget_tokens = budget_tokens
+        self.fair = fair
         self.max_sessions = max_sessions
         self.max_sessions_per_peer = max_sessions_per_peer
         self.max_session_tokens = max_session_tokens
@@ -187,6 +197,7 @@ class SessionTable:
         self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
         self.speculation_hits = 0  # pushed steps the consumer confirmed
         self.speculation_misses = 0  # pushed steps rolled back for the consumer's other input
+        self.reclaimed: list[Session] = []  # sessions reclaimed for fair shares, until the driver takes them
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -233,13 +244,35 @@ class SessionTable:
         if not (1 <= max_tokens <= self.max_session_tokens):
             raise Rejected(protocol.TOO_LONG, f"max_tokens must be 1..{self.max_session_tokens}")
         if max_tokens > self.free_tokens:
-            raise Rejected(
-                protocol.BUSY,
-                f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked",
-            )
+            self._reclaim_for(owner, max_tokens)
         session = Session(session_id, start, end, max_tokens, last_used=now, owner=owner)
         self._sessions[session_id] = session
         return session
+
+    def fair_share(self, owner: str) -> int:
+        """The KV tokens `owner` may hold when the budget is contended."""
+        return kv_share.fair_share(self.budget_tokens, self._sessions.values(), owner)
+
+    def _reclaim_for(self, owner: str, max_tokens: int) -> None:
+        """Make room for `owner`'s ask by reclaiming sessions of peers over their fair
+        share (see the class docstring), or raise Rejected(busy) and change nothing."""
+        full = f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked"
+        if not self.fair:
+            raise Rejected(protocol.BUSY, full)
+        plan = kv_share.plan_reclaim(
+            self.budget_tokens, [s for s in self._sessions.values() if (s.state, Event.RECLAIM) in TRANSITIONS],
+            self._sessions.values(), owner, max_tokens)
+        if isinstance(plan, str):
+            raise Rejected(protocol.BUSY, f"{full}; {plan}")
+        for session in plan:
+            del self._sessions[session.session_id]
+            self._fire(session, Event.RECLAIM)
+            self.reclaimed.append(session)
+
+    def take_reclaimed(self) -> list[Session]:
+        """The sessions reclaimed since the last call (the driver logs them)."""
+        taken, self.reclaimed = self.reclaimed, []
+        return taken
 
     def get(self, session_id: bytes) -> Session:
         session = self._sessions.get(session_id)
