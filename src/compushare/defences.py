@@ -3,7 +3,7 @@ benchmarks that show the defence matters (each hostile-peer test runs its attack
 once with the defence on and, where cheap, once with it off, and expects the
 attack to work then).
 
-    COMPUSHARE_DISABLE_DEFENCES=fair_share,yamux_window compushare node ...
+    COMPUSHARE_DISABLE_DEFENCES=fair_compute,yamux_window compushare node ...
 
 Nothing else reads this variable and no user should set it: a node started with a
 defence off says so in its log at start-up.
@@ -15,7 +15,8 @@ import os
 
 ENV = "COMPUSHARE_DISABLE_DEFENCES"
 KNOWN = frozenset({
-    "fair_share",  # per-peer shares of the KV budget and of compute (pipeline/server)
+    "fair_kv",  # max-min fair shares of a server's KV budget (pipeline/server/kv_share.py)
+    "fair_compute",  # compute pieces, decode steps first, fair queueing (pipeline/server/scheduler.py)
     "yamux_window",  # resetting a yamux stream whose sender overruns its receive window (net)
     "stream_caps",  # per-peer caps on inbound streams and buffered bytes (net)
     "view_policy",  # the view prefers peers with evidence over fresh identities (net/view)

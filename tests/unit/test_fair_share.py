@@ -4,8 +4,10 @@ compute (scheduler.py, and Compute's turns under trio)."""
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
+import torch
 import trio
 import trio.testing
 from hypothesis import given, settings
@@ -60,15 +62,21 @@ def test_an_ask_over_the_askers_share_is_busy_and_reclaims_nothing():
     assert sid(1) in t and t.take_reclaimed() == []
 
 
-def test_sessions_mid_step_are_never_reclaimed():
+def test_idle_sessions_go_before_busy_ones_and_busy_ones_go_too():
+    """A hog that keeps every session mid-step (a prefill always queued) is not
+    protected by it: its idle sessions go first, then busy ones (their step stops
+    at its next piece)."""
     t = table()
+    for i in (1, 2, 3):
+        t.open(sid(i), 0, 1, 2730, now=i, owner="hog")
     for i in (1, 2):
-        t.open(sid(i), 0, 1, 4096, now=i, owner="hog")
-        t.begin_step(sid(i), 0, 1, now=i)
-    assert "to reclaim" in busy(t.open, sid(3), 0, 1, 100, now=3, owner="newcomer")
-    t.end_step(t.get(sid(1)), 1, now=4, ok=True)
-    t.open(sid(3), 0, 1, 100, now=5, owner="newcomer")
-    assert sid(1) not in t and sid(2) in t and t.get(sid(2)).state is State.STEPPING
+        t.begin_step(sid(i), 0, 1, now=10 + i)
+    t.open(sid(4), 0, 1, 100, now=20, owner="newcomer")
+    assert sid(3) not in t  # the idle one, though the most recently opened
+    t.open(sid(5), 0, 1, 2700, now=21, owner="newcomer")  # 2,632 free: one busy session goes
+    [lost] = [s for s in t.take_reclaimed() if s.session_id == sid(1)]
+    assert lost.reclaimed and lost.state is State.CLOSED and sid(2) in t
+    t.end_step(lost, 1, now=22, ok=False)  # the driver's late report of its stopped step
 
 
 def test_the_most_over_peer_loses_first_and_no_one_is_cut_below_its_share():
@@ -116,8 +124,9 @@ def test_whatever_peers_ask_a_peer_within_its_share_is_served_when_others_are_ov
 
 
 def test_pieces_cut_chunks_at_the_protocols_size():
-    assert pieces([1024]) == [PIECE_TOKENS] * 16
-    assert pieces([70, 1, 64]) == [64, 6, 1, 64]
+    assert PIECE_TOKENS == 128
+    assert pieces([1024]) == [128] * 8
+    assert pieces([300, 1, 128]) == [128, 128, 44, 1, 128]
     assert pieces([1024], fair=False) == [1024]
 
 
@@ -127,16 +136,20 @@ def test_pieces_depend_on_the_request_alone_and_cover_it(chunks):
     assert sum(cut) == sum(chunks) and max(cut) <= PIECE_TOKENS and cut == pieces(list(chunks))
 
 
-def test_a_decode_step_goes_before_a_queue_of_prefill_pieces():
+def test_a_decode_step_preempts_a_prefill_piece_and_skips_the_queue():
     s = FairScheduler(1)
     running = s.submit("hog", PIECE_TOKENS)
-    assert s.grant() == [running]
-    queued = [s.submit("hog", PIECE_TOKENS) for _ in range(15)]
+    assert s.grant() == [running] and not s.preempting
+    queued = [s.submit("hog", PIECE_TOKENS) for _ in range(7)]
     decode = s.submit("user", 1)
-    assert s.grant() == []  # the slot is taken
-    s.done(running)
-    assert s.grant() == [decode]
+    assert s.grant() == [decode] and s.preempting  # beside the running piece, which pauses
+    other = s.submit("user2", 1)
+    assert s.grant() == []  # one short piece at a time per slot
     s.done(decode)
+    assert s.grant() == [other]
+    s.done(other)
+    assert not s.preempting and s.grant() == []  # the long piece still holds the slot
+    s.done(running)
     assert s.grant() == [queued[0]]
 
 
@@ -193,13 +206,15 @@ async def test_compute_turns_under_trio_serve_the_decode_step_first():
             if hold is not None:
                 await hold.wait()
 
-    release = trio.Event()
+    release_long, release_short = trio.Event(), trio.Event()
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(piece, "hog", 64, release)
+            nursery.start_soon(piece, "hog", 64, release_long)
             await trio.testing.wait_all_tasks_blocked()
             for _ in range(3):
                 nursery.start_soon(piece, "hog", 64)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(piece, "user", 1, release_short)  # preempts the running hog piece
             await trio.testing.wait_all_tasks_blocked()
             quitter = trio.CancelScope()
 
@@ -209,10 +224,55 @@ async def test_compute_turns_under_trio_serve_the_decode_step_first():
 
             nursery.start_soon(quits)
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(piece, "user", 1)
+            nursery.start_soon(piece, "user2", 1)
             await trio.testing.wait_all_tasks_blocked()
-            quitter.cancel()  # it leaves while waiting, ahead of the user
+            quitter.cancel()  # it leaves while waiting, ahead of user2
             await trio.testing.wait_all_tasks_blocked()
-            release.set()
-    assert order == ["hog", "user", "hog", "hog", "hog"]
+            release_short.set()
+            await trio.testing.wait_all_tasks_blocked()
+            release_long.set()
+    assert order == ["hog", "user", "user2", "hog", "hog", "hog"]
     assert compute.scheduler.running == 0 and len(compute.scheduler) == 0
+
+
+async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_model):
+    """Preemption for real: a one-token step of another peer, sent while a long
+    piece is being computed, runs between two of its layers (the long forward waits
+    at a pause point), not after it; both outputs are what they are alone."""
+    from compushare.model.blocks import SpanRunner
+
+    runner = SpanRunner.load(tiny_model, 0, 4)
+    events = []
+    started = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    originals = {index: layer.forward for index, layer in runner.layers.items()}
+    for index, layer in runner.layers.items():
+        def traced(*args, _index=index, _forward=layer.forward, **kwargs):
+            tokens = args[0].shape[1]
+            events.append(("long" if tokens > 1 else "short", _index))
+            if tokens > 1 and _index == 0:
+                trio.from_thread.run_sync(started.set, trio_token=token)
+                time.sleep(0.2)  # the decode step arrives while layer 0 runs
+            return _forward(*args, **kwargs)
+        layer.forward = traced
+    compute = Compute(1)
+    long_in, short_in = torch.randn(1, 100, 64), torch.randn(1, 1, 64)
+    results = {}
+
+    async def run(name, hidden, peer):
+        results[name], _ = await compute.run(runner, runner.new_cache(), hidden, 0, 0, 4, [hidden.shape[1]],
+                                             peer=peer)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "long", long_in, "hog")
+            await started.wait()
+            nursery.start_soon(run, "short", short_in, "user")
+    first_short = events.index(("short", 0))
+    assert events[:first_short] == [("long", 0)]  # the decode step came right after the layer in progress
+    assert events[first_short:first_short + 4] == [("short", i) for i in range(4)]
+    for index, layer in runner.layers.items():
+        layer.forward = originals[index]
+    for name, hidden in (("long", long_in), ("short", short_in)):
+        alone = runner.forward(hidden, runner.new_cache(), 0)
+        assert torch.equal(results[name], alone)

@@ -470,25 +470,27 @@ class CoreMachine(RuleBasedStateMachine):
 
     def check_reclaim(self, owner, max_tokens, code):
         """An ask beyond the free budget: either busy, when the asker would go over its
-        fair share or too little is held over shares by sessions not mid-step; or it
-        fits after reclaiming only such sessions, of peers that were over their share."""
+        fair share or too little is held over shares; or it fits after reclaiming only
+        sessions of peers that were over their share (a step in flight then ends in a
+        closed session, as after a close)."""
         held = collections.Counter()
         for h in self.model.values():
             held[h.owner] += h.max_tokens
         share = BUDGET // len(set(held) | {owner})
-        reclaimable = sum(h.max_tokens for h in self.model.values()
-                          if h.owner != owner and held[h.owner] > share and h.state in ("ready", "speculated"))
+        reclaimable = sum(h.max_tokens for h in self.model.values() if h.owner != owner and held[h.owner] > share)
         free = BUDGET - sum(held.values())
         if code == "busy":
             assert held[owner] + max_tokens > share or free + reclaimable < max_tokens
             return "busy"
         assert code is None and held[owner] + max_tokens <= share
         gone = [sid for sid in self.model if sid not in self.table]
-        assert gone
+        reclaimed = {s.session_id: s for s in self.table.take_reclaimed()}
+        assert gone and set(reclaimed) == set(gone)
         for sid in gone:
             lost = self.model.pop(sid)
-            assert lost.owner != owner and held[lost.owner] > share and lost.state in ("ready", "speculated")
-        assert {s.session_id for s in self.table.take_reclaimed()} == set(gone)
+            assert lost.owner != owner and held[lost.owner] > share and reclaimed[sid].reclaimed
+            if lost.state in ("stepping", "speculating"):
+                self.closed_in_flight.append((reclaimed[sid], reclaimed[sid].step))
         return None
 
     @precondition(lambda self: self.model)

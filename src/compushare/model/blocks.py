@@ -8,6 +8,7 @@ entries 10..19 fill up. Runs synchronously: callers put it in a worker thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,19 +82,22 @@ class SpanRunner:
         return DynamicCache(config=self.config)
 
     def forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
-                start: int | None = None, end: int | None = None) -> torch.Tensor:
+                start: int | None = None, end: int | None = None, *,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Run layers start..end-1 (default: the whole span) on `hidden` [1, n, H],
-        whose first token sits at `position`; appends to `cache`."""
+        whose first token sits at `position`; appends to `cache`. `between_layers`
+        is called before every layer but the first (it may block: the server pauses
+        a long forward there while a decode step runs)."""
         if self.slowdown <= 1.0:
-            return self._forward(hidden, cache, position, start, end)
+            return self._forward(hidden, cache, position, start, end, between_layers)
         began = time.perf_counter()
-        out = self._forward(hidden, cache, position, start, end)
+        out = self._forward(hidden, cache, position, start, end, between_layers)
         time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
         return out
 
     @torch.inference_mode()
-    def _forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
-                 start: int | None, end: int | None) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int, start: int | None,
+                 end: int | None, between_layers: Callable[[], None] | None) -> torch.Tensor:
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not (self.start <= start < end <= self.end):
@@ -111,6 +115,8 @@ class SpanRunner:
         )
         position_embeddings = self.rotary(hidden, position_ids)
         for index in range(start, end):
+            if between_layers is not None and index > start:
+                between_layers()
             hidden = self.layers[index](
                 hidden,
                 attention_mask=mask,

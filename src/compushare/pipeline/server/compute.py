@@ -14,37 +14,47 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import trio
 
 from ...model.blocks import SpanRunner
 from ...net.tensors import encode_tensor
+from .. import protocol
 from ..messages import WireTensor
 from .scheduler import FairScheduler, Ticket, pieces
+from .session import Rejected
 
 LOAD_WINDOW_S = 10.0
 RATE_EWMA = 0.2
 # A one-token step whose forward the measured rate puts at or under this runs on the
 # event loop itself instead of a worker thread (see runs_inline).
 INLINE_MAX_S = 0.05
+PAUSE_POLL_S = 0.0005  # how often a short piece looks whether the long forwards have paused
 
 
 class Compute:
     def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
         self.scheduler = FairScheduler(threads, fair=fair)
-        self._threads = trio.CapacityLimiter(threads)
+        self._threads = trio.CapacityLimiter(2 * threads)  # long pieces, and short ones preempting them
+        self._preempt = threading.Condition()  # guards the scheduler's counts that worker threads read
+        self._in_long = 0  # long forwards running (in worker threads)
+        self._paused = 0  # ... of which waiting at a pause point
         self._granted: dict[Ticket, trio.Event] = {}
         self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
         self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
 
     async def run(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
-                  end: int, chunks: list[int], peer: str = "") -> tuple[torch.Tensor, float]:
+                  end: int, chunks: list[int], peer: str = "",
+                  reclaimed: Callable[[], bool] = lambda: False) -> tuple[torch.Tensor, float]:
         """The output of blocks start:end for `hidden` at `position`, and the seconds its
         forwards took (waiting for turns is queueing, not speed). On failure the cache
-        may hold part of the step: the caller rolls it back."""
+        may hold part of the step: the caller rolls it back. A step whose session is
+        `reclaimed` meanwhile stops before its next piece (Rejected: unknown_session)."""
         # Pieces run one after another, exactly as the original steps' did: a replayed
         # history then rebuilds the very same KV cache (one batched prefill would not).
         outputs, offset, seconds = [], 0, 0.0
@@ -52,8 +62,16 @@ class Compute:
         inline = self.runs_inline(runner, sizes, end - start)
         for size in sizes:
             piece = hidden[:, offset:offset + size]
-            forward = functools.partial(_timed, runner.forward, piece, cache, position + offset, start, end)
-            async with self.turn(peer, size):
+            async with self.turn(peer, size) as ticket:
+                if reclaimed():
+                    raise Rejected(protocol.UNKNOWN_SESSION, "the session was reclaimed for a peer within its "
+                                                             "fair share of the KV budget")
+                forward = functools.partial(_timed, runner.forward, piece, cache, position + offset, start, end)
+                if ticket.short and self.scheduler.fair:
+                    await self._paused_long_forwards()
+                elif self.scheduler.fair:
+                    forward = functools.partial(self._long_forward, runner, piece, cache, position + offset, start,
+                                                end)
                 out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
             outputs.append(out)
             offset += size
@@ -64,23 +82,58 @@ class Compute:
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
 
+    def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
+        """A long piece's forward (in a worker thread), pausing between layers while
+        short pieces preempt it."""
+        with self._preempt:
+            self._in_long += 1
+        try:
+            return _timed(functools.partial(runner.forward, between_layers=self._pause_point), *args)
+        finally:
+            with self._preempt:
+                self._in_long -= 1
+                self._preempt.notify_all()
+
+    def _pause_point(self) -> None:
+        with self._preempt:
+            if not self.scheduler.preempting:
+                return
+            self._paused += 1
+            self._preempt.notify_all()
+            while self.scheduler.preempting:
+                self._preempt.wait(PAUSE_POLL_S * 20)  # woken when the short pieces end
+            self._paused -= 1
+
+    async def _paused_long_forwards(self) -> None:
+        """Before a short piece runs: every long forward has reached a pause point (at
+        most one layer away), so the short one has the compute to itself."""
+        while True:
+            with self._preempt:
+                if self._paused >= self._in_long:
+                    return
+            await trio.sleep(PAUSE_POLL_S)
+
     @contextlib.asynccontextmanager
     async def turn(self, peer: str, tokens: int):
-        """Hold one of the compute slots for a piece of `tokens` tokens of `peer`'s."""
+        """Hold a compute slot for a piece of `tokens` tokens of `peer`'s (the ticket)."""
         ticket = self.scheduler.submit(peer, tokens)
         try:
             self._grant()
             if not ticket.granted:
                 event = self._granted[ticket] = trio.Event()
                 await event.wait()
-            yield
+            yield ticket
         finally:
             self._granted.pop(ticket, None)
-            self.scheduler.done(ticket)
+            with self._preempt:
+                self.scheduler.done(ticket)
+                self._preempt.notify_all()  # paused long forwards look again
             self._grant()
 
     def _grant(self) -> None:
-        for ticket in self.scheduler.grant():
+        with self._preempt:
+            granted = self.scheduler.grant()
+        for ticket in granted:
             if ticket in self._granted:
                 self._granted[ticket].set()
 

@@ -58,9 +58,9 @@ class InferenceServer:
             budget_tokens=limits.kv_budget_tokens, max_session_tokens=limits.max_session_tokens,
             max_step_tokens=limits.max_step_tokens, idle_timeout_s=limits.session_idle_timeout_s,
             max_sessions=limits.max_sessions, max_sessions_per_peer=limits.max_sessions_per_peer,
-            fair=not defences.disabled("fair_share"))
+            fair=not defences.disabled("fair_kv"))
         self.compute = Compute(limits.compute_threads, block_rate=block_rate, noise=noise,
-                               fair=not defences.disabled("fair_share"))
+                               fair=not defences.disabled("fair_kv"))
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
         self.speculation: Speculation | None = None  # set by enable_push: this server pushes and takes pushes
@@ -235,7 +235,7 @@ class InferenceServer:
         step failed, and the error propagates."""
         try:
             return await self.compute.run(runner, session.cache, hidden, step.position, session.start, session.end,
-                                          chunks, peer=session.owner)
+                                          chunks, peer=session.owner, reclaimed=lambda: session.reclaimed)
         except BaseException:
             runner.truncate(session.cache, step.position)  # a failed forward may have half-appended
             self.sessions.failed(session, step, time.monotonic())

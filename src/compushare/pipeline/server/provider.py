@@ -87,7 +87,7 @@ class Provider:
             start=self.span.start,
             end=self.span.end,
             dtype=self.dtype,
-            free_tokens=max(0, server.sessions.free_tokens) if live else 0,
+            free_tokens=max(0, server.sessions.available_to_newcomer()) if live else 0,
             load=server.load() if live else 0.0,
             block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
             state=self.state,

@@ -1,22 +1,25 @@
 """Who computes next on a server: fair among peers, decode steps first. Pure, no I/O.
 
 Every forward a server runs is a *piece*: a step's chunk (protocol.md) cut into
-pieces of at most PIECE_TOKENS tokens (`pieces`), so no single forward of one
-peer's long prefill holds the compute for long. Pieces wait here for one of the
-server's compute slots. The scheduler picks, among the waiting pieces,
+pieces of at most PIECE_TOKENS tokens (`pieces`). Pieces wait here for the
+server's compute `slots`:
 
 1. a *short* piece (at most SHORT_TOKENS tokens: a decode step, a few drafted
-   tokens) before any longer one: a decode step waits for at most the piece that
-   is running, never for a queue of another peer's prefill;
-2. within the class, the piece with the smallest start tag of start-time fair
+   tokens) goes before any longer one, and does not wait for a long piece that
+   is running: it *preempts* it (the driver pauses the long forward between two
+   layers while the short one runs, so a decode step waits about one layer of
+   another peer's prefill, never a whole forward or a queue of them);
+2. within each class, the piece with the smallest start tag of start-time fair
    queueing (Goyal et al. 1996), costed in tokens: each peer's pieces are
    tagged S = max(V, F_prev), F = S + tokens, and V is the start tag of the piece
    last granted. Peers that want compute share it equally by tokens; a peer that
    was idle does not bank credit;
 3. ties by arrival.
 
-With `fair=False` (the defence switched off, tests only) pieces are granted in
-arrival order and `pieces` does not cut chunks: the server of before.
+Long pieces run at most `slots` at a time (fewer while short ones preempt them),
+short ones at most `slots` at a time. With `fair=False` (the defence switched
+off, tests only) pieces are granted one slot each in arrival order and `pieces`
+does not cut chunks: the server of before.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-PIECE_TOKENS = 64  # protocol.md: a chunk is computed in pieces of at most this many tokens
+PIECE_TOKENS = 128  # protocol.md: a chunk is computed in pieces of at most this many tokens
 SHORT_TOKENS = 8
 
 
@@ -61,7 +64,7 @@ class FairScheduler:
         if slots < 1:
             raise ValueError("a scheduler needs at least one slot")
         self.slots, self.fair = slots, fair
-        self.running = 0
+        self._running = {"short": 0, "long": 0}
         self._waiting: list[Ticket] = []
         self._finish: dict[str, float] = {}  # each peer's last finish tag (only while it has work)
         self._busy: dict[str, int] = {}  # pieces of each peer waiting or running
@@ -83,16 +86,41 @@ class FairScheduler:
         return ticket
 
     def grant(self) -> list[Ticket]:
-        """The waiting pieces that get a slot now (marked granted), best first."""
+        """The waiting pieces that get a slot now (marked granted), best first. A short
+        piece granted while a long one runs preempts it (`preempting`)."""
         granted = []
-        while self._waiting and self.running < self.slots:
-            ticket = min(self._waiting, key=self._order)
+        for ticket in sorted(self._waiting, key=self._order):
+            if not self._may_run(ticket):
+                if not self.fair:
+                    break  # arrival order: nobody overtakes
+                continue
             self._waiting.remove(ticket)
             ticket.granted = True
-            self.running += 1
+            self._running[self._class(ticket)] += 1
             self._virtual = max(self._virtual, ticket.start_tag)
             granted.append(ticket)
         return granted
+
+    @property
+    def running(self) -> int:
+        return sum(self._running.values())
+
+    @property
+    def running_short(self) -> int:
+        return self._running["short"]
+
+    @property
+    def preempting(self) -> bool:
+        """Whether short pieces run now (long ones must pause between layers)."""
+        return self._running["short"] > 0
+
+    def _class(self, ticket: Ticket) -> str:
+        return "short" if self.fair and ticket.short else "long"
+
+    def _may_run(self, ticket: Ticket) -> bool:
+        if self._class(ticket) == "short":
+            return self._running["short"] < self.slots
+        return self.running < self.slots
 
     def _order(self, ticket: Ticket) -> tuple:
         if not self.fair:
@@ -103,7 +131,7 @@ class FairScheduler:
         """A granted piece ended, or a waiting one was given up (its waiter left)."""
         if ticket.granted:
             ticket.granted = False
-            self.running -= 1
+            self._running[self._class(ticket)] -= 1
         elif ticket in self._waiting:
             self._waiting.remove(ticket)
         else:

@@ -80,12 +80,14 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STEPPING, E.RECEIPT): S.STEPPING,
     (S.STEPPING, E.LINK): S.STEPPING,
     (S.STEPPING, E.CLOSE): S.CLOSED,
+    (S.STEPPING, E.RECLAIM): S.CLOSED,  # its step stops at its next piece (compute.py)
 
     (S.SPECULATING, E.COMPUTED): S.SPECULATED,
     (S.SPECULATING, E.FAILED): S.READY,
     (S.SPECULATING, E.RECEIPT): S.SPECULATING,
     (S.SPECULATING, E.LINK): S.SPECULATING,
     (S.SPECULATING, E.CLOSE): S.CLOSED,
+    (S.SPECULATING, E.RECLAIM): S.CLOSED,
 
     (S.SPECULATED, E.CONFIRM): S.READY,
     (S.SPECULATED, E.MISMATCH): S.READY,
@@ -142,6 +144,7 @@ class Session:
     step: Step | None = None
     cache: object = None  # the KV cache; opaque here
     owner: str = ""  # the peer that opened it
+    reclaimed: bool = False  # for a peer within its fair share: a step in flight stops at its next piece
     chain: InputChain | None = dataclasses.field(default_factory=InputChain)  # every input row's digest, in order
     # Karma: what the next receipt may cover (the steps computed since the last one).
     receipt_seq: int = 0
@@ -180,19 +183,15 @@ class RollBack:
 
 class SessionTable:
     """Every session of a server, and the KV budget they share max-min fairly
-    (kv_share.py): a session of a peer over its share is reclaimed, however cheaply
-    it is kept alive, when another peer within its share needs the room."""
+    (kv_share.py): a session of a peer over its share is reclaimed, however busily
+    it is kept, when another peer within its share needs the room."""
 
     def __init__(self, *, budget_tokens: int, max_session_tokens: int, max_step_tokens: int,
                  idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32,
                  fair: bool = True) -> None:
-        self.budget_tokens = budget_tokens
-        self.fair = fair
-        self.max_sessions = max_sessions
-        self.max_sessions_per_peer = max_sessions_per_peer
-        self.max_session_tokens = max_session_tokens
-        self.max_step_tokens = max_step_tokens
-        self.idle_timeout_s = idle_timeout_s
+        self.budget_tokens, self.fair, self.idle_timeout_s = budget_tokens, fair, idle_timeout_s
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.max_session_tokens, self.max_step_tokens = max_session_tokens, max_step_tokens
         self._sessions: dict[bytes, Session] = {}
         self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
         self.speculation_hits = 0  # pushed steps the consumer confirmed
@@ -249,9 +248,14 @@ class SessionTable:
         self._sessions[session_id] = session
         return session
 
-    def fair_share(self, owner: str) -> int:
-        """The KV tokens `owner` may hold when the budget is contended."""
+    def fair_share(self, owner: str) -> int:  # what `owner` may hold when the budget is contended
         return kv_share.fair_share(self.budget_tokens, self._sessions.values(), owner)
+
+    def available_to_newcomer(self) -> int:
+        """The KV tokens a peer holding no session could reserve now (advertised)."""
+        if not self.fair:
+            return self.free_tokens
+        return kv_share.available(self.budget_tokens, self._sessions.values())
 
     def _reclaim_for(self, owner: str, max_tokens: int) -> None:
         """Make room for `owner`'s ask by reclaiming sessions of peers over their fair
@@ -259,18 +263,16 @@ class SessionTable:
         full = f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked"
         if not self.fair:
             raise Rejected(protocol.BUSY, full)
-        plan = kv_share.plan_reclaim(
-            self.budget_tokens, [s for s in self._sessions.values() if (s.state, Event.RECLAIM) in TRANSITIONS],
-            self._sessions.values(), owner, max_tokens)
+        plan = kv_share.plan_reclaim(self.budget_tokens, self._sessions.values(), owner, max_tokens)
         if isinstance(plan, str):
             raise Rejected(protocol.BUSY, f"{full}; {plan}")
         for session in plan:
             del self._sessions[session.session_id]
             self._fire(session, Event.RECLAIM)
+            session.reclaimed = True
             self.reclaimed.append(session)
 
-    def take_reclaimed(self) -> list[Session]:
-        """The sessions reclaimed since the last call (the driver logs them)."""
+    def take_reclaimed(self) -> list[Session]:  # reclaimed since the last call (the driver logs them)
         taken, self.reclaimed = self.reclaimed, []
         return taken
 
