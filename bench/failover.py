@@ -27,13 +27,11 @@ Human-readable lines first; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,52 +50,13 @@ import trio  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
-from compushare.app.swarm import node_command, start_node, wait_ready  # noqa: E402
+from local_swarm import LocalSwarm  # noqa: E402  (bench/local_swarm.py)
 
 MODEL = "smollm2-135m"
 SPANS = {"a1": (0, 15), "a2": (0, 15), "b1": (15, 30), "b2": (15, 30)}
 PROMPT = "Name three rivers of Europe and one fact about each."
 FAULT_TOKENS = (4, 20)
 TARGETS = {"detect_p95_s": 2.0, "recovery_p95_s": 1.0}
-
-
-class Swarm:
-    """The provider processes of this run; `close` ends them all, by pid."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.states: dict[str, dict] = {}
-
-    def addrs(self, but: str | None = None) -> list[str]:
-        return [s["addrs"][0] for name, s in self.states.items()
-                if name != but and self.procs[name].poll() is None]
-
-    def start(self, name: str) -> None:
-        data_dir = self.root / name
-        cmd = node_command(MODEL, SPANS[name], data_dir, self.addrs(but=name))
-        self.procs[name] = start_node(cmd, data_dir)
-
-    def ready(self, name: str) -> dict:
-        self.states[name] = wait_ready(self.procs[name], self.root / name, timeout=300)
-        return self.states[name]
-
-    def name_of(self, peer_id: str) -> str:
-        return next(name for name, s in self.states.items() if s["peer_id"] == peer_id)
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -107,7 +66,7 @@ def pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))], 3)
 
 
-async def run(args, swarm: Swarm, client_dir: Path) -> dict:
+async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
     request = RunRequest(model=MODEL, prompt=PROMPT, params=params)
     rng = random.Random(args.seed)
@@ -200,18 +159,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     with tempfile.TemporaryDirectory(prefix="compushare-failover-") as tmp:
         root = Path(tmp)
-        swarm = Swarm(root)
+        swarm = LocalSwarm(root, MODEL, SPANS)
         try:
             client_dir = root / "client"
             resolve_model(MODEL, client_dir)  # converts SmolLM2 once into the shared cache
-            first = "a1"
-            swarm.start(first)
-            swarm.ready(first)
-            for name in SPANS:
-                if name != first:
-                    swarm.start(name)
-            for name in SPANS:
-                swarm.ready(name)
+            swarm.start_all()
             print(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in SPANS.items())}", flush=True)
             result = trio.run(run, args, swarm, client_dir)
         finally:

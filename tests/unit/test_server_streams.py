@@ -71,6 +71,27 @@ async def test_frames_are_answered_in_order_and_a_bad_one_costs_its_reply(server
     assert stream.closed and not stream.was_reset and not server.rpc_infer.open
 
 
+async def test_the_sessions_opened_on_a_stream_end_with_it(server):
+    """A consumer that went away does not leave its KV reservations behind until the
+    idle timeout: the sessions opened on a stream are closed when it ends (those of
+    another stream of the same peer are not)."""
+    ours, other = os.urandom(16), os.urandom(16)
+    first, second = Stream("a"), Stream("a")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.rpc_infer, first)
+        nursery.start_soon(server.rpc_infer, second)
+        for stream, session in ((first, ours), (second, other)):
+            await stream.send.send(encode_frame({"type": "open", "session": session, "model": "m", "start": 0,
+                                                 "end": 2, "max_tokens": 4}))
+        await trio.testing.wait_all_tasks_blocked()
+        assert ours in server.sessions and other in server.sessions
+        await first.send.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert ours not in server.sessions and other in server.sessions
+        await second.send.aclose()
+    assert len(server.sessions) == 0
+
+
 async def test_a_peer_gets_its_stream_cap_then_busy(server):
     streams = [Stream("a") for _ in range(3)]
     async with trio.open_nursery() as nursery:

@@ -45,6 +45,21 @@ log = logging.getLogger(__name__)
 EXPIRY_PERIOD_S = 1.0
 
 
+def session_table(limits: ServerLimits) -> SessionTable:
+    return SessionTable(
+        budget_tokens=limits.kv_budget_tokens, max_session_tokens=limits.max_session_tokens,
+        max_step_tokens=limits.max_step_tokens, idle_timeout_s=limits.session_idle_timeout_s,
+        max_sessions=limits.max_sessions, max_sessions_per_peer=limits.max_sessions_per_peer,
+        fair=not defences.disabled("fair_kv"))
+
+
+def close_all(table: SessionTable, opened: set[bytes]) -> None:
+    """The sessions opened on an infer stream end with it."""
+    for session_id in opened:
+        if (session := table.close(session_id)) is not None:
+            log.info("session %s closed with its stream; freed %d tokens", session_id.hex()[:8], session.max_tokens)
+
+
 class InferenceServer:
     def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
                  block_rate: float = 0.0, noise: float = 0.0, karma=None) -> None:
@@ -54,18 +69,15 @@ class InferenceServer:
         self.key_pair = key_pair  # signs every step's output
         self.karma = karma  # a karma.ledger.ReceiptBook: countersigns, keeps receipts (None: no ledger)
         self.rate_limiter = PeerRateLimiter(limits.peer_requests_per_s, limits.peer_bytes_per_s)
-        self.sessions = SessionTable(
-            budget_tokens=limits.kv_budget_tokens, max_session_tokens=limits.max_session_tokens,
-            max_step_tokens=limits.max_step_tokens, idle_timeout_s=limits.session_idle_timeout_s,
-            max_sessions=limits.max_sessions, max_sessions_per_peer=limits.max_sessions_per_peer,
-            fair=not defences.disabled("fair_kv"))
+        self.sessions = session_table(limits)
         self.compute = Compute(limits.compute_threads, block_rate=block_rate, noise=noise,
-                               fair=not defences.disabled("fair_kv"))
+                               fair=not defences.disabled("fair_compute"))
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
         self.speculation: Speculation | None = None  # set by enable_push: this server pushes and takes pushes
         # The stream handler: at most max_streams_per_peer infer streams of one peer at once.
-        self.rpc_infer = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits),
+        self.rpc_infer = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits,
+                                                          ended=functools.partial(close_all, self.sessions)),
                                         per_peer=limits.max_streams_per_peer,
                                         refuse=functools.partial(refuse_stream, limits=limits))
 
@@ -106,19 +118,21 @@ class InferenceServer:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def handle(self, message: dict, peer: str = "", nbytes: int = 0) -> dict | None:
-        """The reply to one frame (None: a push that was taken)."""
+    async def handle(self, message: dict, peer: str = "", nbytes: int = 0,
+                     opened: set[bytes] | None = None) -> dict | None:
+        """The reply to one frame (None: a push that was taken); `opened` collects the
+        ids of the sessions it opens (they end with their stream)."""
         wait = self.rate_limiter.check(peer, nbytes, time.monotonic())
         if wait:
             return ErrorReply(protocol.RATE_LIMITED, f"too many requests or bytes from this peer; retry in "
                                                      f"{wait:.2f} s", retry_after_s=wait).to_wire()
         try:
-            reply = await self._dispatch(decode_request(message), peer)
+            reply = await self._dispatch(decode_request(message), peer, opened)
         except (Rejected, FrameError) as exc:
             return ErrorReply(exc.code, exc.message, echo_session(message)).to_wire()
         return None if reply is None else reply.to_wire()
 
-    async def _dispatch(self, request: Request, peer: str) -> Reply | None:
+    async def _dispatch(self, request: Request, peer: str, opened: set[bytes] | None) -> Reply | None:
         table, runner = self.sessions, self.runner  # a move swaps the runner: a step finishes on its own
         match request:
             case StepRequest():
@@ -131,7 +145,10 @@ class InferenceServer:
                     self.speculation.links.ensure(downstream)  # dialled in the background
                 return Linked(sid)
             case OpenRequest():
-                return self._open(request, peer, table, runner)
+                reply = self._open(request, peer, table, runner)
+                if opened is not None:
+                    opened.add(request.session)
+                return reply
             case TruncateRequest(session=sid, position=position):
                 session = table.get(sid)
                 decision = table.discard(session, time.monotonic())

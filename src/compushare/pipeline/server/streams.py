@@ -1,7 +1,8 @@
 """An infer stream on the serving side: frames in, in order, one reply each.
 
 A stream that sends nothing for the stream idle timeout (or stalls mid-frame) is
-reset. A frame that does not decode gets an error reply and the stream goes on,
+reset. The sessions opened on a stream end with it (`ended`): their KV caches do
+not outlive a consumer that went away. A frame that does not decode gets an error reply and the stream goes on,
 except an oversized one, whose remaining bytes cannot be skipped safely: the stream
 is closed after its error reply. The per-peer stream cap is net/serve.GuardedHandler's.
 """
@@ -26,13 +27,15 @@ log = logging.getLogger(__name__)
 REPLY_TIMEOUT_S = 10.0
 OVERSIZE_GRACE_S = 0.5
 
-# (message, peer, frame bytes) -> the reply, or None for none
-Handle = Callable[[dict, str, int], Awaitable["dict | None"]]
+# (message, peer, frame bytes, the ids of sessions opened on this stream) -> the reply, or None
+Handle = Callable[[dict, str, int, set[bytes]], Awaitable["dict | None"]]
 
 
-async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimits) -> None:
+async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimits,
+                       ended: Callable[[set[bytes]], None] = lambda _opened: None) -> None:
     """One stream's frames, in order (task boundary: logs and swallows unexpected errors)."""
     framed, peer = FramedStream(stream, limits.max_frame_bytes), peer_of(stream)
+    opened: set[bytes] = set()
     try:
         while True:
             try:
@@ -53,7 +56,7 @@ async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimi
                 return await _quiet_reset(framed)
             if message is None:
                 return await framed.close()
-            reply = await handle(message, peer, framed.last_frame_bytes)
+            reply = await handle(message, peer, framed.last_frame_bytes, opened)
             if reply is not None:  # a push that was taken gets no reply
                 await _reply(framed, reply)
     except StreamError as exc:
@@ -61,6 +64,8 @@ async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimi
     except Exception:
         log.exception("infer handler failed")
         await _quiet_reset(framed)
+    finally:
+        ended(opened)
 
 
 async def refuse_stream(stream: INetStream, why: str, *, limits: ServerLimits) -> None:

@@ -1,0 +1,197 @@
+"""Hostile load: an honest consumer generating on the real SmolLM2 while 4 attacker
+identities attack one server of its chain at their per-peer limits.
+
+    .venv/bin/python bench/hostile.py [--quiet-s 60] [--attack-s 300] [--new-tokens 32]
+
+swarm     3 provider processes on 127.0.0.1 (blocks 0:10, 10:20, 20:30) and this
+          process as the consumer (pipeline.consumer.Consumer, chat template, greedy),
+          generating one prompt again and again for the whole run.
+phases    quiet (--quiet-s), attack (--attack-s), quiet again (--quiet-s).
+attackers 4 libp2p hosts in this process, each with a fresh Ed25519 identity,
+          against the server of blocks 10:20 only. Each runs every attack kind of
+          tools/hostile that is available: the KV hog (sessions as large as the server
+          grants, 1,024-token prefills back to back on 4 streams: hostile/infer.py),
+          and, where present, Sybil ads and DHT records (hostile/sybil.py) and
+          receive-window overruns (hostile/window.py). `attacks` counts what each did.
+identical every generation's tokens equal the first one's (quiet) generation.
+failed    generations that raised.
+tok/s     the median decode tok/s of the generations that ran in the attack phase
+          over that of the first quiet phase.
+rss       the attacked node's VmRSS (/proc), sampled every second: the mean over the
+          final quiet phase minus the mean over the first (no allocator trim).
+
+Human-readable lines first; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    try:
+        import compushare  # noqa: F401  (installed editable in the venv)
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tools"))
+os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+
+import trio  # noqa: E402
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+
+from compushare.errors import CompushareError  # noqa: E402
+from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.net.host import open_host  # noqa: E402
+from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
+from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
+from hostile.infer import hog  # noqa: E402  (tools/hostile)
+from local_swarm import LocalSwarm, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
+
+MODEL = "smollm2-135m"
+SPANS = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}
+TARGET = "b"
+ATTACKERS = 4
+PROMPT = "Name three rivers of Europe and one fact about each."
+TARGETS = {"failed": 0, "tok_s_under_attack_vs_quiet": 0.5, "rss_growth_mb": 50.0}
+
+
+def optional_attacks() -> dict:
+    """Attack kinds of tools/hostile beyond the KV hog, where they exist: each module
+    exposes `attack(host, state, model_id, counts)`, running until cancelled."""
+    found = {}
+    for kind, module in (("sybil", "hostile.sybil"), ("window", "hostile.window")):
+        with contextlib.suppress(ImportError):
+            found[kind] = importlib.import_module(module).attack
+    return found
+
+
+async def attacker(state: dict, model_id: str, span: tuple[int, int], counts: collections.Counter,
+                   extra: dict) -> None:
+    """One attacker identity: the KV hog and every other attack kind at once."""
+    async with open_host(create_new_key_pair(), []) as host, trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: hog(host, state["peer_id"], state["addrs"], model_id, 576, span,
+                                       counts=counts))
+        for attack in extra.values():
+            nursery.start_soon(attack, host, state, model_id, counts)
+
+
+async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
+    params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    request = RunRequest(model=MODEL, prompt=PROMPT, params=params)
+    target = swarm.states[TARGET]
+    pid = swarm.procs[TARGET].pid
+    phases = [("quiet", args.quiet_s), ("attack", args.attack_s), ("quiet_after", args.quiet_s)]
+    speeds: dict[str, list[float]] = {name: [] for name, _ in phases}
+    rss: dict[str, list[float]] = {name: [] for name, _ in phases}
+    counts: collections.Counter = collections.Counter()
+    extra = optional_attacks()
+    reference, failed, identical, generations = None, 0, True, 0
+    phase = {"name": "quiet"}
+
+    async def sample_rss():
+        while True:
+            rss[phase["name"]].append(vm_rss_mb(pid))
+            await trio.sleep(1.0)
+
+    async with Consumer.connect(client_dir, tuple(swarm.addrs()), MODEL) as consumer, \
+            trio.open_nursery() as nursery:
+        consumer.spot_check_rate = 0.0  # no second server of these blocks to check with
+        nursery.start_soon(sample_rss)
+        model_id = consumer.model.model_id
+        for name, seconds in phases:
+            phase["name"] = name
+            print(f"phase {name}: {seconds:.0f} s", flush=True)
+            attack_scope = trio.CancelScope()
+            if name == "attack":
+                async def attack_all(scope=attack_scope):
+                    with scope:
+                        async with trio.open_nursery() as attackers:
+                            for _ in range(ATTACKERS):
+                                attackers.start_soon(attacker, target, model_id, SPANS[TARGET], counts, extra)
+                nursery.start_soon(attack_all)
+            ends = time.monotonic() + seconds
+            while time.monotonic() < ends:
+                generations += 1
+                outcome = None
+                try:
+                    with trio.fail_after(300):
+                        outcome = await consumer.generate(request)
+                except* (CompushareError, trio.TooSlowError) as group:
+                    failed += 1
+                    print(f"  generation {generations} failed: {group.exceptions[0]}", flush=True)
+                if outcome is None:
+                    continue
+                if reference is None:
+                    reference = outcome.tokens
+                same = outcome.tokens == reference
+                identical = identical and same
+                speeds[name].append(outcome.decode_tok_s)
+                print(f"  {name} generation {generations}: {outcome.decode_tok_s:.2f} tok/s, first token "
+                      f"{outcome.first_token_s:.2f} s, {len(outcome.failovers)} failovers, identical {same}; "
+                      f"attacked node RSS {rss[name][-1] if rss[name] else 0:.0f} MB", flush=True)
+            attack_scope.cancel()
+            if name == "attack":
+                print(f"  attacks: {dict(counts)}", flush=True)
+        nursery.cancel_scope.cancel()
+    quiet = statistics.median(speeds["quiet"]) if speeds["quiet"] else 0.0
+    attacked = statistics.median(speeds["attack"]) if speeds["attack"] else 0.0
+    result = {
+        "model": MODEL,
+        "generations": generations,
+        "failed": failed,
+        "identical": identical and reference is not None,
+        "tok_s_quiet": round(quiet, 2),
+        "tok_s_under_attack": round(attacked, 2),
+        "tok_s_quiet_after": round(statistics.median(speeds["quiet_after"]), 2) if speeds["quiet_after"] else 0.0,
+        "tok_s_under_attack_vs_quiet": round(attacked / quiet, 3) if quiet else 0.0,
+        "rss_first_quiet_mb": round(statistics.mean(rss["quiet"]), 1),
+        "rss_attack_max_mb": round(max(rss["attack"], default=0.0), 1),
+        "rss_final_quiet_mb": round(statistics.mean(rss["quiet_after"]), 1),
+        "rss_growth_mb": round(statistics.mean(rss["quiet_after"]) - statistics.mean(rss["quiet"]), 1),
+        "attacks": dict(counts),
+        "attack_kinds": ["kv_hog_prefill", *extra],
+        "attackers": ATTACKERS,
+        "quiet_s": args.quiet_s,
+        "attack_s": args.attack_s,
+    }
+    result["targets_met"] = (result["failed"] == TARGETS["failed"] and result["identical"]
+                             and result["tok_s_under_attack_vs_quiet"] >= TARGETS["tok_s_under_attack_vs_quiet"]
+                             and result["rss_growth_mb"] <= TARGETS["rss_growth_mb"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quiet-s", type=float, default=60.0)
+    parser.add_argument("--attack-s", type=float, default=300.0)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+    with tempfile.TemporaryDirectory(prefix="compushare-hostile-") as tmp:
+        root = Path(tmp)
+        swarm = LocalSwarm(root, MODEL, SPANS)
+        try:
+            client_dir = root / "client"
+            resolve_model(MODEL, client_dir)  # converts SmolLM2 once into the shared cache
+            swarm.start_all()
+            print(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in SPANS.items())}; attacked: {TARGET}",
+                  flush=True)
+            result = trio.run(run, args, swarm, client_dir)
+        finally:
+            swarm.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
