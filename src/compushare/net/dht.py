@@ -16,6 +16,10 @@ py-libp2p 0.8.1 facts this module works around:
 - it serves 12 inbound streams at once, node-wide, each waiting forever for the
   peer's next message: one peer's stalled streams took the DHT from everyone. We
   bound streams per peer and reset silent ones (_guard_inbound_streams).
+- it stores any valid record or provider entry a peer puts, up to 50,000 records,
+  for 24-48 h: a flood of valid records signed by fresh keys grew a node without
+  bound. Server nodes bound both stores by bytes, per publisher, per sender and in
+  time (net/store_bounds.py; _bound_stores).
 
 Record namespaces: this module validates its own (server records); the caller
 hands `open_dht` the validators of every other namespace its node accepts (karma
@@ -25,10 +29,13 @@ records: karma.record.karma_validators()), so that net imports nothing above it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 
+import msgpack
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.kad_dht.common import PROTOCOL_ID
@@ -38,12 +45,15 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
+from .. import defences
 from ..errors import PeerMisbehaved, SwarmUnreachable
 from .dial import dial, parse_peer_addr
 from .libp2p_patches import PEER_QUERY_TIMEOUT_S
 from .records import RECORD_NAMESPACE, ServerRecord, newest_index, parse_record, record_key
 from .serve import GuardedHandler
 from .signed import SignedRecordValidator
+from .store_bounds import (MAX_PROVIDER_ADDRS, PROVIDER_BOUNDS, VALUE_BOUNDS, BoundedStore, provider_size,
+                           publisher_of, value_size)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +99,10 @@ async def open_dht(host: IHost, *, server: bool,
     if server:
         _guard_inbound_streams(host, dht)
         _keep_clients_out(dht)
+        if defences.disabled("dht_bounds"):
+            log.warning("defence dht_bounds is off: this node stores every valid DHT record it is sent")
+        else:
+            _bound_stores(dht)
     async with background_trio_service(dht):
         yield dht
 
@@ -116,6 +130,7 @@ def _guard_inbound_streams(host: IHost, dht: KadDHT) -> None:
     dht._inbound_limiter.total_tokens = INBOUND_STREAMS  # private in the pinned 0.8.1
 
     async def serve(stream: INetStream) -> None:
+        _SENDER.set(stream.muxed_conn.peer_id.to_base58())  # this task's, for _bound_stores
         with trio.move_on_after(INBOUND_MAX_S) as scope:
             await dht.handle_stream(_IdleBoundedStream(stream, INBOUND_IDLE_S))
         if scope.cancelled_caught:
@@ -123,6 +138,100 @@ def _guard_inbound_streams(host: IHost, dht: KadDHT) -> None:
                 await stream.reset()
 
     host.set_stream_handler(PROTOCOL_ID, GuardedHandler(serve, per_peer=INBOUND_PER_PEER))
+
+
+# The peer whose inbound DHT stream the current task serves (None: our own calls).
+# py-libp2p's handler does not tell its stores who sent a record; each inbound stream
+# is served in a task of its own, so the task's context does.
+_SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("compushare_dht_sender", default=None)
+
+
+class StoreRefused(Exception):
+    """A put this node will not store (py-libp2p's handler then resets the stream)."""
+
+
+def _claimed_expiry(value: bytes) -> float | None:
+    """The `expires` a sealed record's body states (validated before it gets here)."""
+    try:
+        body = msgpack.unpackb(msgpack.unpackb(value, raw=False)["body"], raw=False)
+        expires = body.get("expires")
+    except Exception:
+        return None
+    return float(expires) if isinstance(expires, int | float) and not isinstance(expires, bool) else None
+
+
+def _bound_stores(dht: KadDHT) -> tuple[BoundedStore, BoundedStore]:
+    """Bound what py-libp2p's value and provider stores keep for others (see
+    net/store_bounds.py): every way in (a peer's PUT_VALUE and ADD_PROVIDER, our own
+    puts, provides and look-up caches) passes a BoundedStore, and every way out (expiry
+    on read, removal) is told to it. Returns both (for tests)."""
+    me = dht.local_peer_id.to_base58()
+    values, providers = BoundedStore(VALUE_BOUNDS, own=me), BoundedStore(PROVIDER_BOUNDS, own=me)
+    value_store, provider_store = dht.value_store, dht.provider_store
+    # key -> (Record, validity): private in the pinned 0.8.1
+    stored = value_store.store
+    # key -> {peer id str: ProviderRecord}: private in the pinned 0.8.1
+    provided = provider_store.providers
+    put, put_record, remove = value_store.put, value_store.put_record, value_store.remove
+    add_provider, get_providers = provider_store.add_provider, provider_store.get_providers
+
+    def admit_value(key: bytes, value: bytes, sender: str | None):
+        decision = values.admit(key, publisher=publisher_of(key), sender=sender, size=value_size(key, value),
+                                now=time.time(), expires=_claimed_expiry(value))
+        for victim in decision.evict:
+            stored.pop(victim, None)
+        return decision
+
+    def bounded_put(key: bytes, value: bytes, validity: float = 0.0) -> None:
+        decision = admit_value(key, value, None)  # ours: always taken; anyone else's: a bounded cache
+        if not decision.accepted:
+            return
+        put(key, value, validity)
+        stored[key] = (stored[key][0], decision.expires)  # the TTL cap (py-libp2p's default: 24 h)
+
+    def bounded_put_record(key: bytes, record) -> None:
+        sender = _SENDER.get()
+        decision = admit_value(key, record.value, sender)
+        if not decision.accepted:
+            if sender is None:
+                return  # our own look-up's cache: simply not kept
+            raise StoreRefused(f"not storing {key[:80]!r} from {sender}: {decision.reason}")
+        put_record(key, record)
+        stored[key] = (record, decision.expires)
+
+    def bounded_remove(key: bytes) -> bool:
+        values.remove(key)
+        return remove(key)
+
+    def drop_providers(victims) -> None:
+        for content_key, peer in victims:
+            entries = provided.get(content_key)
+            if entries is not None:
+                entries.pop(peer, None)
+                if not entries:
+                    del provided[content_key]
+
+    def bounded_add_provider(key: bytes, provider: PeerInfo) -> None:
+        if not provider or not provider.peer_id:
+            return
+        peer = provider.peer_id.to_base58()
+        addrs = list(provider.addrs)[:None if peer == me else MAX_PROVIDER_ADDRS]
+        decision = providers.admit((key, peer), publisher=peer, sender=_SENDER.get(),
+                                   size=provider_size([a.to_bytes() for a in addrs]), now=time.time())
+        drop_providers(decision.evict)
+        if not decision.accepted:
+            return  # py-libp2p echoes an ADD_PROVIDER whatever it stored
+        add_provider(key, PeerInfo(provider.peer_id, addrs))
+        if peer not in provided.get(key, {}):  # py-libp2p's own cap of 20 providers per key
+            providers.remove((key, peer))
+
+    def bounded_get_providers(key: bytes) -> list[PeerInfo]:
+        drop_providers(providers.expire(time.time()))  # the TTL cap (py-libp2p keeps them 48 h)
+        return get_providers(key)
+
+    value_store.put, value_store.put_record, value_store.remove = bounded_put, bounded_put_record, bounded_remove
+    provider_store.add_provider, provider_store.get_providers = bounded_add_provider, bounded_get_providers
+    return values, providers
 
 
 async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> int:
