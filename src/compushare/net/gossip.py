@@ -30,6 +30,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from ..errors import PeerMisbehaved
 from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
+from .serve import GuardedHandler
 from .dial import peer_info
 from .view import PUBLISH_INTERVAL_S, SwarmView
 
@@ -96,7 +97,10 @@ class Gossip:
         pubsub.set_topic_validator(AD_TOPIC, self._validate, is_async_validator=False)
         pubsub.push_msg = _guarded_push(pubsub)  # looked up per message: the instance attribute wins
         self.host.set_stream_handler(PROTOCOL_ID_V11, _guarded(pubsub))
-        self.host.set_stream_handler(VIEW_PROTOCOL, self._serve_view)
+        # A view request is one small message: 4 at once per peer is plenty, and 64 in
+        # all keeps a crowd of peers from holding the node's view streams open.
+        self.host.set_stream_handler(VIEW_PROTOCOL, GuardedHandler(self._serve_view, per_peer=4, total=64,
+                                                                   defence="stream_caps"))
         async with background_trio_service(pubsub), background_trio_service(router):
             await pubsub.wait_until_ready()
             # Pubsub learns of peers from connection events only: connections made

@@ -11,6 +11,11 @@ patch without a host); it is idempotent.
   yamux frame size   DATA frames that fill exactly one Noise message
   TCP read buffer    one recv() serves many small reads (TrioTCPStream.read)
   DHT query timeout  3 s per DHT request to one peer instead of 10 s
+  yamux window       a DATA frame beyond the credit we granted resets its stream;
+                     a reset stream's unread data is dropped at once
+  yamux stream caps  per connection, at most MAX_INBOUND_STREAMS streams the peer
+                     opened, of which MAX_ANSWERED_STREAMS answered and left open
+  multistream line   a negotiation message of at most MAX_MULTISTREAM_LINE bytes
 
 `widen_receive_window` is no patch but reads and writes yamux's private stream
 state, so it lives here and is reviewed with them. net/dht.py and net/gossip.py
@@ -20,13 +25,19 @@ in the pinned 0.8.1"): review those too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
+import logging
 import os
+import struct
 
 import trio
 
+from .. import defences
 from ..errors import UnsupportedLibp2p
+
+log = logging.getLogger(__name__)
 
 PINNED_VERSION = "0.8.1"
 PATCHES = (
@@ -36,13 +47,35 @@ PATCHES = (
     "TCP read buffer (TrioTCPStream.read)",
     "DHT query timeout (kad_dht, peer_routing, provider_store .QUERY_TIMEOUT)",
     "widen_receive_window (YamuxStream window state)",
+    "yamux window (YamuxStream.recv_window and .reset_received as descriptors, Yamux.stream_buffers, "
+    "Yamux._finalize_stream_locked)",
+    "yamux stream caps (Yamux.accept_stream, YamuxStream.close, Yamux.streams)",
+    "multistream line (MultiselectCommunicator.read)",
 )
 
 PEER_QUERY_TIMEOUT_S = 3.0  # one DHT request to one peer (py-libp2p: QUERY_TIMEOUT = 10 s)
 _RECV_BYTES = 256 * 1024  # what one recv() of the TCP read buffer asks the kernel for at most
+# Streams a peer may hold open on one connection (inbound: the ones it opened). A
+# py-libp2p peer never holds more itself (its own per-connection limit on streams it
+# opens is 256), so an honest one never meets this cap, even in its bursts of DHT
+# queries (measured under a Sybil flood: about 60 at once to one peer).
+MAX_INBOUND_STREAMS = 256
+# Of those, streams we have answered and closed our side of while the peer keeps its
+# side open: nothing reads what the peer sends on them any more. An honest peer
+# closes each once it has read the reply; beyond this many the oldest is reset.
+MAX_ANSWERED_STREAMS = 16
+# Multistream messages are protocol ids and "na" (ours are under 40 bytes).
+MAX_MULTISTREAM_LINE = 1024
+
+overruns = 0  # streams reset here because their sender overran its window (for tests and logs)
+refused_streams = 0  # inbound streams reset here over MAX_INBOUND_STREAMS
+reset_answered = 0  # answered streams reset here over MAX_ANSWERED_STREAMS
 
 _applied = False
 _unbuffered_read = None  # TrioTCPStream.read as py-libp2p wrote it (set by apply)
+_accept_stream = None  # Yamux.accept_stream as py-libp2p wrote it (set by apply)
+_close_stream = None  # YamuxStream.close as py-libp2p wrote it (set by apply)
+_read_line = None  # MultiselectCommunicator.read as py-libp2p wrote it (set by apply)
 
 
 def check_version(found: str | None = None) -> None:
@@ -59,12 +92,13 @@ def check_version(found: str | None = None) -> None:
 
 def apply() -> None:
     """Check the libp2p version, then patch it (once per process)."""
-    global _applied, _unbuffered_read
+    global _applied, _unbuffered_read, _accept_stream, _close_stream, _read_line
     if _applied:
         return
     check_version()
     from libp2p.io.trio import TrioTCPStream
     from libp2p.kad_dht import kad_dht, peer_routing, provider_store
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
     from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
     from libp2p.stream_muxer.yamux import yamux
 
@@ -99,6 +133,30 @@ def apply() -> None:
     # imported the constant by name, so each is set.
     for module in (kad_dht, peer_routing, provider_store):
         module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
+
+    # py-libp2p buffers every DATA frame of a known stream, past the credit it granted
+    # too (it logs a warning and sets the credit to 0): a peer could park any amount
+    # of memory on a stream nobody reads. Every receive path subtracts a frame from
+    # recv_window right after buffering it, so a descriptor sees the overrun there.
+    yamux.YamuxStream.recv_window = _ReceiveCredit()
+    # py-libp2p keeps what a reset stream had buffered until its sweeper runs, 60-90 s
+    # later, though no reader can have it (a reset stream's reads raise): a peer
+    # resetting streams it filled would park a window each for that long.
+    yamux.YamuxStream.reset_received = _DropOnReset()
+
+    # py-libp2p bounds the streams we open on a connection (256), not those the peer
+    # opens: each may park up to a window of data that nothing reads (a stream whose
+    # handler has answered and returned, or that never finishes negotiation).
+    _accept_stream = yamux.Yamux.accept_stream
+    yamux.Yamux.accept_stream = _accept_within_cap
+    _close_stream = yamux.YamuxStream.close
+    yamux.YamuxStream.close = _close_and_bound_answered
+
+    # py-libp2p reads a negotiation message of whatever length its prefix claims, and
+    # credits the stream as it reads: one stream could make the node hold gigabytes
+    # until the negotiation deadline (10 s), whatever the caps above.
+    _read_line = MultiselectCommunicator.read
+    MultiselectCommunicator.read = _read_bounded_line
     _applied = True
 
 
@@ -163,3 +221,148 @@ async def widen_receive_window(stream, size: int) -> None:
             return
         muxed.recv_window += delta
     await muxed.send_window_update(delta, skip_lock=True)  # never under window_lock (py-libp2p's rule)
+
+
+class _ReceiveCredit:
+    """YamuxStream.recv_window, the credit the peer has left on a stream: what we
+    granted (256 KiB at the start, plus every WINDOW_UPDATE, which _credit_at_half_window
+    and widen_receive_window count here before sending) minus what it sent. A frame
+    that takes it below 0 is one the peer had no credit for, which no sender that
+    keeps to yamux's flow control sends: the stream is reset and what it buffered
+    dropped, instead of py-libp2p's warning and buffering. Stored in the instance's own __dict__ under the
+    same name. COMPUSHARE_DISABLE_DEFENCES=yamux_window restores py-libp2p's way."""
+
+    def __get__(self, stream, owner=None):
+        if stream is None:
+            return self
+        return stream.__dict__["recv_window"]
+
+    def __set__(self, stream, value: int) -> None:
+        if value < 0 and not defences.disabled("yamux_window"):
+            _reset_overrun(stream, -value)
+            value = 0
+        stream.__dict__["recv_window"] = value
+
+
+class _DropOnReset:
+    """YamuxStream.reset_received; setting it True (an RST from the peer, our own
+    reset, the connection's end) also empties the stream's receive buffer, so that
+    py-libp2p's finalizing, which follows each of them, drops the stream at once.
+    Stored in the instance's __dict__ under the same name; off with yamux_window."""
+
+    def __get__(self, stream, owner=None):
+        if stream is None:
+            return self
+        return stream.__dict__["reset_received"]
+
+    def __set__(self, stream, value: bool) -> None:
+        stream.__dict__["reset_received"] = value
+        if value and not defences.disabled("yamux_window"):
+            buffer = stream.conn.stream_buffers.get(stream.stream_id)
+            if buffer:
+                buffer.clear()
+
+
+def _reset_overrun(stream, excess: int) -> None:
+    """Called within yamux's frame handler (under streams_lock, no await possible):
+    drop the stream's buffer and mark it reset at once; the handler then finalizes a
+    closed stream (DATA frames) or the RST task below does (data sent with SYN)."""
+    global overruns
+    overruns += 1
+    conn = stream.conn
+    stream.closed = stream.send_closed = stream.recv_closed = True
+    stream.reset_received = True  # a reader gets MuxedStreamReset; the buffer is dropped (_DropOnReset)
+    event = conn.stream_events.get(stream.stream_id)
+    if event is not None:
+        event.set()
+    log.info("peer %s sent %d bytes beyond the receive window of stream %d: stream reset",
+             conn.peer_id, excess, stream.stream_id)
+    if conn._nursery is not None:  # the muxer's own nursery, running its frame handler
+        conn._nursery.start_soon(_send_reset, stream)
+
+
+async def _send_reset(stream) -> None:
+    from libp2p.stream_muxer.yamux import yamux
+
+    conn = stream.conn
+    with contextlib.suppress(Exception):
+        await conn._write_frame(struct.pack(yamux.YAMUX_HEADER_FORMAT, 0, yamux.TYPE_WINDOW_UPDATE,
+                                            yamux.FLAG_RST, stream.stream_id, 0))
+    async with conn.streams_lock:
+        if conn.streams.get(stream.stream_id) is stream:  # not yet finalized (a new id is another stream)
+            conn._finalize_stream_locked(stream, fully_closed=True)
+
+
+async def _drop(stream) -> None:
+    """Reset a stream we will not serve, and free what it buffered now (a reset
+    stream with unread data would otherwise wait for py-libp2p's 60 s sweeper)."""
+    buffer = stream.conn.stream_buffers.get(stream.stream_id)
+    if buffer is not None:
+        buffer.clear()
+    with contextlib.suppress(Exception):
+        await stream.reset()
+
+
+async def _accept_within_cap(self):
+    """Yamux.accept_stream that resets a peer's new stream while it holds
+    MAX_INBOUND_STREAMS others on this connection (counting streams still being
+    closed, and those holding unread data). Off with COMPUSHARE_DISABLE_DEFENCES=stream_caps."""
+    global refused_streams
+    while True:
+        stream = await _accept_stream(self)
+        if defences.disabled("stream_caps"):
+            return stream
+        # The peer numbers its streams in the order it opens them: count this one and
+        # those it opened before (not those queued behind it, still unaccepted).
+        inbound = sum(1 for s in list(self.streams.values())
+                      if not s.is_initiator and s.stream_id <= stream.stream_id)
+        if inbound <= MAX_INBOUND_STREAMS:
+            return stream
+        refused_streams += 1
+        if refused_streams == 1 or refused_streams % 100 == 0:
+            log.info("peer %s holds %d streams on one connection: new ones reset (%d so far)",
+                     self.peer_id, inbound - 1, refused_streams)
+        await _drop(stream)
+
+
+async def _close_and_bound_answered(self) -> None:
+    """YamuxStream.close; once we have closed our side of a stream the peer opened
+    while the peer keeps its own open, the stream is "answered": the peer may hold
+    MAX_ANSWERED_STREAMS of them on a connection, and the oldest (peers number
+    streams in the order they open them) are reset beyond that. Off with stream_caps."""
+    global reset_answered
+    await _close_stream(self)
+    if self.is_initiator or defences.disabled("stream_caps"):
+        return
+    buffers = self.conn.stream_buffers
+    # Also those the peer closed after filling them: py-libp2p keeps their data 60-90 s.
+    answered = sorted((s for s in list(self.conn.streams.values())
+                       if not s.is_initiator and s.send_closed and not s.reset_received
+                       and (not s.recv_closed or buffers.get(s.stream_id))),
+                      key=lambda s: s.stream_id)
+    for stream in answered[:max(0, len(answered) - MAX_ANSWERED_STREAMS)]:
+        reset_answered += 1
+        if reset_answered == 1 or reset_answered % 100 == 0:
+            log.info("peer %s left %d answered streams open on one connection: the oldest reset (%d so far)",
+                     self.conn.peer_id, len(answered), reset_answered)
+        await _drop(stream)
+
+
+async def _read_bounded_line(self) -> str:
+    """MultiselectCommunicator.read with a message of at most MAX_MULTISTREAM_LINE
+    bytes (a longer one fails the negotiation, as a malformed one does). Off with
+    stream_caps."""
+    from libp2p.exceptions import ParseError
+    from libp2p.io.exceptions import IOException
+    from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
+    from libp2p.utils import read_varint_prefixed_bytes_limited
+
+    if defences.disabled("stream_caps"):
+        return await _read_line(self)
+    try:
+        data = await read_varint_prefixed_bytes_limited(self.read_writer, MAX_MULTISTREAM_LINE)
+    except (ParseError, IOException) as error:  # IOException covers MessageTooLarge
+        raise MultiselectCommunicatorError(f"fail to read from multiselect communicator: {error}") from error
+    if not data.endswith(b"\n"):
+        raise MultiselectCommunicatorError(f"a multistream message not ending in a newline: {data[:40]!r}")
+    return data[:-1].decode()
