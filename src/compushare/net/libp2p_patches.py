@@ -275,8 +275,9 @@ def _reset_overrun(stream, excess: int) -> None:
     event = conn.stream_events.get(stream.stream_id)
     if event is not None:
         event.set()
-    log.info("peer %s sent %d bytes beyond the receive window of stream %d: stream reset",
-             conn.peer_id, excess, stream.stream_id)
+    if overruns == 1 or overruns % 100 == 0:  # one line per attack, not per stream
+        log.info("peer %s sent %d bytes beyond the receive window of stream %d: stream reset (%d so far)",
+                 conn.peer_id, excess, stream.stream_id, overruns)
     if conn._nursery is not None:  # the muxer's own nursery, running its frame handler
         conn._nursery.start_soon(_send_reset, stream)
 
