@@ -34,7 +34,7 @@ from ..net.gossip import Gossip, learn_views
 from ..net.host import full_addrs
 from ..net.identity import load_or_create_identity
 from ..net.peer import open_swarm_host
-from ..net.view import SwarmView
+from ..net.view import MAX_PEERS, SwarmView
 from ..pipeline.server.announce import announce_loop
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.provider import Provider, blocks_for_budget
@@ -50,6 +50,7 @@ COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
 # (KarmaBook says who is due: rechecks and retries are slower); a round takes at most KARMA_ROUND_S.
 KARMA_TICK_S = 5.0
 KARMA_ROUND_S = 30.0
+KARMA_NEWCOMERS = 32  # newcomers (no evidence yet) checked per round
 
 
 class Node:
@@ -270,10 +271,17 @@ class Node:
         return self.provider is not None and self.provider.resume()
 
     async def _karma_watch_loop(self, host, dht) -> None:
-        """Check the karma of the peers in view, for the dashboard (and `status`)."""
+        """Check the karma of the peers in view, for the dashboard (and `status`), and
+        tell the view who has verified karma (evidence: net/view.py). Each round checks
+        the peers with evidence and a few newcomers: every newcomer of a Sybil flood
+        would cost a DHT look-up."""
         while True:
-            peers = [ad.peer_id for ad in self.view.live(time.time())]
+            view = self.view
+            limit = view.counts()["evidenced"] + KARMA_NEWCOMERS if view.policy else MAX_PEERS
+            peers = [ad.peer_id for ad in view.ranked(time.time(), limit)]
             await self.karma_book.refresh(host, dht, peers, timeout_s=KARMA_ROUND_S)
+            # Above a newcomer's 1.0: verified compute served, not yet outweighed by reports.
+            view.note_karma([p for p in peers if (self.karma_book.known(p) or 0.0) > 1.0], time.time())
             await trio.sleep(KARMA_TICK_S)
 
     def _write_state(self, provider: Provider) -> dict:

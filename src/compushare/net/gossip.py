@@ -32,7 +32,7 @@ from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .serve import GuardedHandler
 from .dial import peer_info
-from .view import PUBLISH_INTERVAL_S, SwarmView
+from .view import MAX_PEERS, PUBLISH_INTERVAL_S, SwarmView
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ VIEW_TIMEOUT_S = 5.0
 HEARTBEAT_S = 1  # GossipSub's spec default; py-libp2p's own default is 120 s
 MESH_DEGREE = (6, 4, 12)  # D, D_low, D_high
 DIAL_TIMEOUT_S = 5.0
+EVIDENCE_PERIOD_S = 2.0
 
 
 class Gossip:
@@ -112,6 +113,7 @@ class Gossip:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._drain, subscription)
                 nursery.start_soon(self._expire_loop)
+                nursery.start_soon(self._evidence_loop)
                 nursery.start_soon(self._mesh_loop)
                 if self.make_ad is not None:
                     nursery.start_soon(self._publish_loop)
@@ -129,6 +131,23 @@ class Gossip:
             await trio.sleep(1.0)
             for peer in self.view.expire(time.time()):
                 log.info("peer %s stopped advertising: dropped from the view", peer)
+
+    async def _evidence_loop(self) -> None:
+        """Tell the view which peers are more than a key: this node, and the peers
+        connected to it that completed identify (a Sybil key with no running host
+        cannot). Karma evidence comes from the node (app/node.py)."""
+        self.view.set_self(self.host.get_id().to_base58())
+        while True:
+            self.view.note_connected(self.identified_peers(), time.time())
+            await trio.sleep(EVIDENCE_PERIOD_S)
+
+    def identified_peers(self) -> list[str]:
+        peerstore, found = self.host.get_peerstore(), []
+        for peer in list(self.host.get_network().connections):
+            with contextlib.suppress(Exception):  # not in the peerstore: identify has not run
+                if peerstore.get_protocols(peer):
+                    found.append(peer.to_base58())
+        return found
 
     async def _mesh_loop(self) -> None:
         """Keep at least D_low gossip neighbours: retry the pubsub handshake with
@@ -188,7 +207,9 @@ class Gossip:
                 if request is None or request.get("type") != "view":
                     await framed.send({"type": "error", "code": "bad_request", "message": "expected a view request"})
                 else:
-                    ads = [ad.raw for ad in self.view.live(time.time())][:MAX_VIEW_ADS]
+                    # Evidenced peers first, then a random sample of newcomers (net/view.py):
+                    # keys ground to sort first no longer crowd the servers out.
+                    ads = [ad.raw for ad in self.view.ranked(time.time(), MAX_VIEW_ADS)]
                     await framed.send({"type": "view", "ads": ads})
                 await framed.close()
         except Exception as exc:  # a handler must not raise into py-libp2p's connection task
@@ -240,9 +261,10 @@ async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
     gossip mesh has enough members beyond the bootstrap peers."""
     connected = set(host.get_network().connections)
     me = host.get_id().to_string()
-    candidates = [ad for ad in view.live(time.time())
+    # Peers with evidence first, then newcomers at random (net/view.ranked): a flood of
+    # Sybil ads with made-up addresses does not decide whom we dial.
+    candidates = [ad for ad in view.ranked(time.time(), MAX_PEERS)
                   if ad.peer_id != me and ID.from_base58(ad.peer_id) not in connected and ad.addrs]
-    random.shuffle(candidates)
     dialed = 0
 
     async def dial(ad: CapabilityAd) -> None:

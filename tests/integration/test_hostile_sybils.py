@@ -1,0 +1,168 @@
+"""Sybil ads against a node's view (issue 20): real node processes, a flood of 5,000
+valid ads from fresh keys (tools/hostile/sybil.py, over several forwarding hosts;
+with Sybil DHT records too where tools/hostile/sybil_records.py exists).
+
+A target node T holds server A in its view; the flood comes; then a new server B
+joins through T. With the view policy on, A and B are in T's view (its dashboard)
+and first in its /compushare/view reply to a fresh client, the client's own view
+stays bounded, and T's VmRSS grows by at most 50 MB. With the policy off in T
+(first come, refused when full, replies by peer id), the same flood keeps a real
+server out: the full view refuses B (or A, once an ad of A's lapsed while T was
+busy with the flood), and the ground Sybil ids fill the reply.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from compushare.app.api.auth import TOKEN_FILE
+from compushare.defences import ENV
+from compushare.net.dial import dial
+from compushare.net.framing import FramedStream
+from compushare.net.gossip import MAX_VIEW_ADS, MAX_VIEW_FRAME, VIEW_PROTOCOL, fetch_view
+from compushare.net.host import open_host
+from compushare.net.signed import signer_of
+from compushare.net.view import NEWCOMER_SLOTS, SwarmView
+from hostile.sybil import attack
+
+FLOOD = 5000
+RECORDS = FLOOD  # Sybil DHT records alongside, where tools/hostile/sybil_records.py exists
+FLOOD_TIMEOUT_S = 90.0
+SETTLE_TIMEOUT_S = 30.0  # for B to be in T's view and reply, once it is up
+RSS_GROWTH_LIMIT_MB = 50.0
+
+
+def vm_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def dashboard_peers(state: dict, data_dir: Path) -> set[str]:
+    """The peers of T's own view, as its control API shows them."""
+    token = (data_dir / TOKEN_FILE).read_text().strip()
+    request = urllib.request.Request(f"{state['api']}/control/dashboard", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=20) as response:
+        return {peer["peer_id"] for peer in json.loads(response.read())["peers"]}
+
+
+async def view_reply(host, state: dict, attempts: int = 5) -> list[str]:
+    """The peer ids of T's /compushare/view reply, in its order (read raw). Retried:
+    a node under a flood may refuse a stream now and then."""
+    for attempt in range(attempts):
+        try:
+            with trio.fail_after(20):
+                info = await dial(host, state["peer_id"], state["addrs"], timeout=10)
+                framed = FramedStream(await host.new_stream(info.peer_id, [VIEW_PROTOCOL]), MAX_VIEW_FRAME)
+                await framed.send({"type": "view"})
+                reply = await framed.receive()
+                await framed.close()
+            return [signer_of(raw) for raw in reply["ads"]]
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            await trio.sleep(1)
+    raise AssertionError("unreachable")
+
+
+async def client_view(client, state: dict, attempts: int = 5) -> set[str]:
+    """What a client's own SwarmView holds after fetching T's view (net/gossip.fetch_view)."""
+    for attempt in range(attempts):
+        view = SwarmView()
+        try:
+            info = await dial(client, state["peer_id"], state["addrs"], timeout=10)
+            await fetch_view(client, info.peer_id, view)
+            return {ad.peer_id for ad in view.live(time.time())}
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            await trio.sleep(1)
+    raise AssertionError("unreachable")
+
+
+async def flood_and_join(processes, tiny_model, monkeypatch, *, policy: bool) -> dict:
+    extra = ["--api-port", "0"]
+    if not policy:  # in T's environment only
+        monkeypatch.setenv(ENV, "view_policy")
+    target_proc, target = processes.node("t", tiny_model, "0:2", extra=extra)
+    monkeypatch.delenv(ENV, raising=False)
+    boot = target["addrs"][:1]
+    _, a = processes.node("a", tiny_model, "2:4", bootstrap=boot)
+    out: dict = {"target": target, "a": a["peer_id"]}
+    counts: collections.Counter = collections.Counter()
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as watcher:
+        with trio.fail_after(30):  # A's ad reached T
+            while a["peer_id"] not in await view_reply(watcher, target):
+                await trio.sleep(0.5)
+        rss_before = vm_rss_mb(target_proc.pid)
+        async with open_host(create_new_key_pair(), []) as attacker, trio.open_nursery() as nursery:
+            began = trio.current_time()
+            nursery.start_soon(functools.partial(attack, attacker, target, target["model_id"], counts,
+                                                 records=RECORDS))
+            with trio.fail_after(FLOOD_TIMEOUT_S):
+                while counts["sybil_ads"] < FLOOD:
+                    await trio.sleep(0.5)
+            out["flood_s"] = round(trio.current_time() - began, 1)
+            await trio.sleep(3)  # the last RPCs validated
+            # A new real server joins through T while the Sybils stay advertised.
+            _, b = await trio.to_thread.run_sync(lambda: processes.node("b", tiny_model, "2:4", bootstrap=boot))
+            out["b"] = b["peer_id"]
+            servers = {a["peer_id"], b["peer_id"]}
+            head = servers | {target["peer_id"]}  # what the reply should start with (the policy on)
+            with trio.move_on_after(SETTLE_TIMEOUT_S):  # B is evidenced once T has identified it
+                while not (set((await view_reply(watcher, target))[:3]) == head if policy else
+                           servers <= set(await view_reply(watcher, target))):
+                    await trio.sleep(1)
+            # A fresh client asks T, as `status` or a consumer would.
+            async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as client:
+                out["reply"] = await view_reply(client, target)
+                out["client_view"] = await client_view(client, target)
+            out["view"] = await trio.to_thread.run_sync(dashboard_peers, target, processes.root / "t")
+            out["rss_growth_mb"] = vm_rss_mb(target_proc.pid) - rss_before
+            out["counts"] = dict(counts)
+            out["alive"] = target_proc.poll() is None
+            nursery.cancel_scope.cancel()
+    out["missing_from_view"] = sorted(servers - out["view"])
+    out["missing_from_reply"] = sorted(servers - set(out["reply"]))
+    print({k: v for k, v in out.items() if k not in ("reply", "view", "client_view", "target")},
+          f"view {len(out['view'])} peers, reply {len(out['reply'])} ads")
+    return out
+
+
+async def test_a_sybil_flood_leaves_every_real_server_in_view(processes, tiny_model, monkeypatch):
+    out = await flood_and_join(processes, tiny_model, monkeypatch, policy=True)
+    assert out["alive"]
+    assert out["counts"]["sybil_ads"] >= FLOOD
+    assert not out["missing_from_view"], f"real servers gone from T's view: {out['missing_from_view']}"
+    assert not out["missing_from_reply"], f"real servers missing from T's reply: {out['missing_from_reply']}"
+    # Evidenced peers first (T itself, A and B, all connected), then sampled newcomers.
+    assert set(out["reply"][:3]) == {out["target"]["peer_id"], out["a"], out["b"]}
+    assert len(out["reply"]) <= MAX_VIEW_ADS and len(out["view"]) <= 3 + NEWCOMER_SLOTS
+    # A client's view of a reply full of Sybils stays bounded and keeps what came first.
+    assert {out["a"], out["b"]} <= out["client_view"] and len(out["client_view"]) <= NEWCOMER_SLOTS
+    assert out["rss_growth_mb"] <= RSS_GROWTH_LIMIT_MB
+
+
+async def test_without_the_view_policy_the_flood_keeps_real_servers_out(processes, tiny_model, monkeypatch):
+    out = await flood_and_join(processes, tiny_model, monkeypatch, policy=False)
+    assert out["counts"]["sybil_ads"] >= FLOOD
+    # The full view refuses B, or A once its ad lapsed; the ground ids fill the reply.
+    assert out["missing_from_view"] or out["missing_from_reply"], "the attack should work without the defence"
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_switch(monkeypatch):
+    """The switch must reach T only: never the servers, the client or this process."""
+    monkeypatch.delenv(ENV, raising=False)
+    assert ENV not in os.environ
