@@ -18,6 +18,7 @@ import typer
 from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from ..gc_policy import pause_during_startup
+from ..malloc_policy import bound_retention
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
 from .cli_swarm import karma, show_id, status, swarm_app
@@ -63,6 +64,7 @@ def node(
         run_or_exit(lambda: _detach(home))
         return
     setup_logging(log_level)
+    bound_retention()  # a server's buffers come and go with its peers: give them back when freed
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,

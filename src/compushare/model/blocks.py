@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from .arch import architecture_of, load_config
+from .kv_cache import new_cache
 from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
@@ -79,7 +80,7 @@ class SpanRunner:
         return sum(p.numel() for layer in self.layers.values() for p in layer.parameters())
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return new_cache(self.config)
 
     def forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
                 start: int | None = None, end: int | None = None, *,
