@@ -1,6 +1,6 @@
 """net/libp2p_patches.py's transport changes on two real libp2p hosts over loopback: receive
 credit granted up front, and bulk data intact through the read buffer and the
-one-Noise-message yamux frames."""
+one-Noise-message yamux frames; an inbound connection's slot freed when it closes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
 
-from compushare.net.host import open_host
+from compushare.net.host import open_host, parse_peer_addr
 from compushare.net.libp2p_patches import widen_receive_window
 
 PROTOCOL = "/compushare-test/bulk/1.0.0"
@@ -85,3 +85,23 @@ async def test_bulk_bytes_arrive_intact_in_frames_of_one_noise_message():
     async with sender_and_stream(payload) as (stream, _written):
         await widen_receive_window(stream, 1 << 20)
         assert await read_all(stream) == payload
+
+
+async def test_a_closed_inbound_connection_gives_its_slot_back():
+    """py-libp2p held each inbound connection's slot of the swarm's inbound cap (296)
+    until the node stopped: after that many connections in its life, a node refused
+    every new one. With the cap at 3 here, 8 connections one after another all work."""
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as server:
+        swarm = server.get_network()
+        swarm._inbound_limiter.total_tokens = 3  # private in the pinned 0.8.1
+        addr = f"{server.get_addrs()[0]}"
+        for _ in range(8):
+            async with open_host(create_new_key_pair(), []) as client:
+                with trio.fail_after(10):
+                    await client.connect(parse_peer_addr(addr))
+                    while client.get_id() not in swarm.connections:
+                        await trio.sleep(0.05)
+                    await client.disconnect(server.get_id())  # leaving the host alone keeps its socket
+            with trio.fail_after(10):
+                while swarm._inbound_limiter.borrowed_tokens:
+                    await trio.sleep(0.05)

@@ -16,6 +16,8 @@ patch without a host); it is idempotent.
   yamux stream caps  per connection, at most MAX_INBOUND_STREAMS streams the peer
                      opened, of which MAX_ANSWERED_STREAMS answered and left open
   multistream line   a negotiation message of at most MAX_MULTISTREAM_LINE bytes
+  inbound slot       an inbound connection's handler (and its slot of the swarm's
+                     inbound cap) ends when the connection does, not with the node
 
 `widen_receive_window` is no patch but reads and writes yamux's private stream
 state, so it lives here and is reviewed with them. net/dht.py and net/gossip.py
@@ -26,6 +28,7 @@ in the pinned 0.8.1"): review those too.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.metadata
 import logging
@@ -51,6 +54,7 @@ PATCHES = (
     "Yamux._finalize_stream_locked)",
     "yamux stream caps (Yamux.accept_stream, YamuxStream.close, Yamux.streams)",
     "multistream line (MultiselectCommunicator.read)",
+    "inbound slot (Swarm._do_handle_inbound_connection, Swarm.upgrade_inbound_raw_conn, Yamux.event_closed)",
 )
 
 PEER_QUERY_TIMEOUT_S = 3.0  # one DHT request to one peer (py-libp2p: QUERY_TIMEOUT = 10 s)
@@ -76,6 +80,8 @@ _unbuffered_read = None  # TrioTCPStream.read as py-libp2p wrote it (set by appl
 _accept_stream = None  # Yamux.accept_stream as py-libp2p wrote it (set by apply)
 _close_stream = None  # YamuxStream.close as py-libp2p wrote it (set by apply)
 _read_line = None  # MultiselectCommunicator.read as py-libp2p wrote it (set by apply)
+_handle_inbound = None  # Swarm._do_handle_inbound_connection as py-libp2p wrote it (set by apply)
+_upgrade_inbound = None  # Swarm.upgrade_inbound_raw_conn as py-libp2p wrote it (set by apply)
 
 
 def check_version(found: str | None = None) -> None:
@@ -92,12 +98,13 @@ def check_version(found: str | None = None) -> None:
 
 def apply() -> None:
     """Check the libp2p version, then patch it (once per process)."""
-    global _applied, _unbuffered_read, _accept_stream, _close_stream, _read_line
+    global _applied, _unbuffered_read, _accept_stream, _close_stream, _read_line, _handle_inbound, _upgrade_inbound
     if _applied:
         return
     check_version()
     from libp2p.io.trio import TrioTCPStream
     from libp2p.kad_dht import kad_dht, peer_routing, provider_store
+    from libp2p.network.swarm import Swarm
     from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
     from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
     from libp2p.stream_muxer.yamux import yamux
@@ -157,7 +164,44 @@ def apply() -> None:
     # until the negotiation deadline (10 s), whatever the caps above.
     _read_line = MultiselectCommunicator.read
     MultiselectCommunicator.read = _read_bounded_line
+
+    # py-libp2p keeps each inbound connection's handler, which holds one of the swarm's
+    # 296 inbound slots and the connection's objects, waiting until the node stops,
+    # closed connection or not: after 296 inbound connections in its life a node
+    # refused every new one (found by a flood of fresh identities).
+    _handle_inbound = Swarm._do_handle_inbound_connection
+    Swarm._do_handle_inbound_connection = _handle_inbound_until_closed
+    _upgrade_inbound = Swarm.upgrade_inbound_raw_conn
+    Swarm.upgrade_inbound_raw_conn = _upgrade_and_watch
     _applied = True
+
+
+# The cancel scope of the inbound handler running in this task (set by
+# _handle_inbound_until_closed for _upgrade_and_watch).
+_inbound_handler: contextvars.ContextVar = contextvars.ContextVar("compushare_inbound_handler", default=None)
+
+
+async def _handle_inbound_until_closed(self, read_write_closer, maddr, failure_event) -> None:
+    """py-libp2p's inbound handler, ended (its slot released) once the connection it
+    upgraded has closed: _upgrade_and_watch cancels it then."""
+    with trio.CancelScope() as scope:
+        token = _inbound_handler.set(scope)
+        try:
+            await _handle_inbound(self, read_write_closer, maddr, failure_event)
+        finally:
+            _inbound_handler.reset(token)
+
+
+async def _upgrade_and_watch(self, raw_conn, maddr):
+    muxed = await _upgrade_inbound(self, raw_conn, maddr)
+    scope, closed = _inbound_handler.get(), getattr(muxed, "event_closed", None)
+    if scope is not None and closed is not None:
+        async def end_with_connection() -> None:
+            await closed.wait()
+            scope.cancel()
+
+        self.manager.run_task(end_with_connection)
+    return muxed
 
 
 async def _credit_at_half_window(self, *, bytes_read: int = 0) -> None:
