@@ -79,3 +79,15 @@ def test_karma_book_checks_new_peers_at_once_rechecks_old_ones_and_backs_off_fai
     assert book.due(["a", "b"], now=100.0 + KarmaBook.MAX_AGE_S) == ["a", "b"]
     book.checked("b", 0.7, now=200.0)
     assert book.known("b") == 0.7 and book.due(["b"], now=201.0) == []
+
+
+def test_karma_book_stays_bounded_under_a_stream_of_fresh_identities():
+    book = KarmaBook()
+    book.checked("honest", 2.0, now=0.0)
+    for i in range(3 * KarmaBook.MAX_PEERS):  # a Sybil every 10 ms, each failing its check
+        book.checked(f"sybil-{i}", None, now=1.0 + i / 100)
+        if i % 1000 == 0:  # an honest peer in view is rechecked every so often
+            book.checked("honest", 2.0, now=1.0 + i / 100)
+        assert len(book._scores) + len(book._failed) <= KarmaBook.MAX_PEERS
+    assert book.known("honest") == 2.0  # checked within the last minute: kept
+    assert f"sybil-{3 * KarmaBook.MAX_PEERS - 1}" in book._failed  # the newest failures are remembered

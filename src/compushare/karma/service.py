@@ -318,10 +318,14 @@ async def karma_of(host: IHost, dht: KadDHT, peer_id: str) -> KarmaReport:
 class KarmaBook:
     """Verified scores of the peers a consumer may route through, recomputed at most
     every MAX_AGE_S: routing breaks ties by them. A peer whose check failed (no
-    record yet, unreachable) is tried again after RETRY_S, not on every refresh."""
+    record yet, unreachable) is tried again after RETRY_S, not on every refresh. It
+    remembers at most MAX_PEERS peers: past that, what a check would redo anyway
+    goes first (stale scores, old failures), then the oldest entries, so a stream
+    of fresh identities cannot grow it."""
 
     MAX_AGE_S = 60.0
     RETRY_S = 30.0
+    MAX_PEERS = 4096
 
     def __init__(self) -> None:
         self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, when)
@@ -351,6 +355,21 @@ class KarmaBook:
         else:
             self._scores[peer_id] = (score, now)
             self._failed.pop(peer_id, None)
+        if len(self._scores) + len(self._failed) > self.MAX_PEERS:
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        for peer in [p for p, when in self._failed.items() if now - when >= self.RETRY_S]:
+            del self._failed[peer]
+        for peer in [p for p, (_, when) in self._scores.items() if now - when >= self.MAX_AGE_S]:
+            del self._scores[peer]
+        surplus = len(self._scores) + len(self._failed) - self.MAX_PEERS
+        if surplus > 0:  # all fresh: the oldest go, failures first
+            oldest = sorted(self._failed, key=self._failed.get)[:surplus]
+            for peer in oldest:
+                del self._failed[peer]
+            for peer in sorted(self._scores, key=lambda p: self._scores[p][1])[:surplus - len(oldest)]:
+                del self._scores[peer]
 
     async def refresh(self, host: IHost, dht: KadDHT, peers, *, timeout_s: float) -> None:
         """Check the peers that are due, for at most `timeout_s`."""
