@@ -5,8 +5,13 @@ identities attack one server of its chain at their per-peer limits.
 
 swarm     3 provider processes on 127.0.0.1 (blocks 0:10, 10:20, 20:30) and this
           process as the consumer (pipeline.consumer.Consumer, chat template, greedy),
-          generating one prompt again and again for the whole run.
-phases    quiet (--quiet-s), attack (--attack-s), quiet again (--quiet-s).
+          generating one prompt again and again for the whole run; and a bystander,
+          a 4th provider of 10:20 that the consumer never routes through.
+phases    quiet (--quiet-s), elsewhere (--reference-s), attack (--attack-s), quiet
+          again (--quiet-s). "elsewhere" is the machine's own limit: the same
+          attackers against the bystander. They and every node share this machine's
+          CPUs, so an attack anywhere slows the honest generation; the attack on its
+          own server is judged beside that.
 attackers 4 libp2p hosts in this process, each with a fresh Ed25519 identity,
           against the server of blocks 10:20 only. Each runs every attack kind of
           tools/hostile that is available: the KV hog (sessions as large as the server
@@ -16,7 +21,7 @@ attackers 4 libp2p hosts in this process, each with a fresh Ed25519 identity,
 identical every generation's tokens equal the first one's (quiet) generation.
 failed    generations that raised.
 tok/s     the median decode tok/s of the generations that ran in the attack phase
-          over that of the first quiet phase.
+          over that of the first quiet phase (and of the elsewhere phase over it).
 rss       the attacked node's VmRSS (/proc), sampled every second: the mean over the
           final quiet phase minus the mean over the first (no allocator trim).
 
@@ -55,47 +60,53 @@ from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.net.host import open_host  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
-from hostile.infer import hog  # noqa: E402  (tools/hostile)
 from local_swarm import LocalSwarm, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
 
 MODEL = "smollm2-135m"
-SPANS = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}
+SPANS = {"a": (0, 10), "b": (10, 20), "c": (20, 30), "d": (10, 20)}
 TARGET = "b"
+BYSTANDER = "d"
 ATTACKERS = 4
 PROMPT = "Name three rivers of Europe and one fact about each."
 TARGETS = {"failed": 0, "tok_s_under_attack_vs_quiet": 0.5, "rss_growth_mb": 50.0}
 
 
-def optional_attacks() -> dict:
-    """Attack kinds of tools/hostile beyond the KV hog, where they exist: each module
-    exposes `attack(host, state, model_id, counts)`, running until cancelled."""
-    found = {}
-    for kind, module in (("sybil", "hostile.sybil"), ("window", "hostile.window")):
-        with contextlib.suppress(ImportError):
-            found[kind] = importlib.import_module(module).attack
-    return found
+def attacks(kinds: set[str]) -> dict:
+    """The attack kinds of tools/hostile asked for: each module exposes
+    `attack(host, state, model_id, counts)`, running until cancelled."""
+    return {kind: importlib.import_module(module).attack
+            for kind, module in (("kv_hog", "hostile.infer"), ("sybil", "hostile.sybil"), ("window", "hostile.window"))
+            if kind in kinds}
 
 
-async def attacker(state: dict, model_id: str, span: tuple[int, int], counts: collections.Counter,
-                   extra: dict) -> None:
-    """One attacker identity: the KV hog and every other attack kind at once."""
+async def attacker(state: dict, model_id: str, counts: collections.Counter, kinds: dict) -> None:
+    """One attacker identity: every attack kind at once, each started again when the
+    node's defences end it (a reset stream, a closed one)."""
+
+    async def persist(kind: str, attack) -> None:
+        while True:
+            try:
+                await attack()
+            except Exception as exc:
+                counts[f"{kind}_ended_{type(exc).__name__}"] += 1
+                await trio.sleep(0.5)
+
     async with open_host(create_new_key_pair(), []) as host, trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: hog(host, state["peer_id"], state["addrs"], model_id, 576, span,
-                                       counts=counts))
-        for attack in extra.values():
-            nursery.start_soon(attack, host, state, model_id, counts)
+        for kind, attack in kinds.items():
+            nursery.start_soon(persist, kind, lambda attack=attack: attack(host, state, model_id, counts))
 
 
 async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
     request = RunRequest(model=MODEL, prompt=PROMPT, params=params)
-    target = swarm.states[TARGET]
     pid = swarm.procs[TARGET].pid
-    phases = [("quiet", args.quiet_s), ("attack", args.attack_s), ("quiet_after", args.quiet_s)]
+    phases = [("quiet", args.quiet_s), ("elsewhere", args.reference_s), ("attack", args.attack_s),
+              ("quiet_after", args.quiet_s)]
+    victims = {"elsewhere": swarm.states[BYSTANDER], "attack": swarm.states[TARGET]}
     speeds: dict[str, list[float]] = {name: [] for name, _ in phases}
     rss: dict[str, list[float]] = {name: [] for name, _ in phases}
-    counts: collections.Counter = collections.Counter()
-    extra = optional_attacks()
+    counts = {name: collections.Counter() for name in ("elsewhere", "attack")}
+    kinds = attacks(set(args.kinds.split(",")))
     reference, failed, identical, generations = None, 0, True, 0
     phase = {"name": "quiet"}
 
@@ -106,19 +117,21 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
 
     async with Consumer.connect(client_dir, tuple(swarm.addrs()), MODEL) as consumer, \
             trio.open_nursery() as nursery:
-        consumer.spot_check_rate = 0.0  # no second server of these blocks to check with
+        consumer.spot_check_rate = 0.0  # the bystander is no verifier: nothing to check with
+        bystander, excluded = swarm.states[BYSTANDER]["peer_id"], consumer.penalties.excluded
+        consumer.penalties.excluded = lambda now: excluded(now) | {bystander}  # never on the route
         nursery.start_soon(sample_rss)
         model_id = consumer.model.model_id
         for name, seconds in phases:
             phase["name"] = name
             print(f"phase {name}: {seconds:.0f} s", flush=True)
             attack_scope = trio.CancelScope()
-            if name == "attack":
-                async def attack_all(scope=attack_scope):
+            if name in victims:
+                async def attack_all(scope=attack_scope, victim=victims[name], tally=counts[name]):
                     with scope:
                         async with trio.open_nursery() as attackers:
                             for _ in range(ATTACKERS):
-                                attackers.start_soon(attacker, target, model_id, SPANS[TARGET], counts, extra)
+                                attackers.start_soon(attacker, victim, model_id, tally, kinds)
                 nursery.start_soon(attack_all)
             ends = time.monotonic() + seconds
             while time.monotonic() < ends:
@@ -141,11 +154,12 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
                       f"{outcome.first_token_s:.2f} s, {len(outcome.failovers)} failovers, identical {same}; "
                       f"attacked node RSS {rss[name][-1] if rss[name] else 0:.0f} MB", flush=True)
             attack_scope.cancel()
-            if name == "attack":
-                print(f"  attacks: {dict(counts)}", flush=True)
+            if name in victims:
+                print(f"  attacks: {dict(counts[name])}", flush=True)
         nursery.cancel_scope.cancel()
     quiet = statistics.median(speeds["quiet"]) if speeds["quiet"] else 0.0
     attacked = statistics.median(speeds["attack"]) if speeds["attack"] else 0.0
+    elsewhere = statistics.median(speeds["elsewhere"]) if speeds["elsewhere"] else 0.0
     result = {
         "model": MODEL,
         "generations": generations,
@@ -159,11 +173,16 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         "rss_attack_max_mb": round(max(rss["attack"], default=0.0), 1),
         "rss_final_quiet_mb": round(statistics.mean(rss["quiet_after"]), 1),
         "rss_growth_mb": round(statistics.mean(rss["quiet_after"]) - statistics.mean(rss["quiet"]), 1),
-        "attacks": dict(counts),
-        "attack_kinds": ["kv_hog_prefill", *extra],
+        "attacks": dict(counts["attack"]),
+        "tok_s_attack_elsewhere": round(elsewhere, 2),
+        "machine_ref_tok_s_attack_elsewhere_vs_quiet": round(elsewhere / quiet, 3) if quiet else 0.0,
+        "under_attack_vs_attack_elsewhere": round(attacked / elsewhere, 3) if elsewhere else 0.0,
+        "attacks_elsewhere": dict(counts["elsewhere"]),
+        "attack_kinds": sorted(kinds),
         "attackers": ATTACKERS,
         "quiet_s": args.quiet_s,
         "attack_s": args.attack_s,
+        "reference_s": args.reference_s,
     }
     result["targets_met"] = (result["failed"] == TARGETS["failed"] and result["identical"]
                              and result["tok_s_under_attack_vs_quiet"] >= TARGETS["tok_s_under_attack_vs_quiet"]
@@ -175,6 +194,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quiet-s", type=float, default=60.0)
     parser.add_argument("--attack-s", type=float, default=300.0)
+    parser.add_argument("--kinds", default="kv_hog,sybil,window", help="attack kinds, comma-separated")
+    parser.add_argument("--reference-s", type=float, default=120.0,
+                        help="the machine's reference: the same attack on a bystander off the route")
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
@@ -190,6 +212,10 @@ def main() -> None:
             result = trio.run(run, args, swarm, client_dir)
         finally:
             swarm.close()
+            log = root / TARGET / "node.log"
+            if log.exists():  # what the attacked node said about the attacks, for the record
+                lines = log.read_text(errors="replace").splitlines()
+                print(f"attacked node log: {len(lines)} lines; last 15:", *lines[-15:], sep="\n  ")
     print(json.dumps(result))
 
 

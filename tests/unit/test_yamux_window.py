@@ -144,6 +144,24 @@ def test_data_sent_with_syn_beyond_the_window_resets_the_stream():
     trio.run(main)
 
 
+def test_a_peer_that_keeps_overrunning_loses_the_connection():
+    """Each reset costs the peer nothing while every byte it sends costs a decryption."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            node, peer = await _node_and_peer(nursery)
+            for i in range(patches.MAX_OVERRUNS_PER_CONNECTION - 1):
+                await peer.send(DATA, SYN, 2 * i + 1, bytes(WINDOW + 1))
+                await peer.until(lambda sid=2 * i + 1: sid in peer.resets)
+            assert not node.event_shutting_down.is_set()
+            await peer.send(DATA, SYN, 99, bytes(WINDOW + 1))  # one overrun more
+            with trio.fail_after(5):
+                await node.event_closed.wait()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_stream_reset_by_its_peer_drops_its_unread_data_at_once():
     """py-libp2p kept it for its sweeper, 60-90 s: a peer filling and resetting
     streams would park a window each for that long."""

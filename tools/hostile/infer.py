@@ -40,6 +40,13 @@ async def hog(host, peer_id: str, addrs: list[str], model_id: str, hidden_size: 
                                counts)
 
 
+async def attack(host, state: dict, model_id: str, counts: collections.Counter, *, hidden_size: int = 576) -> None:
+    """The hog against the span a node's state says it serves (bench/hostile.py's
+    common signature; hidden_size is SmolLM2-135M's)."""
+    await hog(host, state["peer_id"], state["addrs"], model_id, hidden_size, (state["start"], state["end"]),
+              counts=counts)
+
+
 async def _ask(framed: FramedStream, message) -> dict:
     await framed.send(message.to_wire())
     with trio.fail_after(REPLY_TIMEOUT_S):

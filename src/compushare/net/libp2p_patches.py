@@ -59,6 +59,7 @@ PATCHES = (
 
 PEER_QUERY_TIMEOUT_S = 3.0  # one DHT request to one peer (py-libp2p: QUERY_TIMEOUT = 10 s)
 _RECV_BYTES = 256 * 1024  # what one recv() of the TCP read buffer asks the kernel for at most
+MAX_OVERRUNS_PER_CONNECTION = 8  # window overruns (each a stream reset) before the connection is closed
 # Streams a peer may hold open on one connection (inbound: the ones it opened). A
 # py-libp2p peer never holds more itself (its own per-connection limit on streams it
 # opens is 256), so an honest one never meets this cap, even in its bursts of DHT
@@ -324,6 +325,18 @@ def _reset_overrun(stream, excess: int) -> None:
                  conn.peer_id, excess, stream.stream_id, overruns)
     if conn._nursery is not None:  # the muxer's own nursery, running its frame handler
         conn._nursery.start_soon(_send_reset, stream)
+        # A reset costs the peer nothing, and every byte it sends still costs us a
+        # decryption: a peer that keeps overrunning loses the connection.
+        conn._cs_overruns = getattr(conn, "_cs_overruns", 0) + 1
+        if conn._cs_overruns == MAX_OVERRUNS_PER_CONNECTION:
+            log.info("peer %s overran %d receive windows: closing its connection", conn.peer_id,
+                     MAX_OVERRUNS_PER_CONNECTION)
+            conn._nursery.start_soon(_close_quietly, conn)
+
+
+async def _close_quietly(conn) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close()
 
 
 async def _send_reset(stream) -> None:

@@ -120,6 +120,7 @@ class SwarmView:
         self._connected: frozenset[str] = frozenset()
         self._karma: frozenset[str] = frozenset()
         self.rejected = 0
+        self.newcomer_ads_dropped = 0  # by gossip, over its budget for ads of peers not in view
         self.displaced = 0  # newcomers that made room for another peer
 
     # ------------------------------------------------------------------ ads in
