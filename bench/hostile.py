@@ -12,12 +12,14 @@ phases    quiet (--quiet-s), elsewhere (--reference-s), attack (--attack-s), qui
           attackers against the bystander. They and every node share this machine's
           CPUs, so an attack anywhere slows the honest generation; the attack on its
           own server is judged beside that.
-attackers 4 libp2p hosts in this process, each with a fresh Ed25519 identity,
-          against the server of blocks 10:20 only. Each runs every attack kind of
-          tools/hostile that is available: the KV hog (sessions as large as the server
-          grants, 1,024-token prefills back to back on 4 streams: hostile/infer.py),
-          and, where present, Sybil ads and DHT records (hostile/sybil.py) and
-          receive-window overruns (hostile/window.py). `attacks` counts what each did.
+attackers 4 libp2p hosts, each with a fresh Ed25519 identity, in a process of their
+          own (python -m hostile): against the bystander in the elsewhere phase, the
+          server of blocks 10:20 on the route in the attack phase. Each runs every
+          attack kind (--kinds) at once, at the limits a node grants one peer: the KV
+          hog (sessions as large as the server grants, 1,024-token prefills back to back
+          on 4 streams: hostile/infer.py), Sybil ads and DHT records (hostile/sybil.py,
+          sybil_records.py), receive-window overruns and parked streams
+          (hostile/window.py). `attacks` counts what they did.
 identical every generation's tokens equal the first one's (quiet) generation.
 failed    generations that raised.
 tok/s     the median decode tok/s of the generations that ran in the attack phase
@@ -31,13 +33,12 @@ Human-readable lines first; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import importlib
 import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,14 +54,13 @@ sys.path.insert(0, str(REPO / "tools"))
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
 import trio  # noqa: E402
-from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
+from compushare.config import STATE_FILE  # noqa: E402
 from compushare.errors import CompushareError  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.net.host import open_host  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
-from local_swarm import LocalSwarm, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
+from local_swarm import LocalSwarm, cpu_seconds, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
 
 MODEL = "smollm2-135m"
 SPANS = {"a": (0, 10), "b": (10, 20), "c": (20, 30), "d": (10, 20)}
@@ -71,29 +71,31 @@ PROMPT = "Name three rivers of Europe and one fact about each."
 TARGETS = {"failed": 0, "tok_s_under_attack_vs_quiet": 0.5, "rss_growth_mb": 50.0}
 
 
-def attacks(kinds: set[str]) -> dict:
-    """The attack kinds of tools/hostile asked for: each module exposes
-    `attack(host, state, model_id, counts)`, running until cancelled."""
-    return {kind: importlib.import_module(module).attack
-            for kind, module in (("kv_hog", "hostile.infer"), ("sybil", "hostile.sybil"), ("window", "hostile.window"))
-            if kind in kinds}
+class Attackers:
+    """ATTACKERS identities in a process of their own (python -m hostile, tools/hostile)
+    against one node, for one phase: their CPU stays off this process's GIL, which
+    the consumer being measured needs. Always ended (SIGTERM, then SIGKILL) by pid."""
 
+    def __init__(self, root: Path, victim: str, model_id: str, kinds: str, name: str) -> None:
+        self.counts_file = root / f"attacks-{name}.json"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tools"),
+                                                                       os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hostile", "--state", str(root / victim / STATE_FILE), "--model-id", model_id,
+             "--attackers", str(ATTACKERS), "--kinds", kinds, "--counts", str(self.counts_file)],
+            env=env, start_new_session=True)
 
-async def attacker(state: dict, model_id: str, counts: collections.Counter, kinds: dict) -> None:
-    """One attacker identity: every attack kind at once, each started again when the
-    node's defences end it (a reset stream, a closed one)."""
-
-    async def persist(kind: str, attack) -> None:
-        while True:
+    def stop(self) -> dict:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                await attack()
-            except Exception as exc:
-                counts[f"{kind}_ended_{type(exc).__name__}"] += 1
-                await trio.sleep(0.5)
-
-    async with open_host(create_new_key_pair(), []) as host, trio.open_nursery() as nursery:
-        for kind, attack in kinds.items():
-            nursery.start_soon(persist, kind, lambda attack=attack: attack(host, state, model_id, counts))
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            return json.loads(self.counts_file.read_text())
+        return {}
 
 
 async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
@@ -102,11 +104,11 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
     pid = swarm.procs[TARGET].pid
     phases = [("quiet", args.quiet_s), ("elsewhere", args.reference_s), ("attack", args.attack_s),
               ("quiet_after", args.quiet_s)]
-    victims = {"elsewhere": swarm.states[BYSTANDER], "attack": swarm.states[TARGET]}
+    victims = {"elsewhere": BYSTANDER, "attack": TARGET}
     speeds: dict[str, list[float]] = {name: [] for name, _ in phases}
     rss: dict[str, list[float]] = {name: [] for name, _ in phases}
-    counts = {name: collections.Counter() for name in ("elsewhere", "attack")}
-    kinds = attacks(set(args.kinds.split(",")))
+    counts: dict[str, dict] = {}
+    cpu_share: dict[str, float] = {}  # the attacked node's CPU seconds per second, per phase
     reference, failed, identical, generations = None, 0, True, 0
     phase = {"name": "quiet"}
 
@@ -125,37 +127,34 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         for name, seconds in phases:
             phase["name"] = name
             print(f"phase {name}: {seconds:.0f} s", flush=True)
-            attack_scope = trio.CancelScope()
-            if name in victims:
-                async def attack_all(scope=attack_scope, victim=victims[name], tally=counts[name]):
-                    with scope:
-                        async with trio.open_nursery() as attackers:
-                            for _ in range(ATTACKERS):
-                                attackers.start_soon(attacker, victim, model_id, tally, kinds)
-                nursery.start_soon(attack_all)
-            ends = time.monotonic() + seconds
-            while time.monotonic() < ends:
-                generations += 1
-                outcome = None
-                try:
-                    with trio.fail_after(300):
-                        outcome = await consumer.generate(request)
-                except* (CompushareError, trio.TooSlowError) as group:
-                    failed += 1
-                    print(f"  generation {generations} failed: {group.exceptions[0]}", flush=True)
-                if outcome is None:
-                    continue
-                if reference is None:
-                    reference = outcome.tokens
-                same = outcome.tokens == reference
-                identical = identical and same
-                speeds[name].append(outcome.decode_tok_s)
-                print(f"  {name} generation {generations}: {outcome.decode_tok_s:.2f} tok/s, first token "
-                      f"{outcome.first_token_s:.2f} s, {len(outcome.failovers)} failovers, identical {same}; "
-                      f"attacked node RSS {rss[name][-1] if rss[name] else 0:.0f} MB", flush=True)
-            attack_scope.cancel()
-            if name in victims:
-                print(f"  attacks: {dict(counts[name])}", flush=True)
+            attackers = Attackers(swarm.root, victims[name], model_id, args.kinds, name) if name in victims else None
+            cpu_before, began = cpu_seconds(pid), time.monotonic()
+            try:
+                ends = time.monotonic() + seconds
+                while time.monotonic() < ends:
+                    generations += 1
+                    outcome = None
+                    try:
+                        with trio.fail_after(300):
+                            outcome = await consumer.generate(request)
+                    except* (CompushareError, trio.TooSlowError) as group:
+                        failed += 1
+                        print(f"  generation {generations} failed: {group.exceptions[0]}", flush=True)
+                    if outcome is None:
+                        continue
+                    if reference is None:
+                        reference = outcome.tokens
+                    same = outcome.tokens == reference
+                    identical = identical and same
+                    speeds[name].append(outcome.decode_tok_s)
+                    print(f"  {name} generation {generations}: {outcome.decode_tok_s:.2f} tok/s, first token "
+                          f"{outcome.first_token_s:.2f} s, {len(outcome.failovers)} failovers, identical {same}; "
+                          f"attacked node RSS {rss[name][-1] if rss[name] else 0:.0f} MB", flush=True)
+            finally:
+                cpu_share[name] = round((cpu_seconds(pid) - cpu_before) / (time.monotonic() - began), 2)
+                if attackers is not None:
+                    counts[name] = attackers.stop()
+                    print(f"  attacks: {counts[name]}", flush=True)
         nursery.cancel_scope.cancel()
     quiet = statistics.median(speeds["quiet"]) if speeds["quiet"] else 0.0
     attacked = statistics.median(speeds["attack"]) if speeds["attack"] else 0.0
@@ -173,12 +172,13 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         "rss_attack_max_mb": round(max(rss["attack"], default=0.0), 1),
         "rss_final_quiet_mb": round(statistics.mean(rss["quiet_after"]), 1),
         "rss_growth_mb": round(statistics.mean(rss["quiet_after"]) - statistics.mean(rss["quiet"]), 1),
-        "attacks": dict(counts["attack"]),
+        "attacks": counts.get("attack", {}),
+        "attacked_node_cpu_per_s": cpu_share,
         "tok_s_attack_elsewhere": round(elsewhere, 2),
         "machine_ref_tok_s_attack_elsewhere_vs_quiet": round(elsewhere / quiet, 3) if quiet else 0.0,
         "under_attack_vs_attack_elsewhere": round(attacked / elsewhere, 3) if elsewhere else 0.0,
-        "attacks_elsewhere": dict(counts["elsewhere"]),
-        "attack_kinds": sorted(kinds),
+        "attacks_elsewhere": counts.get("elsewhere", {}),
+        "attack_kinds": sorted(args.kinds.split(",")),
         "attackers": ATTACKERS,
         "quiet_s": args.quiet_s,
         "attack_s": args.attack_s,
