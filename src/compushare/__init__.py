@@ -12,7 +12,8 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   model/       catalog of names, weight sources, the store and its manifests, the
                span runner and the consumer's head
   he/          CKKS private mode: not built yet
-  runtime.py, gc_policy.py, config.py, hardware.py, errors.py: the base modules
+  runtime.py, gc_policy.py, malloc_policy.py, config.py, hardware.py, defences.py,
+  errors.py: the base modules
 """
 
 __version__ = "0.1.0"

