@@ -8,7 +8,7 @@ swarm     3 provider processes on 127.0.0.1 (blocks 0:10, 10:20, 20:30) and this
           generating one prompt again and again for the whole run; and a bystander,
           a 4th provider of 10:20 that the consumer never routes through.
 phases    quiet (--quiet-s), elsewhere (--reference-s), attack (--attack-s), quiet
-          again (--quiet-s). "elsewhere" is the machine's own limit: the same
+          again (--after-s, 3 minutes: caches of the attack's traffic expire within 2). "elsewhere" is the machine's own limit: the same
           attackers against the bystander. They and every node share this machine's
           CPUs, so an attack anywhere slows the honest generation; the attack on its
           own server is judged beside that.
@@ -25,7 +25,9 @@ failed    generations that raised.
 tok/s     the median decode tok/s of the generations that ran in the attack phase
           over that of the first quiet phase (and of the elsewhere phase over it).
 rss       the attacked node's VmRSS (/proc), sampled every second: the mean over the
-          final quiet phase minus the mean over the first (no allocator trim).
+          last minute of the final quiet phase minus the mean over the last minute of
+          the first (no allocator trim); rss_after_attack_mb is the final phase's first
+          minute.
 
 Human-readable lines first; the last line is one JSON object.
 """
@@ -68,6 +70,7 @@ TARGET = "b"
 BYSTANDER = "d"
 ATTACKERS = 4
 PROMPT = "Name three rivers of Europe and one fact about each."
+RSS_WINDOW_S = 60  # RSS samples (one a second) averaged: the first quiet phase's last minute, the final one's
 TARGETS = {"failed": 0, "tok_s_under_attack_vs_quiet": 0.5, "rss_growth_mb": 50.0}
 
 
@@ -103,7 +106,7 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
     request = RunRequest(model=MODEL, prompt=PROMPT, params=params)
     pid = swarm.procs[TARGET].pid
     phases = [("quiet", args.quiet_s), ("elsewhere", args.reference_s), ("attack", args.attack_s),
-              ("quiet_after", args.quiet_s)]
+              ("quiet_after", args.after_s)]
     victims = {"elsewhere": BYSTANDER, "attack": TARGET}
     speeds: dict[str, list[float]] = {name: [] for name, _ in phases}
     rss: dict[str, list[float]] = {name: [] for name, _ in phases}
@@ -170,8 +173,10 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         "tok_s_under_attack_vs_quiet": round(attacked / quiet, 3) if quiet else 0.0,
         "rss_first_quiet_mb": round(statistics.mean(rss["quiet"]), 1),
         "rss_attack_max_mb": round(max(rss["attack"], default=0.0), 1),
-        "rss_final_quiet_mb": round(statistics.mean(rss["quiet_after"]), 1),
-        "rss_growth_mb": round(statistics.mean(rss["quiet_after"]) - statistics.mean(rss["quiet"]), 1),
+        "rss_final_quiet_mb": round(statistics.mean(rss["quiet_after"][-RSS_WINDOW_S:]), 1),
+        "rss_growth_mb": round(statistics.mean(rss["quiet_after"][-RSS_WINDOW_S:])
+                               - statistics.mean(rss["quiet"][-RSS_WINDOW_S:]), 1),
+        "rss_after_attack_mb": round(statistics.mean(rss["quiet_after"][:RSS_WINDOW_S]), 1),
         "attacks": counts.get("attack", {}),
         "attacked_node_cpu_per_s": cpu_share,
         "tok_s_attack_elsewhere": round(elsewhere, 2),
@@ -181,6 +186,7 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         "attack_kinds": sorted(args.kinds.split(",")),
         "attackers": ATTACKERS,
         "quiet_s": args.quiet_s,
+        "after_s": args.after_s,
         "attack_s": args.attack_s,
         "reference_s": args.reference_s,
     }
@@ -194,6 +200,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quiet-s", type=float, default=60.0)
     parser.add_argument("--attack-s", type=float, default=300.0)
+    parser.add_argument("--after-s", type=float, default=180.0,
+                        help="the final quiet phase; RSS growth is taken over its last minute")
     parser.add_argument("--kinds", default="kv_hog,sybil,window", help="attack kinds, comma-separated")
     parser.add_argument("--reference-s", type=float, default=120.0,
                         help="the machine's reference: the same attack on a bystander off the route")

@@ -76,7 +76,8 @@ def step_digest(dtype: str, data: bytes | memoryview, tokens: int) -> bytes:
 
 class InputChain:
     """The chain c_0..c_n over a session's input rows, and the rows' digests, kept
-    per position so that a truncate can cut them back (64 bytes per token held)."""
+    per position so that a truncate can cut them back (two 32-byte digests per
+    token held: about 150 bytes with Python's objects)."""
 
     def __init__(self) -> None:
         self._links = [GENESIS]

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compushare.pipeline.server.compute import Compute
-from compushare.pipeline.server.scheduler import PIECE_TOKENS, SHORT_TOKENS, FairScheduler, pieces
+from compushare.pipeline.server.scheduler import PIECE_TOKENS, SHORT_LEAD, SHORT_TOKENS, FairScheduler, pieces
 from compushare.pipeline.server.session import Rejected, SessionTable, State
 
 BUDGET = 8192
@@ -53,6 +53,20 @@ def test_a_hog_holding_the_whole_budget_loses_a_session_to_a_newcomer():
     # The hog, now at its share of 4096, cannot take the room back by asking again.
     assert "fair share" in busy(t.open, sid(4), 0, 1, 4000, now=7, owner="hog")
     t.open(sid(5), 0, 1, 3584, now=8, owner="hog" + "-other-identity")  # what is free can still be used
+
+
+def test_a_crowd_of_tiny_sessions_fills_the_budget_not_the_table():
+    """8 identities x 32 one-token sessions took all 256 places of the session table
+    while holding 256 of 8,192 tokens: every newcomer got busy. Each session holds
+    at least budget / max_sessions, so the crowd fills the budget first, and a
+    newcomer within its share reclaims from it."""
+    t = table()
+    for peer in range(8):
+        for i in range(32):
+            t.open(sid(peer * 32 + i), 0, 1, 1, now=peer * 32 + i, owner=f"sybil{peer}")
+    assert len(t) == 256 and t.free_tokens == 0 and t.available_to_newcomer() > 0
+    t.open(sid(1000), 0, 1, 100, now=300, owner="honest")
+    assert sid(1000) in t and len(t.take_reclaimed()) == 4  # 100 tokens' worth of 32-token reserves
 
 
 def test_an_ask_over_the_askers_share_is_busy_and_reclaims_nothing():
@@ -151,6 +165,35 @@ def test_a_decode_step_preempts_a_prefill_piece_and_skips_the_queue():
     assert not s.preempting and s.grant() == []  # the long piece still holds the slot
     s.done(running)
     assert s.grant() == [queued[0]]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, SHORT_TOKENS), st.integers(0, 3))
+def test_short_pieces_back_to_back_cannot_hold_a_long_piece_forever(size, other_peers):
+    """Decode-first has a bound: a peer (or several) sending short pieces back to back,
+    one always waiting, lets another peer's prefill piece run, and stop being paused,
+    within SHORT_LEAD tokens of its fair-queueing time."""
+    s = FairScheduler(1)
+    peers = ["spam", *(f"decoder{i}" for i in range(other_peers))]
+    shorts = {peer: s.submit(peer, size) for peer in peers}
+    long = s.submit("prefill", PIECE_TOKENS)
+    granted_shorts = 0
+    for _ in range(10_000):
+        for ticket in s.grant():
+            if ticket is long:
+                break
+            assert ticket.preempts
+        else:  # the shorts that ran end, and their peers send the next at once
+            for peer, ticket in list(shorts.items()):
+                if ticket.granted:
+                    s.done(ticket)
+                    granted_shorts += 1
+                    shorts[peer] = s.submit(peer, size)
+            continue
+        break
+    assert long.granted and granted_shorts * size <= (SHORT_LEAD + PIECE_TOKENS) * len(peers)
+    for ticket in s.grant():  # while the long piece runs, only shorts within the lead preempt it
+        assert ticket.preempts and ticket.start_tag <= long.start_tag + SHORT_LEAD
 
 
 def test_without_fairness_pieces_go_in_arrival_order():

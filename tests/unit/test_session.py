@@ -408,6 +408,12 @@ class Held:
 
 
 OWNERS, DATA = ["alice", "bob"], [b"aa", b"bb"]
+MACHINE_SESSIONS = 3
+MIN_RESERVED = -(-BUDGET // MACHINE_SESSIONS)  # a session holds at least this much of the budget
+
+
+def reserve(max_tokens: int) -> int:
+    return max(max_tokens, MIN_RESERVED)
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -415,7 +421,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = table(max_sessions=3, max_sessions_per_peer=2)
+        self.table = table(max_sessions=MACHINE_SESSIONS, max_sessions_per_peer=2)
         self.model: dict[bytes, Held] = {}
         self.closed_in_flight: list[tuple[object, object]] = []  # (session, step) closed mid-compute
         self.now = 0.0
@@ -447,20 +453,22 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(sid=st.sampled_from(IDS), max_tokens=st.one_of(st.integers(6, 12), st.integers(0, MAX_SESSION + 1)),
           owner=st.sampled_from(OWNERS), linked=st.booleans())
     def open(self, sid, max_tokens, owner, linked):
-        reserved = sum(h.max_tokens for h in self.model.values())
+        reserved = sum(reserve(h.max_tokens) for h in self.model.values())
         if sid in self.model:
             expected = "session_exists"
-        elif len(self.model) >= 3 or sum(h.owner == owner for h in self.model.values()) >= 2:
+        elif sum(h.owner == owner for h in self.model.values()) >= 2:
             expected = "busy"
         elif not 1 <= max_tokens <= MAX_SESSION:
             expected = "too_long"
-        elif max_tokens > BUDGET - reserved:
+        elif reserve(max_tokens) > BUDGET - reserved:
             expected = "busy_unless_reclaimed"
+        elif len(self.model) >= MACHINE_SESSIONS:  # the minimum reserve bounds the count first
+            raise AssertionError("more sessions than the budget holds at the minimum reserve")
         else:
             expected = None
         code = code_of(self.table.open, sid, 0, 1, max_tokens, self.now, owner=owner)
         if expected == "busy_unless_reclaimed":
-            expected = self.check_reclaim(owner, max_tokens, code)
+            expected = self.check_reclaim(owner, reserve(max_tokens), code)
         assert code == expected
         if expected is None:
             self.model[sid] = Held(max_tokens, owner, self.now)
@@ -475,9 +483,10 @@ class CoreMachine(RuleBasedStateMachine):
         closed session, as after a close)."""
         held = collections.Counter()
         for h in self.model.values():
-            held[h.owner] += h.max_tokens
+            held[h.owner] += reserve(h.max_tokens)
         share = BUDGET // len(set(held) | {owner})
-        reclaimable = sum(h.max_tokens for h in self.model.values() if h.owner != owner and held[h.owner] > share)
+        reclaimable = sum(reserve(h.max_tokens) for h in self.model.values()
+                          if h.owner != owner and held[h.owner] > share)
         free = BUDGET - sum(held.values())
         if code == "busy":
             assert held[owner] + max_tokens > share or free + reclaimable < max_tokens
@@ -673,7 +682,7 @@ class CoreMachine(RuleBasedStateMachine):
     @invariant()
     def matches_model(self):
         assert len(self.table) == len(self.model)
-        assert self.table.reserved_tokens == sum(h.max_tokens for h in self.model.values()) <= BUDGET
+        assert self.table.reserved_tokens == sum(reserve(h.max_tokens) for h in self.model.values()) <= BUDGET
         assert (self.table.tokens_served, self.table.speculation_hits, self.table.speculation_misses) == (
             self.served, self.hits, self.misses)
         for sid, held in self.model.items():

@@ -87,8 +87,8 @@ class SpanRunner:
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Run layers start..end-1 (default: the whole span) on `hidden` [1, n, H],
         whose first token sits at `position`; appends to `cache`. `between_layers`
-        is called before every layer but the first (it may block: the server pauses
-        a long forward there while a decode step runs)."""
+        is called before every layer (it may block: the server pauses a long forward
+        there while a decode step runs)."""
         if self.slowdown <= 1.0:
             return self._forward(hidden, cache, position, start, end, between_layers)
         began = time.perf_counter()
@@ -116,7 +116,7 @@ class SpanRunner:
         )
         position_embeddings = self.rotary(hidden, position_ids)
         for index in range(start, end):
-            if between_layers is not None and index > start:
+            if between_layers is not None:
                 between_layers()
             hidden = self.layers[index](
                 hidden,

@@ -67,12 +67,13 @@ class Compute:
                     raise Rejected(protocol.UNKNOWN_SESSION, "the session was reclaimed for a peer within its "
                                                              "fair share of the KV budget")
                 forward = functools.partial(_timed, runner.forward, piece, cache, position + offset, start, end)
-                if ticket.short and self.scheduler.fair:
+                if ticket.preempts:
                     await self._paused_long_forwards()
+                    out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
                 elif self.scheduler.fair:
-                    forward = functools.partial(self._long_forward, runner, piece, cache, position + offset, start,
-                                                end)
-                out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+                    out, took = await self._long_forward(runner, piece, cache, position + offset, start, end)
+                else:
+                    out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
             outputs.append(out)
             offset += size
             seconds += took
@@ -82,13 +83,16 @@ class Compute:
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
 
-    def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
-        """A long piece's forward (in a worker thread), pausing between layers while
-        short pieces preempt it."""
+    async def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
+        """A long piece's forward in a worker thread, pausing before each layer while
+        short pieces preempt it. It counts as running from here, before its thread
+        starts, so a short piece granted meanwhile waits for its first pause point."""
         with self._preempt:
             self._in_long += 1
         try:
-            return _timed(functools.partial(runner.forward, between_layers=self._pause_point), *args)
+            forward = functools.partial(_timed, functools.partial(runner.forward, between_layers=self._pause_point),
+                                        *args)
+            return await trio.to_thread.run_sync(forward, limiter=self._threads)
         finally:
             with self._preempt:
                 self._in_long -= 1

@@ -16,7 +16,7 @@ from typing import Protocol
 
 class Held(Protocol):
     owner: str
-    max_tokens: int
+    reserved: int  # KV tokens held of the budget
     last_used: float
     in_step: bool
 
@@ -25,7 +25,7 @@ def held_by(sessions: Iterable[Held]) -> dict[str, int]:
     """KV tokens reserved by each peer holding sessions."""
     held: dict[str, int] = {}
     for session in sessions:
-        held[session.owner] = held.get(session.owner, 0) + session.max_tokens
+        held[session.owner] = held.get(session.owner, 0) + session.reserved
     return held
 
 
@@ -72,6 +72,6 @@ def _reclaim(budget: int, sessions: list[Held], held: dict[str, int], share: int
             break
         if held[session.owner] > share:
             chosen.append(session)
-            held[session.owner] -= session.max_tokens
-            free += session.max_tokens
+            held[session.owner] -= session.reserved
+            free += session.reserved
     return chosen, free

@@ -8,12 +8,15 @@ server's compute `slots`:
    tokens) goes before any longer one, and does not wait for a long piece that
    is running: it *preempts* it (the driver pauses the long forward between two
    layers while the short one runs, so a decode step waits about one layer of
-   another peer's prefill, never a whole forward or a queue of them);
+   another peer's prefill, never a whole forward or a queue of them). Only while
+   its start tag is at most SHORT_LEAD tokens past the smallest tag of the long
+   pieces waiting or running, though: beyond that it is just another piece, so
+   a peer sending short pieces back to back cannot hold the long ones forever;
 2. within each class, the piece with the smallest start tag of start-time fair
    queueing (Goyal et al. 1996), costed in tokens: each peer's pieces are
    tagged S = max(V, F_prev), F = S + tokens, and V is the start tag of the piece
    last granted. Peers that want compute share it equally by tokens; a peer that
-   was idle does not bank credit;
+   was idle does not bank credit, nor shed what it owes while V has not caught up;
 3. ties by arrival.
 
 Long pieces run at most `slots` at a time (fewer while short ones preempt them),
@@ -29,6 +32,8 @@ import itertools
 
 PIECE_TOKENS = 128  # protocol.md: a chunk is computed in pieces of at most this many tokens
 SHORT_TOKENS = 8
+MAX_IDLE_PEERS = 4096  # idle peers whose fair-queueing debt is remembered
+SHORT_LEAD = 2 * PIECE_TOKENS  # how far (in tokens of fair-queueing time) short pieces may run ahead
 
 
 def pieces(chunks: list[int] | tuple[int, ...], *, fair: bool = True) -> list[int]:
@@ -53,6 +58,7 @@ class Ticket:
     arrival: int
     start_tag: float = 0.0
     granted: bool = False
+    preempts: bool = False  # granted as a short piece that long forwards pause for
 
     @property
     def short(self) -> bool:
@@ -65,8 +71,9 @@ class FairScheduler:
             raise ValueError("a scheduler needs at least one slot")
         self.slots, self.fair = slots, fair
         self._running = {"short": 0, "long": 0}
+        self._long: list[Ticket] = []  # granted pieces that do not preempt
         self._waiting: list[Ticket] = []
-        self._finish: dict[str, float] = {}  # each peer's last finish tag (only while it has work)
+        self._finish: dict[str, float] = {}  # each peer's last finish tag (while it has work or is ahead of V)
         self._busy: dict[str, int] = {}  # pieces of each peer waiting or running
         self._virtual = 0.0
         self._arrivals = itertools.count()
@@ -89,13 +96,17 @@ class FairScheduler:
         """The waiting pieces that get a slot now (marked granted), best first. A short
         piece granted while a long one runs preempts it (`preempting`)."""
         granted = []
-        for ticket in sorted(self._waiting, key=self._order):
-            if not self._may_run(ticket):
+        floor = min((t.start_tag for t in (*self._waiting, *self._long) if not t.short), default=float("inf"))
+        for ticket in sorted(self._waiting, key=lambda t: self._order(t, floor)):
+            if not self._may_run(ticket, floor):
                 if not self.fair:
                     break  # arrival order: nobody overtakes
                 continue
             self._waiting.remove(ticket)
             ticket.granted = True
+            ticket.preempts = self._preempts(ticket, floor)
+            if not ticket.preempts:
+                self._long.append(ticket)
             self._running[self._class(ticket)] += 1
             self._virtual = max(self._virtual, ticket.start_tag)
             granted.append(ticket)
@@ -114,29 +125,42 @@ class FairScheduler:
         """Whether short pieces run now (long ones must pause between layers)."""
         return self._running["short"] > 0
 
-    def _class(self, ticket: Ticket) -> str:
-        return "short" if self.fair and ticket.short else "long"
+    def _preempts(self, ticket: Ticket, floor: float) -> bool:
+        return self.fair and ticket.short and ticket.start_tag <= floor + SHORT_LEAD
 
-    def _may_run(self, ticket: Ticket) -> bool:
-        if self._class(ticket) == "short":
+    def _class(self, ticket: Ticket) -> str:
+        return "short" if ticket.preempts else "long"
+
+    def _may_run(self, ticket: Ticket, floor: float) -> bool:
+        if self._preempts(ticket, floor):
             return self._running["short"] < self.slots
         return self.running < self.slots
 
-    def _order(self, ticket: Ticket) -> tuple:
+    def _order(self, ticket: Ticket, floor: float) -> tuple:
         if not self.fair:
             return (ticket.arrival,)
-        return (not ticket.short, ticket.start_tag, ticket.arrival)
+        return (not self._preempts(ticket, floor), ticket.start_tag, ticket.arrival)
 
     def done(self, ticket: Ticket) -> None:
         """A granted piece ended, or a waiting one was given up (its waiter left)."""
         if ticket.granted:
             ticket.granted = False
             self._running[self._class(ticket)] -= 1
+            if not ticket.preempts:
+                self._long.remove(ticket)
         elif ticket in self._waiting:
             self._waiting.remove(ticket)
         else:
             return  # already done
         self._busy[ticket.peer] -= 1
-        if not self._busy[ticket.peer]:  # an idle peer banks no credit: its tag restarts from V
+        if not self._busy[ticket.peer]:
             del self._busy[ticket.peer]
-            del self._finish[ticket.peer]
+            # An idle peer banks no credit (its next tag is at least V), but keeps its
+            # debt: a peer whose pieces come one at a time, each after the last ended,
+            # must not restart at V every time and so stay ahead of a waiting piece.
+            if self._finish[ticket.peer] <= self._virtual:
+                del self._finish[ticket.peer]
+            if len(self._finish) > MAX_IDLE_PEERS:  # bounded: forget the smallest debts
+                for peer in sorted((p for p in self._finish if p not in self._busy),
+                                   key=self._finish.get)[:len(self._finish) - MAX_IDLE_PEERS]:
+                    del self._finish[peer]

@@ -139,6 +139,7 @@ class Session:
     end: int
     max_tokens: int
     last_used: float
+    reserved: int = 0  # KV tokens it holds of the budget: max_tokens, at least the table's minimum
     length: int = 0
     state: State = State.READY
     step: Step | None = None
@@ -206,7 +207,14 @@ class SessionTable:
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(s.max_tokens for s in self._sessions.values())
+        return sum(s.reserved for s in self._sessions.values())
+
+    @property
+    def min_reserved(self) -> int:
+        """What any session holds of the budget at least: so many sessions fill the budget
+        as fill the table, and a crowd of tiny sessions is reclaimed like a big one
+        (else 8 identities' 32 one-token sessions each left every newcomer `busy`)."""
+        return -(-self.budget_tokens // self.max_sessions) if self.fair else 1
 
     @property
     def free_tokens(self) -> int:
@@ -236,15 +244,16 @@ class SessionTable:
              owner: str = "") -> Session:
         if session_id in self._sessions:
             raise Rejected(protocol.SESSION_EXISTS, "a session with this id is already open")
-        if len(self._sessions) >= self.max_sessions:
-            raise Rejected(protocol.BUSY, f"{len(self._sessions)} sessions open, the most this server holds")
         if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_sessions_per_peer:
             raise Rejected(protocol.BUSY, f"{self.max_sessions_per_peer} sessions of this peer are open already")
         if not (1 <= max_tokens <= self.max_session_tokens):
             raise Rejected(protocol.TOO_LONG, f"max_tokens must be 1..{self.max_session_tokens}")
-        if max_tokens > self.free_tokens:
-            self._reclaim_for(owner, max_tokens)
-        session = Session(session_id, start, end, max_tokens, last_used=now, owner=owner)
+        reserved = max(max_tokens, self.min_reserved)
+        if reserved > self.free_tokens:
+            self._reclaim_for(owner, reserved)
+        if len(self._sessions) >= self.max_sessions:  # with fair shares the reserve above bounds it first
+            raise Rejected(protocol.BUSY, f"{len(self._sessions)} sessions open, the most this server holds")
+        session = Session(session_id, start, end, max_tokens, last_used=now, reserved=reserved, owner=owner)
         self._sessions[session_id] = session
         return session
 
