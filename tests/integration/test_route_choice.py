@@ -3,6 +3,7 @@ consumer routes through the fast one (issue 3)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from compushare.config import STATE_FILE
 from compushare.model.catalog import import_path
 from compushare.karma.record import karma_validators
 from compushare.net.peer import open_swarm_host
@@ -45,7 +47,11 @@ async def test_routes_avoid_the_slow_server(processes, tiny_model, tmp_path):
     assert fast["peer_id"] in used and slow["peer_id"] not in used
     assert len(outcome.tokens) == 4
 
-    # `compushare status` shows the three servers, one bar per block, and the roles.
+    # `compushare status` shows the three servers, one bar per block, and the roles,
+    # once the slow one (100x slower, its self-benchmark too) has finished loading.
+    with trio.fail_after(120):
+        while json.loads((processes.root / "slow" / STATE_FILE).read_text()).get("state") != "serving":
+            await trio.sleep(0.2)
     shown = subprocess.run([sys.executable, "-m", "compushare", "status", "--bootstrap", boot[0],
                             "--home", str(tmp_path / "status")],
                            capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
