@@ -104,6 +104,14 @@ class Processes:
                 proc.wait(timeout=5)
 
 
+def vm_rss_mb(pid: int) -> float:
+    """A process's resident set (VmRSS), in MB: what the hostile-peer tests bound."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def liar_and_honest(processes: Processes, model_dir: Path) -> tuple[dict, list[str], dict, dict]:
     """A serves 0:2; B serves 2:4 but adds noise to every output (a lying server) and is
     fast, C serves 2:4 honestly but slowly, so routes prefer B. Returns the states of

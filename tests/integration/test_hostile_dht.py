@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import time
-from pathlib import Path
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -25,6 +24,7 @@ from compushare.net.dial import dial
 from compushare.net.host import open_host
 from compushare.net.records import parse_record, record_key
 from compushare.net.store_bounds import VALUE_BOUNDS
+from helpers import vm_rss_mb
 
 RECORDS = 5000
 FLOOD_TIMEOUT_S = 120.0
@@ -32,12 +32,6 @@ SETTLE_S = 3.0
 RSS_BOUND_MB = 20.0  # records and all: what 5,000 refused puts may cost the node at most
 RECORD_WAIT_S = 30.0
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 async def get_from(host, state: dict, key: str) -> bytes | None:
@@ -72,11 +66,11 @@ async def flood(state: dict, owners: list[dict]) -> tuple[collections.Counter, f
         for owner in owners:
             await served_record(host, state, owner)
         await trio.sleep(SETTLE_S)
-        before = rss_mb(state["pid"])
+        before = vm_rss_mb(state["pid"])
         with trio.fail_after(FLOOD_TIMEOUT_S):
             await flood_records(host, state, state["model_id"], counts, records=RECORDS)
         await trio.sleep(SETTLE_S)
-        grown = rss_mb(state["pid"]) - before
+        grown = vm_rss_mb(state["pid"]) - before
         served = [await served_record(host, state, owner) for owner in owners]
     return counts, grown, served
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from pathlib import Path
 
 import pytest
 import trio
@@ -31,6 +30,7 @@ from compushare.net.dial import dial
 from compushare.net.gossip import fetch_view
 from compushare.net.host import open_host
 from compushare.net.view import SwarmView
+from helpers import vm_rss_mb
 from hostile.window import overrun, park_half_open, park_unnegotiated, resets_in
 
 MIB = 1 << 20
@@ -39,12 +39,6 @@ KEPT_LIMIT_MB = 30.0  # node RSS growth allowed with the defences on (measured: 
 HALF_OPEN = 200
 STEP_TIMEOUT_S = 40.0
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise ValueError(f"no VmRSS for {pid}")
 
 
 def start_node(processes, tiny_model, monkeypatch, disabled: str | None) -> tuple[int, dict]:
@@ -64,7 +58,7 @@ async def settled_rss(pid: int, host, peer) -> float:
     with trio.fail_after(STEP_TIMEOUT_S):
         await fetch_view(host, peer, SwarmView())
     await trio.sleep(0.5)
-    return rss_mb(pid)
+    return vm_rss_mb(pid)
 
 
 @pytest.mark.parametrize("defence", ["on", "off"])
@@ -84,7 +78,7 @@ async def test_writing_past_the_receive_window(defence, processes, tiny_model, m
             after = await settled_rss(pid, host, info.peer_id)  # also: the node still answers
         else:  # the node is still taking it in after our writes return
             with trio.move_on_after(STEP_TIMEOUT_S):
-                while (after := rss_mb(pid)) - before < 0.9 * PAST / MIB:
+                while (after := vm_rss_mb(pid)) - before < 0.9 * PAST / MIB:
                     await trio.sleep(0.2)
             with trio.fail_after(STEP_TIMEOUT_S):
                 await fetch_view(host, info.peer_id, SwarmView())
@@ -146,7 +140,7 @@ async def test_streams_that_never_finish_negotiation(processes, tiny_model, monk
         with trio.fail_after(STEP_TIMEOUT_S):
             await park_unnegotiated(host, info.peer_id, counts, streams, held)
         await trio.sleep(1.0)
-        refused_at_once, peak = resets_in(held), rss_mb(pid)
+        refused_at_once, peak = resets_in(held), vm_rss_mb(pid)
         with trio.move_on_after(STEP_TIMEOUT_S):  # py-libp2p's inbound negotiation deadline: 10 s
             while resets_in(held) < len(held):
                 await trio.sleep(0.5)

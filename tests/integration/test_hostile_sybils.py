@@ -33,6 +33,7 @@ from compushare.net.gossip import MAX_VIEW_ADS, MAX_VIEW_FRAME, VIEW_PROTOCOL, f
 from compushare.net.host import open_host
 from compushare.net.signed import signer_of
 from compushare.net.view import NEWCOMER_SLOTS, SwarmView
+from helpers import vm_rss_mb
 from hostile.sybil import attack
 
 FLOOD = 5000
@@ -41,12 +42,6 @@ FLOOD_TIMEOUT_S = 90.0
 SETTLE_TIMEOUT_S = 30.0  # for B to be in T's view and reply, once it is up
 RSS_GROWTH_LIMIT_MB = 50.0
 
-
-def vm_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def dashboard_peers(state: dict, data_dir: Path) -> set[str]:
