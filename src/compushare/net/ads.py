@@ -53,6 +53,9 @@ class Serving:
     load: float  # share of the last seconds its compute was busy, 0..1
     block_rate: float  # measured single-token steps per second through ONE block; 0 if unknown
     state: str = "serving"
+    # Encrypted layer-steps per second it offers for private sessions (protocol.md,
+    # /compushare/private); 0: it serves no private sessions.
+    private_rate: float = 0.0
 
     def step_s(self, blocks: int) -> float | None:
         """Expected compute time of one decode step through `blocks` of its blocks."""
@@ -60,7 +63,8 @@ class Serving:
 
     def to_wire(self) -> dict:
         return {"model": self.model_id, "start": self.start, "end": self.end, "dtype": self.dtype,
-                "free": self.free_tokens, "load": self.load, "rate": self.block_rate, "state": self.state}
+                "free": self.free_tokens, "load": self.load, "rate": self.block_rate, "state": self.state,
+                "priv": self.private_rate}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +125,10 @@ def _finite(value: float, name: str, low: float = 0.0, high: float = math.inf) -
 
 
 def _serving(obj: object) -> Serving:
-    if not isinstance(obj, dict) or set(obj) != {"model", "start", "end", "dtype", "free", "load", "rate", "state"}:
-        raise PeerMisbehaved("ad 'serves' entry must have exactly model, start, end, dtype, free, load, rate, state")
+    keys = {"model", "start", "end", "dtype", "free", "load", "rate", "state"}
+    if not isinstance(obj, dict) or set(obj) not in (keys, keys | {"priv"}):
+        raise PeerMisbehaved("ad 'serves' entry must have exactly model, start, end, dtype, free, load, rate, state "
+                             "and optionally priv")
     serving = Serving(
         model_id=_get(obj, "model", str),
         start=_get(obj, "start", int),
@@ -132,6 +138,7 @@ def _serving(obj: object) -> Serving:
         load=_finite(_get(obj, "load", (int, float)), "load", 0.0, 1.0),
         block_rate=_finite(_get(obj, "rate", (int, float)), "rate", 0.0, 1e9),
         state=_get(obj, "state", str),
+        private_rate=_finite(_get(obj, "priv", (int, float)), "priv", 0.0, 1e9) if "priv" in obj else 0.0,
     )
     if not (len(serving.model_id) == 64 and all(c in "0123456789abcdef" for c in serving.model_id)):
         raise PeerMisbehaved("ad model id must be 64 lowercase hex digits")

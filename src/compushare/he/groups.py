@@ -1,0 +1,48 @@
+"""Which weight projections of a decoder layer run encrypted, grouped by input.
+
+The matrices that read the same input are stacked into one product (their rows
+share the output ciphertexts, plan.py), so a layer is four encrypted products and
+four round trips: q, k and v of the normed hidden state; o of the attention
+output; gate and up of the normed hidden state; down of the SiLU-gated product.
+Biases (Qwen2's q, k and v) are added by the consumer, in plaintext, after it
+decrypts: they are a handful of numbers a layer and need no encryption.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+PROJECTIONS_PER_LAYER = sum(len(parts) for parts in GROUPS.values())  # 7
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def group_weight(state: dict, layer: int, group: str) -> np.ndarray:
+    """The stacked [rows, cols] float64 weight of one group of one layer, from a
+    state dict of numpy-convertible tensors (torch's or numpy's)."""
+    parts = [np.asarray(state[f"{layer_prefix(layer)}{name}.weight"], dtype=np.float64) for name in GROUPS[group]]
+    return np.concatenate(parts, axis=0)
+
+
+def group_rows(state: dict, layer: int, group: str) -> list[int]:
+    """Rows of each projection of the group, in stacking order."""
+    return [int(state[f"{layer_prefix(layer)}{name}.weight"].shape[0]) for name in GROUPS[group]]
+
+
+def group_shapes(config) -> dict[str, tuple[int, int]]:
+    """[rows, cols] of each group for a transformers config (Llama, Qwen2)."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
+    return {"qkv": (heads * head_dim + 2 * kv, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}

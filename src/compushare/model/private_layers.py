@@ -1,0 +1,124 @@
+"""Every decoder layer of a model on the consumer, for private mode.
+
+In private mode the consumer runs all of each layer but its weight projections:
+the norms, rotary embeddings, attention (with its own KV cache, in plaintext, on
+its own machine), SiLU and the residual adds. Each projection (q, k, v, o, gate,
+up, down) is a `_Remote` module that hands its input to `project(layer, group, x)`
+and gets back the product of the whole group (q, k and v come from one call: the
+three modules see the same input tensor, the first asks, the others take their
+rows of the answer). So the layers are transformers' own, op for op, and only the
+products come from elsewhere (encrypted: pipeline/client/private_chain.py).
+
+The consumer holds no projection weight: per layer it reads the two norms and any
+biases (Qwen2's q, k, v), a few kilobytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers.masking_utils import create_causal_mask
+
+from .arch import architecture_of, load_config
+from .kv_cache import new_cache
+from .weights import read_tensors
+
+GROUP_OF = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+}
+
+Project = Callable[[int, str, torch.Tensor], torch.Tensor]  # (layer, group, x [T, cols]) -> [T, rows]
+
+
+class _Remote(torch.nn.Module):
+    def __init__(self, owner: PrivateLayers, layer: int, group: str, part: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.owner, self.layer, self.group, self.part, self.bias = owner, layer, group, part, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.owner.product(self.layer, self.group, self.part, x)
+        return out + self.bias if self.bias is not None else out
+
+
+class PrivateLayers:
+    def __init__(self, config, state: dict[str, torch.Tensor], project: Project) -> None:
+        self.config, self.project = config, project
+        arch = architecture_of(config)
+        self.rotary = arch.rotary(config=config)
+        self.layers: list[torch.nn.Module] = []
+        self.products = 0  # group products asked for (one per group, layer and step)
+        self._last: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for index in range(config.num_hidden_layers):
+            with torch.device("meta"):
+                layer = arch.decoder_layer(config, layer_idx=index)
+            prefix = f"model.layers.{index}."
+            for parent in (layer.self_attn, layer.mlp):
+                for name, (group, part) in GROUP_OF.items():
+                    if hasattr(parent, name):
+                        owner = "self_attn" if parent is layer.self_attn else "mlp"
+                        bias = state.get(f"{prefix}{owner}.{name}.bias")
+                        setattr(parent, name, _Remote(self, index, group, part,
+                                                      None if bias is None else bias.float()))
+            local = {k[len(prefix):]: v.float() for k, v in state.items()
+                     if k.startswith(prefix) and not k.endswith("_proj.bias")}
+            missing, unexpected = layer.load_state_dict(local, strict=False, assign=True)
+            if unexpected or any(not m.endswith("_proj.bias") for m in missing):
+                raise ValueError(f"layer {index}: missing {missing}, unexpected {unexpected}")
+            layer.eval()
+            self.layers.append(layer)
+        self.part_rows = None
+
+    @classmethod
+    def load(cls, model_dir: Path, project: Project) -> PrivateLayers:
+        config = load_config(model_dir)
+
+        def local(names):
+            return [n for n in names if n.startswith("model.layers.") and not n.endswith("_proj.weight")]
+
+        return cls(config, read_tensors(model_dir, local), project)
+
+    def product(self, layer: int, group: str, part: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows of one projection: the group's product is asked for once per input."""
+        key = (layer, group)
+        cached = self._last.get(key)
+        if cached is None or cached[0] is not x:
+            flat = x.reshape(-1, x.shape[-1])
+            out = self.project(layer, group, flat)
+            self.products += 1
+            sizes = self._part_sizes(group)
+            parts = [p.reshape(*x.shape[:-1], p.shape[-1]) for p in torch.split(out, sizes, dim=-1)]
+            cached = self._last[key] = (x, parts)
+        return cached[1][part]
+
+    def _part_sizes(self, group: str) -> list[int]:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        if group == "qkv":
+            kv = c.num_key_value_heads * head_dim
+            return [c.num_attention_heads * head_dim, kv, kv]
+        if group == "gate_up":
+            return [c.intermediate_size, c.intermediate_size]
+        return [c.hidden_size]
+
+    def new_cache(self):
+        return new_cache(self.config)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache, position: int) -> torch.Tensor:
+        """All layers on `hidden` [1, n, H] whose first token sits at `position`."""
+        hidden = hidden.float()
+        n = hidden.shape[1]
+        position_ids = torch.arange(position, position + n).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=cache, position_ids=position_ids, layer_idx=0)
+        position_embeddings = self.rotary(hidden, position_ids)
+        try:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                               use_cache=True, position_embeddings=position_embeddings)
+        finally:
+            self._last.clear()  # no activation outlives its step
+        return hidden

@@ -1,0 +1,184 @@
+"""Serving /compushare/private/1.0.0: a peer's encrypted projections.
+
+The provider never sees a plaintext activation: it receives CKKS ciphertexts and
+public Galois keys, multiplies by its span's plaintext weights in its HE worker
+process (private_worker.py) and sends ciphertexts back. What it holds per peer,
+and how much of its compute a peer gets, is bounded like the rest of the server:
+
+- streams: at most 2 private sessions per peer and 16 in all (GuardedHandler);
+- keys: a session's Galois keys (at most MAX_KEYS_BYTES, streamed in 1 MiB
+  chunks, cached by their sha256 so a consumer's next session sends only the
+  digest); the worker holds at most MAX_KEY_SETS sets, least recently used first
+  out, and each peer at most one (its new set replaces its old);
+- compute: every request waits for a turn in the server's fair scheduler (the
+  one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
+  product, so a peer's private work counts against its one fair share.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import time
+
+import trio
+
+from ...errors import FrameError, PeerMisbehaved
+from ...he.ckks import HEError, parameter_set
+from ...net.framing import FramedStream
+from ...net.serve import GuardedHandler, peer_of
+from ..private_wire import (MAX_FRAME_BYTES, PrivateProtocolError, decode_keys_chunk, decode_open,
+                            decode_project, error)
+from .private_worker import HEWorker, WorkerCrashed
+
+log = logging.getLogger(__name__)
+
+PRIVATE_TOKEN_COST = 8  # fair-queue tokens per token of one encrypted product (~50 ms vs ~5 ms a plaintext block)
+OPEN_TIMEOUT_S = 30.0
+KEYS_CHUNK_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 300.0
+
+
+class PrivateServer:
+    def __init__(self, provider, worker: HEWorker) -> None:
+        self.provider = provider  # its span and server (with the fair scheduler) may change: read them per request
+        self.worker = worker
+        self.handler = GuardedHandler(self._serve, per_peer=2, total=16, defence="stream_caps")
+        self.sessions = 0
+        self.requests = 0
+        self.refused = collections.Counter()
+        self.compute_s = 0.0
+        self.products = 0
+        self._peer_keys: dict[str, str] = {}
+
+    def rate(self) -> float:
+        """Encrypted layer-steps per second to advertise (0 until the worker measured some)."""
+        if self.products == 0 or self.compute_s <= 0:
+            return 1.0 if self.provider.span is not None else 0.0  # a nominal rate: it serves, speed unknown
+        groups_per_layer = 4
+        return self.products / groups_per_layer / self.compute_s
+
+    async def _serve(self, stream) -> None:
+        peer = peer_of(stream)
+        framed = FramedStream(stream, MAX_FRAME_BYTES)
+        try:
+            await self._session(framed, peer)
+        except (PeerMisbehaved, FrameError, PrivateProtocolError) as exc:
+            self.refused["malformed"] += 1
+            await self._say(framed, error("malformed", str(exc)))
+        except trio.TooSlowError:
+            self.refused["timeout"] += 1
+        except Exception as exc:  # the task boundary: never raise into py-libp2p
+            log.info("private session of %s ended: %r", peer[-8:], exc)
+        finally:
+            with trio.move_on_after(2):
+                try:
+                    await framed.close()
+                except Exception:
+                    pass
+
+    async def _say(self, framed: FramedStream, message: dict) -> None:
+        with trio.move_on_after(5):
+            try:
+                await framed.send(message)
+            except Exception:
+                pass
+
+    async def _session(self, framed: FramedStream, peer: str) -> None:
+        with trio.fail_after(OPEN_TIMEOUT_S):
+            message = await framed.receive()
+        if message is None:
+            return
+        opened = decode_open(message)
+        span = self.provider.span
+        model_id = self.provider.model.model_id
+        try:
+            parameter_set(opened.params)
+        except HEError as exc:
+            self.refused["params"] += 1
+            await framed.send(error("bad_params", str(exc)))
+            return
+        if opened.model_id != model_id or span is None or not (span.start <= opened.start < opened.end <= span.end):
+            self.refused["span"] += 1
+            await framed.send(error("not_served", f"this node serves {model_id[:12]} blocks "
+                                                  f"{span.start if span else '-'}:{span.end if span else '-'}"))
+            return
+        span_key = (span.start, span.end)
+        need = not self.worker.has_keys(opened.keys_digest)
+        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": opened.keys_size})
+        if need:
+            data = await self._receive_keys(framed, opened.keys_size)
+            if hashlib.sha256(data).hexdigest() != opened.keys_digest:
+                self.refused["keys"] += 1
+                await framed.send(error("bad_keys", "the keys do not match their digest"))
+                return
+            try:
+                await self.worker.add_keys(span_key, opened.keys_digest, data)
+            except (HEError, WorkerCrashed) as exc:
+                self.refused["keys"] += 1
+                await framed.send(error("bad_keys", str(exc)))
+                return
+            del data
+            previous = self._peer_keys.get(peer)
+            if previous is not None and previous != opened.keys_digest:
+                await self.worker.forget_keys(previous)  # one key set per peer
+            self._peer_keys[peer] = opened.keys_digest
+            await framed.send({"type": "keys_ok", "bytes": opened.keys_size})
+        self.sessions += 1
+        while True:
+            with trio.fail_after(IDLE_TIMEOUT_S):
+                message = await framed.receive()
+            if message is None:
+                return
+            request = decode_project(message)
+            if not opened.start <= request.layer < opened.end:
+                await framed.send(error("not_served", f"layer {request.layer} is outside the session's "
+                                                      f"{opened.start}:{opened.end}"))
+                continue
+            await framed.send(await self._project(peer, span_key, opened.keys_digest, request))
+
+    async def _receive_keys(self, framed: FramedStream, size: int) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            with trio.fail_after(KEYS_CHUNK_TIMEOUT_S):
+                message = await framed.receive()
+            if message is None:
+                raise PrivateProtocolError("stream closed during the keys")
+            chunk = decode_keys_chunk(message)
+            if len(data) + len(chunk) > size:
+                raise PrivateProtocolError(f"more key bytes than the {size} announced")
+            data += chunk
+        return bytes(data)
+
+    async def _project(self, peer: str, span_key: tuple[int, int], digest: str, request) -> dict:
+        self.requests += 1
+        server = self.provider.server
+        tokens = len(request.cts) * PRIVATE_TOKEN_COST
+        began = time.perf_counter()
+        try:
+            if server is not None:
+                async with server.compute.turn(peer, tokens):
+                    outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
+                                                              list(request.cts))
+            else:
+                outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
+                                                          list(request.cts))
+        except HEError as exc:
+            self.refused["ciphertext"] += 1
+            return error("bad_ciphertext", str(exc))
+        except WorkerCrashed as exc:
+            self.refused["worker"] += 1
+            log.warning("HE worker crashed on a request of %s (restarted on the next one): %s", peer[-8:], exc)
+            return error("worker_crashed", "the request crashed the HE worker; it is restarted")
+        self.compute_s += seconds
+        self.products += len(request.cts)
+        log.debug("private %s layer %d x%d: %.3fs compute, %.3fs in all", request.group, request.layer,
+                  len(request.cts), seconds, time.perf_counter() - began)
+        return {"type": "projected", "cts": outs, "compute_s": seconds}
+
+    def stats(self) -> dict:
+        return {"sessions": self.sessions, "requests": self.requests, "refused": dict(self.refused),
+                "compute_s": round(self.compute_s, 3), "worker_restarts": self.worker.restarts,
+                "held_mb": round(self.worker.held_bytes / 1e6, 1)}
+
