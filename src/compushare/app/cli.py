@@ -45,6 +45,8 @@ def node(
     ad_period: float = typer.Option(None, help="Seconds between capability ads on gossip."),
     api_port: int = typer.Option(None, help="Local HTTP API (OpenAI-compatible) on 127.0.0.1 (default 8311; "
                                             "0: a free port; -1: none). Its token is in the data dir."),
+    private: bool = typer.Option(None, "--private/--no-private",
+                                 help="Serve private sessions: products on CKKS ciphertexts (default on)."),
     debug_slowdown: float = typer.Option(None, hidden=True,
                                          help="Fault injection: make compute this many times slower."),
     debug_noise: float = typer.Option(None, hidden=True,
@@ -68,7 +70,7 @@ def node(
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
-                              noise=debug_noise, api_port=api_port)
+                              noise=debug_noise, api_port=api_port, private=private)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
@@ -138,6 +140,8 @@ def run(
     chat_template: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
     spot_check: float = typer.Option(0.05, min=0.0, max=1.0,
                                      help="Share of each span's steps also computed by a second server."),
+    private: bool = typer.Option(False, "--private", help="Private mode: providers compute on CKKS ciphertexts "
+                                                          "and never see the prompt's activations (much slower)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -151,6 +155,11 @@ def run(
     home = resolve_data_dir(data_dir)
 
     def show_route(route) -> None:
+        if private:
+            from ..pipeline.client.private_chain import describe_private_route
+
+            for line in describe_private_route(route, route[-1].end if route else 0):
+                err.print(line, highlight=False, markup=False)
         if verbose:
             from ..pipeline.client.routing import describe_route
 
@@ -159,7 +168,7 @@ def run(
                 err.print(f"  {line}", highlight=False, markup=False)
 
     def main_run():
-        request = RunRequest(model=model, prompt=prompt, chat_template=chat_template,
+        request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
@@ -176,6 +185,14 @@ def run(
         if verbose:
             err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
                       f"{outcome.decode_tok_s:.1f} tok/s; {outcome.checks} spot checks")
+            if outcome.private:
+                p = outcome.private
+                err.print(f"private: {p['projections']} encrypted projections; keys {p['keys_bytes'] / 1e6:.1f} MB "
+                          f"(sent to {p['keys_sent']} providers, cached by the others); "
+                          f"{p['bytes_sent'] / 1e6:.0f} MB sent, {p['bytes_received'] / 1e6:.0f} MB received; "
+                          f"encrypt {p['encrypt_s']:.1f}s, decrypt {p['decrypt_s']:.1f}s, providers "
+                          f"{p['provider_s']:.1f}s, round trips {p['roundtrip_s']:.1f}s, local layers "
+                          f"{p['local_s']:.1f}s", highlight=False)
 
     run_or_exit(main_run)
 

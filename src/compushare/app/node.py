@@ -36,7 +36,11 @@ from ..net.identity import load_or_create_identity
 from ..net.peer import open_swarm_host
 from ..net.view import MAX_PEERS, SwarmView
 from ..pipeline.server.announce import announce_loop
+from ..he.ckks import DEFAULT_PARAMETERS
+from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
+from ..pipeline.server.private import PrivateServer
+from ..pipeline.server.private_worker import HEWorker
 from ..pipeline.server.provider import Provider, blocks_for_budget
 from ..pipeline.server.inference import InferenceServer
 from ..runtime import stop_on_signal, write_state
@@ -58,6 +62,7 @@ class Node:
         self.config = config
         self.view = SwarmView()
         self.provider: Provider | None = None
+        self.private: PrivateServer | None = None  # /compushare/private, when config.private
         self.torrent: Torrent | None = None
         self.karma: KarmaService | None = None
         self.karma_book = KarmaBook()  # the karma of peers in view, checked in the background
@@ -176,6 +181,11 @@ class Node:
                 server = provider.server
                 server.enable_push(host, nursery)
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
+                if config.private:
+                    worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode)
+                    self.private = PrivateServer(provider, worker)
+                    provider.private_rate = self.private.rate
+                    host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
                 nursery.start_soon(server.expire_loop)
                 await nursery.start(announce_loop, host, dht, key_pair, provider, config.record_ttl_s)
                 # Seed records after the serving records: py-libp2p serves at most 12
@@ -193,6 +203,9 @@ class Node:
                     await trio.sleep_forever()
                 finally:
                     (config.data_dir / STATE_FILE).unlink(missing_ok=True)
+                    if self.private is not None:
+                        with trio.CancelScope(shield=True):
+                            await self.private.worker.aclose()
 
     def _check_span(self, model) -> None:
         span = self.config.blocks
@@ -252,6 +265,7 @@ class Node:
         status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
         if self.provider is not None:
             status["state"] = self.provider.state
+        status["private"] = self.private.stats() if self.private is not None else None
         return status
 
     def dashboard(self) -> dict:

@@ -165,6 +165,8 @@ class Context:
         self.input_scale = 2.0 ** p.input_scale_bits
         self.weight_scale = 2.0 ** p.weight_scale_bits
         top = self.context.first_context_data()
+        if top.next_context_data() is None:
+            raise HEError(f"{p.name}: a product is rescaled once, so two data primes at least are needed")
         self.input_level = top.parms_id()
         self.output_level = top.next_context_data().parms_id()
         # A product is rescaled by the last data prime: its scale is then this, exactly.

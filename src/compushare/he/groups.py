@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .plan import choose
+
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o": ("self_attn.o_proj",),
@@ -46,3 +48,12 @@ def group_shapes(config) -> dict[str, tuple[int, int]]:
     inter = config.intermediate_size
     return {"qkv": (heads * head_dim + 2 * kv, hidden), "o": (hidden, heads * head_dim),
             "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+
+
+def required_steps(config, slots: int) -> frozenset[int]:
+    """Every rotation the products of a model need (the same for every layer): the
+    Galois keys a consumer makes and a provider requires."""
+    steps: set[int] = set()
+    for rows, cols in group_shapes(config).values():
+        steps |= choose(rows, cols, slots).steps
+    return frozenset(steps)

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 DISCOVERY_ATTEMPTS = 4
 DISCOVERY_RETRY_S = 1.5
+PRIVATE_STEP_TOKENS = 16  # a private prefill goes in chunks of 16 tokens (private_wire.MAX_TOKENS_PER_REQUEST)
 DISCOVERY_WAIT_S = 6.0  # a swarm that is still settling: wait this long for a full route
 REPORT_SUBMIT_TIMEOUT_S = 5.0
 KARMA_LOOKUP_S = 10.0  # one round of karma look-ups (in the background)
@@ -50,6 +51,7 @@ class RunRequest:
     prompt: str | list[int]  # text, or token ids (used as-is, no template)
     params: SamplingParams = SamplingParams()
     chat_template: bool = True
+    private: bool = False  # every remote activation encrypted (CKKS): pipeline/client/private_chain.py
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class RunOutcome:
     failovers: list[Failover] = dataclasses.field(default_factory=list)
     reports: list[FailureReport] = dataclasses.field(default_factory=list)
     checks: int = 0  # spot checks made
+    private: dict | None = None  # private mode: PrivateStats.as_dict() (where the time went, bytes, keys)
 
 
 def prompt_ids_of(tokenizer, request: RunRequest) -> list[int]:
@@ -160,8 +163,11 @@ class SwarmPlanner:
 
     def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
                  penalties: Penalties | None = None, view: SwarmView | None = None,
-                 karma: KarmaBook | None = None) -> None:
+                 karma: KarmaBook | None = None, private: bool = False) -> None:
         self.host, self.dht = host, dht
+        # Private mode: only servers whose live ad offers encrypted products, rated by
+        # that (much slower) rate.
+        self.private = private
         self.model_id, self.num_blocks = model_id, num_blocks
         self.needed_tokens = needed_tokens
         self.penalties = penalties or Penalties()
@@ -200,7 +206,21 @@ class SwarmPlanner:
                 records.append(record)
                 measures[record.peer_id] = measure
         measures = {peer: dataclasses.replace(m, karma=self.karma.get(peer)) for peer, m in measures.items()}
+        if self.private:
+            records, measures = self._private_only(records, measures, time.time())
         self.records, self.measures, self.unreachable = records, measures, unreachable
+
+    def _private_only(self, records, measures, now):
+        kept, rated = [], {}
+        for record in records:
+            ad = self.view.get(record.peer_id, now)
+            rates = [s.private_rate for s in (ad.serving_of(self.model_id) if ad is not None else [])
+                     if s.start <= record.start and record.end <= s.end and s.private_rate > 0]
+            if rates:
+                kept.append(record)
+                rated[record.peer_id] = dataclasses.replace(measures.get(record.peer_id, Measure()),
+                                                            block_rate=max(rates))
+        return kept, rated
 
     async def karma_loop(self) -> None:
         """Keep the candidates' karma checked, in the background: it only breaks ties
@@ -279,6 +299,7 @@ class Consumer:
         self.view = SwarmView()
         self.karma = KarmaBook()  # shared too: scores are rechecked at most once a minute
         self.reports: list[FailureReport] = []
+        self._private: dict | None = None  # private mode's keys and local layers, made on first use
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -348,17 +369,33 @@ class Consumer:
 
         max_tokens = len(prompt_ids) + request.params.max_new_tokens
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
-                               penalties=self.penalties, view=self.view, karma=self.karma)
+                               penalties=self.penalties, view=self.view, karma=self.karma, private=request.private)
+        if request.private:
+            await self._prepare_private()
         await planner.refresh()
         route = await planner.plan(0, model.num_blocks, deadline=trio.current_time() + DISCOVERY_WAIT_S)
         on_route(route)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(planner.refresh_loop)  # candidates stay fresh for failovers
             nursery.start_soon(planner.karma_loop)
-            async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
-                                  hidden_size=model.hidden_size, planner=planner,
-                                  spot_check_rate=self.spot_check_rate) as chain:
-                await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos, on_token=token_out)
+            if request.private:
+                from .private_chain import PrivateChain  # noqa: PLC0415  (transformers' layers: seconds)
+
+                chain = PrivateChain(self.host, route, model.model_id, self._private["layers"],
+                                     self._private["secret"], self._private["keys"], planner=planner,
+                                     spot_check_rate=self.spot_check_rate)
+                try:
+                    await chain.open()
+                    await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
+                                   on_token=token_out, max_step_tokens=PRIVATE_STEP_TOKENS)
+                finally:
+                    await chain.close()
+            else:
+                async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
+                                      hidden_size=model.hidden_size, planner=planner,
+                                      spot_check_rate=self.spot_check_rate) as chain:
+                    await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
+                                   on_token=token_out)
             nursery.cancel_scope.cancel()
         if chain.route != route:
             on_route(chain.route)
@@ -374,7 +411,30 @@ class Consumer:
             failovers=list(chain.failovers),
             reports=list(chain.reports),
             checks=chain.checks,
+            private=chain.stats.as_dict() if request.private else None,
         )
+
+    async def _prepare_private(self) -> None:
+        """What private mode needs here, made once per consumer: every layer's norms
+        (fetched from the swarm with the blocks if this node lacks them), the CKKS
+        secret key and the Galois keys for the rotations the model's products use."""
+        if self._private is not None:
+            return
+        model = self.model
+        if not model.holds(blocks=(0, model.num_blocks)):
+            await Torrent(self.host, self.dht, self.data_dir).fetch(model.model_id, blocks=(0, model.num_blocks))
+
+        def build() -> dict:
+            from ...he.ckks import SecretContext  # noqa: PLC0415
+            from ...he.groups import required_steps  # noqa: PLC0415
+            from ...model.private_layers import PrivateLayers  # noqa: PLC0415
+
+            secret = SecretContext()
+            layers = PrivateLayers.load(model.path, project=None)
+            keys = secret.galois_keys(required_steps(layers.config, secret.slots))
+            return {"secret": secret, "layers": layers, "keys": keys}
+
+        self._private = await trio.to_thread.run_sync(build)
 
     async def _keep_report(self, report: FailureReport) -> None:
         """Keep a failure report in the data dir (a node running there serves it) and

@@ -34,23 +34,14 @@ import msgpack
 import trio
 
 from ...he.ckks import Context, HEError, keys_digest
-from ...he.groups import GROUPS, group_shapes, group_weight, layer_prefix
+from ...he.groups import GROUPS, group_weight, layer_prefix, required_steps
 from ...he.matvec import EncodedMatrix
-from ...he.plan import choose
 
 log = logging.getLogger(__name__)
 
 LENGTH = struct.Struct(">I")
 MAX_WORKER_FRAME = 64 << 20
 MAX_KEY_SETS = 8  # Galois key sets held at once (~24 MB each for SmolLM2)
-
-
-def required_steps(config, slots: int) -> frozenset[int]:
-    """Every rotation the plans of a model's products need (same for every layer)."""
-    steps: set[int] = set()
-    for rows, cols in group_shapes(config).values():
-        steps |= choose(rows, cols, slots).steps
-    return frozenset(steps)
 
 
 class WorkerState:

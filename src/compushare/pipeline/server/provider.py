@@ -59,6 +59,9 @@ class Provider:
         # The node publishes a fresh ad and rewrites its state file on every change,
         # so a claim ("loading" a span) is seen by others before the weights load.
         self.on_change: Callable[[], None] = lambda: None
+        # Encrypted layer-steps/s this node offers for private sessions (0: none); the
+        # node sets it when it serves /compushare/private.
+        self.private_rate: Callable[[], float] = lambda: 0.0
 
     def _changed(self) -> None:
         self.changed.set()
@@ -91,6 +94,7 @@ class Provider:
             load=server.load() if live else 0.0,
             block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
             state=self.state,
+            private_rate=self.private_rate() if live else 0.0,
         )]
 
     async def serve(self, span: Span) -> None:

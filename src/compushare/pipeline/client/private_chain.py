@@ -1,0 +1,327 @@
+"""The consumer's side of private mode: a chain whose providers only ever see
+CKKS ciphertexts.
+
+`PrivateChain` has the interface of `InferenceChain` (`step(hidden) -> hidden`),
+so `generate` drives either. A step runs every layer here (model/private_layers.py)
+in a worker thread; each of a layer's four products is encrypted in that thread,
+sent to the provider of the layer's hop (`_roundtrip`, on the event loop), and its
+answer decrypted and summed in the thread again. A provider holds no state of the
+session but its Galois keys (the KV cache is the consumer's), so a provider that
+fails is replaced and the product asked again: nothing to replay.
+
+Spot checks: with probability `spot_check_rate` per step, one product of the step
+(a random layer and group) is also asked of another provider holding that layer,
+and the two decrypted answers must agree within CKKS's noise (CHECK_TOLERANCE;
+honest providers agree to ~1e-7). On a mismatch the route's provider is penalised
+like a failed plaintext spot check and replaced, and the step is computed again
+from the last accepted position (the KV cache is cropped back). The verifier is
+trusted for that one decision, as in plaintext mode: a lying verifier can make
+the consumer avoid an honest provider for a while, never accept a wrong product
+from the route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+
+import numpy as np
+import torch
+import trio
+
+from ...errors import HopFailed, RouteError
+from ...he.ckks import HEError, SecretContext, keys_digest
+from ...he.groups import group_shapes
+from ...he.plan import choose
+from ...net.dial import dial
+from ...net.framing import FramedStream
+from ..private_wire import (KEYS_CHUNK, MAX_FRAME_BYTES, MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project,
+                            PrivateProtocolError, PrivateRemoteError, decode_projected)
+from .chain_plan import Failover
+from .routing import Hop
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 15.0
+KEYS_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_PER_TOKEN_S = 5.0
+MAX_FAILOVERS = 4
+CHECK_TOLERANCE = 1e-4  # relative L2 difference two honest providers stay under (measured: ~1e-7)
+
+
+@dataclasses.dataclass
+class PrivateStats:
+    """Where a private step's time goes (seconds, summed over the generation)."""
+
+    encrypt_s: float = 0.0
+    decrypt_s: float = 0.0  # decrypt, decode and the window sums
+    roundtrip_s: float = 0.0  # from sending a product to its answer
+    provider_s: float = 0.0  # the providers' own compute, as they report it
+    local_s: float = 0.0  # everything else of the layers here: norms, attention, SiLU
+    products: int = 0  # group products (4 a layer) times tokens
+    projections: int = 0  # weight projections (7 a layer) times tokens
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    keys_bytes: int = 0
+    keys_sent: int = 0  # sessions that had to receive the keys (the others had them cached)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PrivateSession:
+    """One provider's private session: its stream, opened with our key digest."""
+
+    def __init__(self, hop: Hop, framed: FramedStream) -> None:
+        self.hop, self.framed = hop, framed
+
+    @classmethod
+    async def open(cls, host, hop: Hop, model_id: str, params: str, keys: bytes, digest: str,
+                   stats: PrivateStats) -> PrivateSession:
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
+            stream = await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL])
+        session = cls(hop, FramedStream(stream, MAX_FRAME_BYTES))
+        try:
+            await session._handshake(model_id, params, keys, digest, stats)
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    async def _handshake(self, model_id, params, keys, digest, stats) -> None:
+        framed = self.framed
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await framed.send(Open(model_id, self.hop.start, self.hop.end, params, digest, len(keys)).to_wire())
+            reply = await framed.receive()
+        _check(reply, "opened")
+        if reply.get("need_keys"):
+            with trio.fail_after(KEYS_TIMEOUT_S):
+                for offset in range(0, len(keys), KEYS_CHUNK):
+                    await framed.send({"type": "keys", "data": keys[offset:offset + KEYS_CHUNK]})
+                reply = await framed.receive()
+            _check(reply, "keys_ok")
+            stats.keys_sent += 1
+            stats.bytes_sent += len(keys)
+
+    async def project(self, layer: int, group: str, cts: list[bytes]) -> tuple[list[list[bytes]], float]:
+        with trio.fail_after(REQUEST_TIMEOUT_S + REQUEST_TIMEOUT_PER_TOKEN_S * len(cts)):
+            await self.framed.send(Project(layer, group, tuple(cts)).to_wire())
+            reply = await self.framed.receive()
+        if reply is None:
+            raise HopFailed(f"{self.hop.peer_id[-8:]} closed the private session")
+        return decode_projected(reply, len(cts))
+
+    async def close(self) -> None:
+        with trio.move_on_after(2):
+            try:
+                await self.framed.close()
+            except Exception:
+                pass
+
+
+def _check(reply, expected: str) -> None:
+    if reply is None:
+        raise HopFailed("the provider closed the private session")
+    if reply.get("type") == "error":
+        raise PrivateRemoteError(str(reply.get("code")), str(reply.get("message"))[:500])
+    if reply.get("type") != expected:
+        raise PrivateProtocolError(f"expected {expected}, got {reply.get('type')!r}")
+
+
+class PrivateChain:
+    def __init__(self, host, route: list[Hop], model_id: str, layers, secret: SecretContext,  # layers: PrivateLayers
+                 keys: bytes, *, planner=None, spot_check_rate: float = 0.0, rng: random.Random | None = None) -> None:
+        self.host, self.model_id, self.layers, self.secret = host, model_id, layers, secret
+        self.keys, self.digest = keys, keys_digest(keys)
+        self.planner, self.spot_check_rate = planner, spot_check_rate
+        self.rng = rng or random.Random()
+        self._route = list(route)
+        self.sessions: dict[int, PrivateSession] = {}  # by hop index
+        self.cache = layers.new_cache()
+        self.position = 0
+        self.stats = PrivateStats(keys_bytes=len(keys))
+        self.failovers: list = []
+        self.reports: list = []
+        self.checks = 0
+        self.check_failures: list[str] = []
+        self.avoid: set[str] = set()
+        self._check_this_step: tuple[int, str] | None = None
+        layers.project = self._project
+
+    @property
+    def route(self) -> list[Hop]:
+        return list(self._route)
+
+    async def open(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self._route)):
+                nursery.start_soon(self._open_hop, index)
+
+    async def _open_hop(self, index: int) -> None:
+        self.sessions[index] = await PrivateSession.open(self.host, self._route[index], self.model_id,
+                                                         self.secret.params.name, self.keys, self.digest, self.stats)
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+        self.sessions.clear()
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[1]
+        if self.spot_check_rate > 0 and self.rng.random() < self.spot_check_rate:
+            self._check_this_step = (self.rng.randrange(len(self.layers.layers)),
+                                     self.rng.choice(("qkv", "o", "gate_up", "down")))
+        else:
+            self._check_this_step = None
+        began = time.perf_counter()
+        before = dataclasses.replace(self.stats)
+        for attempt in range(MAX_FAILOVERS + 1):
+            try:
+                out = await trio.to_thread.run_sync(self.layers.forward, hidden, self.cache, self.position)
+                break
+            except _Redo:
+                if attempt == MAX_FAILOVERS:
+                    raise HopFailed("private spot checks kept failing") from None
+                self.cache.crop(self.position)  # the layers already run appended this step's keys/values
+        spent = time.perf_counter() - began
+        s = self.stats
+        s.local_s += spent - sum(getattr(s, k) - getattr(before, k) for k in ("encrypt_s", "decrypt_s", "roundtrip_s"))
+        self.position += n
+        return out
+
+    # -- one product, called from the forward's worker thread --
+
+    def _project(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = tuple(int(v) for v in self._shape(group))
+        plan = choose(rows, cols, self.secret.slots)
+        values = x.double().numpy()
+        began = time.perf_counter()
+        cts = [self.secret.encrypt(plan.input_slots(row)) for row in values]
+        self.stats.encrypt_s += time.perf_counter() - began
+        outs: list[list[bytes]] = []
+        for offset in range(0, len(cts), MAX_TOKENS_PER_REQUEST):
+            outs += trio.from_thread.run(self._roundtrip, layer, group, cts[offset:offset + MAX_TOKENS_PER_REQUEST])
+        began = time.perf_counter()
+        result = np.stack([self._decrypt(plan, per_token) for per_token in outs])
+        self.stats.decrypt_s += time.perf_counter() - began
+        if self._check_this_step == (layer, group):
+            self._check_this_step = None
+            if not trio.from_thread.run(self._spot_check, layer, group, cts, result, plan):
+                raise _Redo()
+        self.stats.products += len(cts)
+        self.stats.projections += len(cts) * {"qkv": 3, "gate_up": 2}.get(group, 1)
+        return torch.from_numpy(result).to(x.dtype)
+
+    def _shape(self, group: str) -> tuple[int, int]:
+        return group_shapes(self.layers.config)[group]
+
+    def _decrypt(self, plan, per_token: list[bytes]) -> np.ndarray:
+        if len(per_token) != plan.outputs:
+            raise PrivateProtocolError(f"{len(per_token)} output ciphertexts, the plan makes {plan.outputs}")
+        try:
+            return plan.reduce(np.stack([self.secret.decrypt(ct) for ct in per_token]))
+        except HEError as exc:
+            raise PrivateProtocolError(f"a provider's product did not decrypt: {exc}") from None
+
+    def _hop_of(self, layer: int) -> int:
+        for index, hop in enumerate(self._route):
+            if hop.start <= layer < hop.end:
+                return index
+        raise RouteError(f"no hop holds layer {layer}")
+
+    async def _roundtrip(self, layer: int, group: str, cts: list[bytes]) -> list[list[bytes]]:
+        for attempt in range(MAX_FAILOVERS + 1):
+            index = self._hop_of(layer)
+            try:
+                if index not in self.sessions:
+                    await self._open_hop(index)
+                return await self._ask(self.sessions[index], layer, group, cts)
+            except (HopFailed, PrivateRemoteError, PrivateProtocolError, trio.TooSlowError, OSError,
+                    Exception) as exc:
+                if isinstance(exc, trio.Cancelled) or attempt == MAX_FAILOVERS:
+                    raise
+                await self._fail_over(index, exc)
+        raise AssertionError("unreachable")
+
+    async def _ask(self, session: PrivateSession, layer: int, group: str, cts: list[bytes]) -> list[list[bytes]]:
+        began = time.perf_counter()
+        outs, compute_s = await session.project(layer, group, cts)
+        s = self.stats
+        s.roundtrip_s += time.perf_counter() - began
+        s.provider_s += compute_s
+        s.bytes_sent += sum(len(c) for c in cts)
+        s.bytes_received += sum(len(c) for out in outs for c in out)
+        return outs
+
+    async def _fail_over(self, index: int, exc: BaseException) -> None:
+        hop = self._route[index]
+        noticed = time.time()
+        log.warning("private hop %s (blocks %d:%d) failed: %s; replacing it", hop.peer_id[-8:], hop.start, hop.end,
+                    exc)
+        session = self.sessions.pop(index, None)
+        if session is not None:
+            await session.close()
+        if self.planner is None:
+            raise HopFailed(f"private hop {hop.peer_id[-8:]} failed and no planner can replace it: {exc}")
+        if hop.peer_id not in self.avoid:  # a spot check's mismatch penalised it already
+            self.planner.penalties.fault(hop.peer_id, time.monotonic())
+        replacement = await self.planner.plan(hop.start, hop.end, deadline=trio.current_time() + 20)
+        self._route[index:index + 1] = replacement
+        self.sessions = {i: s for i, s in self.sessions.items() if i < index} | {
+            i + len(replacement) - 1: s for i, s in self.sessions.items() if i > index}
+        self.failovers.append(Failover(hop.peer_id, hop.start, hop.end, str(exc)[:200] or type(exc).__name__,
+                                       noticed, time.time(), tuple(h.peer_id for h in replacement)))
+
+    async def _spot_check(self, layer: int, group: str, cts: list[bytes], result: np.ndarray, plan) -> bool:
+        """Ask another provider of `layer` for the same product and compare; False
+        (and the route's provider replaced) on a mismatch."""
+        if self.planner is None:
+            return True
+        index = self._hop_of(layer)
+        served_by = self._route[index].peer_id
+        verifier = self.planner.verifier(layer, layer + 1, exclude={served_by} | self.avoid)
+        if verifier is None:
+            return True
+        self.checks += 1
+        try:
+            session = await PrivateSession.open(self.host, verifier, self.model_id, self.secret.params.name,
+                                                self.keys, self.digest, self.stats)
+            try:
+                outs, _ = await session.project(layer, group, cts[:MAX_TOKENS_PER_REQUEST])
+            finally:
+                await session.close()
+            other = np.stack([self._decrypt(plan, per_token) for per_token in outs])
+        except Exception as exc:  # a verifier that cannot answer proves nothing either way
+            log.info("private spot check of layer %d by %s did not complete: %s", layer, verifier.peer_id[-8:], exc)
+            return True
+        ours = result[:len(other)]
+        diff = np.linalg.norm(ours - other) / max(np.linalg.norm(other), 1e-30)
+        if diff > CHECK_TOLERANCE:
+            log.warning("private spot check: %s and %s disagree on layer %d %s (relative %.2e); avoiding %s",
+                        served_by[-8:], verifier.peer_id[-8:], layer, group, diff, served_by[-8:])
+            self.check_failures.append(served_by)
+            self.avoid.add(served_by)
+            self.planner.penalties.mismatch(served_by, time.monotonic())
+            await self._fail_over(index, HopFailed(f"private spot check failed on layer {layer} {group}"))
+            return False
+        return True
+
+
+class _Redo(Exception):
+    """A spot check failed: the step is computed again."""
+
+
+def describe_private_route(hops: list[Hop], num_layers: int) -> list[str]:
+    """What runs where in private mode, for the user (`run --private`, chat, the API)."""
+    lines = ["private mode: this machine keeps the prompt, embeddings, every norm, attention and its KV "
+             "cache, and the LM head; providers see only CKKS ciphertexts"]
+    for index, hop in enumerate(hops, 1):
+        lines.append(f"hop {index}: {hop.peer_id} layers {hop.start}:{hop.end}: q, k, v, o, gate, up, down "
+                     f"projections encrypted")
+    covered = sum(h.end - h.start for h in hops)
+    lines.append(f"{covered} of {num_layers} layers x 7 projections encrypted; none in plaintext")
+    return lines

@@ -1,0 +1,109 @@
+"""Private mode through real node processes: providers compute on CKKS ciphertexts."""
+
+import hashlib
+
+import numpy as np
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from compushare.he.ckks import ParameterSet, SecretContext
+from compushare.he.groups import group_shapes, required_steps
+from compushare.he.plan import choose
+from compushare.karma.record import karma_validators
+from compushare.model.arch import load_config
+from compushare.model.catalog import import_path
+from compushare.net.dial import dial
+from compushare.net.framing import FramedStream
+from compushare.net.peer import open_swarm_host
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
+from compushare.pipeline.private_wire import KEYS_CHUNK, MAX_FRAME_BYTES, PRIVATE_PROTOCOL
+from helpers import reference_greedy
+
+pytestmark = pytest.mark.integration
+
+
+async def test_private_generation_through_three_providers_equals_plaintext(processes, tiny_model, tmp_path):
+    states = processes.nodes([("a", "0:2")], tiny_model)
+    boot = states[0]["addrs"][:1]
+    states += processes.nodes([("b", "2:3"), ("c", "3:4")], tiny_model, bootstrap=boot)
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    prompt, new = [1, 9, 8, 7, 6], 10
+    outcome = await run_prompt(client, tuple(boot), RunRequest(
+        model="tiny", prompt=prompt, private=True, params=SamplingParams(max_new_tokens=new, stop_at_eos=False)),
+        spot_check_rate=0.0)
+    assert outcome.tokens == reference_greedy(tiny_model, prompt, new)
+    assert [(h.start, h.end) for h in outcome.route] == [(0, 2), (2, 3), (3, 4)]
+    assert [h.peer_id for h in outcome.route] == [s["peer_id"] for s in states]
+    steps_tokens = len(prompt) + new - 1  # the last token is sampled, never run
+    assert outcome.private["projections"] == 7 * 4 * steps_tokens  # no layer in plaintext
+    assert outcome.private["keys_sent"] == 3
+
+
+async def _session(host, state, model_id, secret, keys, *, start=0, end=2, params=None):
+    info = await dial(host, state["peer_id"], state["addrs"], timeout=10)
+    framed = FramedStream(await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL]), MAX_FRAME_BYTES)
+    await framed.send({"type": "open", "model_id": model_id, "start": start, "end": end,
+                       "params": params or secret.params.name, "keys_digest": hashlib.sha256(keys).hexdigest(),
+                       "keys_size": len(keys)})
+    return framed, await framed.receive()
+
+
+async def test_forged_keys_and_ciphertexts_get_errors_and_the_provider_keeps_serving(processes, tiny_model):
+    (state,) = processes.nodes([("a", "0:2")], tiny_model)
+    model_id = state["model_id"]
+    config = load_config(tiny_model)
+    secret = SecretContext()
+    keys = secret.galois_keys(required_steps(config, secret.slots))
+    rows, cols = group_shapes(config)["o"]
+    plan = choose(rows, cols, secret.slots)
+    good = secret.encrypt(plan.input_slots(np.linspace(-1, 1, cols)))
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=()) as swarm:
+        host = swarm.host
+        with trio.fail_after(120):
+            # Keys that are not SEAL Galois keys (right digest, garbage inside).
+            garbage = bytes(range(256)) * 64
+            framed, opened = await _session(host, state, model_id, secret, garbage)
+            assert opened["type"] == "opened" and opened["need_keys"]
+            await framed.send({"type": "keys", "data": garbage})
+            reply = await framed.receive()
+            assert reply["type"] == "error" and reply["code"] == "bad_keys", reply
+            assert await framed.receive() is None  # a session error ends the session
+            # Parameters off the whitelist.
+            framed, opened = await _session(host, state, model_id, secret, keys, params="ckks-1024-toy")
+            assert opened["type"] == "error" and opened["code"] == "bad_params", opened
+            assert await framed.receive() is None
+            # Real keys, then forged ciphertexts: each gets an error, the session goes on.
+            framed, opened = await _session(host, state, model_id, secret, keys)
+            assert opened["need_keys"]
+            for offset in range(0, len(keys), KEYS_CHUNK):
+                await framed.send({"type": "keys", "data": keys[offset:offset + KEYS_CHUNK]})
+            reply = await framed.receive()
+            assert reply["type"] == "keys_ok", reply
+            truncated = good[: len(good) // 2]
+            wrong_header = b"\x00" * 16 + good[16:]
+            other_params = SecretContext(ParameterSet("other", 8192, (60, 40, 40, 60), 36, 36))
+            other_context = other_params.encrypt(plan.input_slots(np.ones(cols)))
+            oversized = good[:8] + (10**9).to_bytes(8, "little") + good[16:]
+            for forged in (truncated, wrong_header, other_context, oversized, b"x" * 100):
+                await framed.send({"type": "project", "layer": 0, "group": "o", "cts": [forged]})
+                reply = await framed.receive()
+                assert reply["type"] == "error", reply.get("type")
+                assert reply["code"] in ("bad_ciphertext", "worker_crashed"), reply
+            # A flipped byte inside a well-formed ciphertext is just another ciphertext
+            # (CKKS has no integrity): computed on, and only its sender can decrypt it.
+            flipped = bytearray(good)
+            flipped[len(flipped) // 2] ^= 0xFF
+            for ct in (bytes(flipped), good):
+                await framed.send({"type": "project", "layer": 0, "group": "o", "cts": [ct]})
+                reply = await framed.receive()
+                assert reply["type"] == "projected", reply
+            product = plan.reduce(np.stack([secret.decrypt(ct) for ct in reply["cts"][0]]))
+            assert np.all(np.isfinite(product)) and product.shape == (rows,)
+            # A layer outside the span, a group that does not exist.
+            await framed.send({"type": "project", "layer": 3, "group": "o", "cts": [good]})
+            assert (await framed.receive())["code"] == "not_served"
+            await framed.close()
