@@ -49,6 +49,8 @@ from ..torrent.service import Torrent
 
 log = logging.getLogger(__name__)
 
+MB = 1024 * 1024
+
 COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
 # The dashboard's karma of peers: a peer new in view is checked within KARMA_TICK_S
 # (KarmaBook says who is due: rechecks and retries are slower); a round takes at most KARMA_ROUND_S.
@@ -182,7 +184,15 @@ class Node:
                 server.enable_push(host, nursery)
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 if config.private:
-                    worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode)
+                    budget_mb = config.memory_budget_mb if config.memory_budget_mb is not None \
+                        else hardware.ram_free_mb // 2  # blocks_for_budget's default
+
+                    def private_budget(span: tuple[int, int]) -> int:
+                        # What the span's plaintext weights leave of the node's memory budget.
+                        return max(0, budget_mb * MB - model.block_bytes * (span[1] - span[0]))
+
+                    worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
+                                      budget_bytes=private_budget)
                     self.private = PrivateServer(provider, worker)
                     provider.private_rate = self.private.rate
                     host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)

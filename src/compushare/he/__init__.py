@@ -1,8 +1,11 @@
-"""CKKS homomorphic encryption for private mode (TenSEAL). Not built yet.
+"""CKKS homomorphic encryption for private mode (Microsoft SEAL via tenseal.sealapi).
 
-Private mode is planned as follows: the consumer holds the secret key, the
-embeddings, the LM head, every norm and the attention itself; providers run their
-span's weight projections on CKKS ciphertexts with plaintext weights and return
-ciphertexts. docs/architecture.md says where it plugs into the inference path.
-Nothing here is imported by the rest of the package yet.
+  plan.py     pure numpy: how an encrypted matrix-vector product is laid out in slots
+  ckks.py     parameter whitelist, the consumer's keys, checked deserialisation of peer bytes
+  matvec.py   the provider's product on pre-encoded weight diagonals
+  groups.py   a decoder layer's four products (q/k/v, o, gate/up, down) and their rotations
+
+The consumer holds the secret key and runs everything nonlinear; providers multiply
+their plaintext weights by ciphertexts (pipeline/server/private.py, private_worker.py;
+pipeline/client/private_chain.py). docs/security.md says what this protects.
 """

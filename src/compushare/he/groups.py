@@ -57,3 +57,10 @@ def required_steps(config, slots: int) -> frozenset[int]:
     for rows, cols in group_shapes(config).values():
         steps |= choose(rows, cols, slots).steps
     return frozenset(steps)
+
+
+def preencoded_bytes(config, slots: int, poly_degree: int, data_primes: int) -> int:
+    """Memory one layer's pre-encoded weights take: every plaintext of its four
+    products, one polynomial per data prime (8 bytes a coefficient)."""
+    plaintexts = sum(choose(rows, cols, slots).products for rows, cols in group_shapes(config).values())
+    return plaintexts * poly_degree * 8 * data_primes

@@ -6,6 +6,7 @@
   blocks.py    SpanRunner: a contiguous span of decoder layers with a KV cache
   kv_cache.py  the KV cache that grows in blocks, written in place
   head.py      ConsumerHead: embeddings, final norm and LM head
+  private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
   arch.py      architecture table (Llama, Qwen2) -> transformers classes
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
   layout.py    a Hugging Face directory laid out the way the store and the swarm hold it

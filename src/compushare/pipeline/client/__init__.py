@@ -16,6 +16,7 @@
   generate.py       the generation loop (embeddings and LM head stay local)
   sampling.py       greedy / temperature / top-p sampling with a seeded generator
   detokenize.py     streaming text from tokens
+  private_chain.py  private mode: every layer here, its products encrypted on the providers
 
 Where later features plug into the core (each a new request, event or state):
 - direct return (server → server → consumer, with a chain of step proofs): a second
@@ -27,7 +28,5 @@ Where later features plug into the core (each a new request, event or state):
 - batching: one ChainCore per sequence; a driver groups their SendSteps per server.
 - standby replicas: sessions kept caught up like verifiers (catch_up_plan); a failover
   takes a caught-up one before `_rebuild`, with no replay.
-- relayed hops (NAT) and encrypted per-layer round trips (private mode): in hop.py
-  (how a session is reached, what a payload is on the wire); a per-layer round becomes
-  a request the core repeats inside one hop.
+- relayed hops (NAT): in hop.py (how a session is reached) and private_chain.py alike.
 """

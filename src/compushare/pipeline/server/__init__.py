@@ -10,15 +10,14 @@
   provider.py     the node's provider: which span it serves, loading and moving between spans
   placement.py    pure: which span of blocks the swarm needs this server to hold
   announce.py     keeps this provider's DHT server record and provider records fresh
+  private.py      /compushare/private: a peer's encrypted products, within fair shares
+  private_worker.py  the HE worker process (CKKS parsing and products) and the node's handle on it
 
 Where what comes next plugs in (each a new state, event or module, not a rewrite):
 - Per-peer fair shares of KV and compute: admission stays in SessionTable.open (a share
   per owner beside the per-peer caps); a scheduler takes the place of the direct call
   to Compute.run in InferenceServer._run, ordering begun steps decode-first and
   splitting a prefill's chunks (`StepRequest.sizes`) into slices the core sees as one step.
-- Encrypted per-layer round trips: a session mode fixed at OPEN, with states of its own
-  (awaiting the consumer's layer reply) between STEP and DONE, and request types in
-  messages.py; the session's digest and proofs follow the mode.
 - Direct return and speculative decoding: a consumer's rollback to a position is
   TRUNCATE (READY only, after DISCARD); drafting several positions is a pushed step of
   many tokens settled against the consumer's, as CONFIRM / MISMATCH do now.

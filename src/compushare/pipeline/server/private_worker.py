@@ -10,8 +10,8 @@ node's event loop and out of its GIL.
 The node talks to it over stdin/stdout: frames of a 4-byte big-endian length and a
 msgpack map. Requests (one at a time):
 
-    {"op": "load", "model_dir", "start", "end", "params", "preencode"}
-        -> {"plaintexts", "bytes", "seconds"}
+    {"op": "load", "model_dir", "start", "end", "params", "preencode", "budget_bytes"}
+        -> {"plaintexts", "bytes", "seconds", "preencoded"}
     {"op": "keys", "digest", "data"}       -> {"bytes"}
     {"op": "drop", "digest"}               -> {}
     {"op": "project", "digest", "layer", "group", "cts"}
@@ -29,12 +29,13 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgpack
 import trio
 
 from ...he.ckks import Context, HEError, keys_digest
-from ...he.groups import GROUPS, group_weight, layer_prefix, required_steps
+from ...he.groups import GROUPS, group_weight, layer_prefix, preencoded_bytes, required_steps
 from ...he.matvec import EncodedMatrix
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,12 @@ class WorkerState:
         state = read_tensors(request["model_dir"], lambda names: [n for n in names if n.startswith(prefixes)
                                                                  and n.endswith("_proj.weight")])
         state = {k: v.float().numpy() for k, v in state.items()}
-        self.preencode = bool(request.get("preencode", True))
+        # Pre-encoded weights come out of the node's memory budget: when the span's do
+        # not fit what is left of it, the weights are encoded per request instead.
+        p = self.context.params
+        need = preencoded_bytes(config, self.context.slots, p.poly_degree, len(p.coeff_bits) - 1) * (end - start)
+        budget = request.get("budget_bytes")
+        self.preencode = bool(request.get("preencode", True)) and (budget is None or need <= budget)
         self.weights.clear()
         plaintexts = nbytes = 0
         for layer in range(start, end):
@@ -99,7 +105,8 @@ class WorkerState:
                     self.weights[(layer, group)] = weight
                     nbytes += weight.nbytes
         self.span = (start, end)
-        return {"plaintexts": plaintexts, "bytes": nbytes, "seconds": time.perf_counter() - began}
+        return {"plaintexts": plaintexts, "bytes": nbytes, "seconds": time.perf_counter() - began,
+                "preencoded": self.preencode, "preencode_bytes": need}
 
     def _keys(self, request: dict) -> dict:
         if self.context is None:
@@ -168,8 +175,10 @@ class HEWorker:
     """The node's handle on its worker process: one request at a time, restarted
     (and reloaded, with the key sets it held) after a crash."""
 
-    def __init__(self, model_dir, *, params: str, preencode: bool = True) -> None:
+    def __init__(self, model_dir, *, params: str, preencode: bool = True,
+                 budget_bytes: Callable[[tuple[int, int]], int | None] = lambda span: None) -> None:
         self.model_dir, self.params, self.preencode = str(model_dir), params, preencode
+        self.budget_bytes = budget_bytes  # what the node's memory budget leaves for a span's encoded weights
         self.process: trio.Process | None = None
         self.span: tuple[int, int] | None = None
         self.loaded: dict = {}
@@ -228,12 +237,16 @@ class HEWorker:
         if self.span == span and self.process is not None:
             return
         self.loaded = await self._call({"op": "load", "model_dir": self.model_dir, "start": span[0], "end": span[1],
-                                        "params": self.params, "preencode": self.preencode}, timeout_s=600)
+                                        "params": self.params, "preencode": self.preencode,
+                                        "budget_bytes": self.budget_bytes(span)}, timeout_s=600)
         self.span = span
         for digest, data in list(self._keys.items()):  # what a crashed worker held
             await self._call({"op": "keys", "digest": digest, "data": data}, timeout_s=60)
-        log.info("HE worker holds blocks %d:%d: %d plaintexts, %.0f MB, in %.1fs", span[0], span[1],
-                 self.loaded["plaintexts"], self.loaded["bytes"] / 1e6, self.loaded["seconds"])
+        log.info("HE worker holds blocks %d:%d %s: %d plaintexts, %.0f MB, in %.1fs", span[0], span[1],
+                 "pre-encoded" if self.loaded["preencoded"] else
+                 f"to encode per request (pre-encoding needs {self.loaded['preencode_bytes'] / 1e6:.0f} MB, "
+                 f"over the memory budget)", self.loaded["plaintexts"], self.loaded["bytes"] / 1e6,
+                 self.loaded["seconds"])
 
     async def load(self, span: tuple[int, int]) -> dict:
         async with self._lock:
