@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
 	$(PY) bench/failover.py
 	$(PY) bench/hostile.py
+	$(PY) bench/he.py
 	$(if $(filter 0,$(shell id -u)),$(PY) bench/push_latency.py,@echo "bench/push_latency.py needs root (network namespaces): skipped")
 
 clean:

@@ -9,17 +9,19 @@ Parameters come from a whitelist (`PARAMETER_SETS`): a peer names a set, it neve
 sends parameters. The only set today is N = 8192 with moduli [60, 40 | 60]: two data
 primes and a 60-bit special prime for key switching. 160 bits of modulus is under
 the 218 that the HE standard allows for 128-bit security at N = 8192, and SEAL
-refuses to build it otherwise (sec_level TC128). Inputs and weights are encoded at
-2^36, so a product sits at 2^72 before the provider rescales it by the 40-bit prime
-(its ciphertext then has one prime: half the bytes back) and may reach about +-2^27
-before it wraps. Measured: relative error ~5e-8 on SmolLM2's shapes; one prime
-less ([60 | 60], scales 2^30 x 2^24) halves the time but gave 3e-5 and bounds
-products at +-32, too tight for the outliers of real activations.
+refuses to build it otherwise (sec_level TC128). Inputs are encoded at 2^36 and
+weights at 2^40; a provider rescales each inner sum of a product by the 40-bit
+prime (scale 2^36, one prime: its giant-step rotation costs half, and half the
+bytes go back), so a product may reach about +-2^23 before it wraps. Measured:
+relative error ~3e-7 on SmolLM2's shapes. One data prime less ([60 | 60], scales
+2^30 x 2^24) halves the time but gave 3e-5 and bounds products at +-32, too
+tight for the outliers of real activations.
 
 Serialised objects from peers pass `check_header` (SEAL's header, a known size)
 before SEAL parses them, and are then checked against the context by SEAL's own
 `load` (is_valid_for: every coefficient below its modulus). The provider does both
-in its HE worker process (he/worker.py), where a crash cannot take the node down.
+in its HE worker process (pipeline/server/private_worker.py), where a crash
+cannot take the node down.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class ParameterSet:
 
 
 PARAMETER_SETS = {
-    "ckks-8192-60-40-60": ParameterSet("ckks-8192-60-40-60", 8192, (60, 40, 60), 36, 36),
+    "ckks-8192-60-40-60": ParameterSet("ckks-8192-60-40-60", 8192, (60, 40, 60), 36, 40),
 }
 DEFAULT_PARAMETERS = "ckks-8192-60-40-60"
 
