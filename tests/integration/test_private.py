@@ -154,3 +154,50 @@ async def test_a_crashed_he_worker_costs_one_request_not_the_node(processes, tin
             again_y = plan.reduce(np.stack([secret.decrypt(c) for c in again["cts"][0]]))
             assert np.allclose(first_y, again_y, rtol=1e-5, atol=1e-5)
             await framed.close()
+
+
+async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_path):
+    """Three providers of blocks 2:4, one adding noise to its products. With every step
+    spot-checked (a random layer and product), the liar is found by a third opinion
+    and avoided; killing the route's provider of 2:4 mid-generation moves the layers
+    to another one with nothing to replay, and the generation completes."""
+    import signal
+
+    from compushare.pipeline.client.consumer import Consumer
+
+    a = processes.nodes([("a", "0:2")], tiny_model)[0]
+    boot = a["addrs"][:1]
+    liar = processes.node("liar", tiny_model, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"], wait=False)[0]
+    honest = [processes.node(name, tiny_model, "2:4", bootstrap=boot, wait=False)[0] for name in ("c", "d")]
+    liar_state = processes.ready("liar", liar)
+    honest_states = [processes.ready(name, p) for name, p in zip(("c", "d"), honest)]
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    prompt = [1, 9, 8, 7, 6]
+    killed: list[str] = []
+    async with Consumer.connect(client, tuple(boot), "tiny", text_prompts=False, spot_check_rate=1.0) as consumer:
+        outcome = await consumer.generate(RunRequest(model="tiny", prompt=prompt, private=True,
+                                                     params=SamplingParams(max_new_tokens=16, stop_at_eos=False)))
+        assert liar_state["peer_id"] in outcome.private["check_failures"]
+        assert liar_state["peer_id"] not in {h.peer_id for h in outcome.route}
+        assert outcome.checks > 0
+
+        # Kill the honest provider of 2:4 the route uses, after a few tokens.
+        by_peer = {s["peer_id"]: p for s, p in zip(honest_states, honest)}
+
+        def kill_route_provider(token: int, count=[0]) -> None:
+            count[0] += 1
+            if count[0] == 3 and not killed:
+                peer = next(h.peer_id for h in chain_route[0] if h.start >= 2)
+                killed.append(peer)
+                by_peer[peer].send_signal(signal.SIGKILL)
+
+        chain_route: list = []
+        outcome2 = await consumer.generate(
+            RunRequest(model="tiny", prompt=prompt, private=True,
+                       params=SamplingParams(max_new_tokens=12, stop_at_eos=False)),
+            on_route=lambda route: chain_route.append(route), on_token=kill_route_provider)
+    assert killed and killed[0] in by_peer
+    assert outcome2.tokens == reference_greedy(tiny_model, prompt, 12)
+    assert any(f.peer_id == killed[0] for f in outcome2.failovers)
+    assert killed[0] not in {h.peer_id for h in outcome2.route}

@@ -192,7 +192,7 @@ class Node:
                         return max(0, budget_mb * MB - model.block_bytes * (span[1] - span[0]))
 
                     worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
-                                      budget_bytes=private_budget)
+                                      budget_bytes=private_budget, noise=config.noise)
                     self.private = PrivateServer(provider, worker)
                     provider.private_rate = self.private.rate
                     host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)

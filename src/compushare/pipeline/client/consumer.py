@@ -411,7 +411,8 @@ class Consumer:
             failovers=list(chain.failovers),
             reports=list(chain.reports),
             checks=chain.checks,
-            private=chain.stats.as_dict() if request.private else None,
+            private=dict(chain.stats.as_dict(), check_failures=list(chain.check_failures)) if request.private
+            else None,
         )
 
     async def _prepare_private(self) -> None:

@@ -12,12 +12,12 @@ fails is replaced and the product asked again: nothing to replay.
 Spot checks: with probability `spot_check_rate` per step, one product of the step
 (a random layer and group) is also asked of another provider holding that layer,
 and the two decrypted answers must agree within CKKS's noise (CHECK_TOLERANCE;
-honest providers agree to ~1e-7). On a mismatch the route's provider is penalised
-like a failed plaintext spot check and replaced, and the step is computed again
-from the last accepted position (the KV cache is cropped back). The verifier is
-trusted for that one decision, as in plaintext mode: a lying verifier can make
-the consumer avoid an honest provider for a while, never accept a wrong product
-from the route.
+honest providers agree to ~1e-7). On a mismatch a third provider of the layer, if
+there is one, decides; the one found wrong is penalised like a failed plaintext
+spot check. If that is the route's provider it is replaced and the step computed
+again from the last accepted position (the KV cache is cropped back). Without a
+third, the route's provider is blamed: a lying verifier can then make the
+consumer avoid an honest provider for a while, never accept a wrong product.
 """
 
 from __future__ import annotations
@@ -202,12 +202,22 @@ class PrivateChain:
         began = time.perf_counter()
         cts = [self.secret.encrypt(plan.input_slots(row)) for row in values]
         self.stats.encrypt_s += time.perf_counter() - began
-        outs: list[list[bytes]] = []
+        parts = []
         for offset in range(0, len(cts), MAX_TOKENS_PER_REQUEST):
-            outs += trio.from_thread.run(self._roundtrip, layer, group, cts[offset:offset + MAX_TOKENS_PER_REQUEST])
-        began = time.perf_counter()
-        result = np.stack([self._decrypt(plan, per_token) for per_token in outs])
-        self.stats.decrypt_s += time.perf_counter() - began
+            chunk = cts[offset:offset + MAX_TOKENS_PER_REQUEST]
+            for attempt in range(MAX_FAILOVERS + 1):
+                outs = trio.from_thread.run(self._roundtrip, layer, group, chunk)
+                began = time.perf_counter()
+                try:
+                    parts += [self._decrypt(plan, per_token) for per_token in outs]
+                    break
+                except PrivateProtocolError as exc:  # the provider's answer is not a product
+                    if attempt == MAX_FAILOVERS:
+                        raise
+                    trio.from_thread.run(self._fail_over, self._hop_of(layer), exc)
+                finally:
+                    self.stats.decrypt_s += time.perf_counter() - began
+        result = np.stack(parts)
         if self._check_this_step == (layer, group):
             self._check_this_step = None
             if not trio.from_thread.run(self._spot_check, layer, group, cts, result, plan):
@@ -240,9 +250,8 @@ class PrivateChain:
                 if index not in self.sessions:
                     await self._open_hop(index)
                 return await self._ask(self.sessions[index], layer, group, cts)
-            except (HopFailed, PrivateRemoteError, PrivateProtocolError, trio.TooSlowError, OSError,
-                    Exception) as exc:
-                if isinstance(exc, trio.Cancelled) or attempt == MAX_FAILOVERS:
+            except Exception as exc:  # py-libp2p's stream and dial errors have no common base
+                if attempt == MAX_FAILOVERS:
                     raise
                 await self._fail_over(index, exc)
         raise AssertionError("unreachable")
@@ -277,38 +286,62 @@ class PrivateChain:
                                        noticed, time.time(), tuple(h.peer_id for h in replacement)))
 
     async def _spot_check(self, layer: int, group: str, cts: list[bytes], result: np.ndarray, plan) -> bool:
-        """Ask another provider of `layer` for the same product and compare; False
-        (and the route's provider replaced) on a mismatch."""
+        """Ask another provider of `layer` for the same product and compare. On a
+        mismatch a third provider (if any) decides who is wrong; with none, the
+        route's provider is blamed. False when the route's provider was wrong (it is
+        then replaced)."""
         if self.planner is None:
             return True
         index = self._hop_of(layer)
         served_by = self._route[index].peer_id
+        cts = cts[:MAX_TOKENS_PER_REQUEST]
+        ours = result[:len(cts)]
         verifier = self.planner.verifier(layer, layer + 1, exclude={served_by} | self.avoid)
         if verifier is None:
             return True
         self.checks += 1
+        theirs = await self._product_from(verifier, layer, group, cts, plan)
+        if theirs is None or _agree(ours, theirs):
+            return True
+        third = self.planner.verifier(layer, layer + 1, exclude={served_by, verifier.peer_id} | self.avoid)
+        decider = await self._product_from(third, layer, group, cts, plan) if third is not None else None
+        if decider is not None and _agree(ours, decider) and not _agree(theirs, decider):
+            wrong = verifier.peer_id
+        else:
+            wrong = served_by
+        log.warning("private spot check of layer %d %s: %s and %s disagree (relative %.2e)%s; %s is wrong",
+                    layer, group, served_by[-8:], verifier.peer_id[-8:], _difference(ours, theirs),
+                    f", {third.peer_id[-8:]} decided" if decider is not None else "", wrong[-8:])
+        self.check_failures.append(wrong)
+        self.avoid.add(wrong)
+        self.planner.penalties.mismatch(wrong, time.monotonic())
+        if wrong != served_by:
+            return True
+        await self._fail_over(index, HopFailed(f"private spot check failed on layer {layer} {group}"))
+        return False
+
+    async def _product_from(self, hop: Hop, layer: int, group: str, cts: list[bytes], plan) -> np.ndarray | None:
+        """The same product from another provider, in a session of its own; None if
+        it cannot answer (which proves nothing either way)."""
         try:
-            session = await PrivateSession.open(self.host, verifier, self.model_id, self.secret.params.name,
-                                                self.keys, self.digest, self.stats)
+            session = await PrivateSession.open(self.host, Hop(hop.record, layer, layer + 1), self.model_id,
+                                                self.secret.params.name, self.keys, self.digest, self.stats)
             try:
-                outs, _ = await session.project(layer, group, cts[:MAX_TOKENS_PER_REQUEST])
+                outs, _ = await session.project(layer, group, cts)
             finally:
                 await session.close()
-            other = np.stack([self._decrypt(plan, per_token) for per_token in outs])
-        except Exception as exc:  # a verifier that cannot answer proves nothing either way
-            log.info("private spot check of layer %d by %s did not complete: %s", layer, verifier.peer_id[-8:], exc)
-            return True
-        ours = result[:len(other)]
-        diff = np.linalg.norm(ours - other) / max(np.linalg.norm(other), 1e-30)
-        if diff > CHECK_TOLERANCE:
-            log.warning("private spot check: %s and %s disagree on layer %d %s (relative %.2e); avoiding %s",
-                        served_by[-8:], verifier.peer_id[-8:], layer, group, diff, served_by[-8:])
-            self.check_failures.append(served_by)
-            self.avoid.add(served_by)
-            self.planner.penalties.mismatch(served_by, time.monotonic())
-            await self._fail_over(index, HopFailed(f"private spot check failed on layer {layer} {group}"))
-            return False
-        return True
+            return np.stack([self._decrypt(plan, per_token) for per_token in outs])
+        except Exception as exc:
+            log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
+            return None
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _agree(a: np.ndarray, b: np.ndarray) -> bool:
+    return _difference(a, b) <= CHECK_TOLERANCE
 
 
 class _Redo(Exception):

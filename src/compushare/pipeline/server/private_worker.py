@@ -53,6 +53,7 @@ class WorkerState:
         self.span: tuple[int, int] | None = None
         self.weights: dict[tuple[int, str], object] = {}  # (layer, group) -> EncodedMatrix or raw weight
         self.preencode = True
+        self.noise = 0.0  # fault injection (--debug-noise): a provider that lies
         self.steps: frozenset[int] = frozenset()
         self.keys: collections.OrderedDict[str, object] = collections.OrderedDict()
 
@@ -105,6 +106,7 @@ class WorkerState:
                     self.weights[(layer, group)] = weight
                     nbytes += weight.nbytes
         self.span = (start, end)
+        self.noise = float(request.get("noise", 0.0))
         return {"plaintexts": plaintexts, "bytes": nbytes, "seconds": time.perf_counter() - began,
                 "preencoded": self.preencode, "preencode_bytes": need}
 
@@ -133,8 +135,22 @@ class WorkerState:
         if not isinstance(matrix, EncodedMatrix):  # encoding on the fly: slower, far less memory
             matrix = EncodedMatrix(self.context, matrix)
         inputs = [self.context.ciphertext_from(data) for data in request["cts"]]  # all checked before any work
-        outs = [[self.context.dump(ct) for ct in matrix.apply(self.context, keys, ct)] for ct in inputs]
+        outs = [[self.context.dump(self._lie(ct)) for ct in matrix.apply(self.context, keys, ct)] for ct in inputs]
         return {"cts": outs, "seconds": time.perf_counter() - began}
+
+
+    def _lie(self, ct):
+        """With fault injection on, add Gaussian noise of `noise` (absolute: a liar
+        cannot see the values) to every slot of a product."""
+        if self.noise > 0:
+            import numpy as np  # noqa: PLC0415
+
+            context = self.context
+            plain = context.seal.Plaintext()
+            noise = np.random.default_rng().normal(0.0, self.noise, context.slots)
+            context.encoder.encode(noise.tolist(), ct.parms_id(), ct.scale, plain)
+            context.evaluator.add_plain_inplace(ct, plain)
+        return ct
 
 
 def _read_exact(stream, n: int) -> bytes | None:
@@ -176,8 +192,10 @@ class HEWorker:
     (and reloaded, with the key sets it held) after a crash."""
 
     def __init__(self, model_dir, *, params: str, preencode: bool = True,
-                 budget_bytes: Callable[[tuple[int, int]], int | None] = lambda span: None) -> None:
+                 budget_bytes: Callable[[tuple[int, int]], int | None] = lambda span: None,
+                 noise: float = 0.0) -> None:
         self.model_dir, self.params, self.preencode = str(model_dir), params, preencode
+        self.noise = noise
         self.budget_bytes = budget_bytes  # what the node's memory budget leaves for a span's encoded weights
         self.process: trio.Process | None = None
         self.span: tuple[int, int] | None = None
@@ -238,7 +256,8 @@ class HEWorker:
             return
         self.loaded = await self._call({"op": "load", "model_dir": self.model_dir, "start": span[0], "end": span[1],
                                         "params": self.params, "preencode": self.preencode,
-                                        "budget_bytes": self.budget_bytes(span)}, timeout_s=600)
+                                        "budget_bytes": self.budget_bytes(span), "noise": self.noise},
+                                       timeout_s=600)
         self.span = span
         for digest, data in list(self._keys.items()):  # what a crashed worker held
             await self._call({"op": "keys", "digest": digest, "data": data}, timeout_s=60)
