@@ -99,6 +99,7 @@ def test_node_detach_writes_pid_and_log_and_stop_ends_it(tmp_path, tiny_model):
         assert status.returncode == 0, status.stderr
         daemon = json.loads(status.stdout)["this_node"]["daemon"]  # through the control API, with the token
         assert daemon["pid"] == pid and daemon["karma"]["score"] == 1.0 and daemon["tokens_served"] == 0
+        assert daemon["private"]["sessions"] == 0  # serves private sessions (the default), none yet
         again = subprocess.run(cli + ["node", "--detach", "--model", "tiny", "--data-dir", str(home)],
                                capture_output=True, text=True, timeout=60)
         assert again.returncode != 0 and "already runs" in again.stderr

@@ -57,9 +57,9 @@ async def test_dashboard_in_headless_chromium_and_pause_resume(processes, tiny_m
 
         # What a person opening the dashboard sees, once the page's script has run.
         with trio.fail_after(30):
-            while True:  # both ads known to a, and b's karma checked by a
+            while True:  # both ads known to a (offering private sessions: nodes do by default), b's karma checked
                 board = _control(a, a_dir, "/control/dashboard")
-                if len(board["peers"]) >= 2 and all(p["karma"] is not None for p in board["peers"]):
+                if len(board["peers"]) >= 2 and all(p["karma"] is not None and p["private"] for p in board["peers"]):
                     break
                 await trio.sleep(1)
         token = (a_dir / TOKEN_FILE).read_text().strip()
@@ -75,6 +75,8 @@ async def test_dashboard_in_headless_chromium_and_pause_resume(processes, tiny_m
         rows = re.findall(r'<tr class="peer-row"><td>(\w+)</td><td>([\d.?]+)</td><td>(\d+:\d+)</td>', dom)
         assert {(peer, span) for peer, _, span in rows} == {(a["peer_id"], "0:2"), (b["peer_id"], "2:4")}
         assert '<p id="error"></p>' in dom
+        assert '<td id="private">served: 0 sessions, 0 encrypted requests, 0.0 s of HE compute, 0 refused</td>' in dom
+        assert re.findall(r'<td class="private">(\w+)</td>', dom) == ["yes", "yes"]  # each peer's ad offers them
         wrong = await trio.to_thread.run_sync(_dump_dom, f"{a['api']}/dashboard#token=wrong", tmp_path / "chrome2")
         assert '<p id="error">cannot reach the node: missing or wrong API key' in wrong
 

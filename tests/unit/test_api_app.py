@@ -115,3 +115,101 @@ def test_messages_accept_text_parts_and_the_developer_role():
         messages_to_ids(Words(), [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     with pytest.raises(UsageError, match="role"):
         messages_to_ids(Words(), [{"role": "tool", "content": "x"}])
+
+
+# -- the CompuShare extension "private" ------------------------------------------------
+
+@pytest.mark.parametrize("value", ['"yes"', "1", "0", "[]", "{}", '"true"'])
+def test_private_must_be_a_boolean(client, value):
+    body = '{"messages": [{"role": "user", "content": "hi"}], "private": ' + value + "}"
+    error = _error(client.post("/v1/chat/completions", content=body.encode(), headers=AUTH), 400)
+    assert error["param"] == "private" and "'private' must be a boolean" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+class FakeModel:
+    num_blocks = 4
+
+
+class FakeConsumer:
+    model = FakeModel()
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    async def generate(self, request, *, on_text):
+        self.requests.append(request)
+        from compushare.net.records import ServerRecord
+        from compushare.pipeline.client.consumer import RunOutcome
+        from compushare.pipeline.client.routing import Hop
+
+        route = [Hop(ServerRecord(peer, "ab" * 32, start, end, "float32", ("/ip4/127.0.0.1/tcp/1",), 2e9, 1),
+                     start, end) for peer, start, end in (("12D3KooWAlpha", 0, 3), ("12D3KooWBeta", 3, 4))]
+        for text in ("w7", " w9"):
+            on_text(text)
+        stats = {"projections": 56, "keys_sent": 2, "bytes_sent": 10} if request.private else None
+        return RunOutcome(tokens=[7, 9], text="w7 w9", route=route, first_token_s=1.0, decode_tok_s=0.5,
+                          private=stats)
+
+
+class FakeEngine(ChatEngine):
+    """The real ChatEngine.run (it builds the RunRequest) on a consumer that records it."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None, torrent=None, default_model="tiny")
+        self.the_consumer = FakeConsumer()
+
+    def models(self):
+        return [("tiny", "ab" * 32)]
+
+    async def prepare(self, name, messages):
+        return self.the_consumer, [1, 2, 3]
+
+
+@pytest.fixture
+def fake():
+    engine = FakeEngine()
+    with TestClient(build_app(engine, "secret-token", Toggle()), backend="trio") as test_client:
+        yield engine, test_client
+
+
+@pytest.mark.parametrize("private", [None, False, True])
+def test_private_reaches_the_run_request_and_the_reply_says_what_ran_encrypted(fake, private):
+    engine, client = fake
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    if private is not None:
+        body["private"] = private
+    reply = client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    reply = reply.json()
+    (request,) = engine.the_consumer.requests
+    assert request.private is bool(private) and request.prompt == [1, 2, 3]
+    assert reply["choices"][0]["message"]["content"] == "w7 w9"
+    if not private:
+        assert "compushare" not in reply  # a plain reply stays exactly OpenAI's
+        return
+    ext = reply["compushare"]
+    assert ext["private"] is True and ext["num_layers"] == 4 and ext["encrypted_layers"] == 4
+    assert ext["route"] == [
+        {"peer_id": "12D3KooWAlpha", "layers": [0, 3], "encrypted": ["q", "k", "v", "o", "gate", "up", "down"]},
+        {"peer_id": "12D3KooWBeta", "layers": [3, 4], "encrypted": ["q", "k", "v", "o", "gate", "up", "down"]}]
+    assert {"norms", "attention", "kv_cache", "lm_head"} <= set(ext["local"])
+    assert ext["stats"] == {"projections": 56, "keys_sent": 2, "bytes_sent": 10}
+    assert ext["summary"][-1] == "4 of 4 layers x 7 projections encrypted; none in plaintext"
+
+
+def test_private_streaming_reply_has_the_extension_in_its_last_chunk(fake):
+    import json
+
+    engine, client = fake
+    response = client.post("/v1/chat/completions", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "private": True})
+    assert response.status_code == 200
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "w7 w9"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [c for c in chunks if "compushare" in c] == [chunks[-1]]
+    assert [hop["layers"] for hop in chunks[-1]["compushare"]["route"]] == [[0, 3], [3, 4]]
+    assert engine.the_consumer.requests[0].private is True

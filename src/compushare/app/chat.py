@@ -4,7 +4,9 @@ The swarm client lives in a background thread's trio loop (one host, one DHT
 client, one Consumer per model, kept across turns); the main thread reads lines
 with readline (history in the data dir). Ctrl-C during a reply cancels that
 generation (its sessions are closed) and returns to the prompt; at the prompt it
-clears the line; Ctrl-D or /exit leaves.
+clears the line; Ctrl-D or /exit leaves. `/private on` makes the next turns private
+(pipeline/client/private_chain.py): providers compute on ciphertexts only, at
+seconds per token.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import trio
 
 from .api.engine import messages_to_ids
-from ..errors import CompushareError, UsageError
+from ..errors import CompushareError, RouteError, UsageError
 from ..pipeline.client.consumer import Consumer, RunOutcome, RunRequest
+from ..pipeline.client.routing import Hop
 from ..pipeline.client.sampling import SamplingParams
 
 HISTORY_FILE = "chat_history"
@@ -30,8 +33,11 @@ HELP = """commands:
   /temp X         sampling temperature (0 = greedy)
   /max N          most new tokens per reply
   /stats          speed and route of the last reply
+  /private on|off private mode for the next turns: providers see only encrypted (CKKS)
+                  activations; much slower (seconds per token). /private shows the mode
   /reset          forget the conversation
   /exit           leave (or Ctrl-D); Ctrl-C stops a reply"""
+PRIVATE_SLOW = "private turns are much slower: expect seconds per token"
 
 
 @dataclasses.dataclass
@@ -41,6 +47,7 @@ class Conversation:
     model: str
     temperature: float = 0.0
     max_tokens: int = 256
+    private: bool = False  # every turn's request private (RunRequest.private)
     messages: list[dict] = dataclasses.field(default_factory=list)
     last: RunOutcome | None = None
 
@@ -79,7 +86,19 @@ class Conversation:
             return f"max tokens: {arg}"
         if name == "/stats":
             return self.stats()
+        if name == "/private":
+            return self.private_mode(arg)
         raise UsageError(f"unknown command {name}; /help lists them")
+
+    def private_mode(self, arg: str) -> str:
+        if arg in ("on", "off"):
+            self.private = arg == "on"
+        elif arg:
+            raise UsageError("/private takes on or off (alone it shows the mode)")
+        if not self.private:
+            return "private mode: off (providers compute on plaintext activations)"
+        return (f"private mode: on: the next turns keep every norm, attention and the KV cache here and "
+                f"send providers only CKKS ciphertexts; {PRIVATE_SLOW}")
 
     def stats(self) -> str:
         last = self.last
@@ -89,7 +108,20 @@ class Conversation:
                  f"{last.first_token_s:.2f} s, {last.checks} spot checks, {len(last.failovers)} failovers",
                  f"route ({len(last.route)} hops):"]
         lines += [f"  {hop.peer_id} blocks {hop.start}:{hop.end}" for hop in last.route]
+        if last.private:
+            p = last.private
+            lines.append(f"private: {p['projections']} encrypted projections; {p['bytes_sent'] / 1e6:.1f} MB sent, "
+                         f"{p['bytes_received'] / 1e6:.1f} MB received; encrypt {p['encrypt_s']:.1f} s, decrypt "
+                         f"{p['decrypt_s']:.1f} s, providers {p['provider_s']:.1f} s, local layers "
+                         f"{p['local_s']:.1f} s")
         return "\n".join(lines)
+
+
+def private_route_lines(route: list[Hop]) -> list[str]:
+    """Where each part of a private turn runs (shown as the turn starts, as `run --private` does)."""
+    from ..pipeline.client.private_chain import describe_private_route  # noqa: PLC0415
+
+    return describe_private_route(route, route[-1].end if route else 0)
 
 
 class SwarmThread:
@@ -145,11 +177,12 @@ class SwarmThread:
             task_status.started(consumer)
             await trio.sleep_forever()
 
-    def generate(self, conversation: Conversation, on_text: Callable[[str], None]) -> RunOutcome:
+    def generate(self, conversation: Conversation, on_text: Callable[[str], None],
+                 on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
         return self._call(self._generate, conversation.model, list(conversation.messages), conversation.params(),
-                          on_text)
+                          conversation.private, on_text, on_route)
 
-    async def _generate(self, model, messages, params, on_text) -> RunOutcome | None:
+    async def _generate(self, model, messages, params, private, on_text, on_route) -> RunOutcome | None:
         # The scope covers the wait for the lock and the model's loading too: Ctrl-C at
         # any point cancels this request, never an earlier one's leftover scope.
         with trio.CancelScope() as scope:
@@ -159,7 +192,8 @@ class SwarmThread:
                     consumer = await self._consumer(model)
                     prompt = messages_to_ids(consumer.tokenizer, messages)
                     return await consumer.generate(RunRequest(model=model, prompt=prompt, params=params,
-                                                              chat_template=False), on_text=on_text)
+                                                              chat_template=False, private=private),
+                                                   on_text=on_text, on_route=on_route)
             finally:
                 if self._scope is scope:
                     self._scope = None
@@ -196,11 +230,13 @@ def _readline_history(data_dir: Path):
 
 
 def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature: float, max_tokens: int,
-         spot_check_rate: float, out=sys.stdout, err=sys.stderr) -> int:
-    conversation = Conversation(model, temperature, max_tokens)
+         spot_check_rate: float, private: bool = False, out=sys.stdout, err=sys.stderr) -> int:
+    conversation = Conversation(model, temperature, max_tokens, private=private)
     swarm = SwarmThread(data_dir, bootstrap, spot_check_rate)
     save_history = _readline_history(data_dir)
     print(f"compushare chat: {model} (/help for commands, Ctrl-D to leave)", file=err, flush=True)
+    if private:
+        print(conversation.private_mode(""), file=err, flush=True)
     try:
         swarm.start(model)
         while True:
@@ -232,8 +268,20 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
                 out.write(text)
                 out.flush()
 
+            private = conversation.private
+            if private:  # before the first turn's keys are made (seconds), not only once the route is known
+                print(f"[private turn: {PRIVATE_SLOW}]", file=err, flush=True)
+
+            routes: list[list[Hop]] = []
+
+            def show_route(route: list[Hop]) -> None:
+                routes.append(route)
+                if private and len(routes) == 1:  # as the turn starts (a failover's new route: /stats)
+                    err.write("".join(line + "\n" for line in private_route_lines(route)))
+                    err.flush()
+
             try:
-                conversation.last = swarm.generate(conversation, show)
+                conversation.last = swarm.generate(conversation, show, show_route)
                 conversation.messages.append({"role": "assistant", "content": conversation.last.text})
                 print(file=out, flush=True)
             except KeyboardInterrupt:
@@ -242,7 +290,9 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
                 print("\n[reply cancelled]", file=err, flush=True)
             except CompushareError as exc:
                 conversation.messages.pop()
-                print(f"\nerror: {exc}", file=err, flush=True)
+                hint = " (private turns need providers that serve encrypted sessions; /private off to go " \
+                       "back)" if private and isinstance(exc, RouteError) else ""
+                print(f"\nerror: {exc}{hint}", file=err, flush=True)
     finally:
         save_history()
         swarm.close()

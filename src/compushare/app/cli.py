@@ -206,6 +206,8 @@ def chat(
     temperature: float = typer.Option(0.0, help="0 is greedy (/temp changes it)."),
     max_tokens: int = typer.Option(256, help="Most new tokens per reply (/max changes it)."),
     spot_check: float = typer.Option(0.05, min=0.0, max=1.0, help="Share of steps re-checked elsewhere."),
+    private: bool = typer.Option(False, "--private", help="Start in private mode (/private on|off switches): "
+                                                          "providers see only CKKS ciphertexts; much slower."),
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
@@ -218,7 +220,8 @@ def chat(
 
     def main_chat():
         nonlocal code
-        code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check)
+        code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check,
+                    private=private)
 
     run_or_exit(main_chat)
     raise typer.Exit(code)

@@ -61,6 +61,7 @@ def summarize(view: SwarmView, data_dir: Path, local: dict | None, *, now: float
             "hardware": ad.hardware.to_wire(),
             "age_s": round(max(0.0, now - ad.sent), 1),
             "serving": [s.to_wire() for s in ad.serving],
+            "private": any(s.private_rate > 0 for s in ad.serving),  # serves encrypted (private) sessions
         })
     store = ModelStore(data_dir)
     models = {}
@@ -129,6 +130,16 @@ async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float 
             return await karma_of(swarm.host, swarm.dht, peer_id)
 
 
+def private_line(stats: dict | None) -> str:
+    """This node's private sessions (node.status()["private"]: PrivateServer.stats())."""
+    if stats is None:
+        return "private sessions: not served (node --no-private)"
+    refused = sum(stats.get("refused", {}).values())
+    return (f"private sessions: served ({stats['sessions']} so far, {stats['requests']} encrypted requests), "
+            f"{stats['compute_s']:.1f} s of HE compute, {refused} refused, {stats['worker_restarts']} worker "
+            f"restarts, {stats['held_mb']:.1f} MB held")
+
+
 def render(status: dict, console) -> None:
     """Human-readable status with rich: peers, then one bar per block per model.
     Text from ads (versions, GPU names) is a peer's: escaped, never markup."""
@@ -143,8 +154,11 @@ def render(status: dict, console) -> None:
         console.print(f"  karma {karma.get('score', 1.0):.3f} from its ledger ({karma.get('receipts', 0)} receipts, "
                       f"{karma.get('compute_ms', 0) / 1000:.1f} s of compute), {daemon.get('tokens_served', 0)} "
                       f"tokens served, API {daemon.get('api')}", highlight=False)
+        if "private" in daemon:
+            console.print(f"  {private_line(daemon['private'])}", highlight=False)
     table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
-    for column in ("peer", "karma", "serves", "free KV", "load", "blocks/s", "hardware", "version", "ad age"):
+    for column in ("peer", "karma", "serves", "private", "free KV", "load", "blocks/s", "hardware", "version",
+                   "ad age"):
         table.add_column(column)
     for peer in status["peers"]:
         hw = peer["hardware"]
@@ -154,6 +168,7 @@ def render(status: dict, console) -> None:
                 peer["peer_id"][-12:] if index == 0 else "",
                 (f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?") if index == 0 else "",
                 f"{s['model'][:8]} {s['start']}:{s['end']} {s['state']}" if s else "-",
+                ("yes" if s.get("priv", 0) > 0 else "no") if s else "",
                 str(s["free"]) if s else "",
                 f"{s['load']:.0%}" if s else "",
                 f"{s['rate']:.0f}" if s else "",

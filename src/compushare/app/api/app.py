@@ -4,6 +4,11 @@ Every route needs `Authorization: Bearer <token>` (OpenAI clients send their
 api_key so). Errors have OpenAI's shape: {"error": {"message", "type", "param",
 "code"}}. Streaming replies are server-sent events of `chat.completion.chunk`
 objects, then `data: [DONE]`.
+
+CompuShare extension: `"private": true` in a chat completion request runs it in
+private mode (providers see only CKKS ciphertexts; much slower); the reply (the
+last chunk, when streaming) then has a `compushare` object saying which stages ran
+encrypted on which peer (engine.private_report).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ...errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreac
 from ...pipeline.client.sampling import SamplingParams
 from .auth import bearer_ok
 from .dashboard import DASHBOARD_HTML
-from .engine import ChatEngine
+from .engine import ChatEngine, private_report
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,25 @@ def _failure(exc: BaseException) -> JSONResponse:
         return error(502, str(exc), "server_error", "swarm_error")
     log.exception("chat completion failed", exc_info=exc)
     return error(500, "internal error (see the node's log)", "server_error")
+
+
+class BadField(UsageError):
+    """A request field with a wrong value: a 400 naming the field (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _private(body: dict) -> bool:
+    """The CompuShare extension `private` (absent or null: false)."""
+    value = body.get("private")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadField("private", f"'private' must be a boolean (true or false), not {type(value).__name__} "
+                                  f"{json.dumps(value)[:40]}")
+    return value
 
 
 def _params(body: dict) -> SamplingParams:
@@ -169,9 +193,10 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
             if not isinstance(model, str):
                 raise UsageError("'model' must be a string")
             params = _params(body)
+            private = _private(body)
             messages = body.get("messages")
         except UsageError as exc:
-            return error(400, str(exc))
+            return error(400, str(exc), param=getattr(exc, "param", None))
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         try:  # before any reply: a bad model or bad messages get their proper status, streaming or not
             consumer, prompt = await engine.prepare(model, messages)
@@ -181,9 +206,13 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
         def finish(outcome) -> str:
             return "length" if len(outcome.tokens) >= params.max_new_tokens else "stop"
 
+        def extension(outcome) -> dict:  # CompuShare's own fields of a reply: only for private requests
+            return {"compushare": private_report(outcome, consumer.model.num_blocks)} if private else {}
+
         if not body.get("stream"):
             try:
-                outcome = await until_disconnect(request.receive, engine.run(consumer, model, prompt, params))
+                outcome = await until_disconnect(request.receive, engine.run(consumer, model, prompt, params,
+                                                                             private=private))
             except Exception as exc:
                 return _failure(exc)
             if outcome is None:  # the client left: nothing to answer
@@ -194,12 +223,14 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
                              "finish_reason": finish(outcome)}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(outcome.tokens),
                           "total_tokens": len(prompt) + len(outcome.tokens)},
+                **extension(outcome),
             })
 
-        def chunk(delta: dict, reason: str | None = None) -> bytes:
+        def chunk(delta: dict, reason: str | None = None, extra: dict | None = None) -> bytes:
             return ("data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
                                            "model": model, "choices": [{"index": 0, "delta": delta,
-                                                                        "finish_reason": reason}]}) + "\n\n").encode()
+                                                                        "finish_reason": reason}],
+                                           **(extra or {})}) + "\n\n").encode()
 
         async def stream(scope, receive, send) -> None:
             """Server-sent events as the tokens come. The generation, the sender and a
@@ -213,8 +244,9 @@ def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
                     to_client.send_nowait(chunk({"role": "assistant", "content": ""}))
                     try:
                         outcome = await engine.run(consumer, model, prompt, params,
-                                                   on_text=lambda text: to_client.send_nowait(chunk({"content": text})))
-                        to_client.send_nowait(chunk({}, finish(outcome)))
+                                                   on_text=lambda text: to_client.send_nowait(chunk({"content": text})),
+                                                   private=private)
+                        to_client.send_nowait(chunk({}, finish(outcome), extension(outcome)))
                     except Exception as exc:  # the status line is sent already: the error goes in the stream
                         to_client.send_nowait(("data: " + _failure(exc).body.decode() + "\n\n").encode())
                     to_client.send_nowait(b"data: [DONE]\n\n")

@@ -24,11 +24,12 @@ DASHBOARD_HTML = """<!doctype html>
  <tr><th>tokens served</th><td id="tokens"></td></tr>
  <tr><th>throughput</th><td id="throughput"></td></tr>
  <tr><th>API</th><td id="api"></td></tr>
+ <tr><th>private sessions</th><td id="private"></td></tr>
 </tbody></table>
 <h2>Coverage</h2><div id="coverage"></div>
 <h2>Peers</h2>
 <table><thead><tr><th>peer</th><th>karma</th><th>serves</th><th>state</th><th>load</th><th>free KV</th>
-<th>version</th></tr></thead><tbody id="peers"></tbody></table>
+<th>version</th><th>private</th></tr></thead><tbody id="peers"></tbody></table>
 <h2>Downloads</h2><div id="downloads"></div>
 <script>
 "use strict";
@@ -50,6 +51,10 @@ function render(d) {
   set("tokens", n.tokens_served ?? 0);
   set("throughput", (n.throughput ?? 0).toFixed(2) + " tokens/s");
   set("api", n.api || "-");
+  const pv = n.private;
+  set("private", pv ? "served: " + pv.sessions + " sessions, " + pv.requests + " encrypted requests, " +
+      pv.compute_s.toFixed(1) + " s of HE compute, " +
+      Object.values(pv.refused || {}).reduce((a, b) => a + b, 0) + " refused" : "not served");
   const coverage = document.getElementById("coverage");
   coverage.replaceChildren();
   for (const [id, m] of Object.entries(d.models)) {
@@ -69,7 +74,8 @@ function render(d) {
     const s = p.serving[0];
     row.append(el("td", p.peer_id), el("td", p.karma == null ? "?" : p.karma.toFixed(3)),
                el("td", s ? s.start + ":" + s.end : "-"), el("td", s ? s.state : "-"),
-               el("td", s ? Math.round(s.load * 100) + "%" : ""), el("td", s ? s.free : ""), el("td", p.version));
+               el("td", s ? Math.round(s.load * 100) + "%" : ""), el("td", s ? s.free : ""), el("td", p.version),
+               el("td", p.private ? "yes" : "no", "private"));
     peers.append(row);
   }
   const downloads = document.getElementById("downloads");

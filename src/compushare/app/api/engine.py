@@ -87,6 +87,22 @@ class ChatEngine:
         return consumer, messages_to_ids(consumer.tokenizer, messages)
 
     async def run(self, consumer: Consumer, name: str, prompt: list[int], params: SamplingParams,
-                  on_text: Callable[[str], None] = lambda _t: None) -> RunOutcome:
-        return await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False),
-                                       on_text=on_text)
+                  on_text: Callable[[str], None] = lambda _t: None, *, private: bool = False) -> RunOutcome:
+        return await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False,
+                                                  private=private), on_text=on_text)
+
+
+PRIVATE_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # what a private hop computes, per layer
+PRIVATE_LOCAL = ("prompt", "embeddings", "norms", "attention", "kv_cache", "lm_head")  # what never leaves
+
+
+def private_report(outcome: RunOutcome, num_layers: int) -> dict:
+    """The API's `compushare` extension of a private reply: which stages ran encrypted
+    where (the same facts `run --private` prints: private_chain.describe_private_route)."""
+    from ...pipeline.client.private_chain import describe_private_route  # noqa: PLC0415  (loaded by a private run)
+
+    route = [{"peer_id": hop.peer_id, "layers": [hop.start, hop.end], "encrypted": list(PRIVATE_PROJECTIONS)}
+             for hop in outcome.route]
+    return {"private": True, "local": list(PRIVATE_LOCAL), "route": route,
+            "encrypted_layers": sum(hop.end - hop.start for hop in outcome.route), "num_layers": num_layers,
+            "summary": describe_private_route(outcome.route, num_layers), "stats": dict(outcome.private or {})}
