@@ -30,7 +30,8 @@ async def test_private_generation_through_three_providers_equals_plaintext(proce
     states += processes.nodes([("b", "2:3"), ("c", "3:4")], tiny_model, bootstrap=boot)
     client = tmp_path / "client"
     import_path(tiny_model, client, alias="tiny")
-    prompt, new = [1, 9, 8, 7, 6], 10
+    # 21 prompt tokens: a prefill pipelined over the 3 hops in chunks of 8.
+    prompt, new = [1, 9, 8, 7, 6, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202, 203, 204, 205, 206], 10
     outcome = await run_prompt(client, tuple(boot), RunRequest(
         model="tiny", prompt=prompt, private=True, params=SamplingParams(max_new_tokens=new, stop_at_eos=False)),
         spot_check_rate=0.0)

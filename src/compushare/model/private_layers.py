@@ -107,18 +107,23 @@ class PrivateLayers:
         return new_cache(self.config)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, cache, position: int) -> torch.Tensor:
-        """All layers on `hidden` [1, n, H] whose first token sits at `position`."""
+    def forward(self, hidden: torch.Tensor, cache, position: int, start: int = 0, end: int | None = None
+                ) -> torch.Tensor:
+        """Layers start..end-1 (default: all) on `hidden` [1, n, H] whose first token
+        sits at `position`. Different layer ranges may run at once in different
+        threads (a pipelined prefill), each range's chunks in order."""
+        end = len(self.layers) if end is None else end
         hidden = hidden.float()
         n = hidden.shape[1]
         position_ids = torch.arange(position, position + n).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=cache, position_ids=position_ids, layer_idx=0)
+                                  past_key_values=cache, position_ids=position_ids, layer_idx=start)
         position_embeddings = self.rotary(hidden, position_ids)
         try:
-            for layer in self.layers:
+            for layer in self.layers[start:end]:
                 hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                                use_cache=True, position_embeddings=position_embeddings)
         finally:
-            self._last.clear()  # no activation outlives its step
+            for key in [k for k in self._last if start <= k[0] < end]:
+                del self._last[key]  # no activation outlives its step
         return hidden

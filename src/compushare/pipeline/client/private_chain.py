@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 
 import numpy as np
@@ -49,6 +50,7 @@ KEYS_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_PER_TOKEN_S = 5.0
 MAX_FAILOVERS = 4
+PIPELINE_CHUNK = 8  # a prefill longer than this runs as a pipeline of 8-token chunks over the hops
 CHECK_TOLERANCE = 1e-4  # relative L2 difference two honest providers stay under (measured: ~1e-7)
 
 
@@ -150,6 +152,7 @@ class PrivateChain:
         self.check_failures: list[str] = []
         self.avoid: set[str] = set()
         self._check_this_step: tuple[int, str] | None = None
+        self._tls = threading.local()  # per forward thread: time spent in products
         layers.project = self._project
 
     @property
@@ -177,25 +180,69 @@ class PrivateChain:
                                      self.rng.choice(("qkv", "o", "gate_up", "down")))
         else:
             self._check_this_step = None
-        began = time.perf_counter()
-        before = dataclasses.replace(self.stats)
+        stages = [(hop.start, hop.end) for hop in self._route]
         for attempt in range(MAX_FAILOVERS + 1):
             try:
-                out = await trio.to_thread.run_sync(self.layers.forward, hidden, self.cache, self.position)
+                if n > PIPELINE_CHUNK and len(stages) > 1:
+                    out = await self._pipelined(hidden, stages)
+                else:
+                    out = await trio.to_thread.run_sync(self._forward, hidden, self.position, 0, None)
                 break
             except _Redo:
                 if attempt == MAX_FAILOVERS:
                     raise HopFailed("private spot checks kept failing") from None
                 self.cache.crop(self.position)  # the layers already run appended this step's keys/values
-        spent = time.perf_counter() - began
-        s = self.stats
-        s.local_s += spent - sum(getattr(s, k) - getattr(before, k) for k in ("encrypt_s", "decrypt_s", "roundtrip_s"))
+                stages = [(0, len(self.layers.layers))]  # the redo runs plainly
         self.position += n
+        return out
+
+    async def _pipelined(self, hidden: torch.Tensor, stages: list[tuple[int, int]]) -> torch.Tensor:
+        """A prefill in chunks of PIPELINE_CHUNK tokens through the route's layer
+        ranges as a pipeline: while one provider computes chunk c's products for its
+        layers, the one before it computes chunk c + 1's. Each range takes its chunks
+        in order, so every layer's KV cache grows as in a plain forward."""
+        chunks = [hidden[:, i:i + PIPELINE_CHUNK] for i in range(0, hidden.shape[1], PIPELINE_CHUNK)]
+        outputs: list[torch.Tensor | None] = [None] * len(chunks)
+        channels = [trio.open_memory_channel(len(chunks)) for _ in range(len(stages) + 1)]
+
+        async def stage(index: int, start: int, end: int) -> None:
+            receive, send = channels[index][1], channels[index + 1][0]
+            async with send:
+                async for which, h, position in receive:
+                    out = await trio.to_thread.run_sync(self._forward, h, position, start, end)
+                    await send.send((which, out, position))
+
+        async with trio.open_nursery() as nursery:
+            for index, (start, end) in enumerate(stages):
+                nursery.start_soon(stage, index, start, end)
+            async with channels[0][0] as first:
+                offset = self.position
+                for which, chunk in enumerate(chunks):
+                    await first.send((which, chunk, offset))
+                    offset += chunk.shape[1]
+            async for which, out, _ in channels[-1][1]:
+                outputs[which] = out
+        return torch.cat(outputs, dim=1)
+
+    def _forward(self, hidden: torch.Tensor, position: int, start: int, end: int | None) -> torch.Tensor:
+        """One forward of layers start..end in this worker thread; what of it was not
+        spent in products (encrypting, waiting, decrypting) is the consumer's local work."""
+        self._tls.in_products = 0.0
+        began = time.perf_counter()
+        out = self.layers.forward(hidden, self.cache, position, start, end)
+        self.stats.local_s += time.perf_counter() - began - self._tls.in_products
         return out
 
     # -- one product, called from the forward's worker thread --
 
     def _project(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        entered = time.perf_counter()
+        try:
+            return self._product(layer, group, x)
+        finally:
+            self._tls.in_products = getattr(self._tls, "in_products", 0.0) + time.perf_counter() - entered
+
+    def _product(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
         rows, cols = tuple(int(v) for v in self._shape(group))
         plan = choose(rows, cols, self.secret.slots)
         values = x.double().numpy()
