@@ -77,6 +77,10 @@ async def test_forged_keys_and_ciphertexts_get_errors_and_the_provider_keeps_ser
             framed, opened = await _session(host, state, model_id, secret, keys, params="ckks-1024-toy")
             assert opened["type"] == "error" and opened["code"] == "bad_params", opened
             assert await framed.receive() is None
+            # More key bytes than this model's rotations can take: refused before any is sent.
+            framed, opened = await _session(host, state, model_id, secret, b"k" * (100 << 20))
+            assert opened["type"] == "error" and opened["code"] == "bad_keys", opened
+            assert "at most" in opened["message"]
             # Real keys, then forged ciphertexts: each gets an error, the session goes on.
             framed, opened = await _session(host, state, model_id, secret, keys)
             assert opened["need_keys"]

@@ -56,6 +56,11 @@ class ParameterSet:
     def slots(self) -> int:
         return self.poly_degree // 2
 
+    def max_keys_bytes(self, steps: int) -> int:
+        """An upper bound on serialised Galois keys for `steps` rotations (one key
+        switching key each: per data prime, 2 polynomials over every prime)."""
+        return steps * (2 * (len(self.coeff_bits) - 1) * len(self.coeff_bits) * self.poly_degree * 8 + 1024) + 4096
+
 
 PARAMETER_SETS = {
     "ckks-8192-60-40-60": ParameterSet("ckks-8192-60-40-60", 8192, (60, 40, 60), 36, 40),
@@ -198,6 +203,8 @@ class Context:
             raise HEError("ciphertext not valid for this context")
         if ct.size() != 2 or ct.parms_id() != level or not ct.is_ntt_form():
             raise HEError("ciphertext of the wrong size, level or form")
+        if ct.is_transparent():  # c1 all zero: no encryption, and SEAL raises on any product of it
+            raise HEError("transparent ciphertext")
         if ct.scale != scale:
             raise HEError(f"ciphertext at scale 2^{np.log2(ct.scale):.1f}, expected 2^{np.log2(scale):.1f}")
         return ct

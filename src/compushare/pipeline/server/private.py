@@ -6,10 +6,12 @@ process (private_worker.py) and sends ciphertexts back. What it holds per peer,
 and how much of its compute a peer gets, is bounded like the rest of the server:
 
 - streams: at most 2 private sessions per peer and 16 in all (GuardedHandler);
-- keys: a session's Galois keys (at most MAX_KEYS_BYTES, streamed in 1 MiB
-  chunks, cached by their sha256 so a consumer's next session sends only the
-  digest); the worker holds at most MAX_KEY_SETS sets, least recently used first
-  out, and each peer at most one (its new set replaces its old);
+- keys: a session's Galois keys (at most what the model's rotations can take,
+  ~39 MB for SmolLM2, announced before a byte is sent; streamed in 1 MiB chunks,
+  at most KEY_UPLOADS sessions' at once; cached by their sha256 so a consumer's
+  next session sends only the digest); the worker holds at most MAX_KEY_SETS
+  sets, least recently used first out, and each peer at most one (its new set
+  replaces its old);
 - compute: every request waits for a turn in the server's fair scheduler (the
   one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
   product, so a peer's private work counts against its one fair share.
@@ -26,6 +28,7 @@ import trio
 
 from ...errors import FrameError, PeerMisbehaved
 from ...he.ckks import HEError, parameter_set
+from ...he.groups import required_steps
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
 from ..private_wire import (MAX_FRAME_BYTES, PrivateProtocolError, decode_keys_chunk, decode_open,
@@ -38,6 +41,7 @@ PRIVATE_TOKEN_COST = 8  # fair-queue tokens per token of one encrypted product (
 OPEN_TIMEOUT_S = 30.0
 KEYS_CHUNK_TIMEOUT_S = 30.0
 IDLE_TIMEOUT_S = 300.0
+KEY_UPLOADS = 2  # sessions receiving keys at once, all peers together (each buffers its keys)
 
 
 class PrivateServer:
@@ -51,6 +55,8 @@ class PrivateServer:
         self.compute_s = 0.0
         self.products = 0
         self._peer_keys: dict[str, str] = {}
+        self._uploads = trio.Semaphore(KEY_UPLOADS)
+        self._keys_bound: dict[str, int] = {}  # per parameter set: the most key bytes this model needs
 
     def rate(self) -> float:
         """Encrypted layer-steps per second to advertise (0 until the worker measured some)."""
@@ -105,21 +111,28 @@ class PrivateServer:
                                                   f"{span.start if span else '-'}:{span.end if span else '-'}"))
             return
         span_key = (span.start, span.end)
+        bound = self._max_keys_bytes(opened.params)
         need = not self.worker.has_keys(opened.keys_digest)
-        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": opened.keys_size})
+        if need and opened.keys_size > bound:
+            self.refused["keys"] += 1
+            await framed.send(error("bad_keys", f"{opened.keys_size} bytes of keys announced; this model's "
+                                                f"rotations need at most {bound}"))
+            return
+        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": bound})
         if need:
-            data = await self._receive_keys(framed, opened.keys_size)
-            if hashlib.sha256(data).hexdigest() != opened.keys_digest:
-                self.refused["keys"] += 1
-                await framed.send(error("bad_keys", "the keys do not match their digest"))
-                return
-            try:
-                await self.worker.add_keys(span_key, opened.keys_digest, data)
-            except (HEError, WorkerCrashed) as exc:
-                self.refused["keys"] += 1
-                await framed.send(error("bad_keys", str(exc)))
-                return
-            del data
+            async with self._uploads:  # the keys are buffered here until the worker holds them
+                data = await self._receive_keys(framed, opened.keys_size)
+                if hashlib.sha256(data).hexdigest() != opened.keys_digest:
+                    self.refused["keys"] += 1
+                    await framed.send(error("bad_keys", "the keys do not match their digest"))
+                    return
+                try:
+                    await self.worker.add_keys(span_key, opened.keys_digest, data)
+                except (HEError, WorkerCrashed) as exc:
+                    self.refused["keys"] += 1
+                    await framed.send(error("bad_keys", str(exc)))
+                    return
+                del data
             previous = self._peer_keys.get(peer)
             if previous is not None and previous != opened.keys_digest:
                 await self.worker.forget_keys(previous)  # one key set per peer
@@ -137,6 +150,16 @@ class PrivateServer:
                                                       f"{opened.start}:{opened.end}"))
                 continue
             await framed.send(await self._project(peer, span_key, opened.keys_digest, request))
+
+    def _max_keys_bytes(self, params: str) -> int:
+        """The most Galois-key bytes this model's products can need under `params`."""
+        if params not in self._keys_bound:
+            server = self.provider.server
+            if server is None:
+                return 0
+            p = parameter_set(params)
+            self._keys_bound[params] = p.max_keys_bytes(len(required_steps(server.runner.config, p.slots)))
+        return self._keys_bound[params]
 
     async def _receive_keys(self, framed: FramedStream, size: int) -> bytes:
         data = bytearray()
