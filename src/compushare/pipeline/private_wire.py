@@ -104,7 +104,7 @@ def decode_project(message: dict) -> Project:
     if not isinstance(message, dict) or message.get("type") != "project":
         raise PrivateProtocolError("expected a project message")
     group = message.get("group")
-    if group not in GROUPS:
+    if not isinstance(group, str) or group not in GROUPS:  # a list or map would be unhashable
         raise PrivateProtocolError(f"unknown group {group!r}; known: {sorted(GROUPS)}")
     cts = message.get("cts")
     if not isinstance(cts, list) or not 1 <= len(cts) <= MAX_TOKENS_PER_REQUEST:
