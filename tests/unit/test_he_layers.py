@@ -35,7 +35,7 @@ pytestmark = pytest.mark.unit
 
 PROMPT = [1, 9, 8, 7, 6, 5]
 DECODE_STEPS = 3
-TOLERANCE = 2e-3
+TOLERANCE = 1e-4
 
 
 class EncryptedProjections:

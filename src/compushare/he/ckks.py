@@ -9,13 +9,14 @@ Parameters come from a whitelist (`PARAMETER_SETS`): a peer names a set, it neve
 sends parameters. The only set today is N = 8192 with moduli [60, 40 | 60]: two data
 primes and a 60-bit special prime for key switching. 160 bits of modulus is under
 the 218 that the HE standard allows for 128-bit security at N = 8192, and SEAL
-refuses to build it otherwise (sec_level TC128). Inputs are encoded at 2^36 and
-weights at 2^40; a provider rescales each inner sum of a product by the 40-bit
-prime (scale 2^36, one prime: its giant-step rotation costs half, and half the
-bytes go back), so a product may reach about +-2^23 before it wraps. Measured:
-relative error ~3e-7 on SmolLM2's shapes. One data prime less ([60 | 60], scales
-2^30 x 2^24) halves the time but gave 3e-5 and bounds products at +-32, too
-tight for the outliers of real activations.
+refuses to build it otherwise (sec_level TC128). Inputs and weights are encoded
+at 2^40; a provider rescales each inner sum of a product by the 40-bit prime
+(scale 2^40, one prime: its giant-step rotation costs half, and half the bytes go
+back), so a product may reach about +-2^19 (SmolLM2's largest seen: 5.8e3) before
+it wraps. Inputs at 2^36 gave 10-30x the error (the rotations' key-switching noise
+is absolute, after the early rescale) and flipped near-tied greedy tokens of the
+tiny test model. One data prime less ([60 | 60], scales 2^30 x 2^24) halves the
+time but gave 3e-5 and bounds products at +-32, too tight for real activations.
 
 Serialised objects from peers pass `check_header` (SEAL's header, a known size)
 before SEAL parses them, and are then checked against the context by SEAL's own
@@ -63,7 +64,7 @@ class ParameterSet:
 
 
 PARAMETER_SETS = {
-    "ckks-8192-60-40-60": ParameterSet("ckks-8192-60-40-60", 8192, (60, 40, 60), 36, 40),
+    "ckks-8192-60-40-60": ParameterSet("ckks-8192-60-40-60", 8192, (60, 40, 60), 40, 40),
 }
 DEFAULT_PARAMETERS = "ckks-8192-60-40-60"
 

@@ -10,7 +10,8 @@ session but its Galois keys (the KV cache is the consumer's), so a provider that
 fails is replaced and the product asked again: nothing to replay.
 
 Spot checks: with probability `spot_check_rate` per step, one product of the step
-(a random layer and group) is also asked of another provider holding that layer,
+(a random layer and group) is also asked of another provider holding that layer
+(one at random),
 and the two decrypted answers must agree within CKKS's noise (CHECK_TOLERANCE;
 honest providers agree to ~1e-7). On a mismatch a third provider of the layer, if
 there is one, decides; the one found wrong is penalised like a failed plaintext
@@ -99,13 +100,13 @@ class PrivateSession:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await framed.send(Open(model_id, self.hop.start, self.hop.end, params, digest, len(keys)).to_wire())
             reply = await framed.receive()
-        _check(reply, "opened")
+        _check(reply, "opened", self.hop.peer_id)
         if reply.get("need_keys"):
             with trio.fail_after(KEYS_TIMEOUT_S):
                 for offset in range(0, len(keys), KEYS_CHUNK):
                     await framed.send({"type": "keys", "data": keys[offset:offset + KEYS_CHUNK]})
                 reply = await framed.receive()
-            _check(reply, "keys_ok")
+            _check(reply, "keys_ok", self.hop.peer_id)
             stats.keys_sent += 1
             stats.bytes_sent += len(keys)
 
@@ -114,7 +115,7 @@ class PrivateSession:
             await self.framed.send(Project(layer, group, tuple(cts)).to_wire())
             reply = await self.framed.receive()
         if reply is None:
-            raise HopFailed(f"{self.hop.peer_id[-8:]} closed the private session")
+            raise HopFailed(self.hop.peer_id, "closed", f"{self.hop.peer_id[-8:]} closed the private session")
         return decode_projected(reply, len(cts))
 
     async def close(self) -> None:
@@ -125,9 +126,9 @@ class PrivateSession:
                 pass
 
 
-def _check(reply, expected: str) -> None:
+def _check(reply, expected: str, peer_id: str) -> None:
     if reply is None:
-        raise HopFailed("the provider closed the private session")
+        raise HopFailed(peer_id, "closed", "the provider closed the private session")
     if reply.get("type") == "error":
         raise PrivateRemoteError(str(reply.get("code")), str(reply.get("message"))[:500])
     if reply.get("type") != expected:
@@ -190,11 +191,19 @@ class PrivateChain:
                 break
             except _Redo:
                 if attempt == MAX_FAILOVERS:
-                    raise HopFailed("private spot checks kept failing") from None
-                self.cache.crop(self.position)  # the layers already run appended this step's keys/values
+                    raise HopFailed("", "mismatch", "private spot checks kept failing") from None
+                self._cut_back()
                 stages = [(0, len(self.layers.layers))]  # the redo runs plainly
         self.position += n
         return out
+
+    def _cut_back(self) -> None:
+        """Drop what the layers already run appended of this step (transformers 5's
+        `crop` takes a negative count of tokens to remove, per layer)."""
+        for layer in self.cache.layers:
+            surplus = layer.get_seq_length() - self.position if layer.is_initialized else 0
+            if surplus > 0:
+                layer.crop(-surplus)
 
     async def _pipelined(self, hidden: torch.Tensor, stages: list[tuple[int, int]]) -> torch.Tensor:
         """A prefill in chunks of PIPELINE_CHUNK tokens through the route's layer
@@ -322,7 +331,8 @@ class PrivateChain:
         if session is not None:
             await session.close()
         if self.planner is None:
-            raise HopFailed(f"private hop {hop.peer_id[-8:]} failed and no planner can replace it: {exc}")
+            raise HopFailed(hop.peer_id, "failed", f"private hop {hop.peer_id[-8:]} failed and no planner can "
+                                                   f"replace it: {exc}")
         if hop.peer_id not in self.avoid:  # a spot check's mismatch penalised it already
             self.planner.penalties.fault(hop.peer_id, time.monotonic())
         replacement = await self.planner.plan(hop.start, hop.end, deadline=trio.current_time() + 20)
@@ -343,14 +353,14 @@ class PrivateChain:
         served_by = self._route[index].peer_id
         cts = cts[:MAX_TOKENS_PER_REQUEST]
         ours = result[:len(cts)]
-        verifier = self.planner.verifier(layer, layer + 1, exclude={served_by} | self.avoid)
+        verifier = self._verifier(layer, {served_by})
         if verifier is None:
             return True
         self.checks += 1
         theirs = await self._product_from(verifier, layer, group, cts, plan)
         if theirs is None or _agree(ours, theirs):
             return True
-        third = self.planner.verifier(layer, layer + 1, exclude={served_by, verifier.peer_id} | self.avoid)
+        third = self._verifier(layer, {served_by, verifier.peer_id})
         decider = await self._product_from(third, layer, group, cts, plan) if third is not None else None
         if decider is not None and _agree(ours, decider) and not _agree(theirs, decider):
             wrong = verifier.peer_id
@@ -364,8 +374,20 @@ class PrivateChain:
         self.planner.penalties.mismatch(wrong, time.monotonic())
         if wrong != served_by:
             return True
-        await self._fail_over(index, HopFailed(f"private spot check failed on layer {layer} {group}"))
+        await self._fail_over(index, HopFailed(served_by, "mismatch", f"private spot check failed on layer {layer} "
+                                                                      f"{group}"))
         return False
+
+    def _verifier(self, layer: int, exclude: set[str]) -> Hop | None:
+        """A provider of `layer` to check against, chosen at random among those not
+        avoided: every provider of a layer can be asked, so a liar off the route
+        is found as a verifier too (the nearest one, as plaintext checks choose,
+        would leave the others never asked)."""
+        planner, now = self.planner, time.time()
+        excluded = exclude | self.avoid | planner.penalties.excluded(time.monotonic()) | set(planner.unreachable)
+        holders = sorted((r for r in planner.records if r.start <= layer < r.end and r.is_live(now)
+                          and r.peer_id not in excluded), key=lambda r: r.peer_id)
+        return Hop(self.rng.choice(holders), layer, layer + 1) if holders else None
 
     async def _product_from(self, hop: Hop, layer: int, group: str, cts: list[bytes], plan) -> np.ndarray | None:
         """The same product from another provider, in a session of its own; None if
