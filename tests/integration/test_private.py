@@ -181,7 +181,8 @@ async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_
     prompt = [1, 9, 8, 7, 6]
     killed: list[str] = []
     async with Consumer.connect(client, tuple(boot), "tiny", text_prompts=False, spot_check_rate=1.0) as consumer:
-        outcome = await consumer.generate(RunRequest(model="tiny", prompt=prompt, private=True,
+        # A 20-token prompt: its prefill is pipelined, and a check failed there is redone too.
+        outcome = await consumer.generate(RunRequest(model="tiny", prompt=prompt * 4, private=True,
                                                      params=SamplingParams(max_new_tokens=16, stop_at_eos=False)))
         assert liar_state["peer_id"] in outcome.private["check_failures"]
         assert liar_state["peer_id"] not in {h.peer_id for h in outcome.route}

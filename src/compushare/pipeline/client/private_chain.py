@@ -221,16 +221,22 @@ class PrivateChain:
                     out = await trio.to_thread.run_sync(self._forward, h, position, start, end)
                     await send.send((which, out, position))
 
-        async with trio.open_nursery() as nursery:
-            for index, (start, end) in enumerate(stages):
-                nursery.start_soon(stage, index, start, end)
-            async with channels[0][0] as first:
-                offset = self.position
-                for which, chunk in enumerate(chunks):
-                    await first.send((which, chunk, offset))
-                    offset += chunk.shape[1]
-            async for which, out, _ in channels[-1][1]:
-                outputs[which] = out
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, (start, end) in enumerate(stages):
+                    nursery.start_soon(stage, index, start, end)
+                async with channels[0][0] as first:
+                    offset = self.position
+                    for which, chunk in enumerate(chunks):
+                        await first.send((which, chunk, offset))
+                        offset += chunk.shape[1]
+                async for which, out, _ in channels[-1][1]:
+                    outputs[which] = out
+        except BaseExceptionGroup as group:  # one stage failed (a redo, a failed hop): that error, unwrapped
+            leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+            if len(leaves) == 1:
+                raise leaves[0] from None
+            raise
         return torch.cat(outputs, dim=1)
 
     def _forward(self, hidden: torch.Tensor, position: int, start: int, end: int | None) -> torch.Tensor:
@@ -403,6 +409,13 @@ class PrivateChain:
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
             return None
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
 
 
 def _difference(a: np.ndarray, b: np.ndarray) -> float:
