@@ -43,6 +43,7 @@ from compushare.net.codec import LENGTH, FrameDecoder
 from compushare.net.gossip import VIEW_PROTOCOL
 from compushare.net.host import open_host, parse_peer_addr
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.private_wire import PRIVATE_PROTOCOL
 from compushare.pipeline.protocol import INFER_PROTOCOL
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.torrent.protocol import PIECES_PROTOCOL
@@ -57,7 +58,7 @@ HOLD_LIMIT_S = 240.0  # stalled streams are held at most this long (until the ge
 GENERATION_TIMEOUT_S = 120.0
 FLOOD_STREAMS = 16  # stalled streams per protocol at once (more than py-libp2p's 12 DHT handlers)
 
-FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL)
+FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL)
 VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL)
 EVERY_PROTOCOL = {*FRAMED, *VARINT, PING_PROTOCOL, IDENTIFY_PROTOCOL}
 
@@ -176,6 +177,21 @@ def shaped_attacks(model_id: str, key_pair) -> list[Attack]:
             {"type": "truncate", "session": b"short", "position": 2**63},
             deep_msgpack(100_000),
         )),
+        Attack(f"{PRIVATE_PROTOCOL} wrong shapes", PRIVATE_PROTOCOL, framed(
+            {"type": "project", "layer": 0, "group": "qkv", "cts": [b"x"]},  # before any open
+            {"type": "open", "model_id": {"a": 1}, "start": "0", "end": [], "params": 5})),
+        Attack(f"{PRIVATE_PROTOCOL} keys bigger than announced", PRIVATE_PROTOCOL, framed(
+            {"type": "open", "model_id": model_id, "start": 0, "end": 1, "params": "ckks-8192-60-40-60",
+             "keys_digest": "ab" * 32, "keys_size": 10},
+            {"type": "keys", "data": os.urandom(4096)})),
+        Attack(f"{PRIVATE_PROTOCOL} junk keys and ciphertexts", PRIVATE_PROTOCOL, framed(
+            {"type": "open", "model_id": model_id, "start": 0, "end": 1, "params": "ckks-8192-60-40-60",
+             "keys_digest": hashlib.sha256(b"\x5e\xa1" * 512).hexdigest(), "keys_size": 1024},
+            {"type": "keys", "data": b"\x5e\xa1" * 512},
+            {"type": "project", "layer": 0, "group": "qkv", "cts": [os.urandom(1000)] * 16})),
+        Attack(f"{PRIVATE_PROTOCOL} 2^40 bytes of keys announced", PRIVATE_PROTOCOL, framed(
+            {"type": "open", "model_id": model_id, "start": 0, "end": 1, "params": "ckks-8192-60-40-60",
+             "keys_digest": "ab" * 32, "keys_size": 1 << 40})),
         Attack(f"{PIECES_PROTOCOL} request before hello", PIECES_PROTOCOL, framed({"type": "request", "index": 0})),
         Attack(f"{PIECES_PROTOCOL} hello of the wrong shape", PIECES_PROTOCOL,
                framed({"type": "hello", "model": 5, "x": [1]})),

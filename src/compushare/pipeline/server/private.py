@@ -27,7 +27,7 @@ import time
 import trio
 
 from ...errors import FrameError, PeerMisbehaved
-from ...he.ckks import HEError, parameter_set
+from ...he.ckks import HEError, check_header, parameter_set
 from ...he.groups import required_steps
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 PRIVATE_TOKEN_COST = 8  # fair-queue tokens per token of one encrypted product (~50 ms vs ~5 ms a plaintext block)
 OPEN_TIMEOUT_S = 30.0
 KEYS_CHUNK_TIMEOUT_S = 30.0
-IDLE_TIMEOUT_S = 300.0
+IDLE_TIMEOUT_S = 60.0  # a session waits at most this long for its next request
 KEY_UPLOADS = 2  # sessions receiving keys at once, all peers together (each buffers its keys)
 
 
@@ -127,6 +127,8 @@ class PrivateServer:
                     await framed.send(error("bad_keys", "the keys do not match their digest"))
                     return
                 try:
+                    # SEAL's header first, here: junk costs no worker start nor span encoding.
+                    check_header(data, max_size=bound, what="Galois keys")
                     await self.worker.add_keys(span_key, opened.keys_digest, data)
                 except (HEError, WorkerCrashed) as exc:
                     self.refused["keys"] += 1
