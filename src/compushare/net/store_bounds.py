@@ -163,7 +163,10 @@ class BoundedStore:
         old = self._entries.get(key)
         if old is not None:
             self._forget(key)
-        entry = _Entry(publisher, sender, size, until, None if own else self._holder_for(publisher, sender))
+        # Our own record is ours whoever relayed it: it counts against no sender's bounds
+        # (it always lands, so charging it to a sender could put that sender over them).
+        entry = _Entry(publisher, None if own else sender, size, until,
+                       None if own else self._holder_for(publisher, sender))
 
         def refuse(reason: str) -> Admission:
             if old is not None:

@@ -139,6 +139,8 @@ class PrivateServer:
             if previous is not None and previous != opened.keys_digest:
                 await self.worker.forget_keys(previous)  # one key set per peer
             self._peer_keys[peer] = opened.keys_digest
+            # Only owners of key sets still held are remembered (at most MAX_KEY_SETS).
+            self._peer_keys = {p: d for p, d in self._peer_keys.items() if self.worker.has_keys(d)}
             await framed.send({"type": "keys_ok", "bytes": opened.keys_size})
         self.sessions += 1
         while True:
