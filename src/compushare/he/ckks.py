@@ -183,7 +183,6 @@ class Context:
         # one prime; a Galois key is one key-switching key of 2 x 2 polys).
         poly_bytes = p.poly_degree * 8
         self.max_ciphertext_bytes = 2 * len(p.coeff_bits) * poly_bytes + 1024
-        self.max_key_bytes_per_step = 2 * 2 * len(p.coeff_bits) * poly_bytes + 1024
 
     def encode(self, values: np.ndarray, scale: float):
         plain = self.seal.Plaintext()
@@ -194,14 +193,7 @@ class Context:
         """A peer's ciphertext (an input, or with `output` a product): header, SEAL's
         validity check, then its size, level and scale."""
         level, scale = (self.output_level, self.output_scale) if output else (self.input_level, self.input_scale)
-        check_header(data, max_size=self.max_ciphertext_bytes, what="ciphertext")
-        ct = self.seal.Ciphertext()
-        try:
-            scratch().load(ct, self.context, bytes(data))
-        except (RuntimeError, ValueError) as exc:
-            raise HEError(f"ciphertext rejected: {exc}") from None
-        if not self.seal.is_valid_for(ct, self.context):
-            raise HEError("ciphertext not valid for this context")
+        ct = self._load(self.seal.Ciphertext(), data, max_size=self.max_ciphertext_bytes, what="ciphertext")
         if ct.size() != 2 or ct.parms_id() != level or not ct.is_ntt_form():
             raise HEError("ciphertext of the wrong size, level or form")
         if ct.is_transparent():  # c1 all zero: no encryption, and SEAL raises on any product of it
@@ -212,18 +204,24 @@ class Context:
 
     def galois_keys_from(self, data: bytes, steps: frozenset[int]):
         """A peer's Galois keys, which must hold a key for every step in `steps`."""
-        check_header(data, max_size=self.max_key_bytes_per_step * max(1, len(steps)), what="Galois keys")
-        keys = self.seal.GaloisKeys()
-        try:
-            scratch().load(keys, self.context, bytes(data))
-        except (RuntimeError, ValueError) as exc:
-            raise HEError(f"Galois keys rejected: {exc}") from None
-        if not self.seal.is_valid_for(keys, self.context):
-            raise HEError("Galois keys not valid for this context")
+        keys = self._load(self.seal.GaloisKeys(), data, max_size=self.params.max_keys_bytes(max(1, len(steps))),
+                          what="Galois keys")
         missing = [s for s in sorted(steps) if not keys.has_key(galois_element(s, self.params.poly_degree))]
         if missing:
             raise HEError(f"Galois keys lack rotations {missing[:8]}{'...' if len(missing) > 8 else ''}")
         return keys
+
+    def _load(self, obj, data: bytes, *, max_size: int, what: str):
+        """`obj` loaded from a peer's bytes: SEAL's header checked first, then SEAL's
+        own parse and validity check against this context."""
+        check_header(data, max_size=max_size, what=what)
+        try:
+            scratch().load(obj, self.context, bytes(data))
+        except (RuntimeError, ValueError) as exc:
+            raise HEError(f"{what} rejected: {exc}") from None
+        if not self.seal.is_valid_for(obj, self.context):
+            raise HEError(f"{what} not valid for this context")
+        return obj
 
     def dump(self, obj) -> bytes:
         return scratch().dump(obj)

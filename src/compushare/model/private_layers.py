@@ -51,6 +51,7 @@ class PrivateLayers:
         self.layers: list[torch.nn.Module] = []
         self.products = 0  # group products asked for (one per group, layer and step)
         self._last: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._splits: dict[str, dict[int, int]] = {}  # group -> part -> rows (the replaced Linear's)
         for index in range(config.num_hidden_layers):
             with torch.device("meta"):
                 layer = arch.decoder_layer(config, layer_idx=index)
@@ -60,6 +61,8 @@ class PrivateLayers:
                     if hasattr(parent, name):
                         owner = "self_attn" if parent is layer.self_attn else "mlp"
                         bias = state.get(f"{prefix}{owner}.{name}.bias")
+                        if index == 0:  # every layer splits its groups alike
+                            self._splits.setdefault(group, {})[part] = getattr(parent, name).out_features
                         setattr(parent, name, _Remote(self, index, group, part,
                                                       None if bias is None else bias.float()))
             local = {k[len(prefix):]: v.float() for k, v in state.items()
@@ -69,7 +72,6 @@ class PrivateLayers:
                 raise ValueError(f"layer {index}: missing {missing}, unexpected {unexpected}")
             layer.eval()
             self.layers.append(layer)
-        self.part_rows = None
 
     @classmethod
     def load(cls, model_dir: Path, project: Project) -> PrivateLayers:
@@ -88,20 +90,11 @@ class PrivateLayers:
             flat = x.reshape(-1, x.shape[-1])
             out = self.project(layer, group, flat)
             self.products += 1
-            sizes = self._part_sizes(group)
+            splits = self._splits[group]
+            sizes = [splits[i] for i in sorted(splits)]
             parts = [p.reshape(*x.shape[:-1], p.shape[-1]) for p in torch.split(out, sizes, dim=-1)]
             cached = self._last[key] = (x, parts)
         return cached[1][part]
-
-    def _part_sizes(self, group: str) -> list[int]:
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        if group == "qkv":
-            kv = c.num_key_value_heads * head_dim
-            return [c.num_attention_heads * head_dim, kv, kv]
-        if group == "gate_up":
-            return [c.intermediate_size, c.intermediate_size]
-        return [c.hidden_size]
 
     def new_cache(self):
         return new_cache(self.config)

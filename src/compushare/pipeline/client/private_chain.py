@@ -154,6 +154,8 @@ class PrivateChain:
         self.avoid: set[str] = set()
         self._check_this_step: tuple[int, str] | None = None
         self._tls = threading.local()  # per forward thread: time spent in products
+        self._plans = {group: choose(rows, cols, secret.slots)
+                       for group, (rows, cols) in group_shapes(layers.config).items()}
         layers.project = self._project
 
     @property
@@ -258,8 +260,7 @@ class PrivateChain:
             self._tls.in_products = getattr(self._tls, "in_products", 0.0) + time.perf_counter() - entered
 
     def _product(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
-        rows, cols = tuple(int(v) for v in self._shape(group))
-        plan = choose(rows, cols, self.secret.slots)
+        plan = self._plans[group]
         values = x.double().numpy()
         began = time.perf_counter()
         cts = [self.secret.encrypt(plan.input_slots(row)) for row in values]
@@ -287,9 +288,6 @@ class PrivateChain:
         self.stats.products += len(cts)
         self.stats.projections += len(cts) * {"qkv": 3, "gate_up": 2}.get(group, 1)
         return torch.from_numpy(result).to(x.dtype)
-
-    def _shape(self, group: str) -> tuple[int, int]:
-        return group_shapes(self.layers.config)[group]
 
     def _decrypt(self, plan, per_token: list[bytes]) -> np.ndarray:
         if len(per_token) != plan.outputs:

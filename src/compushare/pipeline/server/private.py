@@ -20,6 +20,7 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import time
@@ -184,11 +185,7 @@ class PrivateServer:
         tokens = len(request.cts) * PRIVATE_TOKEN_COST
         began = time.perf_counter()
         try:
-            if server is not None:
-                async with server.compute.turn(peer, tokens):
-                    outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
-                                                              list(request.cts))
-            else:
+            async with server.compute.turn(peer, tokens) if server is not None else contextlib.nullcontext():
                 outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
                                                           list(request.cts))
         except HEError as exc:
