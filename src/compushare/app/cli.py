@@ -52,6 +52,9 @@ def node(
     debug_noise: float = typer.Option(None, hidden=True,
                                       help="Fault injection: add Gaussian noise of this relative scale to "
                                            "every output (a lying server, for tests)."),
+    debug_forge_push: bool = typer.Option(None, "--debug-forge-push", hidden=True,
+                                          help="Fault injection: push the next server other bytes than the "
+                                               "output this server signs (for tests)."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background: pid in node.pid, "
                                                              "log in node.log (data dir); `compushare stop` ends it."),
     log_level: str = typer.Option("info"),
@@ -70,7 +73,7 @@ def node(
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
-                              noise=debug_noise, api_port=api_port, private=private)
+                              noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
@@ -142,6 +145,12 @@ def run(
                                      help="Share of each span's steps also computed by a second server."),
     private: bool = typer.Option(False, "--private", help="Private mode: providers compute on CKKS ciphertexts "
                                                           "and never see the prompt's activations (much slower)."),
+    direct: bool = typer.Option(True, "--direct/--no-direct",
+                                help="Servers pass hidden states on to each other, the last one back to you "
+                                     "(--no-direct: every hop's output comes back through this machine)."),
+    speculate: bool = typer.Option(True, "--speculate/--no-speculate",
+                                   help="Draft tokens from the context and verify several per pass (same "
+                                        "output; faster where the text repeats itself)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -169,7 +178,7 @@ def run(
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
-                             params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                             direct=direct, speculate=speculate, params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,
@@ -184,7 +193,9 @@ def run(
                       f"{report.digest[:12]} kept")
         if verbose:
             err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
-                      f"{outcome.decode_tok_s:.1f} tok/s; {outcome.checks} spot checks")
+                      f"{outcome.decode_tok_s:.1f} tok/s in {outcome.passes} passes ({outcome.accepted} of "
+                      f"{outcome.drafted} drafted tokens kept); {outcome.direct_steps} steps direct; "
+                      f"{outcome.checks} spot checks", highlight=False)
             if outcome.private:
                 p = outcome.private
                 err.print(f"private: {p['projections']} encrypted projections; keys {p['keys_bytes'] / 1e6:.1f} MB "

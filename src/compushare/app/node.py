@@ -182,6 +182,7 @@ class Node:
                 await provider.serve(span)
                 server = provider.server
                 server.enable_push(host, nursery)
+                server.speculation.forge = config.forge_push
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 if config.private:
                     budget_mb = config.memory_budget_mb if config.memory_budget_mb is not None \

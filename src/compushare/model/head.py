@@ -45,6 +45,16 @@ class ConsumerHead:
         return torch.nn.functional.embedding(ids, self.embed)
 
     @torch.inference_mode()
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of every position of `hidden` [1, n, H]: [n, vocab] (a verify pass).
+        One product for all rows: its rows may round differently from `logits`' one-row
+        product (by ~1e-5 relative), which can only matter between near-tied tokens."""
+        if hidden.shape[1] == 1:
+            return self.logits(hidden).unsqueeze(0)
+        rows = rms_norm(hidden[0].to(self.dtype), self.norm_weight, self.rms_norm_eps)
+        return (rows @ self.lm_head.T).float()
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last position: [vocab]."""
         last = rms_norm(hidden[:, -1:, :].to(self.dtype), self.norm_weight, self.rms_norm_eps)

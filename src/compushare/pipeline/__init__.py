@@ -1,4 +1,4 @@
-"""Inference sessions across a chain of peers, over /compushare/infer/1.4.0.
+"""Inference sessions across a chain of peers, over /compushare/infer/1.5.0.
 
   protocol.py   the protocol id, session id size and error codes
   messages.py   every request and reply as a typed message; decoded once, at the edge (pure)

@@ -1,4 +1,4 @@
-"""The messages of /compushare/infer/1.4.0, typed. Pure: no I/O, no torch, no libp2p.
+"""The messages of /compushare/infer/1.5.0, typed. Pure: no I/O, no torch, no libp2p.
 
 Every request and reply is a frozen dataclass with `to_wire()` (the msgpack map of
 protocol.md). `decode_request` and `decode_reply` are the only readers of those
@@ -152,29 +152,62 @@ class OpenRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class FromUpstream:
+    """A step whose input is not in the request: it is the output the session's
+    upstream server pushes for this position (direct return)."""
+
+    tokens: int
+    wait_ms: int  # how long the server waits for that push before answering `no_input`
+
+    def to_wire(self) -> dict:
+        return {"tokens": self.tokens, "wait_ms": self.wait_ms}
+
+    @classmethod
+    def from_wire(cls, value: object) -> FromUpstream:
+        if not isinstance(value, dict) or set(value) != {"tokens", "wait_ms"}:
+            raise FrameError(BAD_REQUEST, "'from_upstream' is a map of exactly tokens, wait_ms")
+        tokens, wait_ms = value["tokens"], value["wait_ms"]
+        if not (_is_int(tokens) and tokens >= 1 and _is_int(wait_ms) and 0 <= wait_ms <= protocol.MAX_WAIT_MS):
+            raise FrameError(BAD_REQUEST, f"'from_upstream' needs tokens >= 1 and wait_ms 0..{protocol.MAX_WAIT_MS}")
+        return cls(tokens, wait_ms)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRequest:
     session: bytes
     position: int
-    hidden: WireTensor
+    hidden: WireTensor | None  # None: the input comes `from_upstream`
     chunks: tuple[int, ...] | None = None  # None: absent, one chunk of every token
     last_only: bool = False
+    rollback: bool = False  # a session holding more than `position` tokens is first cut back to it
+    from_upstream: FromUpstream | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden.tokens if self.hidden is not None else self.from_upstream.tokens
 
     @property
     def sizes(self) -> list[int]:
         """The chunk sizes the step runs as."""
-        return list(self.chunks) if self.chunks is not None else [self.hidden.tokens]
+        return list(self.chunks) if self.chunks is not None else [self.tokens]
 
     @property
     def reply_tokens(self) -> int:
         """How many tokens the result carries: the last chunk's with last_only, else all."""
-        return self.sizes[-1] if self.last_only else self.hidden.tokens
+        return self.sizes[-1] if self.last_only else self.tokens
 
     def to_wire(self) -> dict:
-        wire = {"type": "step", "session": self.session, "position": self.position, "hidden": self.hidden.to_wire()}
+        wire = {"type": "step", "session": self.session, "position": self.position}
+        if self.hidden is not None:
+            wire["hidden"] = self.hidden.to_wire()
+        else:
+            wire["from_upstream"] = self.from_upstream.to_wire()
         if self.chunks is not None:
             wire["chunks"] = list(self.chunks)
         if self.last_only:
             wire["last_only"] = True
+        if self.rollback:
+            wire["rollback"] = True
         return wire
 
 
@@ -260,6 +293,11 @@ def _open(m: dict, session: bytes) -> OpenRequest:
 
 def _step(m: dict, session: bytes) -> StepRequest:
     position = _int(m, "position")
+    if "from_upstream" in m:  # direct return: the upstream server's push is the input
+        if "hidden" in m or "chunks" in m:
+            raise FrameError(BAD_REQUEST, "a step 'from_upstream' carries no 'hidden' and no 'chunks'")
+        return StepRequest(session, position, None, None, m.get("last_only", False) is True,
+                           m.get("rollback", False) is True, FromUpstream.from_wire(m["from_upstream"]))
     hidden = WireTensor.from_wire(m.get("hidden"))
     chunks = m.get("chunks")
     if chunks is not None:
@@ -267,7 +305,8 @@ def _step(m: dict, session: bytes) -> StepRequest:
                 or sum(chunks) != hidden.tokens):
             raise FrameError(BAD_REQUEST, f"'chunks' must be positive integers summing to {hidden.tokens}")
         chunks = tuple(chunks)
-    return StepRequest(session, position, hidden, chunks, m.get("last_only", False) is True)
+    return StepRequest(session, position, hidden, chunks, m.get("last_only", False) is True,
+                       m.get("rollback", False) is True)
 
 
 def _push(m: dict, session: bytes) -> PushRequest:

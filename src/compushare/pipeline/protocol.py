@@ -1,6 +1,6 @@
-"""/compushare/infer/1.4.0 — see protocol.md for the full description."""
+"""/compushare/infer/1.5.0 — see protocol.md for the full description."""
 
-INFER_PROTOCOL = "/compushare/infer/1.4.0"
+INFER_PROTOCOL = "/compushare/infer/1.5.0"
 SESSION_ID_BYTES = 16
 
 # Error codes carried in {"type": "error", "code": ...} replies.
@@ -15,6 +15,10 @@ TOO_LONG = "too_long"
 INTERNAL = "internal"
 RATE_LIMITED = "rate_limited"
 BAD_RECEIPT = "bad_receipt"
+NO_INPUT = "no_input"  # a step from_upstream whose push did not come within its wait
+
+MAX_WAIT_MS = 10_000  # the longest a step from_upstream may wait for its push
+PUSH_MAX_BYTES = 1 << 20  # bigger outputs (a long prefill) are not pushed: steps that big are relayed
 
 
 def error(code: str, message: str, session: bytes | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The consumer's side of /compushare/infer/1.4.0: a chain of sessions that outlives
+"""The consumer's side of /compushare/infer/1.5.0: a chain of sessions that outlives
 its servers.
 
 The chain keeps what it sent into every block boundary. When a hop fails
@@ -29,6 +29,7 @@ from libp2p.abc import IHost
 
 from ...errors import HopFailed
 from ...proofs import DEFAULT_TOLERANCE, FailureReport
+from .. import protocol
 from .chain_core import ChainCore
 from .chain_events import (
     Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, Link, OpenSession, Opened,
@@ -67,7 +68,7 @@ class InferenceChain:
     def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
                  tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None,
-                 push: bool = True) -> None:
+                 push: bool = True, direct: bool = True) -> None:
         self.host = host
         self.model_id = model_id
         self.max_tokens = max_tokens
@@ -75,7 +76,8 @@ class InferenceChain:
         self.planner = planner
         self.tolerance = tolerance
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
-                              tolerance=tolerance, rng=rng, push=push)
+                              tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
+                              direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
         self._remotes: dict[Session, RemoteHop] = {}
         self._deadline = 0.0  # trio time: the current failover's
@@ -108,6 +110,11 @@ class InferenceChain:
         """Run `hidden` [1, n, H] through every hop; the chain's position advances by n."""
         await self._drive(self.core.start_step(hidden, hidden.shape[1]))
         return self.core.output
+
+    async def rewind(self, position: int) -> None:
+        """Forget every token from `position` on (rejected drafts): each server cuts
+        its KV cache back with its next step."""
+        await self._drive(self.core.rewind(position))
 
     async def close(self) -> None:
         live = [self._remotes[session] for session in self.core.live()]
@@ -177,8 +184,7 @@ class InferenceChain:
             return VerifierFound(self.planner.verifier(request.start, request.end, set(request.exclude)))
         if isinstance(request, Link):
             downstream = None if request.downstream is None else self._remotes[request.downstream]
-            await self._remotes[request.session].link(request.upstream, downstream)
-            return Done()
+            return Done(await self._remotes[request.session].link(request.upstream, downstream))
         if isinstance(request, SendReceipt):
             await self._remotes[request.session].send_receipt(self.host, self.model_id)
             return Done()
@@ -190,23 +196,37 @@ class InferenceChain:
         replies: list[Reply] = []
         parts: list[torch.Tensor] = []
         for step in request.requests:
-            hidden = step.inputs[0] if len(step.inputs) == 1 else torch.cat(step.inputs, dim=1)
             try:
-                result = await remote.step(hidden, step.position, chunks=list(step.chunks), last_only=step.last_only)
+                if step.from_upstream:
+                    result = await remote.step_from_upstream(step.position, step.chunks[0],
+                                                             self._upstream_wait(request.session, step.chunks[0]),
+                                                             rollback=step.rollback)
+                else:
+                    hidden = step.inputs[0] if len(step.inputs) == 1 else torch.cat(step.inputs, dim=1)
+                    result = await remote.step(hidden, step.position, chunks=list(step.chunks),
+                                               last_only=step.last_only, rollback=step.rollback)
             except HopFailed as exc:
                 return Failed(exc, answered=len(replies))
-            replies.append(Reply(result.output, result.data, result.dtype, result.proof))
+            replies.append(Reply(result.output, result.data, result.dtype, result.proof, result.input_digest))
             if not step.last_only:
                 parts.extend(torch.split(result.output, list(step.chunks), dim=1))
         return Answered(tuple(replies), tuple(parts))
 
 
+    def _upstream_wait(self, session: Session, tokens: int) -> float:
+        """How long a hop's server waits for its upstream's push: the deadlines of
+        every hop before it (a hop that misses its own is failed over anyway)."""
+        index = self.core.hops.index(session)
+        return sum(self._remotes[s].deadline(tokens) for s in self.core.hops[:index])
+
+
 @contextlib.asynccontextmanager
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
-                     rng: random.Random | None = None, push: bool = True) -> AsyncIterator[InferenceChain]:
+                     rng: random.Random | None = None, push: bool = True,
+                     direct: bool = True) -> AsyncIterator[InferenceChain]:
     chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
-                           spot_check_rate=spot_check_rate, rng=rng, push=push)
+                           spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct)
     try:
         await chain.open(hops)
         yield chain

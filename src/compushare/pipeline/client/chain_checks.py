@@ -32,25 +32,27 @@ class Dispute:
 
 
 class SpotChecking(Machine):
-    def _check_hop(self, session: Session) -> bool:
-        """Whether this step of `session` is checked; if so, the check is under way
-        (a verifier is being found, or the step sent to both)."""
+    def _check_due(self, session: Session) -> bool:
+        """Whether this step of `session` is to be checked (draws from its span's
+        schedule: once per step and hop)."""
         if not (self.can_fail_over and self.spot_check_rate > 0):
             return False
         span = session.span
         schedule = self.schedules.get(span)
         if schedule is None:
             schedule = self.schedules[span] = SpotCheckSchedule(self.spot_check_rate, self.rng)
-        if not schedule.should_check():
-            return False
+        return schedule.should_check()
+
+    def _start_check(self, session: Session) -> None:
+        """Begin checking this step of `session`: a verifier is being found, or the
+        step is sent to both."""
+        span = session.span
         verifier = self.verifiers.get(span)
         if verifier is not None and verifier.session.peer_id != session.peer_id:
-            self._send_hop(verifier)
-            return True
+            return self._send_hop(verifier)
         exclude = frozenset({session.peer_id} | {h.peer_id for h in self.hops})
         self._request([FindVerifier(*span, exclude)], lambda events: self._verifier_found(span, events[0].hop),
                       "finding a verifier")
-        return True
 
     def _verifier_found(self, span: Span, hop: Hop | None) -> None:
         if hop is None:

@@ -55,9 +55,12 @@ from typing import Any
 
 from ...errors import HopFailed
 from .chain_checks import SpotChecking
-from .chain_events import Abort, Failed, Link, OpenSession, Opened, SendReceipt, SendSteps, Session, StepRequest
+from .. import protocol
+from .chain_events import (
+    Abort, Answered, Close, Failed, Link, OpenSession, Opened, SendReceipt, SendSteps, Session, StepRequest,
+)
 from .chain_machine import Step
-from .chain_plan import Failover, Verifier
+from .chain_plan import Failover, Verifier, proof_links
 from .chain_rebuild import Rebuilding
 from .routing import Hop
 
@@ -81,10 +84,43 @@ class ChainCore(SpotChecking, Rebuilding):
         self._step = Step(hidden, tokens)
         links = self._links() if self.push else []
         if links:
-            self._request(links, lambda _events: self._enter_hop(), "linking")
+            self._request(links, lambda events: self._linked(links, events), "linking")
         else:
             self._enter_hop()
         return self._flush()
+
+    def rewind(self, position: int) -> list:
+        """Forget every token from `position` on (speculative decoding's rejected
+        drafts): the history is cut back, each session is cut back by its next step
+        (`rollback`), a verifier that saw those tokens is closed. Effects only."""
+        assert self.idle and 0 <= position <= self.position
+        cut, sizes = self.position - position, self.history.sizes
+        while cut:
+            last = sizes[-1]
+            keep = max(0, last - cut)
+            for inputs in self.history.inputs.values():
+                if len(inputs) == len(sizes):
+                    if keep:
+                        inputs[-1] = inputs[-1][:, :keep]
+                    else:
+                        inputs.pop()
+            if keep:
+                sizes[-1] = keep
+            else:
+                sizes.pop()
+            cut -= last - keep
+        self.position = position
+        self.rollback.update(self.hops)
+        for span, verifier in list(self.verifiers.items()):
+            if verifier.fed >= len(sizes):  # it holds tokens past the cut: not worth a rollback
+                del self.verifiers[span]
+                self._effect(Close(verifier.session))
+        return self._flush()
+
+    def _linked(self, links: list[Link], events: list) -> None:
+        for link, event in zip(links, events):
+            link.session.link_ok = event.ok
+        self._enter_hop()
 
     def _links(self) -> list[Link]:
         """The hops whose neighbours changed since they were last told (opened, failed over)."""
@@ -131,13 +167,22 @@ class ChainCore(SpotChecking, Rebuilding):
         step = self._step
         if step.index >= len(self.hops):
             return self._finish_step()
-        if not self._check_hop(self.hops[step.index]):
+        session = self.hops[step.index]
+        if session in step.failed:  # it failed in this step's direct attempt
+            return self._fail_over(step.failed.pop(session))
+        if step.index == 0 and self._direct_ok(step):
+            return self._send_direct()
+        due = step.due[step.index] if step.due is not None else self._check_due(session)
+        if due:
+            self._start_check(session)
+        else:
             self._send_hop(None)
 
     def _send_hop(self, verifier: Verifier | None) -> None:
         step = self._step
         session = self.hops[step.index]
-        primary = SendSteps(session, (StepRequest(self.position, (step.hidden,), (step.tokens,)),))
+        primary = SendSteps(session, (StepRequest(self.position, (step.hidden,), (step.tokens,),
+                                                  rollback=session in self.rollback),))
         if verifier is None:
             return self._request([primary], lambda events: self._hop_answered(session, events[0]), "stepping")
         self.checks += 1
@@ -153,9 +198,77 @@ class ChainCore(SpotChecking, Rebuilding):
 
     def _hop_done(self, output: Any) -> None:
         step = self._step
-        self.history.at(self.hops[step.index].hop.start).append(step.hidden)
+        session = self.hops[step.index]
+        self.rollback.discard(session)
+        self.history.at(session.hop.start).append(step.hidden)
         step.index += 1
         step.hidden = output
+        self._enter_hop()
+
+    # -- direct return -------------------------------------------------------------------
+
+    def _direct_ok(self, step: Step) -> bool:
+        """Whether this step goes straight through the chain: every hop took its link,
+        the step is small enough to push, and no hop is spot-checked this step (a
+        checked step is relayed, its check beside it)."""
+        if not (self.direct and len(self.hops) > 1 and step.tokens <= self.direct_max_tokens
+                and all(session.link_ok for session in self.hops)):
+            return False
+        step.due = [self._check_due(session) for session in self.hops]
+        if any(step.due):
+            self.checked_relays += 1
+            return False
+        return True
+
+    def _send_direct(self) -> None:
+        """Every hop's request at once: the first carries the input, the others take
+        theirs from their upstream's push; each answers with its output and proof."""
+        step = self._step
+        self.direct_steps += 1
+        requests = [SendSteps(self.hops[0], (StepRequest(self.position, (step.hidden,), (step.tokens,),
+                                                         rollback=self.hops[0] in self.rollback),))]
+        requests += [SendSteps(session, (StepRequest(self.position, (), (step.tokens,), rollback=session in self.rollback,
+                                                     from_upstream=True),))
+                     for session in self.hops[1:]]
+        hops = list(self.hops)
+        self._request(requests, lambda events: self._direct_answered(hops, events), "stepping directly")
+
+    def _direct_answered(self, hops: list[Session], events: list) -> None:
+        """Take the hops' answers in chain order while each one's proof links to the
+        previous one's (chain_plan.proof_links); from the first that failed, did not
+        get its push or does not link, the step goes on hop by hop from the
+        consumer's copy (a failed hop is failed over). Hops after that point that
+        answered anyway computed from an input not taken: they are cut back."""
+        step = self._step
+        for session, event in zip(hops, events):
+            self._count(session, event)
+        stop = len(hops)
+        for index, (session, event) in enumerate(zip(hops, events)):
+            if isinstance(event, Failed):
+                stop = index
+                break
+            reply = event.replies[0]
+            expected = reply.input_digest if index == 0 else step.last_reply.proof.output_digest
+            problem = proof_links(reply, expected, self.model_id, session.hop, self.position, step.tokens)
+            if problem is not None:
+                self.chain_breaks += 1
+                log.warning("direct step %d: %s; relaying it from the previous server's signed output, and "
+                            "this chain's steps from now on", self.position, problem)
+                self.rollback.add(session)
+                session.link_ok = False  # who of the two lied is not known: neither link is trusted again
+                stop = index
+                break
+            step.last_reply = reply
+            self.rollback.discard(session)
+            self.history.at(session.hop.start).append(step.hidden)
+            step.index += 1
+            step.hidden = reply.output
+        for session, event in zip(hops[stop:], events[stop:]):
+            if isinstance(event, Answered):
+                self.rollback.add(session)
+            elif event.error.code != protocol.NO_INPUT:
+                step.failed[session] = event.error  # fails over when the step reaches it
+        step.due = None
         self._enter_hop()
 
     def _finish_step(self) -> None:
@@ -187,6 +300,7 @@ class ChainCore(SpotChecking, Rebuilding):
         self._effect(Abort(failed))
 
         def rebuilt(new: list[Session], outputs: list) -> None:
+            self.rollback.discard(failed)
             self.hops[index:index + 1] = new
             self.history.at(start).append(step.hidden)
             event.recovered = self.clock()

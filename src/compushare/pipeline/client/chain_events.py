@@ -31,6 +31,7 @@ class Session:
     hop: Hop
     answered: int = 0  # requests answered since its last receipt
     linked: tuple = (None, None)  # (upstream peer, downstream Session) as last sent
+    link_ok: bool = False  # the server took that link: it pushes, and takes steps from_upstream
 
     @property
     def peer_id(self) -> str:
@@ -47,9 +48,11 @@ class StepRequest:
     the wire) at `position`, run as `chunks` (token counts, summing to the inputs')."""
 
     position: int
-    inputs: tuple[Any, ...]
+    inputs: tuple[Any, ...]  # empty with from_upstream
     chunks: tuple[int, ...]
     last_only: bool = False
+    rollback: bool = False  # the session may hold more than `position` tokens: cut it back first
+    from_upstream: bool = False  # direct return: the input is what the upstream server pushes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Reply:
     data: bytes = b""  # the output's wire bytes (what the proof signs)
     dtype: str = ""
     proof: Any = None  # the server's step proof, None if it sent none
+    input_digest: bytes = b""  # proofs.step_digest of the input the consumer sent (none from_upstream)
 
 
 # -- requests ----------------------------------------------------------------------
@@ -184,4 +188,4 @@ class VerifierFound:
 
 @dataclasses.dataclass(frozen=True)
 class Done:
-    pass
+    ok: bool = True  # a Link: whether the server took it

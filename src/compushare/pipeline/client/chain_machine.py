@@ -27,6 +27,9 @@ class Step:
     hidden: Any
     tokens: int
     index: int = 0
+    due: list[bool] | None = None  # per hop, whether it is spot-checked (drawn for a direct step)
+    failed: dict = dataclasses.field(default_factory=dict)  # Session -> HopFailed, in a direct step
+    last_reply: Any = None  # the previous hop's Reply in a direct step (its proof links to the next)
 
 
 class Machine:
@@ -37,7 +40,8 @@ class Machine:
     def __init__(self, *, can_fail_over: bool, spot_check_rate: float = 0.0,
                  tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None, push: bool = True,
                  clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
-                 replay_max_tokens: int = REPLAY_MAX_TOKENS) -> None:
+                 replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
+                 direct_max_tokens: int = 0) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
         self.tolerance = tolerance
@@ -46,6 +50,15 @@ class Machine:
         self.clock = clock  # wall time, for the failover records
         self.receipt_steps = receipt_steps
         self.replay_max_tokens = replay_max_tokens
+        # Direct return (needs push): each server's output goes to the next server, the
+        # last one's to the consumer; steps of at most direct_max_tokens tokens.
+        self.direct = direct and push
+        self.model_id = model_id  # what step proofs name (direct steps check them)
+        self.direct_max_tokens = direct_max_tokens
+        self.direct_steps = 0  # steps that went straight through the chain
+        self.checked_relays = 0  # steps relayed instead because a hop's spot check was due
+        self.chain_breaks = 0  # direct steps whose proofs did not link up (then relayed)
+        self.rollback: set[Session] = set()  # sessions that may hold more than `position` tokens
         self.hops: list[Session] = []
         self.position = 0
         self.history = History()

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ...errors import PeerMisbehaved
-from ...proofs import FailureReport, StepClaim, relative_error
+from ...proofs import TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
 from .chain_events import FileReport, Session, StepRequest
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,28 @@ def catch_up_plan(seen: list[Any], sizes: list[int], fed: int, hidden: Any, toke
         requests.append(StepRequest(position, tuple(missed[i:j]), chunks, last_only=True))
         position += sum(group)
     return tuple(requests)
+
+
+def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int, tokens: int) -> str | None:
+    """Why a direct step's `reply` (from the server of `hop`) does not link into the
+    step's proof chain, or None if it does: its proof covers this step, its signed
+    input is `expected_input` (the previous server's signed output, or the digest of
+    what the consumer sent the first), its signed output is the bytes it returned,
+    and the signature is its own."""
+    proof, peer = reply.proof, hop.peer_id
+    if proof is None:
+        return f"{peer} sent no step proof"
+    if proof.position != position or proof.tokens != tokens:
+        return f"{peer} proved positions {proof.position}+{proof.tokens}, not {position}+{tokens}"
+    if proof.input_digest != expected_input:
+        return f"{peer}'s signed input is not the previous server's signed output"
+    if proof.output_digest != step_digest(reply.dtype, reply.data, tokens):
+        return f"{peer} returned other bytes than it signed"
+    statement = Statement(proof.mode, model_id, hop.start, hop.end, position, tokens, proof.prefix,
+                          proof.input_digest, proof.output_digest)
+    if proof.mode not in TOLERANCES or not statement.verify(peer, proof.sig):
+        return f"{peer}'s step proof is not signed by it"
+    return None
 
 
 def judge(primary, check, arbiter, tolerance: float) -> str:

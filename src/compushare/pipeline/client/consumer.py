@@ -28,7 +28,8 @@ from ...net.view import SwarmView
 from .chain import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
 from .discovery import discover_servers
-from .generate import generate
+from .generate import GenerateStats, generate
+from .speculative import MAX_DRAFT
 from .measure import measure_servers
 from .routing import Hop, Measure, plan_route
 from ...proofs import FailureReport
@@ -52,6 +53,8 @@ class RunRequest:
     params: SamplingParams = SamplingParams()
     chat_template: bool = True
     private: bool = False  # every remote activation encrypted (CKKS): pipeline/client/private_chain.py
+    direct: bool = True  # hidden states go server to server, the last server's back (else each via the consumer)
+    speculate: bool = True  # verify drafted tokens in one pass (pipeline/client/speculative.py)
 
 
 @dataclasses.dataclass
@@ -65,6 +68,12 @@ class RunOutcome:
     reports: list[FailureReport] = dataclasses.field(default_factory=list)
     checks: int = 0  # spot checks made
     private: dict | None = None  # private mode: PrivateStats.as_dict() (where the time went, bytes, keys)
+    direct_steps: int = 0  # steps that went straight through the chain (direct return)
+    chain_breaks: int = 0  # ... whose proofs did not link up (relayed instead)
+    checked_relays: int = 0  # steps relayed (not direct) because a hop's spot check was due
+    passes: int = 0  # steps through the chain after the prompt
+    drafted: int = 0  # speculation: drafted tokens verified
+    accepted: int = 0  # ... and kept
 
 
 def prompt_ids_of(tokenizer, request: RunRequest) -> list[int]:
@@ -367,7 +376,8 @@ class Consumer:
                 if text:
                     on_text(text)
 
-        max_tokens = len(prompt_ids) + request.params.max_new_tokens
+        max_tokens = len(prompt_ids) + request.params.max_new_tokens + MAX_DRAFT
+        stats = GenerateStats()
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
                                penalties=self.penalties, view=self.view, karma=self.karma, private=request.private)
         if request.private:
@@ -393,9 +403,9 @@ class Consumer:
             else:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
-                                      spot_check_rate=self.spot_check_rate) as chain:
+                                      spot_check_rate=self.spot_check_rate, direct=request.direct) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
-                                   on_token=token_out)
+                                   on_token=token_out, speculate=request.speculate, stats=stats)
             nursery.cancel_scope.cancel()
         if chain.route != route:
             on_route(chain.route)
@@ -413,6 +423,10 @@ class Consumer:
             checks=chain.checks,
             private=dict(chain.stats.as_dict(), check_failures=list(chain.check_failures)) if request.private
             else None,
+            direct_steps=0 if request.private else chain.core.direct_steps,
+            chain_breaks=0 if request.private else chain.core.chain_breaks,
+            checked_relays=0 if request.private else chain.core.checked_relays,
+            passes=stats.passes, drafted=stats.drafted, accepted=stats.accepted,
         )
 
     async def _prepare_private(self) -> None:

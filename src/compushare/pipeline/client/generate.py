@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ import trio
 from ...model.head import ConsumerHead
 from .chain import InferenceChain
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftLength, NgramDrafter, accept_greedy, accept_sampled
 
 
 # The LM head runs on the event loop when the last token's took this long or less (as
@@ -20,31 +22,93 @@ from .sampling import Sampler, SamplingParams
 HEAD_INLINE_MAX_S = 0.05
 
 
+@dataclasses.dataclass
+class GenerateStats:
+    """What a generation's speculation did (generate's `stats`)."""
+
+    passes: int = 0  # steps through the chain after the prompt
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # ... of which kept
+
+
+class _Head:
+    """The LM head on the event loop when its last call was short, else in a worker
+    thread (HEAD_INLINE_MAX_S)."""
+
+    def __init__(self, head: ConsumerHead) -> None:
+        self.head = head
+        self.last_s: float | None = None
+
+    async def __call__(self, fn, *args):
+        def timed():
+            began = time.perf_counter()
+            out = fn(*args)
+            self.last_s = time.perf_counter() - began
+            return out
+
+        if self.last_s is not None and self.last_s <= HEAD_INLINE_MAX_S:
+            return timed()
+        return await trio.to_thread.run_sync(timed)
+
+
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
                    *, eos_ids: frozenset[int] = frozenset(), max_step_tokens: int = 2048,
-                   on_token: Callable[[int], None] | None = None) -> list[int]:
+                   on_token: Callable[[int], None] | None = None, speculate: bool = False,
+                   stats: GenerateStats | None = None) -> list[int]:
+    """Generate after `prompt_ids`. With `speculate` (a chain that can rewind), each
+    pass verifies drafted tokens (speculative.py): the same tokens greedily, the same
+    distribution when sampling, fewer passes where the text repeats itself."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     sampler = Sampler(params)
+    stats = stats if stats is not None else GenerateStats()
+    run_head = _Head(head)
     hidden = None
     for offset in range(0, len(prompt_ids), max_step_tokens):  # chunked prefill
         chunk = prompt_ids[offset:offset + max_step_tokens]
         hidden = await chain.step(head.embed_tokens(chunk))
     produced: list[int] = []
-    head_s = None  # how long the LM head and sampling took for the last token
 
-    def next_token(h) -> tuple[int, float]:
-        began = time.perf_counter()
-        return sampler.choose(head.logits(h)), time.perf_counter() - began
-
-    while True:
-        if head_s is not None and head_s <= HEAD_INLINE_MAX_S:
-            token, head_s = next_token(hidden)
-        else:
-            token, head_s = await trio.to_thread.run_sync(next_token, hidden)
+    def emit(token: int) -> bool:
+        """Hand `token` out; whether the generation is over."""
         produced.append(token)
         if on_token is not None:
             on_token(token)
-        if (params.stop_at_eos and token in eos_ids) or len(produced) >= params.max_new_tokens:
-            return produced
-        hidden = await chain.step(head.embed_tokens([token]))
+        return (params.stop_at_eos and token in eos_ids) or len(produced) >= params.max_new_tokens
+
+    token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
+    if emit(token):
+        return produced
+    if not speculate:
+        while True:
+            hidden = await chain.step(head.embed_tokens([token]))
+            stats.passes += 1
+            token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
+            if emit(token):
+                return produced
+
+    drafter, sizer = NgramDrafter(prompt_ids), DraftLength()
+    position = len(prompt_ids)  # tokens the chain holds
+    while True:
+        drafter.extend([token])
+        room = params.max_new_tokens - len(produced) - 1  # drafts beyond it would be cut anyway
+        drafts = drafter.draft(sizer.choose(room))
+        began = time.perf_counter()
+        hidden = await chain.step(head.embed_tokens([token] + drafts))
+        if sampler.greedy:
+            emitted, kept = await run_head(lambda h: accept_greedy(head.logits_rows(h), drafts), hidden)
+        else:
+            emitted, kept = await run_head(
+                lambda h: accept_sampled(sampler.distribution(head.logits_rows(h)), drafts, sampler.generator), hidden)
+        sizer.observe(len(drafts), kept, time.perf_counter() - began)
+        stats.passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += kept
+        position += 1 + kept
+        if kept < len(drafts):
+            await chain.rewind(position)  # the servers drop the rejected drafts with their next step
+        for index, token in enumerate(emitted):
+            if emit(token):
+                return produced
+            if index < len(emitted) - 1:
+                drafter.extend([token])

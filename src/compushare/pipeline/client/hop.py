@@ -26,9 +26,10 @@ from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import decode_tensor, encode_tensor
+from ...proofs import step_digest
 from .. import protocol
 from ..messages import (
-    CloseRequest, Downstream, ErrorReply, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply, Request, Result,
+    CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply, Request, Result,
     StepRequest, WireTensor, decode_reply,
 )
 from .routing import Hop
@@ -64,6 +65,7 @@ class StepResult:
     data: bytes  # the output's wire bytes (what the proof signs)
     dtype: str
     proof: Proof | None
+    input_digest: bytes = b""  # of the input sent (proofs.step_digest); empty for a step from_upstream
 
 
 class RemoteHop:
@@ -120,15 +122,29 @@ class RemoteHop:
         return reply
 
     async def step(self, hidden: torch.Tensor, position: int, *,
-                   chunks: list[int] | None = None, last_only: bool = False) -> StepResult:
+                   chunks: list[int] | None = None, last_only: bool = False, rollback: bool = False) -> StepResult:
         tokens = hidden.shape[1]
         encoded = encode_tensor(hidden)
         message = StepRequest(self.session_id, position,
                               WireTensor(encoded["dtype"], tuple(encoded["shape"]), encoded["data"]),
-                              tuple(chunks) if chunks is not None and len(chunks) > 1 else None, last_only)
+                              tuple(chunks) if chunks is not None and len(chunks) > 1 else None, last_only, rollback)
+        return await self._step(message, self.deadline(tokens, len(chunks or [tokens])), learn=tokens == 1)
+
+    async def step_from_upstream(self, position: int, tokens: int, wait_s: float, *,
+                                 rollback: bool = False) -> StepResult:
+        """Direct return: the step whose input the upstream server pushes here. The
+        server waits `wait_s` for it (then `no_input`); this side waits that and the
+        step's own deadline."""
+        wait_ms = min(protocol.MAX_WAIT_MS, max(0, round(wait_s * 1000)))
+        message = StepRequest(self.session_id, position, None, rollback=rollback,
+                              from_upstream=FromUpstream(tokens, wait_ms))
+        # Its wall time counts the upstream hops too: not this hop's latency.
+        return await self._step(message, wait_ms / 1000 + self.deadline(tokens), learn=False)
+
+    async def _step(self, message: StepRequest, timeout: float, *, learn: bool) -> StepResult:
         began = time.perf_counter()
         try:
-            reply: Result = await self.request(message, self.deadline(tokens, len(chunks or [tokens])))
+            reply: Result = await self.request(message, timeout)
         except ServerBusy as exc:  # busy mid-session: as good as gone for this session
             raise HopFailed(self.peer_id, exc.code, exc.message) from None
         try:  # type, position and token count were checked by decode_reply; the values here
@@ -137,14 +153,18 @@ class RemoteHop:
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
         wall = time.perf_counter() - began
-        if tokens == 1:
+        if learn:
             self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
-        self.usage.add(tokens, reply.compute_ms, wall * 1000)
-        return StepResult(output, reply.hidden.data, reply.hidden.dtype, reply.proof)
+        self.usage.add(message.tokens, reply.compute_ms, wall * 1000)
+        sent = b""
+        if message.hidden is not None:
+            sent = step_digest(message.hidden.dtype, message.hidden.data, message.tokens)
+        return StepResult(output, reply.hidden.data, reply.hidden.dtype, reply.proof, sent)
 
-    async def link(self, upstream: str | None, downstream: RemoteHop | None) -> None:
+    async def link(self, upstream: str | None, downstream: RemoteHop | None) -> bool:
         """Tell the server its neighbours, so it pushes its output straight to the next
-        hop (pipeline/server/push.py). A refusal only costs the time pushes save."""
+        hop (pipeline/server/push.py); whether it took the link. A refusal only costs
+        the time pushes save."""
         target = None if downstream is None else Downstream(
             downstream.peer_id, tuple(downstream.hop.record.addrs), downstream.session_id)
         message = LinkRequest(self.session_id, upstream, target)
@@ -154,6 +174,8 @@ class RemoteHop:
             log.debug("%s will not push: %s", self.peer_id, exc)
             if isinstance(exc, HopFailed) and exc.code in ("timeout", "connection_lost", "closed"):
                 await self.abort()  # a late reply would desync the stream: its next step fails over
+            return False
+        return True
 
     async def send_receipt(self, host: IHost, model_id: str) -> None:
         """Sign what this session has run since the last receipt and have the server

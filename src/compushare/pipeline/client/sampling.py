@@ -29,6 +29,23 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distributions `choose` samples from, one per row of `logits` [n, vocab]
+        (temperature, then top-p keeping the top token): speculative sampling's p."""
+        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            keep = cumulative - sorted_probs < self.params.top_p
+            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
     def choose(self, logits: torch.Tensor) -> int:
         if self.params.temperature == 0:
             return int(torch.argmax(logits))

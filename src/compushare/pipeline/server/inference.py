@@ -1,4 +1,4 @@
-"""The provider: serves a span of blocks over /compushare/infer/1.4.0.
+"""The provider: serves a span of blocks over /compushare/infer/1.5.0.
 
 A thin trio driver. One handler task per stream reads frames in order (a stream
 may carry several sessions); each frame is rate-limited per peer, decoded once
@@ -25,7 +25,7 @@ from ...errors import FrameError, PeerMisbehaved
 from ...model.blocks import SpanRunner
 from ...net.limits import PeerRateLimiter
 from ...net.serve import GuardedHandler
-from ...net.tensors import decode_tensor
+from ...net.tensors import WIRE_DTYPES, decode_tensor
 from ...proofs import DEFAULT_MODE, Statement, step_digest
 from .. import protocol
 from ..messages import (
@@ -150,14 +150,7 @@ class InferenceServer:
                     opened.add(request.session)
                 return reply
             case TruncateRequest(session=sid, position=position):
-                session = table.get(sid)
-                decision = table.discard(session, time.monotonic())
-                if isinstance(decision, Wait):  # a pushed step is being computed: it ends first
-                    await self.speculation.settled(session, decision.step)
-                    decision = table.discard(session, time.monotonic())
-                if isinstance(decision, RollBack):
-                    runner.truncate(session.cache, decision.position)
-                runner.truncate(table.truncate(sid, position, time.monotonic()).cache, position)
+                await self._rewind(sid, position, table, runner)
                 return Truncated(sid, position)
             case ReceiptRequest():
                 return await self._receipt(request, peer, table)
@@ -202,28 +195,17 @@ class InferenceServer:
 
     async def _step(self, request: StepRequest, table: SessionTable, runner: SpanRunner) -> Result:
         session = table.get(request.session)  # unknown session before decoding the tensor
-        hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
-                               max_tokens=self.limits.max_step_tokens)
-        position, chunks, data, tokens = request.position, request.sizes, request.hidden.data, hidden.shape[1]
-        while isinstance(decision := table.settle(session, position, data, request.hidden.dtype, len(chunks),
-                                                  time.monotonic()), Wait):
-            await self.speculation.settled(session, decision.step)  # a pushed step ends first
-        if isinstance(decision, UsePushed):  # computed (and pushed on) from the upstream server's push
-            output, seconds, encoded = decision.step.output, decision.step.seconds, decision.step.encoded
+        if request.rollback and session.length > request.position:
+            session = await self._rewind(request.session, request.position, table, runner)
+        if request.from_upstream is not None:
+            output, seconds, encoded = await self._from_upstream(request, session, table, runner)
+            chunks = [request.tokens]
         else:
-            if isinstance(decision, RollBack):  # pushed another input: rolled back
-                runner.truncate(session.cache, decision.position)
-            session = table.begin_step(request.session, position, tokens, time.monotonic())
-            output, seconds = await self._run(runner, session, session.step, hidden, chunks)
-            encoded = wire(output.to(hidden.dtype))  # reply in the request's dtype
-            if len(chunks) == 1 and self.speculation is not None:  # a replay (chunks) is not worth pushing
-                # Queued before the reply: the next hop starts before the consumer's copy arrives.
-                self.speculation.push_on(session.downstream, position, encoded)
-            table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data,
-                           dtype=request.hidden.dtype)
+            output, seconds, encoded, chunks = await self._own_input(request, session, table, runner)
+        position, tokens = request.position, request.tokens
         if request.last_only:
             output = output[:, -chunks[-1]:]
-            encoded = wire(output.to(hidden.dtype))
+            encoded = wire(output.to(WIRE_DTYPES[encoded.dtype][0]))
         proof = None
         if session.chain is not None:
             proof = prove(self.key_pair, self.model_id, session, position + tokens - chunks[-1], chunks[-1],
@@ -231,6 +213,75 @@ class InferenceServer:
         if self.speculation is not None:
             await self.speculation.flushed(session.downstream)  # this step's push goes first
         return Result(request.session, position, encoded, seconds * 1000, proof)
+
+    async def _own_input(self, request: StepRequest, session: Session, table: SessionTable, runner: SpanRunner):
+        """A step whose input the consumer sent: computed here, or found computed from
+        the upstream's push of the very same bytes."""
+        hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
+                               max_tokens=self.limits.max_step_tokens)
+        position, chunks, data, tokens = request.position, request.sizes, request.hidden.data, hidden.shape[1]
+        while isinstance(decision := table.settle(session, position, data, request.hidden.dtype, len(chunks),
+                                                  time.monotonic()), Wait):
+            await self.speculation.settled(session, decision.step)  # a pushed step ends first
+        if isinstance(decision, UsePushed):  # computed (and pushed on) from the upstream server's push
+            return decision.step.output, decision.step.seconds, decision.step.encoded, chunks
+        if isinstance(decision, RollBack):  # pushed another input: rolled back
+            runner.truncate(session.cache, decision.position)
+        session = table.begin_step(request.session, position, tokens, time.monotonic())
+        output, seconds = await self._run(runner, session, session.step, hidden, chunks)
+        encoded = wire(output.to(hidden.dtype))  # reply in the request's dtype
+        if len(chunks) == 1 and self.speculation is not None:  # a replay (chunks) is not worth pushing
+            # Queued before the reply: the next hop starts before the consumer's copy arrives.
+            self.speculation.push_on(session.downstream, position, encoded)
+        table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data,
+                       dtype=request.hidden.dtype)
+        return output, seconds, encoded, chunks
+
+    async def _from_upstream(self, request: StepRequest, session: Session, table: SessionTable,
+                             runner: SpanRunner):
+        """Direct return: the step's input is what the session's upstream pushes for
+        this position. Waits for that push (at most the request's wait_ms, then
+        `no_input`, the session unchanged) and answers with the step computed from it;
+        the proof signs the pushed bytes as the input, so the consumer can check that
+        they are the upstream's signed output."""
+        if self.speculation is None:
+            raise Rejected(protocol.BAD_REQUEST, "this server does not take pushes")
+        position, tokens = request.position, request.tokens
+        if position != session.length:
+            raise Rejected(protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens")
+        if tokens > self.limits.max_step_tokens:
+            raise Rejected(protocol.TOO_LONG, f"a step carries 1..{self.limits.max_step_tokens} tokens")
+        deadline = trio.current_time() + request.from_upstream.wait_ms / 1000
+        while True:
+            session = table.get(request.session)  # closed meanwhile: unknown_session
+            decision = table.take_pushed(session, position, tokens, time.monotonic())
+            if isinstance(decision, UsePushed):
+                step = decision.step
+                return step.output, step.seconds, step.encoded
+            if isinstance(decision, RollBack):  # a stale push: rolled back, the right one may follow
+                runner.truncate(session.cache, decision.position)
+            elif isinstance(decision, Wait):
+                await self.speculation.settled(session, decision.step)
+            else:
+                with trio.move_on_at(deadline) as waited:
+                    await self.speculation.changed()
+                if waited.cancelled_caught:
+                    raise Rejected(protocol.NO_INPUT, f"no push from the upstream server for position {position} "
+                                                      f"within {request.from_upstream.wait_ms} ms")
+
+    async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanRunner) -> Session:
+        """Cut a session back to `position` tokens (a truncate, or a step's rollback),
+        after the pushed step it may hold ends and is discarded."""
+        session = table.get(session_id)
+        decision = table.discard(session, time.monotonic())
+        if isinstance(decision, Wait):  # a pushed step is being computed: it ends first
+            await self.speculation.settled(session, decision.step)
+            decision = table.discard(session, time.monotonic())
+        if isinstance(decision, RollBack):
+            runner.truncate(session.cache, decision.position)
+        session = table.truncate(session_id, position, time.monotonic())
+        runner.truncate(session.cache, position)
+        return session
 
     def _push(self, request: PushRequest, peer: str, table: SessionTable, runner: SpanRunner) -> None:
         """Start computing a step from the upstream server's output; the consumer's own

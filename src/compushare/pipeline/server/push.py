@@ -29,19 +29,25 @@ log = logging.getLogger(__name__)
 
 DIAL_TIMEOUT_S = 5.0
 REDIAL_S = 5.0  # a downstream that could not be dialled is tried again after this
-PUSH_MAX_BYTES = 1 << 20  # bigger outputs (a long prefill) are not pushed: the consumer's copy is as fast
+PUSH_MAX_BYTES = protocol.PUSH_MAX_BYTES
 MAX_PUSH_PEERS = 64
+# Pushes waiting for one downstream server, shared by the sessions linked there: with
+# direct return a lost push costs its step the consumer's wait for `no_input` and a
+# relayed retry, so concurrent sessions' pushes queue (bounded in count and bytes)
+# rather than drop.
+PUSH_QUEUE = 32
+PUSH_QUEUE_BYTES = 2 << 20
 PUSH_MAX_FRAME = 1 << 16  # what comes back on a push stream: error replies only
 
 
 class _Link:
     def __init__(self, framed: FramedStream) -> None:
         self.framed = framed
-        # One push waits at most: a downstream that cannot keep up loses pushes and
-        # holds a reply back by `flushed`'s bound at most (its consumer's own step
-        # still reaches it).
-        self.send, self.queue = trio.open_memory_channel(1)
+        # A downstream that cannot keep up loses pushes beyond the queue's bounds and
+        # holds a reply back by `flushed`'s bound at most.
+        self.send, self.queue = trio.open_memory_channel(PUSH_QUEUE)
         self.queued = self.written = 0
+        self.queued_bytes = 0  # of pushes not yet written
         self.progress = trio.Event()  # set (and replaced) after each write, and when the link ends
 
     def _wrote(self) -> None:
@@ -89,14 +95,18 @@ class PushLinks:
             self.ensure(target)  # a dropped stream is dialled again, at most every REDIAL_S
             return False
         message = PushRequest(target.session, position, hidden).to_wire()
+        if link.queued_bytes + len(hidden.data) > PUSH_QUEUE_BYTES:
+            self.dropped += 1
+            return False
         try:
             link.send.send_nowait(message)
-        except trio.WouldBlock:  # the previous push is still being written
+        except trio.WouldBlock:  # PUSH_QUEUE pushes are still waiting to be written
             self.dropped += 1
             return False
         except trio.ClosedResourceError:
             return False
         link.queued += 1
+        link.queued_bytes += len(hidden.data)
         return True
 
     async def flushed(self, peer: str, timeout: float) -> None:
@@ -144,6 +154,7 @@ class PushLinks:
                         await link.framed.send(message)
                         self.sent += 1
                         link.written += 1
+                        link.queued_bytes -= len(message["hidden"]["data"])
                         link._wrote()
                 nursery.cancel_scope.cancel()
         except Exception as exc:

@@ -444,6 +444,26 @@ class SessionTable:
         self.speculation_misses += 1
         return RollBack(step.position)
 
+    def take_pushed(self, session: Session, position: int, tokens: int,
+                    now: float) -> Wait | UsePushed | RollBack | None:
+        """A step `from_upstream` (direct return) meets what the upstream pushed: Wait
+        for a pushed step being computed; CONFIRM one computed at this position with
+        these many tokens (UsePushed: its input was whatever the upstream sent, which
+        the server's proof names); MISMATCH any other (RollBack: a stale push). None:
+        nothing pushed yet, the driver waits for it."""
+        step = session.step
+        if session.state is State.SPECULATING:
+            return Wait(step)
+        if session.state is not State.SPECULATED:
+            return None
+        if step.position == position and step.tokens == tokens:
+            return self.settle(session, position, step.pushed, step.dtype, 1, now)
+        self._fire(session, Event.MISMATCH)
+        session.step = None
+        session.last_used = now
+        self.speculation_misses += 1
+        return RollBack(step.position)
+
     def discard(self, session: Session, now: float) -> Wait | RollBack | None:
         """DISCARD a computed pushed step before a truncate (RollBack its cache); Wait
         for one being computed; None if there is none."""

@@ -30,13 +30,15 @@ class Speculation:
     def __init__(self, links: PushLinks, nursery: trio.Nursery) -> None:
         self.links = links
         self.nursery = nursery  # pushed steps compute here
-        self._changed = trio.Event()  # set (and replaced) whenever a pushed step is computed or fails
+        self._changed = trio.Event()  # set (and replaced) whenever a push begins a step, or it ends
+        self.forge = False  # fault injection (tests): push bytes that differ from the signed output
 
     def start(self, table: SessionTable, session: Session, step: Step,
               compute: Callable[[], Awaitable[tuple[torch.Tensor, float]]], dtype: torch.dtype) -> None:
         """Compute a step the table began from a push; `compute` rolls the cache back
         and fails the step if the forward fails."""
         self.nursery.start_soon(self._compute, table, session, step, compute, dtype)
+        self._notify()  # a step from_upstream waiting for this push now waits for its compute
 
     async def _compute(self, table: SessionTable, session: Session, step: Step,
                        compute: Callable[[], Awaitable[tuple[torch.Tensor, float]]], dtype: torch.dtype) -> None:
@@ -50,8 +52,15 @@ class Speculation:
             table.computed(session, step, output, encoded, seconds)
             self.push_on(session.downstream, step.position, encoded)
         finally:
-            self._changed.set()
-            self._changed = trio.Event()
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def changed(self) -> None:
+        """Return at the next push begun, or pushed step computed or failed."""
+        await self._changed.wait()
 
     async def settled(self, session: Session, step: Step) -> None:
         """Return once `step` is no longer being computed (computed, or failed)."""
@@ -61,6 +70,10 @@ class Speculation:
     def push_on(self, downstream: Downstream | None, position: int, encoded: WireTensor) -> None:
         """Queue a step's output to the next hop's server (never blocks)."""
         if downstream is not None and len(encoded.data) <= PUSH_MAX_BYTES:
+            if self.forge:  # fault injection: push other bytes than the reply's (and proof's)
+                data = bytearray(encoded.data)
+                data[0] ^= 1
+                encoded = WireTensor(encoded.dtype, encoded.shape, bytes(data))
             self.links.push(downstream, position, encoded)
 
     async def flushed(self, downstream: Downstream | None) -> None:
