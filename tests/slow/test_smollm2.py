@@ -57,6 +57,45 @@ async def test_smollm2_chat_matches_transformers(smol_swarm, tmp_path):
     assert [(h.start, h.end) for h in outcome.route] == [(0, 10), (10, 20), (20, 30)]
 
 
+SMOL_PROMPTS = [
+    "Rewrite this function with `total` renamed to `acc`:\n\ndef add_all(values):\n    total = 0\n"
+    "    for value in values:\n        total = total + value\n    return total\n",
+    "Name three rivers of Europe.",
+    "Why is the sky blue?",
+]
+
+
+async def test_smollm2_direct_and_speculation_match_transformers_greedy(smol_swarm, tmp_path):
+    """Relaying, direct return, and direct return with speculation: 3 prompts x 64
+    tokens each equal single-process greedy decoding. Speculation's verify passes run
+    several tokens in one forward, which rounds differently from one-token steps
+    (torch's kernels are not batch-invariant); these prompts have no near-tie that
+    it flips."""
+    home, swarm = smol_swarm
+    model = resolve_model("smollm2-135m", tmp_path / "reference")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    reference = load_full_model(model.path)
+    modes = {"relay": dict(direct=False, speculate=False), "direct": dict(direct=True, speculate=False),
+             "speculation": dict(direct=True, speculate=True)}
+    accepted = 0
+    for prompt in SMOL_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        for name, mode in modes.items():
+            outcome = await run_prompt(tmp_path / name, tuple(swarm["bootstrap"]), RunRequest(
+                model="smollm2-135m", prompt=prompt, params=SamplingParams(max_new_tokens=64, stop_at_eos=False),
+                **mode))
+            assert outcome.tokens == expected, (name, prompt)
+            assert (outcome.direct_steps > 0) == mode["direct"]
+            accepted += outcome.accepted
+    assert accepted > 0  # the rewrite prompt's drafts were kept
+
+
 def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
     # A `run` loads the generic fast tokenizer class directly (AutoTokenizer's own
     # imports cost seconds): same class, same ids, same text as AutoTokenizer's.
