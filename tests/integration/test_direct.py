@@ -16,11 +16,15 @@ MODES = {"relay": dict(direct=False, speculate=False), "direct": dict(direct=Tru
          "direct+speculation": dict(direct=True, speculate=True)}
 
 
-def swarm(processes, model, extra_first=None):
+def swarm(processes, model, extra_first=None, states=None):
     _, first = processes.node("a", model, "0:1", extra=extra_first)
     boot = first["addrs"][:1]
+    if states is not None:
+        states["a"] = first
     for name, blocks in (("b", "1:3"), ("c", "3:4")):
-        processes.node(name, model, blocks, bootstrap=boot)
+        state = processes.node(name, model, blocks, bootstrap=boot)[1]
+        if states is not None:
+            states[name] = state
     return boot
 
 
@@ -77,3 +81,34 @@ async def test_relay_mode_when_asked(processes, tiny_model, tmp_path, prompt):
     outcome = await generate(client_dir, boot, prompt, direct=False, speculate=True)
     assert outcome.tokens == reference_greedy(tiny_model, prompt, NEW)
     assert outcome.direct_steps == 0
+
+
+async def test_concurrent_sessions_batched_give_the_reference_greedy_tokens(processes, tiny_model, tmp_path):
+    """8 consumers at once through the same 3 servers: the servers compute decode
+    steps that are ready together as one forward (their status counts them), and
+    every consumer still gets transformers' greedy tokens."""
+    import trio
+
+    from compushare.app.api.client import call
+
+    states = {}
+    boot = swarm(processes, tiny_model, states=states)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    expected = {tuple(p): reference_greedy(tiny_model, p, NEW) for p in PROMPTS}
+    outcomes = [None] * len(prompts)
+    for index in range(len(prompts)):
+        import_path(tiny_model, tmp_path / f"client{index}", alias="tiny")
+
+    async def one(index: int) -> None:
+        outcomes[index] = await generate(tmp_path / f"client{index}", boot, prompts[index], direct=True,
+                                         speculate=False)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(prompts)):
+            nursery.start_soon(one, index)
+    for prompt, outcome in zip(prompts, outcomes):
+        assert outcome.tokens == expected[tuple(prompt)]
+    batched = [call(tmp_path / "nodes" / name, states[name]["api"], "/control/status")["batched_steps"]
+               for name in "abc"]
+    print("batched steps per server:", batched)
+    assert sum(batched) > 0, batched

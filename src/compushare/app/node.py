@@ -274,6 +274,9 @@ class Node:
         status["tokens_served"] = server.tokens_served if server is not None else 0
         status["throughput"] = server.throughput() if server is not None else 0.0
         status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
+        # Decode steps of several sessions computed as one forward (and how many forwards).
+        status["batched_steps"] = server.compute.batched_steps if server is not None else 0
+        status["batches"] = server.compute.batches if server is not None else 0
         if self.provider is not None:
             status["state"] = self.provider.state
         status["private"] = self.private.stats() if self.private is not None else None

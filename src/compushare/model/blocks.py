@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from .arch import architecture_of, load_config
+from .batched import supports_batching
 from .kv_cache import new_cache
 from .weights import read_tensors
 
@@ -51,6 +52,7 @@ class SpanRunner:
         # Fault injection for tests and demos: >1 makes every forward take that many
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
+        self.batchable = supports_batching(self)  # decode steps of sessions may share a forward
 
     @classmethod
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:

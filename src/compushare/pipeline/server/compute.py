@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 import trio
 
+from ...model.batched import MAX_BATCH, decode_batch
 from ...model.blocks import SpanRunner
 from ...net.tensors import encode_tensor
 from .. import protocol
@@ -34,10 +36,28 @@ RATE_EWMA = 0.2
 # event loop itself instead of a worker thread (see runs_inline).
 INLINE_MAX_S = 0.05
 PAUSE_POLL_S = 0.0005  # how often a short piece looks whether the long forwards have paused
+JOIN_YIELDS = 8  # checkpoints a batch's leader lets pass before it closes the batch
+
+
+@dataclasses.dataclass(eq=False)
+class _Decode:
+    """A one-token step waiting to join a batch (`Compute._batch`)."""
+
+    cache: object
+    hidden: torch.Tensor
+    position: int
+    peer: str
+    reclaimed: Callable[[], bool]
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    lead: bool = False  # woken to lead the next batch (the one before it was full)
+    output: torch.Tensor | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
 
 
 class Compute:
-    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
+    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True,
+                 batching: bool = True) -> None:
         self.scheduler = FairScheduler(threads, fair=fair)
         self._threads = trio.CapacityLimiter(2 * threads)  # long pieces, and short ones preempting them
         self._preempt = threading.Condition()  # guards the scheduler's counts that worker threads read
@@ -47,6 +67,11 @@ class Compute:
         self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
         self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
+        # Batching: one-token steps of one span waiting at once run as one forward.
+        self.batching = batching
+        self._waiting: dict[tuple, list[_Decode]] = {}
+        self.batches = 0  # forwards of more than one step
+        self.batched_steps = 0  # ... and the steps they computed
 
     async def run(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
                   end: int, chunks: list[int], peer: str = "",
@@ -55,6 +80,8 @@ class Compute:
         forwards took (waiting for turns is queueing, not speed). On failure the cache
         may hold part of the step: the caller rolls it back. A step whose session is
         `reclaimed` meanwhile stops before its next piece (Rejected: unknown_session)."""
+        if chunks == [1] and self.batching and getattr(runner, "batchable", False):
+            return await self._batch(runner, cache, hidden, position, start, end, peer, reclaimed)
         # Pieces run one after another, exactly as the original steps' did: a replayed
         # history then rebuilds the very same KV cache (one batched prefill would not).
         outputs, offset, seconds = [], 0, 0.0
@@ -82,6 +109,106 @@ class Compute:
             output = output + torch.randn_like(output) * self.noise * output.abs().mean()
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
+
+    async def _batch(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
+                     end: int, peer: str, reclaimed: Callable[[], bool]) -> tuple[torch.Tensor, float]:
+        """A one-token step, computed together with the other one-token steps of the
+        same span waiting at the same time (model/batched.py). The first to wait
+        leads: it takes a compute turn, gives steps that are arriving a moment to
+        join, then runs them all as one forward. Alone, a step is exactly the plain
+        forward; batched, each output agrees with its forward alone within a
+        matrix product's rounding. A member's compute time is its share of the
+        batch's."""
+        key = (id(runner), start, end)
+        entry = _Decode(cache, hidden, position, peer, reclaimed)
+        group = self._waiting.setdefault(key, [])
+        group.append(entry)
+        if len(group) > 1:  # a leader is waiting for its turn: it takes this one along
+            try:
+                await entry.done.wait()
+            except trio.Cancelled:
+                if entry in self._waiting.get(key, ()):
+                    self._waiting[key].remove(entry)
+                else:  # taken into a forward that writes its cache: it ends first
+                    with trio.CancelScope(shield=True):
+                        await entry.done.wait()
+                raise
+            if not entry.lead:
+                if entry.error is not None:
+                    raise entry.error
+                return entry.output, entry.seconds
+        await self._lead(key, entry, runner, start, end, peer)
+        if entry.error is not None:
+            raise entry.error
+        return entry.output, entry.seconds
+
+    async def _lead(self, key: tuple, entry: _Decode, runner: SpanRunner, start: int, end: int, peer: str) -> None:
+        batch: list[_Decode] = []
+        try:
+            async with self.turn(peer, 1) as ticket:
+                for _ in range(JOIN_YIELDS):  # steps whose frames were read meanwhile join
+                    await trio.sleep(0)
+                waiting = self._waiting.pop(key, [])
+                batch, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
+                if rest:  # the first of the rest leads the next batch
+                    self._waiting[key] = rest
+                    rest[0].lead = True
+                    rest[0].done.set()
+                live = []
+                for member in batch:
+                    if member.reclaimed():
+                        member.error = Rejected(protocol.UNKNOWN_SESSION, "the session was reclaimed for a peer "
+                                                                          "within its fair share of the KV budget")
+                    else:
+                        live.append(member)
+                if live:
+                    await self._batch_forward(runner, live, start, end, ticket)
+        except BaseException as exc:
+            if not batch:  # it never took the batch: another waiting step leads instead
+                waiting = self._waiting.get(key, [])
+                if entry in waiting:
+                    waiting.remove(entry)
+                if waiting:
+                    waiting[0].lead = True
+                    waiting[0].done.set()
+                elif key in self._waiting:
+                    del self._waiting[key]
+            for member in batch:
+                if member.output is None and member.error is None:
+                    member.error = exc
+            raise
+        finally:
+            for member in batch:
+                member.done.set()
+
+    async def _batch_forward(self, runner: SpanRunner, batch: list[_Decode], start: int, end: int,
+                             ticket: Ticket) -> None:
+        def forward():
+            began = time.perf_counter()
+            if len(batch) == 1:  # exactly the plain forward
+                outs = [runner.forward(batch[0].hidden, batch[0].cache, batch[0].position, start, end)]
+            else:
+                outs = decode_batch(runner, [m.hidden for m in batch], [m.cache for m in batch],
+                                    [m.position for m in batch], start, end)
+            return outs, time.perf_counter() - began
+
+        inline = len(batch) == 1 and self.runs_inline(runner, [1], end - start)
+        if ticket.preempts:
+            await self._paused_long_forwards()
+        try:
+            outs, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+        except BaseException as exc:
+            for member in batch:
+                member.error = exc
+            raise
+        for member, out in zip(batch, outs):
+            if self.noise > 0:
+                out = out + torch.randn_like(out) * self.noise * out.abs().mean()
+            member.output, member.seconds = out, took / len(batch)
+        if len(batch) > 1:
+            self.batches += 1
+            self.batched_steps += len(batch)
+        self.observe(len(batch), end - start, took)
 
     async def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
         """A long piece's forward in a worker thread, pausing before each layer while
