@@ -21,8 +21,8 @@ PROMPT = [1, 17, 42, 99, 3, 250, 7]
 NEW_TOKENS = 32
 
 
-def _request(prompt=PROMPT, new_tokens=NEW_TOKENS):
-    return RunRequest(model="tiny", prompt=prompt,
+def _request(prompt=PROMPT, new_tokens=NEW_TOKENS, standby=False):
+    return RunRequest(model="tiny", prompt=prompt, standby=standby,
                       params=SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
 
 
@@ -43,12 +43,31 @@ def client_dir(tmp_path, tiny_model):
     return path
 
 
+async def _all_serving(consumer, servers: int) -> None:
+    """Until the consumer's view has every server's ad saying it serves (fresh nodes'
+    first ads say they are loading)."""
+    from compushare.pipeline.client.consumer import SwarmPlanner
+
+    planner = SwarmPlanner(consumer.host, consumer.dht, consumer.model.model_id, consumer.model.num_blocks,
+                           view=consumer.view)
+    with trio.fail_after(30):
+        while True:
+            await planner.refresh()
+            if len(planner.records) == servers and not planner.unreachable:
+                return
+            await trio.sleep(0.5)
+
+
 def _pid_of(states, peer_id):
     return next(s["pid"] for s in states.values() if s["peer_id"] == peer_id)
 
 
+@pytest.mark.parametrize("standby", [False, True], ids=["replay", "standby"])
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, client_dir, tiny_model, fault):
+async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, client_dir, tiny_model, fault,
+                                                                   standby):
+    """With a standby (the other replica of 2:4, fed every step), the failover is
+    its takeover: no history replayed."""
     boot, states = replicated
     expected = reference_greedy(tiny_model, PROMPT, NEW_TOKENS)
     route: list = []
@@ -63,9 +82,12 @@ async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, c
     tokens: list[int] = []
     try:
         async with Consumer.connect(client_dir, tuple(boot), "tiny", text_prompts=False) as consumer:
+            if standby:  # a standby is one of the servers the planner sees serving
+                await _all_serving(consumer, len(states))
             with trio.fail_after(60):
                 outcome = await consumer.generate(
-                    _request(), on_route=route.append, on_token=lambda t: (tokens.append(t), on_token(t)))
+                    _request(standby=standby), on_route=route.append,
+                    on_token=lambda t: (tokens.append(t), on_token(t)))
     finally:
         if fault == "hang" and faulted:
             os.kill(faulted["pid"], signal.SIGCONT)
@@ -76,6 +98,7 @@ async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, c
     assert event.reason == ("timeout" if fault == "hang" else event.reason)
     assert event.noticed - faulted["at"] < 2.5  # a hang is noticed by the step deadline
     assert faulted["peer"] not in {h.peer_id for h in outcome.route}
+    assert outcome.standby_takeovers == (1 if standby else 0)
 
 
 async def test_noisy_server_is_caught_by_spot_checks_and_excluded(processes, tiny_model, client_dir):

@@ -15,10 +15,10 @@ from compushare.errors import HopFailed
 from compushare.net.records import ServerRecord
 from compushare.pipeline.client.chain_core import ChainCore
 from compushare.pipeline.client.chain_events import (
-    EFFECTS, REQUESTS, Answered, Close, Done, Failed, FindRoute, Link, OpenSession, Opened, Reply, RouteFound, SendSteps,
-    StepRequest,
+    EFFECTS, REQUESTS, Answered, Close, Done, Failed, FindRoute, FindVerifier, Link, OpenSession, Opened, Reply,
+    RouteFound, SendSteps, StepRequest, VerifierFound,
 )
-from compushare.pipeline.client.chain_plan import Verifier
+from compushare.pipeline.client.chain_plan import Verifier, replay_plan
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.messages import Proof
 from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, step_digest
@@ -188,13 +188,81 @@ def test_rewind_cuts_the_history_and_every_session_back():
     actions = core.rewind(5)  # keeps 1 of the last step's 4 tokens
     assert [type(a) for a in actions] == [Close] and (0, 4) not in core.verifiers
     assert all(isinstance(a, EFFECTS) for a in actions)
-    assert core.position == 5 and core.history.sizes == [3, 1, 1]
-    assert [t.tolist() for t in core.history.at(0)] == [steps[0].tolist(), steps[1].tolist(), tensor([5.0]).tolist()]
+    assert core.position == 5 and core.history.sizes == [3, 1, 1] and core.history.computed == [3, 1, 4]
+    assert core.history.at(0)[2] is steps[2]  # kept as computed: a replay computes it the same way
+    assert [t.tolist() for t in core.history.kept(0)] == [steps[0].tolist(), steps[1].tolist(),
+                                                          tensor([5.0]).tolist()]
     assert session in core.rollback
     actions = core.rewind(3)  # whole steps dropped
-    assert core.history.sizes == [3] and len(core.history.at(0)) == 1
+    assert core.history.sizes == core.history.computed == [3] and len(core.history.at(0)) == 1
     [request] = requests_of(core.start_step(tensor([9.0]), 1))
     assert request.requests[0] == StepRequest(3, (tensor([9.0]),), (1,), rollback=True)
     core.feed([Answered((Reply(tensor([9.0])),), (tensor([9.0]),))])
     assert not core.rollback and core.position == 4
     np.testing.assert_array_equal(core.output.numpy(), tensor([9.0]).numpy())
+
+
+def test_a_replay_computes_cut_steps_as_they_were_then_rolls_back():
+    """Steps of 3, 4 (2 kept: drafts rejected) and 1 tokens: the replay sends the
+    4-token step whole, ends the request there, and the next one rolls back to the
+    kept position first; the same for a standby's feed from a later step."""
+    a, b, c = tensor([1.0] * 3), tensor([2.0] * 4), tensor([3.0])
+    plan = replay_plan([a, b, c], [3, 2, 1], computed=[3, 4, 1])
+    assert plan == (StepRequest(0, (a, b), (3, 4)), StepRequest(5, (c,), (1,), rollback=True))
+    assert replay_plan([b, c], [2, 1], computed=[4, 1], position=3, rollback=True, last_only=True) == (
+        StepRequest(3, (b,), (4,), last_only=True, rollback=True),
+        StepRequest(5, (c,), (1,), last_only=True, rollback=True))
+
+
+def test_a_standby_is_fed_beside_each_step_and_takes_over_without_a_replay():
+    """A standby for the one span is opened before the first step and fed each step
+    as computed (one step behind, beside the step's request, last rows only); when
+    the hop fails, the standby gets only the steps it missed and this one."""
+    core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
+    core.open([hop(0, (0, 4))])
+    core.feed([Opened()])
+    x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0]), tensor([4.0])
+    actions = core.start_step(x1, 2)
+    [find] = requests_of(actions)
+    assert isinstance(find, FindVerifier) and find.exclude == frozenset({PEERS[0]})
+    [opening] = requests_of(core.feed([VerifierFound(hop(1, (0, 4)))]))
+    standby = opening.session
+    [first] = requests_of(core.feed([Opened()]))  # nothing to feed yet: the step alone
+    assert first.session is core.hops[0]
+    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,))])
+    actions = core.start_step(x2, 1)
+    step, feed = requests_of(actions)
+    assert step.session is core.hops[0] and feed.session is standby
+    assert feed.requests == (StepRequest(0, (x1,), (2,), last_only=True, rollback=True),)
+    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    assert core.standbys[(0, 4)].fed == 1
+    core.start_step(x3, 1)  # the hop dies; the standby's feed of step 2 was lost too
+    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")),
+                         Failed(HopFailed(PEERS[1], "timeout", "slow"))])
+    # the standby failed its feed: dropped, so the failover replays on a replacement
+    assert FindRoute(0, 4, fresh=True) in requests_of(actions)
+    assert core.standbys == {}
+
+
+def test_a_standby_that_kept_up_takes_over():
+    core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
+    core.open([hop(0, (0, 4))])
+    core.feed([Opened()])
+    x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0]), tensor([4.0])
+    core.start_step(x1, 2)
+    core.feed([VerifierFound(hop(1, (0, 4)))])
+    core.feed([Opened()])
+    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,))])
+    core.start_step(x2, 1)
+    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    standby = core.standbys[(0, 4)].session
+    core.start_step(x3, 1)
+    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")),
+                         Answered((Reply(x2 + 1),), ())])
+    [takeover] = requests_of(actions)  # its feed of step 2 came back beside the failure: only step 3 left
+    assert takeover.session is standby
+    assert takeover.requests == (StepRequest(3, (x3,), (1,), rollback=True),)
+    core.feed([Answered((Reply(x3 + 1),), (x3 + 1,))])
+    assert core.idle and core.hops == [standby] and core.standby_takeovers == 1
+    assert torch.equal(core.output, x3 + 1) and core.failovers[0].replacements == (PEERS[1],)
+    assert core.history.sizes == [2, 1, 1]

@@ -151,6 +151,9 @@ def run(
     speculate: bool = typer.Option(True, "--speculate/--no-speculate",
                                    help="Draft tokens from the context and verify several per pass (same "
                                         "output; faster where the text repeats itself)."),
+    standby: bool = typer.Option(False, "--standby",
+                                 help="Keep a standby server per span, fed every step, so a failover resumes at "
+                                      "once at any context length (costs the swarm each span's compute again)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -178,7 +181,7 @@ def run(
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
-                             direct=direct, speculate=speculate, params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                             direct=direct, speculate=speculate, standby=standby, params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,

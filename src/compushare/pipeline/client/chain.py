@@ -68,7 +68,7 @@ class InferenceChain:
     def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
                  tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None,
-                 push: bool = True, direct: bool = True) -> None:
+                 push: bool = True, direct: bool = True, standby: bool = False) -> None:
         self.host = host
         self.model_id = model_id
         self.max_tokens = max_tokens
@@ -76,7 +76,7 @@ class InferenceChain:
         self.planner = planner
         self.tolerance = tolerance
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
-                              tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
+                              tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id, standby=standby,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
         self._remotes: dict[Session, RemoteHop] = {}
@@ -223,10 +223,10 @@ class InferenceChain:
 @contextlib.asynccontextmanager
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
-                     rng: random.Random | None = None, push: bool = True,
-                     direct: bool = True) -> AsyncIterator[InferenceChain]:
+                     rng: random.Random | None = None, push: bool = True, direct: bool = True,
+                     standby: bool = False) -> AsyncIterator[InferenceChain]:
     chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
-                           spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct)
+                           spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct, standby=standby)
     try:
         await chain.open(hops)
         yield chain

@@ -77,7 +77,7 @@ class SpotChecking(Machine):
         """The requests bringing a verifier that has seen `fed` steps up to this step,
         then computing it."""
         step = self._step
-        return catch_up_plan(self.history.at(span[0]), self.history.sizes, fed, step.hidden, step.tokens,
+        return catch_up_plan(self.history.kept(span[0]), self.history.sizes, fed, step.hidden, step.tokens,
                              self.replay_max_tokens)
 
     def _checked(self, session: Session, verifier: Verifier, primary, check) -> None:

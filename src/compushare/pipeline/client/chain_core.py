@@ -62,12 +62,13 @@ from .chain_events import (
 from .chain_machine import Step
 from .chain_plan import Failover, Verifier, proof_links
 from .chain_rebuild import Rebuilding
+from .chain_standby import Standbys
 from .routing import Hop
 
 log = logging.getLogger(__name__)
 
 
-class ChainCore(SpotChecking, Rebuilding):
+class ChainCore(SpotChecking, Rebuilding, Standbys):
     """The consumer's chain, sans I/O (state and plumbing: chain_machine.Machine)."""
 
     def open(self, route: list[Hop]) -> list:
@@ -82,39 +83,31 @@ class ChainCore(SpotChecking, Rebuilding):
         """Run `hidden` (`tokens` tokens) through every hop; the first batch of actions."""
         assert self.idle
         self._step = Step(hidden, tokens)
+        self._prepare_standbys(self._link_then_step)
+        return self._flush()
+
+    def _link_then_step(self) -> None:
         links = self._links() if self.push else []
         if links:
             self._request(links, lambda events: self._linked(links, events), "linking")
         else:
             self._enter_hop()
-        return self._flush()
 
     def rewind(self, position: int) -> list:
         """Forget every token from `position` on (speculative decoding's rejected
         drafts): the history is cut back, each session is cut back by its next step
         (`rollback`), a verifier that saw those tokens is closed. Effects only."""
         assert self.idle and 0 <= position <= self.position
-        cut, sizes = self.position - position, self.history.sizes
-        while cut:
-            last = sizes[-1]
-            keep = max(0, last - cut)
-            for inputs in self.history.inputs.values():
-                if len(inputs) == len(sizes):
-                    if keep:
-                        inputs[-1] = inputs[-1][:, :keep]
-                    else:
-                        inputs.pop()
-            if keep:
-                sizes[-1] = keep
-            else:
-                sizes.pop()
-            cut -= last - keep
+        self.history.cut(self.position - position)
+        sizes = self.history.sizes
         self.position = position
         self.rollback.update(self.hops)
         for span, verifier in list(self.verifiers.items()):
             if verifier.fed >= len(sizes):  # it holds tokens past the cut: not worth a rollback
                 del self.verifiers[span]
                 self._effect(Close(verifier.session))
+        for standby in self.standbys.values():  # its next feed rolls it back (replay_plan)
+            standby.fed = min(standby.fed, len(sizes))
         return self._flush()
 
     def _linked(self, links: list[Link], events: list) -> None:
@@ -158,7 +151,7 @@ class ChainCore(SpotChecking, Rebuilding):
                 self.hops.extend(new)
                 self._keep_opened(sessions, events, index)
 
-            return self._rebuild(session.hop.start, session.hop.end, [], [], rebuilt)
+            return self._rebuild(session.hop.start, session.hop.end, [], [], [], rebuilt)
         self._idle()
 
     # -- a step, hop by hop ------------------------------------------------------------
@@ -184,11 +177,12 @@ class ChainCore(SpotChecking, Rebuilding):
         primary = SendSteps(session, (StepRequest(self.position, (step.hidden,), (step.tokens,),
                                                   rollback=session in self.rollback),))
         if verifier is None:
-            return self._request([primary], lambda events: self._hop_answered(session, events[0]), "stepping")
+            return self._request([primary], lambda events: self._hop_answered(session, events[0]), "stepping",
+                                 side=True)
         self.checks += 1
         check = SendSteps(verifier.session, self._catch_up(session.span, verifier.fed))
         self._request([primary, check], lambda events: self._checked(session, verifier, *events),
-                      "stepping with a spot check")
+                      "stepping with a spot check", side=True)
 
     def _hop_answered(self, session: Session, event) -> None:
         self._count(session, event)
@@ -231,7 +225,7 @@ class ChainCore(SpotChecking, Rebuilding):
                                                      from_upstream=True),))
                      for session in self.hops[1:]]
         hops = list(self.hops)
-        self._request(requests, lambda events: self._direct_answered(hops, events), "stepping directly")
+        self._request(requests, lambda events: self._direct_answered(hops, events), "stepping directly", side=True)
 
     def _direct_answered(self, hops: list[Session], events: list) -> None:
         """Take the hops' answers in chain order while each one's proof links to the
@@ -273,7 +267,7 @@ class ChainCore(SpotChecking, Rebuilding):
 
     def _finish_step(self) -> None:
         step = self._step
-        self.history.sizes.append(step.tokens)
+        self.history.append(step.tokens)
         self.position += step.tokens
         self.output = step.hidden
         due = [session for session in self.live() if session.answered >= self.receipt_steps]
@@ -299,8 +293,9 @@ class ChainCore(SpotChecking, Rebuilding):
         self.retired.append(failed)
         self._effect(Abort(failed))
 
+        self.rollback.discard(failed)
+
         def rebuilt(new: list[Session], outputs: list) -> None:
-            self.rollback.discard(failed)
             self.hops[index:index + 1] = new
             self.history.at(start).append(step.hidden)
             event.recovered = self.clock()
@@ -309,5 +304,10 @@ class ChainCore(SpotChecking, Rebuilding):
             step.hidden = outputs[-1]
             self._enter_hop()
 
-        self._rebuild(start, end, self.history.at(start) + [step.hidden], self.history.sizes + [step.tokens],
-                      rebuilt)
+        def rebuild() -> None:
+            history = self.history
+            self._rebuild(start, end, history.at(start) + [step.hidden], history.sizes + [step.tokens],
+                          history.computed + [step.tokens], rebuilt)
+
+        if not self._take_over(index, failed, event, rebuild):
+            rebuild()

@@ -41,7 +41,7 @@ class Machine:
                  tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None, push: bool = True,
                  clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
                  replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
-                 direct_max_tokens: int = 0) -> None:
+                 direct_max_tokens: int = 0, standby: bool = False) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
         self.tolerance = tolerance
@@ -59,6 +59,12 @@ class Machine:
         self.checked_relays = 0  # steps relayed instead because a hop's spot check was due
         self.chain_breaks = 0  # direct steps whose proofs did not link up (then relayed)
         self.rollback: set[Session] = set()  # sessions that may hold more than `position` tokens
+        # Standby replicas (chain_standby.py): per span, a session fed the same steps.
+        self.standby = standby
+        self.standbys: dict[Span, Verifier] = {}
+        self.standby_takeovers = 0
+        self._standby_tried: dict[Span, int] = {}  # span -> history length when last looked for
+        self._side: list = []  # (request, handler): sent beside the step's next requests
         self.hops: list[Session] = []
         self.position = 0
         self.history = History()
@@ -78,8 +84,8 @@ class Machine:
         return self._then is None
 
     def live(self) -> list[Session]:
-        """Sessions the chain keeps (receipts, close): its hops and verifiers."""
-        return self.hops + [v.session for v in self.verifiers.values()]
+        """Sessions the chain keeps (receipts, close): its hops, verifiers and standbys."""
+        return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
 
     def feed(self, events: list) -> list:
         """The events answering the last batch's requests, in their order; the next batch."""
@@ -94,10 +100,24 @@ class Machine:
 
     # -- plumbing --------------------------------------------------------------------
 
-    def _request(self, requests: list, then: Callable[[list], None], phase: str) -> None:
+    def _request(self, requests: list, then: Callable[[list], None], phase: str, *, side: bool = False) -> None:
+        """Queue `requests`, `then` taking their answers; with `side`, the side
+        requests waiting (standby feeds) go along, their answers to their own handlers."""
         self._outbox.extend(requests)
-        self._then = then
         self.phase = phase
+        if side and self._side:
+            pending, self._side = self._side, []
+            self._outbox.extend(request for request, _ in pending)
+            count = len(requests)
+
+            def split(events: list) -> None:
+                for (_, handle), event in zip(pending, events[count:]):
+                    handle(event)
+                then(events[:count])
+
+            self._then = split
+        else:
+            self._then = then
 
     def _effect(self, action) -> None:
         self._outbox.append(action)

@@ -19,14 +19,43 @@ REPLAY_MAX_TOKENS = 2048  # tokens per replay request (the servers' default max_
 
 
 class History:
-    """Every step's input at every block boundary of the chain: enough to replay any hop."""
+    """Every step's input at every block boundary of the chain: enough to replay any hop.
+
+    A step keeps its input as it was computed, rejected drafts included: a replay
+    computes it the same way (one chunk of `computed` tokens) and then cuts the
+    session back to the `sizes` tokens kept, so its KV cache is bit-identical."""
 
     def __init__(self) -> None:
-        self.sizes: list[int] = []  # tokens per step
-        self.inputs: dict[int, list[Any]] = {}  # boundary -> one payload per step
+        self.sizes: list[int] = []  # tokens kept per step
+        self.computed: list[int] = []  # tokens each step was computed with (more after a rewind)
+        self.inputs: dict[int, list[Any]] = {}  # boundary -> one payload per step, as computed
 
     def at(self, boundary: int) -> list[Any]:
         return self.inputs.setdefault(boundary, [])
+
+    def kept(self, boundary: int) -> list[Any]:
+        """The inputs at `boundary` without rejected drafts (what a verifier is fed)."""
+        return [x if c == s else x[:, :s] for x, s, c in zip(self.at(boundary), self.sizes, self.computed)]
+
+    def append(self, tokens: int) -> None:
+        self.sizes.append(tokens)
+        self.computed.append(tokens)
+
+    def cut(self, tokens: int) -> None:
+        """Forget the last `tokens` kept tokens: whole steps are dropped, a step cut
+        within keeps its input as computed."""
+        while tokens:
+            last = self.sizes[-1]
+            keep = max(0, last - tokens)
+            if keep:
+                self.sizes[-1] = keep
+            else:
+                for inputs in self.inputs.values():
+                    if len(inputs) == len(self.sizes):
+                        inputs.pop()
+                self.sizes.pop()
+                self.computed.pop()
+            tokens -= last - keep
 
 
 @dataclasses.dataclass
@@ -48,13 +77,15 @@ class Verifier:
     fed: int = 0  # steps of the history it has seen
 
 
-def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS) -> list[tuple[int, int]]:
+def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
+                breaks: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
     """Consecutive steps packed into requests of at most `limit` tokens (a longer step
-    goes alone): index ranges [i, j) into `sizes`."""
+    goes alone), a request ending after every step in `breaks`: index ranges [i, j)
+    into `sizes`."""
     groups: list[tuple[int, int]] = []
     begin = total = 0
     for index, size in enumerate(sizes):
-        if index > begin and total + size > limit:
+        if index > begin and (total + size > limit or index - 1 in breaks):
             groups.append((begin, index))
             begin, total = index, 0
         total += size
@@ -63,15 +94,22 @@ def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS) -> list[tuple[
     return groups
 
 
-def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKENS) -> tuple[StepRequest, ...]:
-    """A fresh session fed `steps` (one payload per step, `sizes` tokens each) from
-    position 0, each step a chunk of its original size: its KV cache and outputs are
-    then bit-identical to the first computation's."""
+def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
+                computed: list[int] | None = None, *, position: int = 0, rollback: bool = False,
+                last_only: bool = False) -> tuple[StepRequest, ...]:
+    """A session fed `steps` (one payload per step, `sizes` tokens each kept) from
+    `position`, each step a chunk of its original size (`computed`, if drafts were
+    rejected since): its KV cache and outputs are then bit-identical to the first
+    computation's. A step computed with more tokens than it kept ends its request,
+    and the next request cuts the session back (`rollback`) before going on."""
+    computed = sizes if computed is None else computed
+    trimmed = frozenset(i for i, (s, c) in enumerate(zip(sizes, computed)) if c > s)
     requests = []
-    position = 0
-    for i, j in group_steps(sizes, limit):
-        requests.append(StepRequest(position, tuple(steps[i:j]), tuple(sizes[i:j])))
+    for i, j in group_steps(computed, limit, trimmed):
+        requests.append(StepRequest(position, tuple(steps[i:j]), tuple(computed[i:j]), last_only=last_only,
+                                    rollback=rollback))
         position += sum(sizes[i:j])
+        rollback = j - 1 in trimmed
     return tuple(requests)
 
 

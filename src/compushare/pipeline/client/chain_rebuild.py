@@ -25,7 +25,8 @@ class Rebuild:
     start: int
     end: int
     steps: list[Any]  # the inputs at `position`, one per step
-    sizes: list[int]  # their tokens
+    sizes: list[int]  # their tokens kept
+    computed: list[int]  # ... and as computed (chain_plan.History)
     done: Callable[[list[Session], list[Any]], None]  # (new hops, the outputs at `end`)
     position: int = 0  # blocks start..position-1 are covered by `new`
     route: list[Hop] = dataclasses.field(default_factory=list)  # planned, not yet opened
@@ -34,12 +35,12 @@ class Rebuild:
 
 
 class Rebuilding(Machine):
-    def _rebuild(self, start: int, end: int, steps: list[Any], sizes: list[int],
+    def _rebuild(self, start: int, end: int, steps: list[Any], sizes: list[int], computed: list[int],
                  done: Callable[[list[Session], list[Any]], None]) -> None:
         """Servers covering start..end-1 with `steps` (the inputs at `start`, one per
-        step, `sizes` tokens each) replayed through them; `done` gets the new hops
-        and the outputs at `end`, one per step."""
-        self._find_route(Rebuild(start, end, steps, sizes, done, position=start), fresh=True)
+        step, `sizes` tokens each kept, `computed` as computed) replayed through them;
+        `done` gets the new hops and the outputs at `end`, one per step."""
+        self._find_route(Rebuild(start, end, steps, sizes, computed, done, position=start), fresh=True)
 
     def _find_route(self, rebuild: Rebuild, *, fresh: bool) -> None:
         def found(events: list) -> None:
@@ -64,7 +65,7 @@ class Rebuilding(Machine):
         if isinstance(event, Failed):
             return self._replacement_failed(rebuild, None, event.error)
         self._opened_ok(session)
-        plan = replay_plan(rebuild.steps, rebuild.sizes, self.replay_max_tokens)
+        plan = replay_plan(rebuild.steps, rebuild.sizes, self.replay_max_tokens, rebuild.computed)
         if not plan:
             return self._replayed(rebuild, session, [])
         self._request([SendSteps(session, plan)], lambda events: self._replay_answered(rebuild, session, events[0]),

@@ -55,6 +55,7 @@ class RunRequest:
     private: bool = False  # every remote activation encrypted (CKKS): pipeline/client/private_chain.py
     direct: bool = True  # hidden states go server to server, the last server's back (else each via the consumer)
     speculate: bool = True  # verify drafted tokens in one pass (pipeline/client/speculative.py)
+    standby: bool = False  # keep a standby replica per span, fed every step (pipeline/client/chain_standby.py)
 
 
 @dataclasses.dataclass
@@ -71,6 +72,7 @@ class RunOutcome:
     direct_steps: int = 0  # steps that went straight through the chain (direct return)
     chain_breaks: int = 0  # ... whose proofs did not link up (relayed instead)
     checked_relays: int = 0  # steps relayed (not direct) because a hop's spot check was due
+    standby_takeovers: int = 0  # failovers a standby replica took over (no history replayed)
     passes: int = 0  # steps through the chain after the prompt
     drafted: int = 0  # speculation: drafted tokens verified
     accepted: int = 0  # ... and kept
@@ -403,7 +405,8 @@ class Consumer:
             else:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
-                                      spot_check_rate=self.spot_check_rate, direct=request.direct) as chain:
+                                      spot_check_rate=self.spot_check_rate, direct=request.direct,
+                                      standby=request.standby) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                                    on_token=token_out, speculate=request.speculate, stats=stats)
             nursery.cancel_scope.cancel()
@@ -426,6 +429,7 @@ class Consumer:
             direct_steps=0 if request.private else chain.core.direct_steps,
             chain_breaks=0 if request.private else chain.core.chain_breaks,
             checked_relays=0 if request.private else chain.core.checked_relays,
+            standby_takeovers=0 if request.private else chain.core.standby_takeovers,
             passes=stats.passes, drafted=stats.drafted, accepted=stats.accepted,
         )
 
