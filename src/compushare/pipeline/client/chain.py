@@ -81,6 +81,7 @@ class InferenceChain:
         self.reports: list[FailureReport] = []
         self._remotes: dict[Session, RemoteHop] = {}
         self._deadline = 0.0  # trio time: the current failover's
+        self._answered: dict[Session, trio.Event] = {}
 
     @property
     def hops(self) -> list[RemoteHop]:
@@ -153,6 +154,8 @@ class InferenceChain:
                     requests.append(action)
             if not requests:
                 return
+            # Set when a session's steps of this batch are answered (direct steps' deadlines).
+            self._answered = {r.session: trio.Event() for r in requests if isinstance(r, SendSteps)}
             if len(requests) == 1:
                 events = [await self._perform(requests[0])]
             else:
@@ -198,9 +201,10 @@ class InferenceChain:
         for step in request.requests:
             try:
                 if step.from_upstream:
+                    upstream = self._answered.get(self._upstream_of(request.session))
                     result = await remote.step_from_upstream(step.position, step.chunks[0],
                                                              self._upstream_wait(request.session, step.chunks[0]),
-                                                             rollback=step.rollback)
+                                                             rollback=step.rollback, upstream=upstream)
                 else:
                     hidden = step.inputs[0] if len(step.inputs) == 1 else torch.cat(step.inputs, dim=1)
                     result = await remote.step(hidden, step.position, chunks=list(step.chunks),
@@ -208,10 +212,16 @@ class InferenceChain:
             except HopFailed as exc:
                 return Failed(exc, answered=len(replies))
             replies.append(Reply(result.output, result.data, result.dtype, result.proof, result.input_digest))
+        if request.session in self._answered:  # a direct step's next hop has its own deadline from now
+            self._answered[request.session].set()
             if not step.last_only:
                 parts.extend(torch.split(result.output, list(step.chunks), dim=1))
         return Answered(tuple(replies), tuple(parts))
 
+
+    def _upstream_of(self, session: Session) -> Session | None:
+        index = self.core.hops.index(session)
+        return self.core.hops[index - 1] if index > 0 else None
 
     def _upstream_wait(self, session: Session, tokens: int) -> float:
         """How long a hop's server waits for its upstream's push: the deadlines of

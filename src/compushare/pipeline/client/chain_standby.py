@@ -24,7 +24,7 @@ from .chain_plan import Failover, Verifier, replay_plan
 
 log = logging.getLogger(__name__)
 
-STANDBY_RETRY_STEPS = 32  # a span without a standby looks for one again after this many steps
+STANDBY_RETRY_STEPS = 8  # a span without a standby looks for one again after this many steps
 
 
 class Standbys(Machine):

@@ -90,23 +90,20 @@ class RemoteHop:
     def deadline(self, tokens: int, chunks: int = 1) -> float:
         return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + DEADLINE_PER_TOKEN_S * tokens
 
-    async def request(self, message: Request, timeout: float) -> Reply:
+    async def request(self, message: Request, timeout: float,
+                      tighten: tuple[trio.Event, float] | None = None) -> Reply:
         """Send, await the reply (checked by messages.decode_reply against `message`);
         a "rate limited" reply is retried within the deadline. Every failure is a
         HopFailed naming this server ("bad_reply": a reply that is not an answer to
-        `message`), or ServerBusy."""
+        `message`), or ServerBusy. With `tighten` (event, seconds), the deadline
+        becomes at most `seconds` after the event (a hop waiting for its upstream's
+        push, once the upstream has answered)."""
         try:
-            with trio.fail_after(timeout):
-                while True:
-                    await self.framed.send(message.to_wire())
-                    raw = await self.framed.receive()
-                    if raw is None:
-                        raise HopFailed(self.peer_id, "closed", f"{self._where()} closed the stream")
-                    reply = decode_reply(raw, message)
-                    if not (isinstance(reply, ErrorReply) and reply.code == protocol.RATE_LIMITED):
-                        break
-                    wait = reply.retry_after_s
-                    await trio.sleep(min(wait, 5.0) if wait is not None else 0.1)
+            with trio.fail_after(timeout) as scope:
+                if tighten is None:
+                    reply = await self._exchange(message)
+                else:
+                    reply = await _tightened(scope, tighten, self._exchange(message))
         except trio.TooSlowError:
             raise HopFailed(self.peer_id, "timeout", f"{self._where()} did not answer within {timeout:.1f}s") \
                 from None
@@ -121,6 +118,19 @@ class RemoteHop:
             raise HopFailed(self.peer_id, reply.code, f"{self._where()}: {reply.message}")
         return reply
 
+    async def _exchange(self, message: Request) -> Reply:
+        """Send, and read the reply (a "rate limited" one: wait, send again)."""
+        while True:
+            await self.framed.send(message.to_wire())
+            raw = await self.framed.receive()
+            if raw is None:
+                raise HopFailed(self.peer_id, "closed", f"{self._where()} closed the stream")
+            reply = decode_reply(raw, message)
+            if not (isinstance(reply, ErrorReply) and reply.code == protocol.RATE_LIMITED):
+                return reply
+            wait = reply.retry_after_s
+            await trio.sleep(min(wait, 5.0) if wait is not None else 0.1)
+
     async def step(self, hidden: torch.Tensor, position: int, *,
                    chunks: list[int] | None = None, last_only: bool = False, rollback: bool = False) -> StepResult:
         tokens = hidden.shape[1]
@@ -131,20 +141,24 @@ class RemoteHop:
         return await self._step(message, self.deadline(tokens, len(chunks or [tokens])), learn=tokens == 1)
 
     async def step_from_upstream(self, position: int, tokens: int, wait_s: float, *,
-                                 rollback: bool = False) -> StepResult:
+                                 rollback: bool = False, upstream: trio.Event | None = None) -> StepResult:
         """Direct return: the step whose input the upstream server pushes here. The
         server waits `wait_s` for it (then `no_input`); this side waits that and the
-        step's own deadline."""
+        step's own deadline, or its own deadline from when `upstream` (the previous
+        hop answered) is set, whichever comes first."""
         wait_ms = min(protocol.MAX_WAIT_MS, max(0, round(wait_s * 1000)))
         message = StepRequest(self.session_id, position, None, rollback=rollback,
                               from_upstream=FromUpstream(tokens, wait_ms))
+        own = self.deadline(tokens)
         # Its wall time counts the upstream hops too: not this hop's latency.
-        return await self._step(message, wait_ms / 1000 + self.deadline(tokens), learn=False)
+        return await self._step(message, wait_ms / 1000 + own, learn=False,
+                                tighten=None if upstream is None else (upstream, own))
 
-    async def _step(self, message: StepRequest, timeout: float, *, learn: bool) -> StepResult:
+    async def _step(self, message: StepRequest, timeout: float, *, learn: bool,
+                    tighten: tuple[trio.Event, float] | None = None) -> StepResult:
         began = time.perf_counter()
         try:
-            reply: Result = await self.request(message, timeout)
+            reply: Result = await self.request(message, timeout, tighten)
         except ServerBusy as exc:  # busy mid-session: as good as gone for this session
             raise HopFailed(self.peer_id, exc.code, exc.message) from None
         try:  # type, position and token count were checked by decode_reply; the values here
@@ -216,6 +230,28 @@ class RemoteHop:
     async def abort(self) -> None:
         with contextlib.suppress(Exception):
             await self.framed.reset()
+
+
+async def _tightened(scope: trio.CancelScope, tighten: tuple[trio.Event, float], exchange) -> Reply:
+    """Await `exchange` while moving `scope`'s deadline to `seconds` after `event`.
+    Its errors come out as themselves, not in an exception group."""
+    event, seconds = tighten
+
+    async def watch() -> None:
+        await event.wait()
+        scope.deadline = min(scope.deadline, trio.current_time() + seconds)
+
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        try:
+            reply = await exchange
+        except Exception as exc:  # raised below, outside the nursery
+            error = exc
+        nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return reply
 
 
 async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int) -> RemoteHop:

@@ -43,6 +43,7 @@ from .streams import refuse_stream, serve_stream
 log = logging.getLogger(__name__)
 
 EXPIRY_PERIOD_S = 1.0
+UPSTREAM_CHECK_S = 0.05  # a step waiting for its push looks this often whether its upstream is still connected
 
 
 def session_table(limits: ServerLimits) -> SessionTable:
@@ -263,11 +264,13 @@ class InferenceServer:
             elif isinstance(decision, Wait):
                 await self.speculation.settled(session, decision.step)
             else:
-                with trio.move_on_at(deadline) as waited:
+                with trio.move_on_at(min(deadline, trio.current_time() + UPSTREAM_CHECK_S)):
                     await self.speculation.changed()
-                if waited.cancelled_caught:
-                    raise Rejected(protocol.NO_INPUT, f"no push from the upstream server for position {position} "
-                                                      f"within {request.from_upstream.wait_ms} ms")
+                gone = not self.speculation.connected(session.upstream)
+                if gone or trio.current_time() >= deadline:  # a killed upstream is seen at once
+                    why = "the upstream server's connection is gone" if gone else \
+                        f"no push within {request.from_upstream.wait_ms} ms"
+                    raise Rejected(protocol.NO_INPUT, f"no input for position {position}: {why}")
 
     async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanRunner) -> Session:
         """Cut a session back to `position` tokens (a truncate, or a step's rollback),

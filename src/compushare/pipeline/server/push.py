@@ -69,6 +69,7 @@ class PushLinks:
         self._links: dict[str, _Link] = {}
         self._dialling: set[str] = set()
         self._last_dial: dict[str, float] = {}
+        self._early: dict[str, list[dict]] = {}  # pushes queued while their stream is being dialled
         self.sent = 0
         self.dropped = 0
 
@@ -91,10 +92,15 @@ class PushLinks:
     def push(self, target: Downstream, position: int, hidden: WireTensor) -> bool:
         """Queue one push (never blocks); False when it cannot go now."""
         link = self._links.get(target.peer)
+        message = PushRequest(target.session, position, hidden).to_wire()
         if link is None:
             self.ensure(target)  # a dropped stream is dialled again, at most every REDIAL_S
-            return False
-        message = PushRequest(target.session, position, hidden).to_wire()
+            early = self._early.setdefault(target.peer, []) if target.peer in self._dialling else None
+            if early is None or len(early) >= PUSH_QUEUE or \
+                    sum(len(m["hidden"]["data"]) for m in early) + len(hidden.data) > PUSH_QUEUE_BYTES:
+                return False
+            early.append(message)  # the first step after a (re)link: written once the stream is open
+            return True
         if link.queued_bytes + len(hidden.data) > PUSH_QUEUE_BYTES:
             self.dropped += 1
             return False
@@ -137,6 +143,7 @@ class PushLinks:
                 stream = await self.host.new_stream(peer_id, [protocol.INFER_PROTOCOL])
         except Exception as exc:  # a push is only ever a saving: the chain works without it
             log.debug("cannot open a push stream to %s: %s", peer, str(exc) or type(exc).__name__)
+            self.dropped += len(self._early.pop(peer, ()))
             return
         finally:
             self._dialling.discard(peer)
@@ -146,6 +153,10 @@ class PushLinks:
         """Write the pushes queued for `peer` to `stream` until either ends (tests run
         it on a stream of their own)."""
         link = self._links[peer] = _Link(FramedStream(stream, PUSH_MAX_FRAME))
+        for message in self._early.pop(peer, ()):
+            link.send.send_nowait(message)  # at most PUSH_QUEUE: room for them all
+            link.queued += 1
+            link.queued_bytes += len(message["hidden"]["data"])
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._drain, peer, link.framed, nursery.cancel_scope)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 import trio
+from libp2p.peer.id import ID
 
 from ..messages import Downstream, WireTensor
 from .compute import wire
@@ -57,6 +58,15 @@ class Speculation:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+    def connected(self, peer: str | None) -> bool:
+        """Whether this node still has a connection to `peer` (a step's upstream)."""
+        if peer is None:
+            return False
+        try:
+            return bool(self.links.host.get_network().get_connections(ID.from_base58(peer)))
+        except Exception:  # a malformed id, or a host without connection tracking
+            return True
 
     async def changed(self) -> None:
         """Return at the next push begun, or pushed step computed or failed."""
