@@ -11,6 +11,7 @@ remaining bytes cannot be skipped safely.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -36,7 +37,7 @@ from ..messages import (
 from .compute import Compute, wire
 from .push import PushLinks
 from .receipts import check_receipt
-from .session import RollBack, Rejected, Session, SessionTable, Step, UsePushed, Wait
+from .session import RollBack, Rejected, Session, SessionTable, State, Step, UsePushed, Wait
 from .speculation import Speculation
 from .streams import refuse_stream, serve_stream
 
@@ -284,6 +285,10 @@ class InferenceServer:
             runner.truncate(session.cache, decision.position)
         session = table.truncate(session_id, position, time.monotonic())
         runner.truncate(session.cache, position)
+        parked, session.parked = session.parked, None
+        if parked is not None and parked.position == position:
+            with contextlib.suppress(Rejected, FrameError):  # as when it came: only ever a saving
+                self._push(parked, session.upstream, table, runner)
         return session
 
     def _push(self, request: PushRequest, peer: str, table: SessionTable, runner: SpanRunner) -> None:
@@ -295,6 +300,11 @@ class InferenceServer:
         table.check_pusher(session, peer)
         hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
                                max_tokens=self.limits.max_step_tokens)
+        if request.position < session.length and session.state is State.READY:
+            # Before the consumer's step that rolls the session back to it (speculation
+            # dropped drafts; the push can overtake that step): kept until then.
+            session.parked = request
+            return
         step = table.push(request.session, request.position, hidden.shape[1], request.hidden.data,
                           request.hidden.dtype, time.monotonic())
         self.speculation.start(table, session, step, lambda: self._run(runner, session, step, hidden, [step.tokens]),

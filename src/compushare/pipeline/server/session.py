@@ -154,6 +154,7 @@ class Session:
     # Pushes: who may push inputs here, and where outputs are pushed.
     upstream: str | None = None
     downstream: Downstream | None = None
+    parked: object = None  # a push for a position before `length`, kept until a rollback reaches it
 
     @property
     def in_step(self) -> bool:
