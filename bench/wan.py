@@ -103,7 +103,25 @@ CHAIN_MODES = {  # name: (prompt, push, direct, speculate)
     "direct_freeform": ("freeform", True, True, False),
     "spec": ("draftable", True, True, True),
     "spec_freeform": ("freeform", True, True, True),
+    # The machine's reference for speculation: drafts that are always right (the local
+    # reference's own tokens), so every pass keeps all it drafts: what the chain gives
+    # when a drafter (or a model that copies) earns it.
+    "spec_oracle": ("draftable", True, True, "oracle"),
 }
+
+
+class OracleDrafter:
+    """Drafts the reference continuation itself (speculative.NgramDrafter's interface)."""
+
+    def __init__(self, prompt: list[int], reference: list[int]) -> None:
+        self.start, self.length, self.reference = len(prompt), len(prompt), reference
+
+    def extend(self, tokens: list[int]) -> None:
+        self.length += len(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        done = self.length - self.start
+        return self.reference[done:done + k] if k > 0 else []
 
 
 def prompt_texts() -> dict[str, str]:
@@ -119,7 +137,21 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- the consumer (host 4)
 
 
-def client_main(bootstrap: str, trials: int, tokens: int) -> None:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (the servers, in other network
+    namespaces but this pid namespace) and of this one, all threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in [*pids, os.getpid()]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]) -> None:
     """Runs inside the consumer's namespace; prints one JSON line of trial results."""
     import torch
     import trio
@@ -181,11 +213,13 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
             def __init__(self, parties: int) -> None:
                 self.parties, self.arrived, self.released = parties, 0, None
                 self.event = trio.Event()
+                self.cpu = 0.0  # CPU seconds of the 4 processes when released
 
             async def wait(self) -> None:
                 self.arrived += 1
                 if self.arrived == self.parties:
                     self.released = time.perf_counter()
+                    self.cpu = cpu_seconds(server_pids)
                     self.event.set()
                 await self.event.wait()
 
@@ -204,6 +238,8 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
 
             async def rewind(self, position: int) -> None:
                 await self.chain.rewind(position)
+
+        out_local: dict[str, list[dict]] = {name: [] for name in prompts}  # the oracle's drafts come from here
 
         async def chain_run(host, route, prompt: str, steps: int, *, push: bool, direct: bool,
                             speculate: bool, barrier: Barrier | None = None) -> dict:
@@ -227,9 +263,13 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
                                 samples.append(ms1 - ms0)
                     last = now
 
+                drafter = None
+                if speculate == "oracle":
+                    known = out_local[prompt][-1]["tokens"] if out_local[prompt] else []
+                    drafter = OracleDrafter(ids, known)
                 await generate(chain if barrier is None else Gate(chain, barrier), head, ids,
                                SamplingParams(max_new_tokens=steps + 1, stop_at_eos=False), on_token=on_token,
-                               speculate=speculate, stats=stats)
+                               speculate=bool(speculate), stats=stats, drafter=drafter)
                 direct_steps = chain.core.direct_steps
             return {"tokens": produced, "first": times[0], "last": times[-1],
                     "tok_s": steps / (times[-1] - times[0]), "passes": stats.passes, "drafted": stats.drafted,
@@ -247,7 +287,9 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
                 for index in range(chains):
                     nursery.start_soon(one, index)
             end = max(run["last"] for run in runs)
+            cpu = cpu_seconds(server_pids) - barrier.cpu
             return {"chains": chains, "tok_s": chains * steps / (end - barrier.released),
+                    "cpu_s": cpu, "wall_s": end - barrier.released,
                     "per_chain_tok_s": [steps / (run["last"] - barrier.released) for run in runs],
                     "tokens": [run["tokens"] for run in runs],
                     "direct_steps": [run["direct_steps"] for run in runs]}
@@ -260,7 +302,7 @@ def client_main(bootstrap: str, trials: int, tokens: int) -> None:
                 route = await find_route(host, dht, model.model_id, model.num_blocks)
                 out: dict = {"route": [(h.start, h.end) for h in route], "c_ms": consumer_ms(),
                              "prompt_tokens": {name: len(ids) for name, ids in prompts.items()},
-                             "local": {name: [] for name in prompts}, "single": [], "concurrent8": [],
+                             "local": out_local, "single": [], "concurrent8": [],
                              **{mode: [] for mode in CHAIN_MODES}}
 
                 async def timed(coro_fn, *args, **kwargs):
@@ -323,6 +365,7 @@ def run_delay(args, delay_ms: int) -> dict:
         print(f"{MODEL}: 3 servers in namespaces {PFX}h1-3, the consumer in {PFX}h{HOSTS}, "
               f"{delay_ms} ms added per one-way transit", flush=True)
         bootstrap: list[str] = []
+        pids: list[int] = []
         for index, span in enumerate(split_blocks(model.num_blocks, 3)):
             data_dir = root / f"node-{index}"
             cmd = node_command(MODEL, span, data_dir, bootstrap)
@@ -330,6 +373,7 @@ def run_delay(args, delay_ms: int) -> dict:
             proc = start_node(lab.wrap(index + 1, cmd), data_dir)
             procs.append(proc)
             state = wait_ready(proc, data_dir, timeout=180)
+            pids.append(state["pid"])
             bootstrap = bootstrap or state["addrs"][:1]
         ping = lab.run(HOSTS, ["ping", "-U", "-c", "10", "-i", "0.2", lab.addr(1)], capture_output=True,
                        text=True, timeout=30).stdout
@@ -337,7 +381,8 @@ def run_delay(args, delay_ms: int) -> dict:
         print(f"ping consumer -> server 1: median {rtt} ms ({(ping.strip().splitlines() or ['?'])[-1]})", flush=True)
         began = time.perf_counter()
         done = lab.run(HOSTS, [sys.executable, __file__, "--client", bootstrap[0], "--trials", str(args.trials),
-                               "--tokens", str(args.tokens)], stdout=subprocess.PIPE, text=True,
+                               "--tokens", str(args.tokens), "--pids", ",".join(map(str, pids))],
+                       stdout=subprocess.PIPE, text=True,
                        timeout=CLIENT_TIMEOUT_S)  # its stderr (progress) passes through
         if done.returncode != 0:
             raise RuntimeError(f"the consumer failed (exit {done.returncode}); its stderr is above")
@@ -383,8 +428,17 @@ def summarise(runs: dict, delay_ms: int, tokens: int) -> dict:
         **{f"{mode}_tok_s": med(runs[mode]) for mode in CHAIN_MODES},
         "accepted_per_pass": per_pass(runs["spec"]),
         "spec_freeform_accepted_per_pass": per_pass(runs["spec_freeform"]),
+        "oracle_accepted_per_pass": per_pass(runs["spec_oracle"]),
         "single_tok_s": med(runs["single"]),
         "concurrent8_tok_s": med(runs["concurrent8"]),
+        # The machine's own limit beside it: the 4 processes' CPU per token during the
+        # concurrent decode, and the tok/s that would give with every core busy.
+        "concurrent8_cpu_ms_per_token": statistics.median(
+            1000 * t["cpu_s"] / (CONCURRENT * tokens) for t in runs["concurrent8"]),
+        "single_cpu_ms_per_token": statistics.median(1000 * t["cpu_s"] / tokens for t in runs["single"]),
+        "concurrent8_cpu_limit_tok_s": statistics.median(
+            CONCURRENT * tokens * (os.cpu_count() or 1) / t["cpu_s"] for t in runs["concurrent8"]),
+        "concurrent8_cores_busy": statistics.median(t["cpu_s"] / t["wall_s"] for t in runs["concurrent8"]),
         "identical": same,
         "rtt_ms": rtt,
         "t_ms": rtt / 2 if rtt is not None else None,
@@ -398,7 +452,9 @@ def summarise(runs: dict, delay_ms: int, tokens: int) -> dict:
         "direct_vs_relay": out["direct_tok_s"] / out["relay_tok_s"],
         "spec_vs_direct": out["spec_tok_s"] / out["direct_tok_s"],
         "spec_freeform_vs_direct": out["spec_freeform_tok_s"] / out["direct_freeform_tok_s"],
+        "spec_oracle_vs_direct": out["spec_oracle_tok_s"] / out["direct_tok_s"],
         "concurrent8_vs_single": out["concurrent8_tok_s"] / out["single_tok_s"],
+        "concurrent8_vs_cpu_limit": out["concurrent8_tok_s"] / out["concurrent8_cpu_limit_tok_s"],
     })
     def rounded(value):
         if isinstance(value, float):
@@ -418,9 +474,13 @@ def report(s: dict, runs: dict, delay_ms: int, tokens: int) -> None:
     print(f"  spec {s['spec_tok_s']:.2f} tok/s, {s['accepted_per_pass']:.2f} accepted drafts a pass | spec free-form "
           f"{s['spec_freeform_tok_s']:.2f} tok/s, {s['spec_freeform_accepted_per_pass']:.2f} a pass "
           f"(passes {[t['passes'] for t in runs['spec']]} / {[t['passes'] for t in runs['spec_freeform']]}, "
-          f"direct steps {spec_steps})", flush=True)
+          f"direct steps {spec_steps}) | always-right drafts (reference) {s['spec_oracle_tok_s']:.2f} tok/s, "
+          f"{s['oracle_accepted_per_pass']:.2f} a pass (x{s['spec_oracle_vs_direct']:.2f} over direct)", flush=True)
     print(f"  single chain {s['single_tok_s']:.2f} tok/s | {CONCURRENT} chains at once {s['concurrent8_tok_s']:.2f} "
-          f"tok/s aggregate (x{s['concurrent8_vs_single']:.2f})", flush=True)
+          f"tok/s aggregate (x{s['concurrent8_vs_single']:.2f}); CPU per token {s['single_cpu_ms_per_token']:.1f} ms "
+          f"alone, {s['concurrent8_cpu_ms_per_token']:.1f} ms in 8 (batched), {s['concurrent8_cores_busy']:.2f} cores "
+          f"busy: all cores would give {s['concurrent8_cpu_limit_tok_s']:.1f} tok/s "
+          f"(x{s['concurrent8_vs_cpu_limit']:.2f} of it)", flush=True)
     t, f, c = s["t_ms"], s["f_ms"], s["c_ms"]
     if None not in (t, f, c):
         model = {"relay (6t+3f+c)": 6 * t + 3 * f + c, "direct (4t+3f+c)": 4 * t + 3 * f + c}
@@ -455,9 +515,10 @@ def main() -> int:
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "wan.jsonl"),
                         help="JSON-lines file the summary is appended to ('' for none)")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: the consumer, in its namespace
+    parser.add_argument("--pids", default="", help=argparse.SUPPRESS)  # internal: the servers' pids (CPU use)
     args = parser.parse_args()
     if args.client:
-        client_main(args.client, args.trials, args.tokens)
+        client_main(args.client, args.trials, args.tokens, [int(p) for p in args.pids.split(",") if p])
         return 0
     if os.geteuid() != 0:
         parser.error("needs root (network namespaces)")

@@ -214,10 +214,10 @@ def test_a_replay_computes_cut_steps_as_they_were_then_rolls_back():
         StepRequest(5, (c,), (1,), last_only=True, rollback=True))
 
 
-def test_a_standby_is_fed_beside_each_step_and_takes_over_without_a_replay():
+def test_a_standby_is_fed_each_step_beside_the_hop_and_dropped_when_it_fails():
     """A standby for the one span is opened before the first step and fed each step
-    as computed (one step behind, beside the step's request, last rows only); when
-    the hop fails, the standby gets only the steps it missed and this one."""
+    as computed, beside the hop's request (last rows only); a standby whose feed
+    fails is dropped, and the failover replays on a replacement."""
     core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
     core.open([hop(0, (0, 4))])
     core.feed([Opened()])
@@ -227,24 +227,24 @@ def test_a_standby_is_fed_beside_each_step_and_takes_over_without_a_replay():
     assert isinstance(find, FindVerifier) and find.exclude == frozenset({PEERS[0]})
     [opening] = requests_of(core.feed([VerifierFound(hop(1, (0, 4)))]))
     standby = opening.session
-    [first] = requests_of(core.feed([Opened()]))  # nothing to feed yet: the step alone
-    assert first.session is core.hops[0]
-    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,))])
-    actions = core.start_step(x2, 1)
-    step, feed = requests_of(actions)
+    step, feed = requests_of(core.feed([Opened()]))
     assert step.session is core.hops[0] and feed.session is standby
     assert feed.requests == (StepRequest(0, (x1,), (2,), last_only=True, rollback=True),)
-    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
     assert core.standbys[(0, 4)].fed == 1
-    core.start_step(x3, 1)  # the hop dies; the standby's feed of step 2 was lost too
+    step, feed = requests_of(core.start_step(x2, 1))
+    assert feed.requests == (StepRequest(2, (x2,), (1,), last_only=True, rollback=True),)
+    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x2 + 1),), ())])
+    core.start_step(x3, 1)  # the hop dies, and the standby's feed fails too
     actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")),
                          Failed(HopFailed(PEERS[1], "timeout", "slow"))])
-    # the standby failed its feed: dropped, so the failover replays on a replacement
     assert FindRoute(0, 4, fresh=True) in requests_of(actions)
     assert core.standbys == {}
 
 
 def test_a_standby_that_kept_up_takes_over():
+    """The standby computed this very step beside the hop that failed: it is rolled
+    back to the step's position and computes it again, the only request."""
     core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
     core.open([hop(0, (0, 4))])
     core.feed([Opened()])
@@ -252,14 +252,13 @@ def test_a_standby_that_kept_up_takes_over():
     core.start_step(x1, 2)
     core.feed([VerifierFound(hop(1, (0, 4)))])
     core.feed([Opened()])
-    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,))])
+    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
     core.start_step(x2, 1)
-    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x2 + 1),), ())])
     standby = core.standbys[(0, 4)].session
     core.start_step(x3, 1)
-    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")),
-                         Answered((Reply(x2 + 1),), ())])
-    [takeover] = requests_of(actions)  # its feed of step 2 came back beside the failure: only step 3 left
+    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")), Answered((Reply(x3 + 1),), ())])
+    [takeover] = requests_of(actions)
     assert takeover.session is standby
     assert takeover.requests == (StepRequest(3, (x3,), (1,), rollback=True),)
     core.feed([Answered((Reply(x3 + 1),), (x3 + 1,))])

@@ -174,6 +174,7 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
     def _send_hop(self, verifier: Verifier | None) -> None:
         step = self._step
         session = self.hops[step.index]
+        self._feed_current(session)
         primary = SendSteps(session, (StepRequest(self.position, (step.hidden,), (step.tokens,),
                                                   rollback=session in self.rollback),))
         if verifier is None:
@@ -219,6 +220,7 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
         theirs from their upstream's push; each answers with its output and proof."""
         step = self._step
         self.direct_steps += 1
+        self._feed_current(self.hops[0])
         requests = [SendSteps(self.hops[0], (StepRequest(self.position, (step.hidden,), (step.tokens,),
                                                          rollback=self.hops[0] in self.rollback),))]
         requests += [SendSteps(session, (StepRequest(self.position, (), (step.tokens,), rollback=session in self.rollback,

@@ -84,6 +84,18 @@ class Standbys(Machine):
                 self._side.append((SendSteps(standby.session, self._feed_plan(span, standby.fed)),
                                    lambda event, span=span, standby=standby: self._fed(span, standby, steps, event)))
 
+    def _feed_current(self, session: Session) -> None:
+        """The step's input to `session`'s standby beside the hop's own request, when
+        it is known before the hop answers (a relayed hop, the first hop): no lag."""
+        standby = self.standbys.get(session.span)
+        steps = len(self.history.sizes)
+        if standby is None or standby.fed != steps or any(r.session is standby.session for r, _ in self._side):
+            return
+        step = self._step
+        request = StepRequest(self.position, (step.hidden,), (step.tokens,), last_only=True, rollback=True)
+        self._side.append((SendSteps(standby.session, (request,)),
+                           lambda event: self._fed(session.span, standby, steps + 1, event)))
+
     def _fed(self, span: Span, standby: Verifier, steps: int, event) -> None:
         self._count(standby.session, event)
         if isinstance(event, Failed):
@@ -108,8 +120,10 @@ class Standbys(Machine):
             log.info("no standby for blocks %d:%d (standbys: %s)", *failed.span, sorted(self.standbys))
             return False
         step = self._step
+        # It may have this step already (fed beside the hop): the rollback drops it, and
+        # it computes the step again, the same way.
         current = StepRequest(self.position, (step.hidden,), (step.tokens,), rollback=True)
-        plan = self._feed_plan(failed.span, standby.fed) + (current,)
+        plan = self._feed_plan(failed.span, min(standby.fed, len(self.history.sizes))) + (current,)
 
         def answered(events: list) -> None:
             event = events[0]

@@ -54,10 +54,11 @@ class _Head:
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
                    *, eos_ids: frozenset[int] = frozenset(), max_step_tokens: int = 2048,
                    on_token: Callable[[int], None] | None = None, speculate: bool = False,
-                   stats: GenerateStats | None = None) -> list[int]:
+                   stats: GenerateStats | None = None, drafter=None) -> list[int]:
     """Generate after `prompt_ids`. With `speculate` (a chain that can rewind), each
     pass verifies drafted tokens (speculative.py): the same tokens greedily, the same
-    distribution when sampling, fewer passes where the text repeats itself."""
+    distribution when sampling, fewer passes where the text repeats itself. The
+    drafter (`extend(tokens)`, `draft(k)`) is prompt lookup unless one is given."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     sampler = Sampler(params)
@@ -87,7 +88,8 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
             if emit(token):
                 return produced
 
-    drafter, sizer = NgramDrafter(prompt_ids), DraftLength()
+    drafter = NgramDrafter(prompt_ids) if drafter is None else drafter
+    sizer = DraftLength()
     position = len(prompt_ids)  # tokens the chain holds
     while True:
         drafter.extend([token])
