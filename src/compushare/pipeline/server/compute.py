@@ -174,8 +174,10 @@ class Compute:
                 elif key in self._waiting:
                     del self._waiting[key]
             for member in batch:
-                if member.output is None and member.error is None:
-                    member.error = exc
+                if member.output is None and member.error is None and member is not entry:
+                    # Another task's cancellation is not theirs to raise.
+                    member.error = exc if isinstance(exc, Exception) else Rejected(
+                        protocol.INTERNAL, "the batched forward this step was in was cancelled")
             raise
         finally:
             for member in batch:

@@ -44,6 +44,7 @@ from .streams import refuse_stream, serve_stream
 log = logging.getLogger(__name__)
 
 EXPIRY_PERIOD_S = 1.0
+PARK_MAX_TOKENS = 16  # a verify pass's size: what a push may be kept waiting for its rollback (memory)
 UPSTREAM_CHECK_S = 0.05  # a step waiting for its push looks this often whether its upstream is still connected
 
 
@@ -300,7 +301,8 @@ class InferenceServer:
         table.check_pusher(session, peer)
         hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
                                max_tokens=self.limits.max_step_tokens)
-        if request.position < session.length and session.state is State.READY:
+        behind = request.position < session.length and session.state is State.READY
+        if behind and hidden.shape[1] <= PARK_MAX_TOKENS:
             # Before the consumer's step that rolls the session back to it (speculation
             # dropped drafts; the push can overtake that step): kept until then.
             session.parked = request
