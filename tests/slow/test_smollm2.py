@@ -80,6 +80,7 @@ async def test_smollm2_direct_and_speculation_match_transformers_greedy(smol_swa
     modes = {"relay": dict(direct=False, speculate=False), "direct": dict(direct=True, speculate=False),
              "speculation": dict(direct=True, speculate=True)}
     accepted = 0
+    references = {}
     for prompt in SMOL_PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]
@@ -93,7 +94,29 @@ async def test_smollm2_direct_and_speculation_match_transformers_greedy(smol_swa
             assert outcome.tokens == expected, (name, prompt)
             assert (outcome.direct_steps > 0) == mode["direct"]
             accepted += outcome.accepted
+        references[prompt] = expected
     assert accepted > 0  # the rewrite prompt's drafts were kept
+    # Batching: the 3 prompts at once, 3 consumers, 2 of each; the servers run the
+    # decode steps that arrive together as one forward.
+    import trio
+
+    from compushare.app.api.client import call
+
+    before = sum(call(Path(s["data_dir"]), s["api"], "/control/status")["batched_steps"] for s in swarm["nodes"])
+    outcomes = {}
+
+    async def one(index: int, prompt: str) -> None:
+        outcomes[index] = await run_prompt(tmp_path / f"batch{index}", tuple(swarm["bootstrap"]), RunRequest(
+            model="smollm2-135m", prompt=prompt, params=SamplingParams(max_new_tokens=64, stop_at_eos=False),
+            speculate=False))
+
+    async with trio.open_nursery() as nursery:
+        for index, prompt in enumerate(SMOL_PROMPTS * 2):
+            nursery.start_soon(one, index, prompt)
+    for index, prompt in enumerate(SMOL_PROMPTS * 2):
+        assert outcomes[index].tokens == references[prompt], prompt
+    after = sum(call(Path(s["data_dir"]), s["api"], "/control/status")["batched_steps"] for s in swarm["nodes"])
+    assert after > before
 
 
 def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
