@@ -181,7 +181,8 @@ def run(
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
-                             direct=direct, speculate=speculate, standby=standby, params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                             direct=direct, speculate=speculate, standby=standby,
+                             params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,

@@ -76,7 +76,8 @@ class InferenceChain:
         self.planner = planner
         self.tolerance = tolerance
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
-                              tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id, standby=standby,
+                              tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
+                              standby=standby,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
         self._remotes: dict[Session, RemoteHop] = {}

@@ -221,10 +221,10 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
         step = self._step
         self.direct_steps += 1
         self._feed_current(self.hops[0])
-        requests = [SendSteps(self.hops[0], (StepRequest(self.position, (step.hidden,), (step.tokens,),
-                                                         rollback=self.hops[0] in self.rollback),))]
-        requests += [SendSteps(session, (StepRequest(self.position, (), (step.tokens,), rollback=session in self.rollback,
-                                                     from_upstream=True),))
+        first = StepRequest(self.position, (step.hidden,), (step.tokens,), rollback=self.hops[0] in self.rollback)
+        requests = [SendSteps(self.hops[0], (first,))]
+        requests += [SendSteps(session, (StepRequest(self.position, (), (step.tokens,),
+                                                     rollback=session in self.rollback, from_upstream=True),))
                      for session in self.hops[1:]]
         hops = list(self.hops)
         self._request(requests, lambda events: self._direct_answered(hops, events), "stepping directly", side=True)

@@ -29,8 +29,8 @@ from ...net.tensors import decode_tensor, encode_tensor
 from ...proofs import step_digest
 from .. import protocol
 from ..messages import (
-    CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply, Request, Result,
-    StepRequest, WireTensor, decode_reply,
+    CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply,
+    Request, Result, StepRequest, WireTensor, decode_reply,
 )
 from .routing import Hop
 

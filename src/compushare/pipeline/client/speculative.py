@@ -134,7 +134,8 @@ class DraftLength:
         self.alpha = (1 - self.ewma) * self.alpha + self.ewma * (kept / tried)
         if self.base_s > 0:
             sample = max(0.0, (seconds - self.base_s) / drafted)
-            self.per_token_s = sample if self.per_token_s <= 0 else (1 - self.ewma) * self.per_token_s + self.ewma * sample
+            old = self.per_token_s
+            self.per_token_s = sample if old <= 0 else (1 - self.ewma) * old + self.ewma * sample
 
     def choose(self, available: int) -> int:
         """The draft length for the next pass, `available` drafts at hand at most."""
