@@ -45,6 +45,7 @@ __all__ = ["FAILOVER_TIMEOUT_S", "Failover", "History", "InferenceChain", "Plann
 
 log = logging.getLogger(__name__)
 
+TIGHTEN_MAX_TOKENS = 16  # direct steps up to this size get a deadline from their upstream's answer
 FAILOVER_TIMEOUT_S = 60.0  # how long a failed span may stay uncovered before the generation fails
 
 
@@ -202,7 +203,11 @@ class InferenceChain:
         for step in request.requests:
             try:
                 if step.from_upstream:
-                    upstream = self._answered.get(self._upstream_of(request.session))
+                    # A decode or verify step's push is small and never dropped for room: its
+                    # hop gets its own deadline from its upstream's answer. A large one (a
+                    # prompt) may be, and then waits for the server's no_input.
+                    upstream = self._answered.get(self._upstream_of(request.session)) \
+                        if step.chunks[0] <= TIGHTEN_MAX_TOKENS else None
                     result = await remote.step_from_upstream(step.position, step.chunks[0],
                                                              self._upstream_wait(request.session, step.chunks[0]),
                                                              rollback=step.rollback, upstream=upstream)
@@ -213,10 +218,10 @@ class InferenceChain:
             except HopFailed as exc:
                 return Failed(exc, answered=len(replies))
             replies.append(Reply(result.output, result.data, result.dtype, result.proof, result.input_digest))
-        if request.session in self._answered:  # a direct step's next hop has its own deadline from now
-            self._answered[request.session].set()
             if not step.last_only:
                 parts.extend(torch.split(result.output, list(step.chunks), dim=1))
+        if request.session in self._answered:  # a direct step's next hop has its own deadline from now
+            self._answered[request.session].set()
         return Answered(tuple(replies), tuple(parts))
 
 

@@ -298,6 +298,7 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
         self.rollback.discard(failed)
 
         def rebuilt(new: list[Session], outputs: list) -> None:
+            step.due = None  # drawn per hop of the old route
             self.hops[index:index + 1] = new
             self.history.at(start).append(step.hidden)
             event.recovered = self.clock()

@@ -127,8 +127,11 @@ class Compute:
             try:
                 await entry.done.wait()
             except trio.Cancelled:
-                if entry in self._waiting.get(key, ()):
-                    self._waiting[key].remove(entry)
+                waiting = self._waiting.get(key, [])
+                if entry in waiting:
+                    waiting.remove(entry)
+                    if entry.lead:  # woken to lead, cancelled first: the next one leads
+                        self._hand_over(key)
                 else:  # taken into a forward that writes its cache: it ends first
                     with trio.CancelScope(shield=True):
                         await entry.done.wait()
@@ -161,18 +164,15 @@ class Compute:
                                                                           "within its fair share of the KV budget")
                     else:
                         live.append(member)
-                if live:
-                    await self._batch_forward(runner, live, start, end, ticket)
+                if live:  # other peers' steps: the leader's cancellation must not fail them
+                    with trio.CancelScope(shield=True):
+                        await self._batch_forward(runner, live, start, end, ticket)
         except BaseException as exc:
             if not batch:  # it never took the batch: another waiting step leads instead
                 waiting = self._waiting.get(key, [])
                 if entry in waiting:
                     waiting.remove(entry)
-                if waiting:
-                    waiting[0].lead = True
-                    waiting[0].done.set()
-                elif key in self._waiting:
-                    del self._waiting[key]
+                self._hand_over(key)
             for member in batch:
                 if member.output is None and member.error is None and member is not entry:
                     # Another task's cancellation is not theirs to raise.
@@ -182,6 +182,15 @@ class Compute:
         finally:
             for member in batch:
                 member.done.set()
+
+    def _hand_over(self, key: tuple) -> None:
+        """The first step still waiting for `key` leads the next batch (if any waits)."""
+        waiting = self._waiting.get(key)
+        if waiting:
+            waiting[0].lead = True
+            waiting[0].done.set()
+        elif key in self._waiting:
+            del self._waiting[key]
 
     async def _batch_forward(self, runner: SpanRunner, batch: list[_Decode], start: int, end: int,
                              ticket: Ticket) -> None:

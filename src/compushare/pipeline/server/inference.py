@@ -268,7 +268,9 @@ class InferenceServer:
             else:
                 with trio.move_on_at(min(deadline, trio.current_time() + UPSTREAM_CHECK_S)):
                     await self.speculation.changed()
-                gone = not self.speculation.connected(session.upstream)
+                # Gone: an upstream that pushed to this session before has no connection
+                # now (one not yet connected after a relink may still be dialling).
+                gone = session.pushed_by == session.upstream and not self.speculation.connected(session.upstream)
                 if gone or trio.current_time() >= deadline:  # a killed upstream is seen at once
                     why = "the upstream server's connection is gone" if gone else \
                         f"no push within {request.from_upstream.wait_ms} ms"
@@ -301,6 +303,7 @@ class InferenceServer:
         table.check_pusher(session, peer)
         hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
                                max_tokens=self.limits.max_step_tokens)
+        session.pushed_by = peer
         behind = request.position < session.length and session.state is State.READY
         if behind and hidden.shape[1] <= PARK_MAX_TOKENS:
             # Before the consumer's step that rolls the session back to it (speculation

@@ -155,6 +155,7 @@ class Session:
     upstream: str | None = None
     downstream: Downstream | None = None
     parked: object = None  # a push for a position before `length`, kept until a rollback reaches it
+    pushed_by: str | None = None  # the peer whose push it took last
 
     @property
     def in_step(self) -> bool:
@@ -362,6 +363,7 @@ class SessionTable:
             raise Rejected(protocol.BAD_REQUEST, "this server does not take part in pushes")
         self._fire(session, Event.LINK)
         session.upstream, session.downstream = upstream, downstream
+        session.parked = None  # pushed by the old upstream
 
     def receipted(self, session: Session) -> None:
         """RECEIPT: the consumer's receipt for the steps since the last one is countersigned."""
