@@ -66,7 +66,6 @@ bench: $(STAMP)
 	$(PY) bench/hostile.py
 	$(PY) bench/he.py
 	$(PY) bench/batch_invariance.py
-	$(if $(filter 0,$(shell id -u)),$(PY) bench/push_latency.py,@echo "bench/push_latency.py needs root (network namespaces): skipped")
 	$(if $(filter 0,$(shell id -u)),$(PY) bench/wan.py,@echo "bench/wan.py needs root (network namespaces): skipped")
 
 clean:

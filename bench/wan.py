@@ -36,7 +36,7 @@ little to draft). Modes, all greedy, stop_at_eos off, from the consumer's namesp
                chain's last token - the release): the second formula of the brief,
                with every first token before the window starts.
 
-Timing as in push_latency.py: the decode only (prefill, opening the chain and model
+Timing as in pipeline_overhead.py: the decode only (prefill, opening the chain and model
 loading excluded): a trial generates --tokens + 1 tokens, and tok/s = --tokens /
 (time of the last token - time of the first). Modes are interleaved within each of
 --trials rounds, after one short untimed warm-up of every mode; figures are the

@@ -56,8 +56,7 @@ class _Decode:
 
 
 class Compute:
-    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True,
-                 batching: bool = True) -> None:
+    def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
         self.scheduler = FairScheduler(threads, fair=fair)
         self._threads = trio.CapacityLimiter(2 * threads)  # long pieces, and short ones preempting them
         self._preempt = threading.Condition()  # guards the scheduler's counts that worker threads read
@@ -68,7 +67,6 @@ class Compute:
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
         self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
         # Batching: one-token steps of one span waiting at once run as one forward.
-        self.batching = batching
         self._waiting: dict[tuple, list[_Decode]] = {}
         self.batches = 0  # forwards of more than one step
         self.batched_steps = 0  # ... and the steps they computed
@@ -80,7 +78,7 @@ class Compute:
         forwards took (waiting for turns is queueing, not speed). On failure the cache
         may hold part of the step: the caller rolls it back. A step whose session is
         `reclaimed` meanwhile stops before its next piece (Rejected: unknown_session)."""
-        if chunks == [1] and self.batching and getattr(runner, "batchable", False):
+        if chunks == [1] and getattr(runner, "batchable", False):
             return await self._batch(runner, cache, hidden, position, start, end, peer, reclaimed)
         # Pieces run one after another, exactly as the original steps' did: a replayed
         # history then rebuilds the very same KV cache (one batched prefill would not).
