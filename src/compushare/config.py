@@ -104,6 +104,30 @@ class ServerLimits:
             raise UsageError("limits: peer_requests_per_s must be at least 0.5")
 
 
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayQuotas:
+    """A relay's quotas ([relay] in config.toml); net/relay_quota.py enforces them
+    and says why these defaults."""
+
+    reservations: int = 32  # peers holding a slot at once (one slot per peer)
+    reservation_ttl_s: int = 3600  # refreshed by the holder before it lapses
+    circuits_per_peer: int = 8  # open circuits a peer is an end of
+    circuits: int = 64  # open circuits in total
+    circuit_bytes: int = 256 * MiB  # both directions of one circuit
+    circuit_duration_s: int = 3600
+    peer_bytes: int = 1024 * MiB  # through circuits a peer is an end of, per window
+    total_bytes: int = 8192 * MiB  # through all circuits, per window
+    window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"relay quota {f.name} must be positive")
+
+
 DEFAULT_API_PORT = 8311
 PID_FILE = "node.pid"
 LOG_FILE = "node.log"
@@ -131,6 +155,10 @@ class NodeConfig:
     private: bool = True
     private_preencode: bool = True
     limits: ServerLimits = ServerLimits()
+    # Circuit relay v2 for NAT'd peers, offered only while this node is publicly
+    # reachable (AutoNAT), within these quotas (net/relay_quota.py: why these defaults).
+    relay: bool = True
+    relay_quotas: RelayQuotas = RelayQuotas()
 
     def __post_init__(self) -> None:
         if not (1.0 <= self.ad_period_s <= 20.0):  # net/ads.MIN_AD_PERIOD_S..MAX_AD_PERIOD_S
@@ -158,9 +186,19 @@ class NodeConfig:
             "api_port": int(node.get("api_port", DEFAULT_API_PORT)),
             "private": bool(node.get("private", True)),
             "private_preencode": bool(node.get("private_preencode", True)),
+            "relay": bool(node.get("relay", True)),
         }
         limit_fields = {f.name for f in dataclasses.fields(ServerLimits)}
         limits = ServerLimits(**{k: v for k, v in toml.get("limits", {}).items() if k in limit_fields})
+        quota_fields = {f.name for f in dataclasses.fields(RelayQuotas)}
+        unknown = set(toml.get("relay", {})) - quota_fields
+        if unknown:
+            raise UsageError(f"config.toml [relay]: unknown quota {sorted(unknown)[0]!r} "
+                             f"(known: {', '.join(sorted(quota_fields))})")
+        try:
+            merged["relay_quotas"] = RelayQuotas(**toml.get("relay", {}))
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"config.toml [relay]: {exc}") from None
         for key, value in flags.items():
             if value is None or value == () or value == []:
                 continue

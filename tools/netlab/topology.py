@@ -142,6 +142,12 @@ class Topology:
                  "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
                 ["ip", "netns", "exec", router, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0",
                  "-j", "DROP"],
+                # Nor does the router itself answer them: without this its own kernel
+                # sends a RST for every port it has no mapping on, which tears down the
+                # half-open mapping of a simultaneous TCP open (hole punching).
+                ["ip", "netns", "exec", router, "iptables", "-A", "INPUT", "-i", "eth0",
+                 "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                ["ip", "netns", "exec", router, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP"],
                 ["ip", "netns", "exec", router, "ethtool", "-K", "lan0", "tso", "off", "gso", "off", "gro", "off"],
                 ["ip", "-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0"],
                 ["ip", "-n", ns, "link", "set", "eth0", "up"],

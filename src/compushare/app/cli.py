@@ -47,6 +47,9 @@ def node(
                                             "0: a free port; -1: none). Its token is in the data dir."),
     private: bool = typer.Option(None, "--private/--no-private",
                                  help="Serve private sessions: products on CKKS ciphertexts (default on)."),
+    relay: bool = typer.Option(None, "--relay/--no-relay",
+                               help="Relay for peers behind NAT while this node is publicly reachable, within the "
+                                    "quotas of config.toml's [relay] (default on)."),
     debug_slowdown: float = typer.Option(None, hidden=True,
                                          help="Fault injection: make compute this many times slower."),
     debug_noise: float = typer.Option(None, hidden=True,
@@ -73,7 +76,8 @@ def node(
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
-                              noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private)
+                              noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private,
+                              relay=relay)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))
@@ -154,6 +158,8 @@ def run(
     standby: bool = typer.Option(False, "--standby",
                                  help="Keep a standby server per span, fed every step, so a failover resumes at "
                                       "once at any context length (costs the swarm each span's compute again)."),
+    listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable; default 127.0.0.1). Behind a NAT, "
+                                                "listen on the LAN address so that hole punching can reach you."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -186,7 +192,7 @@ def run(
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,
-                                              spot_check_rate=spot_check))
+                                              spot_check_rate=spot_check, listen=tuple(listen or ())))
         sys.stdout.write("\n")
         for failover in outcome.failovers:
             err.print(f"failover: blocks {failover.start}:{failover.end} moved from {failover.peer_id[-8:]} "

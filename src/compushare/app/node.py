@@ -31,10 +31,12 @@ from ..model.selfbench import cached_block_rate, measure_block_rate
 from ..net.ads import ad_ttl, make_ad
 from ..net.dht import routing_sync_loop
 from ..net.gossip import Gossip, learn_views
-from ..net.host import full_addrs
+from ..net.host import advertised_addrs, full_addrs
 from ..net.identity import load_or_create_identity
 from ..net.peer import open_swarm_host
-from ..net.view import MAX_PEERS, SwarmView
+from ..net.records import MAX_ADDRS
+from ..net.traversal import Traversal
+from ..net.view import MAX_PEERS, SwarmView, relay_candidates
 from ..pipeline.server.announce import announce_loop
 from ..he.ckks import DEFAULT_PARAMETERS
 from ..pipeline.private_wire import PRIVATE_PROTOCOL
@@ -57,6 +59,7 @@ COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
 KARMA_TICK_S = 5.0
 KARMA_ROUND_S = 30.0
 KARMA_NEWCOMERS = 32  # newcomers (no evidence yet) checked per round
+NET_STATE_PERIOD_S = 2.0
 
 
 class Node:
@@ -68,6 +71,7 @@ class Node:
         self.torrent: Torrent | None = None
         self.karma: KarmaService | None = None
         self.karma_book = KarmaBook()  # the karma of peers in view, checked in the background
+        self.traversal: Traversal | None = None  # reachability, relays, hole punching (net/traversal.py)
         self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._state: dict = {}
@@ -120,12 +124,26 @@ class Node:
                 last_seq = max(last_seq + 1, time.time_ns())
                 now_hardware = dataclasses.replace(hardware, ram_free_mb=available_ram_mb(hardware))
                 serving = self.provider.serving() if self.provider is not None else []
-                return make_ad(key_pair, me, full_addrs(host), now_hardware, serving, __version__,
-                               ttl_s=ad_ttl(config.ad_period_s), seq=last_seq)
+                return make_ad(key_pair, me, advertised_addrs(host), now_hardware, serving, __version__,
+                               ttl_s=ad_ttl(config.ad_period_s), seq=last_seq, reach=self.traversal.status,
+                               relay=self.traversal.offers_relay())
 
             gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
+
+            def net_changed() -> None:
+                # Reachability or relays changed: peers must learn the new addresses now
+                # (ad at once, server record at once), not at their next refresh.
+                gossip.publish_soon()
+                if self.provider is not None:
+                    self.provider._changed()
+
+            traversal = self.traversal = Traversal(
+                host, serve=True, relay=config.relay, quotas=config.relay_quotas,
+                relay_candidates=lambda: relay_candidates(self.view, me, time.time()),
+                own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=net_changed, dht=dht)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stop_on_signal, nursery.cancel_scope)
+                await nursery.start(traversal.run)
                 await nursery.start(gossip.run)  # before dialling: pubsub learns peers from connections
                 await swarm.join(retry=True)
                 nursery.start_soon(routing_sync_loop, host, dht)
@@ -163,7 +181,7 @@ class Node:
                 self._state = {
                     "pid": os.getpid(),
                     "peer_id": me,
-                    "addrs": full_addrs(host),
+                    "addrs": advertised_addrs(host),
                     "model_id": model.model_id,
                     "num_blocks": model.num_blocks,
                     "max_blocks": length,
@@ -206,6 +224,7 @@ class Node:
                 if config.blocks is None:
                     nursery.start_soon(provider.rebalance_loop, self.view, me, config.ad_period_s)
                 state = self._write_state(provider)
+                nursery.start_soon(self._net_state_loop, provider)
                 startup_done()  # the span's weights and modules live as long as the node
                 log.info("serving blocks %s of %s as %s on %s", span, model.model_id[:12], me,
                          ", ".join(state["addrs"]))
@@ -217,6 +236,17 @@ class Node:
                     if self.private is not None:
                         with trio.CancelScope(shield=True):
                             await self.private.worker.aclose()
+
+    async def _net_state_loop(self, provider: Provider) -> None:
+        """node.json follows the node's reachability, relays and relaying (tests and
+        `swarm` read it) within NET_STATE_PERIOD_S."""
+        last = None
+        while True:
+            await trio.sleep(NET_STATE_PERIOD_S)
+            now = (self.traversal.addrs(), self.traversal.stats())
+            if now != last and provider.server is not None:
+                self._write_state(provider)
+                last = now
 
     def _check_span(self, model) -> None:
         span = self.config.blocks
@@ -280,6 +310,9 @@ class Node:
         if self.provider is not None:
             status["state"] = self.provider.state
         status["private"] = self.private.stats() if self.private is not None else None
+        if self.traversal is not None:
+            status["net"] = self.traversal.stats()
+            status["addrs"] = self.traversal.addrs()
         return status
 
     def dashboard(self) -> dict:
@@ -317,6 +350,8 @@ class Node:
         state = dict(self._state, start=span.start, end=span.end, state=provider.state, moves=provider.moves,
                      fetched=self.fetched,
                      parameters=provider.server.runner.parameter_count() if provider.server else 0)
+        if self.traversal is not None:  # reachability and relays change while it runs
+            state.update(addrs=self.traversal.addrs(), net=self.traversal.stats())
         write_state(self.config.data_dir, state)
         self._last_state = state
         return state

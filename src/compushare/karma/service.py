@@ -26,7 +26,7 @@ from ..errors import FrameError, PeerMisbehaved
 from ..net.dht import find_provider_infos_fresh, get_value_fresh
 from ..net.dial import dial
 from ..net.framing import FramedStream
-from ..net.host import full_addrs
+from ..net.host import advertised_addrs
 from ..net.serve import GuardedHandler
 from ..proofs import FailureReport
 from .ledger import ReceiptBook, ReportStore
@@ -86,7 +86,7 @@ class KarmaService:
         entries = list(self.receipts.ledger.entries)
         record = await trio.to_thread.run_sync(
             lambda: make_record(self.peer_id, entries, seq=seq, now=now, ttl_s=RECORD_TTL_S,
-                                addrs=tuple(full_addrs(self.host))))
+                                addrs=tuple(advertised_addrs(self.host))))
         value = record.sign(self.key_pair)
         self.record, self.signed_record = record, value  # served at once, even if the put fails
         await self.dht.put_value(karma_key(self.peer_id), value)

@@ -21,6 +21,7 @@ from libp2p.crypto.keys import KeyPair
 
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
+from .reachability import REACHABILITIES, UNKNOWN
 from .records import ALLOWED_DTYPES, MAX_ADDRS, MAX_BLOCKS
 from .signed import addrs_field, field, open_sealed, seal, signer_of
 
@@ -78,6 +79,10 @@ class CapabilityAd:
     sent: float  # unix seconds
     expires: float  # unix seconds
     raw: bytes = b""  # the signed bytes, so views can be relayed and re-checked
+    # Whether its own AutoNAT found it dialable (net/reachability), and whether it
+    # relays for NAT'd peers (only a public node does): NAT'd nodes pick relays here.
+    reach: str = UNKNOWN
+    relay: bool = False
 
     def is_live(self, now: float) -> bool:
         return now < self.expires
@@ -96,6 +101,7 @@ class CapabilityAd:
             "seq": self.seq,
             "sent": self.sent,
             "expires": self.expires,
+            "net": {"reach": self.reach, "relay": self.relay},
         }
 
     def sign(self, key_pair: KeyPair) -> bytes:
@@ -104,12 +110,14 @@ class CapabilityAd:
 
 def make_ad(key_pair: KeyPair, peer_id: str, addrs: list[str], hardware: Hardware,
             serving: list[Serving], version: str, *, now: float | None = None,
-            ttl_s: float = AD_TTL_S, seq: int | None = None) -> CapabilityAd:
+            ttl_s: float = AD_TTL_S, seq: int | None = None, reach: str = UNKNOWN,
+            relay: bool = False) -> CapabilityAd:
     """Build, sign and return an ad (its `raw` holds the signed bytes). Publishers
     pass `seq` above their last one, so a clock stepping back cannot stall them."""
     now = time.time() if now is None else now
     ad = CapabilityAd(peer_id, tuple(addrs[:MAX_ADDRS]), hardware, tuple(serving), version,
-                      seq=time.time_ns() if seq is None else seq, sent=now, expires=now + ttl_s)
+                      seq=time.time_ns() if seq is None else seq, sent=now, expires=now + ttl_s,
+                      reach=reach, relay=relay)
     return dataclasses.replace(ad, raw=ad.sign(key_pair))
 
 
@@ -151,6 +159,14 @@ def _serving(obj: object) -> Serving:
     return serving
 
 
+def _net(obj: object) -> tuple[str, bool]:
+    if not isinstance(obj, dict) or set(obj) != {"reach", "relay"}:
+        raise PeerMisbehaved("ad 'net' must have exactly reach and relay")
+    if obj["reach"] not in REACHABILITIES or not isinstance(obj["relay"], bool):
+        raise PeerMisbehaved("ad 'net' reach or relay malformed")
+    return obj["reach"], obj["relay"]
+
+
 def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> CapabilityAd:
     """Check an ad (signature → schema → freshness) and return it, or raise PeerMisbehaved.
 
@@ -169,8 +185,10 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
     body = open_sealed(value, claimed, max_bytes=MAX_AD_BYTES, what="ad")
     if body.get("v") != AD_VERSION:
         raise PeerMisbehaved("ad of an unknown version")
-    if set(body) != {"v", "peer", "addrs", "hw", "serves", "sw", "seq", "sent", "expires"}:
+    fields = {"v", "peer", "addrs", "hw", "serves", "sw", "seq", "sent", "expires"}
+    if set(body) not in (fields, fields | {"net"}):
         raise PeerMisbehaved("ad fields are not exactly those of version 1")
+    reach, relay = _net(body.get("net", {"reach": UNKNOWN, "relay": False}))
     addrs = addrs_field(body, "ad", max_addrs=MAX_ADDRS)
     serves = _get(body, "serves", list)
     if len(serves) > MAX_SERVING:
@@ -192,6 +210,8 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
         sent=_finite(_get(body, "sent", (int, float)), "sent"),
         expires=_finite(_get(body, "expires", (int, float)), "expires"),
         raw=value,
+        reach=reach,
+        relay=relay,
     )
     if ad.peer_id != claimed:
         raise PeerMisbehaved(f"ad names peer {ad.peer_id} but was signed by {claimed}")

@@ -267,6 +267,14 @@ def speaks_dht(host: IHost, peer_id: ID) -> bool:
         return False
 
 
+def identified(host: IHost, peer_id: ID) -> bool:
+    """Whether identify has told us anything of `peer_id`'s protocols."""
+    try:
+        return bool(host.get_peerstore().get_protocols(peer_id))
+    except Exception:  # not in the peerstore (yet)
+        return False
+
+
 def _keep_clients_out(dht: KadDHT) -> None:
     """py-libp2p adds whoever opens a DHT stream to the routing table, on the theory
     that only servers query; consumers query as clients. Each short-lived consumer
@@ -285,12 +293,18 @@ def _keep_clients_out(dht: KadDHT) -> None:
 
 
 async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
-    """Add every connected peer that identify says serves the DHT to the routing table."""
+    """Add every connected peer that identify says serves the DHT to the routing table,
+    and drop those that say they stopped (a node that found itself behind NAT: its
+    addresses would make every look-up wait on them)."""
     for peer_id in list(host.get_network().connections):
-        if (peer_id != host.get_id() and not dht.routing_table.peer_in_table(peer_id)
-                and speaks_dht(host, peer_id)):
+        if peer_id == host.get_id():
+            continue
+        listed, serves = dht.routing_table.peer_in_table(peer_id), speaks_dht(host, peer_id)
+        if not listed and serves:
             with contextlib.suppress(Exception):
                 await dht.add_peer(peer_id)
+        elif listed and not serves and identified(host, peer_id):
+            dht.routing_table.remove_peer(peer_id)
 
 
 async def routing_sync_loop(host: IHost, dht: KadDHT) -> None:

@@ -3,7 +3,10 @@
 Peers publish their addresses as strings, with or without the /p2p/<peer id>
 suffix (server records, capability ads and karma records carry full addresses;
 `--bootstrap` must). These are the only conversions from such strings to what
-py-libp2p dials.
+py-libp2p dials, and `dial` is every connection a CompuShare process opens: a
+peer behind NAT advertises circuit addresses (net/reachability.py), which are
+dialled through the relay at once (net/traversal.py); the hole punch that may
+follow is DCUtR's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from ..errors import UsageError
+from .reachability import is_circuit
+from .traversal import traversal_of
 
 
 def peer_info(peer_id: str | ID, addrs: Iterable[str | multiaddr.Multiaddr]) -> PeerInfo:
@@ -55,8 +60,20 @@ async def dial(host: IHost, peer_id: str | ID, addrs: Iterable[str | multiaddr.M
     (its negative cache): a peer that was still starting, or restarted on new ports,
     would stay unreachable. That refusal is lifted before every dial here."""
     info = peer_info(peer_id, addrs)
+    if host.get_network().connections.get(info.peer_id):
+        return info
     with contextlib.suppress(Exception):
         host.get_network().unblock_peer(info.peer_id)
+    direct = [a for a in info.addrs if not is_circuit(str(a))]
+    # A circuit address ends in the peer's id (/p2p-circuit/p2p/<id>): py-libp2p needs it.
+    suffix = f"/p2p/{info.peer_id.to_base58()}"
+    relayed = [a if a.endswith(suffix) else a + suffix for a in map(str, info.addrs) if is_circuit(a)]
+    traversal = traversal_of(host)
     with trio.fail_after(timeout):
-        await host.connect(info)
+        if relayed and traversal is not None:
+            # The peer found itself unreachable (AutoNAT) and said so by advertising
+            # circuits: its direct addresses would only time out.
+            await traversal.dial_relayed(info.peer_id, relayed)
+        else:
+            await host.connect(PeerInfo(info.peer_id, direct))
     return info

@@ -33,7 +33,7 @@ from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .limits import TokenBucket
 from .serve import GuardedHandler
-from .dial import peer_info
+from .dial import dial
 from .view import MAX_PEERS, PUBLISH_INTERVAL_S, SwarmView
 
 log = logging.getLogger(__name__)
@@ -273,17 +273,15 @@ async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
                   if ad.peer_id != me and ID.from_base58(ad.peer_id) not in connected and ad.addrs]
     dialed = 0
 
-    async def dial(ad: CapabilityAd) -> None:
+    async def one(ad: CapabilityAd) -> None:
         nonlocal dialed
-        for addr in ad.addrs:
-            with contextlib.suppress(Exception), trio.move_on_after(DIAL_TIMEOUT_S):
-                await host.connect(peer_info(ad.peer_id, [addr]))
-                dialed += 1
-                return
+        with contextlib.suppress(Exception):
+            await dial(host, ad.peer_id, ad.addrs, timeout=DIAL_TIMEOUT_S)
+            dialed += 1
 
     async with trio.open_nursery() as nursery:
         for ad in candidates[:want]:
-            nursery.start_soon(dial, ad)
+            nursery.start_soon(one, ad)
     return dialed
 
 

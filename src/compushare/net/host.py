@@ -21,6 +21,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from . import libp2p_patches
 from .dial import parse_peer_addr  # noqa: F401  (bench/ imports it from here)
 from .libp2p_patches import widen_receive_window  # noqa: F401  (bench/ imports it from here)
+from .traversal import traversal_of
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,10 @@ def full_addrs(host: IHost) -> list[str]:
         ipv4s = local_ipv4_addresses() if text.startswith("/ip4/0.0.0.0/") else []
         out.extend(f"{a}/p2p/{peer}" for a in expand_unspecified(text, ipv4s))
     return out
+
+
+def advertised_addrs(host: IHost) -> list[str]:
+    """What this node tells peers to dial: behind NAT, its circuit addresses through
+    the relays it holds slots on (net/traversal.py); otherwise its own."""
+    traversal = traversal_of(host)
+    return traversal.addrs() if traversal is not None else full_addrs(host)

@@ -18,6 +18,9 @@ patch without a host); it is idempotent.
   multistream line   a negotiation message of at most MAX_MULTISTREAM_LINE bytes
   inbound slot       an inbound connection's handler (and its slot of the swarm's
                      inbound cap) ends when the connection does, not with the node
+  idle trim          a peer's surplus connections are trimmed only while they carry
+                     no stream (a hole punch's direct connection must not cut the
+                     relayed one that carries a session)
 
 `widen_receive_window` is no patch but reads and writes yamux's private stream
 state, so it lives here and is reviewed with them. net/dht.py and net/gossip.py
@@ -34,6 +37,7 @@ import importlib.metadata
 import logging
 import os
 import struct
+import time
 
 import trio
 
@@ -55,6 +59,7 @@ PATCHES = (
     "yamux stream caps (Yamux.accept_stream, YamuxStream.close, Yamux.streams)",
     "multistream line (MultiselectCommunicator.read)",
     "inbound slot (Swarm._do_handle_inbound_connection, Swarm.upgrade_inbound_raw_conn, Yamux.event_closed)",
+    "idle trim (Swarm._trim_connections, Swarm._close_connection_async, Swarm.cleanup_connection_health)",
 )
 
 PEER_QUERY_TIMEOUT_S = 3.0  # one DHT request to one peer (py-libp2p: QUERY_TIMEOUT = 10 s)
@@ -174,7 +179,37 @@ def apply() -> None:
     Swarm._do_handle_inbound_connection = _handle_inbound_until_closed
     _upgrade_inbound = Swarm.upgrade_inbound_raw_conn
     Swarm.upgrade_inbound_raw_conn = _upgrade_and_watch
+
+    # py-libp2p trims a peer's connections beyond max_connections_per_peer at once,
+    # the fewest-streams-then-oldest first but busy or not: when a hole punch adds a
+    # direct connection to a NAT'd peer, the relayed one, older, went, and with it the
+    # inference session it carried. Only idle connections are trimmed here; a busy one
+    # stays until its streams end (new streams prefer the direct connection).
+    Swarm._trim_connections = _trim_idle_connections
     _applied = True
+
+
+def _trim_idle_connections(self, peer_id) -> None:
+    connections = self.connections[peer_id]
+    surplus = len(connections) - self.connection_config.max_connections_per_peer
+    if surplus <= 0:
+        return
+    now = time.time()
+    idle = []
+    for conn in connections:
+        created = getattr(conn, "_created_at", None)
+        if isinstance(created, (int, float)) and now - created < self.connection_config.grace_period:
+            continue
+        with contextlib.suppress(Exception):
+            if conn.get_streams():
+                continue
+        idle.append(conn)
+    idle.sort(key=lambda conn: getattr(conn, "_created_at", 0.0) or 0.0)
+    for conn in idle[:surplus]:
+        self.cleanup_connection_health(peer_id, conn)
+        self.manager.run_task(self._close_connection_async, conn)
+    trimmed = {id(conn) for conn in idle[:surplus]}
+    self.connections[peer_id] = [conn for conn in connections if id(conn) not in trimmed]
 
 
 # The cancel scope of the inbound handler running in this task (set by

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 from .. import defences
 from .ads import CapabilityAd, Serving
+from .reachability import PUBLIC, RelayCandidate, is_circuit
 
 MIN_AD_INTERVAL_S = 0.5
 PUBLISH_INTERVAL_S = 2 * MIN_AD_INTERVAL_S
@@ -338,6 +339,15 @@ class SwarmView:
 
     def models(self, now: float) -> set[str]:
         return {s.model_id for ad in self.live(now) for s in ad.serving}
+
+
+def relay_candidates(view: SwarmView, me: str, now: float) -> list[RelayCandidate]:
+    """Relays a NAT'd node may reserve on: peers whose ads say they relay (they are
+    publicly reachable by their own AutoNAT), peers with evidence first (the view's
+    ranking), so that a flood of Sybil ads does not decide where a node's traffic goes."""
+    return [RelayCandidate(ad.peer_id, tuple(a for a in ad.addrs if not is_circuit(a)))
+            for ad in view.ranked(now, MAX_PEERS)
+            if ad.peer_id != me and ad.relay and ad.reach == PUBLIC]
 
 
 def coverage(servers: list[tuple[CapabilityAd, Serving]], num_blocks: int, *,

@@ -21,6 +21,7 @@ from libp2p.abc import IHost
 from libp2p.peer.peerinfo import PeerInfo
 
 from ..errors import CompushareError, FrameError
+from ..net.dial import dial
 from ..net.framing import FramedStream
 from ..net.libp2p_patches import widen_receive_window
 from ..model.manifest import Manifest, parse
@@ -80,7 +81,7 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes wanted)
 async def _open(host: IHost, info: PeerInfo) -> FramedStream:
     with trio.fail_after(CONNECT_TIMEOUT_S):
         if info.addrs:
-            await host.connect(info)
+            await dial(host, info.peer_id, info.addrs, timeout=CONNECT_TIMEOUT_S)
         stream = await host.new_stream(info.peer_id, [PIECES_PROTOCOL])
         # What may be in flight: the requested pieces, plus one frame of slack.
         await widen_receive_window(stream, PIPELINE_BYTES + MAX_DATA_FRAME)

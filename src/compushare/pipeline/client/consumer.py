@@ -24,6 +24,7 @@ from ...net.gossip import learn_views
 from ...net.identity import load_or_create_identity
 from ...net.peer import open_swarm_host
 from ...net.records import ServerRecord
+from ...net.traversal import Traversal
 from ...net.view import SwarmView
 from .chain import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
@@ -315,7 +316,8 @@ class Consumer:
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(cls, data_dir: Path, bootstrap: tuple[str, ...], model_name: str, *,
-                      text_prompts: bool = True, spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE):
+                      text_prompts: bool = True, spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
+                      listen: tuple[str, ...] = ()):
         loaded: dict = {}
 
         def load_local_parts() -> None:
@@ -336,8 +338,11 @@ class Consumer:
                                                                       and not stored.holds(head=True))
         key_pair = load_or_create_identity(data_dir)
         async with open_swarm_host(key_pair, server=False, validators=karma_validators(),
-                                   listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap, join=False) as swarm:
+                                   listen=list(listen) or ["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
+                                   join=False) as swarm, trio.open_nursery() as services:
             host, dht = swarm.host, swarm.dht
+            # Servers behind NAT are reached through their relays, then hole-punched.
+            await services.start(Traversal(host, serve=False).run)
             # Joining the swarm and loading the local parts overlap: both take seconds.
             unreachable: SwarmUnreachable | None = None
             async with trio.open_nursery() as nursery:
@@ -358,6 +363,7 @@ class Consumer:
                     raise loaded["error"]
             yield cls(host, dht, data_dir, loaded["model"], loaded["tokenizer"], loaded["head"],
                       spot_check_rate=spot_check_rate)
+            services.cancel_scope.cancel()
 
     async def generate(self, request: RunRequest, *, on_text: Callable[[str], None] = lambda _t: None,
                        on_route: Callable[[list[Hop]], None] = lambda _r: None,
@@ -472,8 +478,8 @@ class Consumer:
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
                      on_text: Callable[[str], None] = lambda _t: None,
                      on_route: Callable[[list[Hop]], None] = lambda _r: None,
-                     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE) -> RunOutcome:
+                     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, listen: tuple[str, ...] = ()) -> RunOutcome:
     """One generation by a short-lived client."""
     async with Consumer.connect(data_dir, bootstrap, request.model, text_prompts=not isinstance(request.prompt, list),
-                                spot_check_rate=spot_check_rate) as consumer:
+                                spot_check_rate=spot_check_rate, listen=listen) as consumer:
         return await consumer.generate(request, on_text=on_text, on_route=on_route)

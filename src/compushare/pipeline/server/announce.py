@@ -14,7 +14,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 
 from ...net.dht import block_key, model_key, provide_all, should_provide, sync_routing_table
-from ...net.host import full_addrs
+from ...net.host import advertised_addrs
 from ...net.records import MAX_ADDRS, ServerRecord, record_key
 from .provider import Provider
 
@@ -29,7 +29,7 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
         start=start,
         end=end,
         dtype=dtype,
-        addrs=tuple(full_addrs(host))[:MAX_ADDRS],  # loopback sorts last: dropped first
+        addrs=tuple(advertised_addrs(host))[:MAX_ADDRS],  # loopback sorts last: dropped first
         expires=time.time() + ttl_s,
         seq=time.time_ns(),
         throughput=throughput,

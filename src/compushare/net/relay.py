@@ -1,0 +1,122 @@
+"""Circuit relay v2 (py-libp2p's CircuitV2Protocol) with CompuShare's quotas.
+
+py-libp2p's relay carries the protocol: reservations, vouchers, the STOP side that
+turns an incoming circuit into a connection. What it lacks is enforced here, in
+three overrides, each asking net/relay_quota.RelayLedger first:
+
+  _handle_reserve   a slot only while this node serves as a relay (publicly
+                    reachable, relaying on), within the reservation quota; the slot
+                    is the connection's own peer's (the message's `peer` field is
+                    not trusted)
+  _handle_connect   a circuit only within the circuit and byte quotas, refused with
+                    RESOURCE_LIMIT_EXCEEDED (NO_RESERVATION when the target holds none)
+  _relay_data       every chunk accounted before it is passed on; over the circuit's
+                    bytes or duration the circuit is reset. It closes only its own
+                    circuit's streams (py-libp2p's closes whatever circuit last
+                    registered under the same peer) and passes a half-close on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.resources import RelayLimits
+
+from .relay_quota import KINDS, RelayLedger, RelayQuotas, Refusal
+
+log = logging.getLogger(__name__)
+
+CHUNK = 64 * 1024
+WRITE_TIMEOUT_S = 15.0
+
+
+class QuotaRelay(CircuitV2Protocol):
+    def __init__(self, host: IHost, quotas: RelayQuotas, *, offer: Callable[[], bool]) -> None:
+        limits = RelayLimits(duration=quotas.circuit_duration_s, data=quotas.circuit_bytes,
+                             max_circuit_conns=quotas.circuits_per_peer, max_reservations=quotas.reservations,
+                             reservation_ttl=quotas.reservation_ttl_s)
+        super().__init__(host, limits=limits, allow_hop=True)
+        self.ledger = RelayLedger(quotas)
+        self.offer = offer  # whether this node relays now (publicly reachable and relaying on)
+        self._circuit_of: dict[int, int] = {}  # id(source stream) -> ledger circuit id
+
+    async def _handle_reserve(self, stream: INetStream, msg) -> None:
+        peer = stream.muxed_conn.peer_id
+        msg.ClearField("peer")  # a slot is for the peer on the connection, never one it names
+        if not self.offer():
+            await self._refuse(stream, StatusCode.PERMISSION_DENIED, "this node does not relay now "
+                               "(not publicly reachable, or relaying is off)")
+            return
+        granted = self.ledger.reserve(peer.to_base58(), trio.current_time())
+        if isinstance(granted, Refusal):
+            await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, granted.reason)
+            return
+        await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg) -> None:
+        src = stream.muxed_conn.peer_id.to_base58()
+        try:
+            dst = ID(msg.peer.id).to_base58()
+        except Exception:
+            await self._refuse(stream, StatusCode.MALFORMED_MESSAGE, "CONNECT names no valid peer")
+            return
+        opened = self.ledger.open(src, dst, trio.current_time())
+        if isinstance(opened, Refusal):
+            code = (StatusCode.RESOURCE_LIMIT_EXCEEDED if opened.kind in KINDS else
+                    StatusCode.NO_RESERVATION if opened.kind == "no_reservation" else StatusCode.PERMISSION_DENIED)
+            await self._refuse(stream, code, opened.reason)
+            return
+        self._circuit_of[id(stream)] = opened
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            self._circuit_of.pop(id(stream), None)
+            self.ledger.close(opened)
+
+    async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
+                          deadline: float | None = None, circuit_data_limit: list[int] | None = None) -> None:
+        circuit = self._circuit_of.get(id(src_stream), self._circuit_of.get(id(dst_stream)))
+        if circuit is None:  # not opened through _handle_connect: nothing accounts for it
+            await _reset(src_stream, dst_stream)
+            return
+        refusal: Refusal | None = None
+        try:
+            with trio.move_on_at(self.ledger.deadline(circuit)) as timer:
+                while True:
+                    data = await src_stream.read(CHUNK)
+                    if not data:
+                        await dst_stream.close()  # the half-close goes on; the other direction may continue
+                        return
+                    refusal = self.ledger.carry(circuit, len(data), trio.current_time())
+                    if refusal is not None:
+                        break
+                    with trio.fail_after(WRITE_TIMEOUT_S):
+                        await dst_stream.write(data)
+            if timer.cancelled_caught:
+                refusal = self.ledger.carry(circuit, 0, trio.current_time())  # counts the duration refusal
+        except Exception as exc:  # a reset or closed end, a stalled writer: the circuit is over
+            log.debug("circuit from %s ends: %s", peer_id, exc)
+        if refusal is not None:
+            log.warning("relay: circuit from %s closed: %s (%s quota)", peer_id, refusal.reason, refusal.kind)
+        await _reset(src_stream, dst_stream)
+
+    async def _refuse(self, stream: INetStream, code: StatusCode, reason: str) -> None:
+        log.info("relay: refused %s: %s", stream.muxed_conn.peer_id, reason)
+        await self._send_status(stream, code, reason)
+        with trio.move_on_after(0.5):  # let the status reach the peer before the reset
+            await stream.read(1)
+        await _reset(stream)
+
+
+async def _reset(*streams: INetStream) -> None:
+    for stream in streams:
+        try:
+            await stream.reset()
+        except Exception:  # already gone
+            pass
