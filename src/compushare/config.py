@@ -159,6 +159,7 @@ class NodeConfig:
     # reachable (AutoNAT), within these quotas (net/relay_quota.py: why these defaults).
     relay: bool = True
     relay_quotas: RelayQuotas = RelayQuotas()
+    hole_punch: bool = True  # DCUtR: upgrade relayed connections to direct ones where the NATs allow
 
     def __post_init__(self) -> None:
         if not (1.0 <= self.ad_period_s <= 20.0):  # net/ads.MIN_AD_PERIOD_S..MAX_AD_PERIOD_S
@@ -187,6 +188,7 @@ class NodeConfig:
             "private": bool(node.get("private", True)),
             "private_preencode": bool(node.get("private_preencode", True)),
             "relay": bool(node.get("relay", True)),
+            "hole_punch": bool(node.get("hole_punch", True)),
         }
         limit_fields = {f.name for f in dataclasses.fields(ServerLimits)}
         limits = ServerLimits(**{k: v for k, v in toml.get("limits", {}).items() if k in limit_fields})

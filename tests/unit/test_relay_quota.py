@@ -55,7 +55,10 @@ def test_bytes_refuse_per_circuit_per_peer_and_in_total_within_a_window():
     assert led.carry(c3, 100, 1.0) is None
     c4 = led.open("s4", "d3", 0.0)
     assert led.carry(c4, 60, 1.0).reason.startswith("this relay moved its 250")
-    assert led.carry(c2, 60, 11.0) is None  # the window moved on
+    assert led.carry(c2, 1, 11.0).kind == "bytes"  # a refused circuit stays refused...
+    assert led.refusals["bytes"] == 3  # ...and is counted once
+    c5 = led.open("s5", "d1", 11.0)
+    assert led.carry(c5, 60, 11.0) is None  # the window moved on
     assert led.relayed_bytes == 260 and led.refusals["bytes"] == 3
 
 

@@ -50,6 +50,9 @@ def node(
     relay: bool = typer.Option(None, "--relay/--no-relay",
                                help="Relay for peers behind NAT while this node is publicly reachable, within the "
                                     "quotas of config.toml's [relay] (default on)."),
+    hole_punch: bool = typer.Option(None, "--hole-punch/--no-hole-punch",
+                                    help="Upgrade relayed connections to direct ones by hole punching (DCUtR) where "
+                                         "the NATs allow (default on; off: connections through relays stay relayed)."),
     debug_slowdown: float = typer.Option(None, hidden=True,
                                          help="Fault injection: make compute this many times slower."),
     debug_noise: float = typer.Option(None, hidden=True,
@@ -77,7 +80,7 @@ def node(
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
                               noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private,
-                              relay=relay)
+                              relay=relay, hole_punch=hole_punch)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))

@@ -140,7 +140,8 @@ class Node:
             traversal = self.traversal = Traversal(
                 host, serve=True, relay=config.relay, quotas=config.relay_quotas,
                 relay_candidates=lambda: relay_candidates(self.view, me, time.time()),
-                own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=net_changed, dht=dht)
+                own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=net_changed, dht=dht,
+                punch=config.hole_punch)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stop_on_signal, nursery.cancel_scope)
                 await nursery.start(traversal.run)

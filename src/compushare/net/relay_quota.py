@@ -41,6 +41,7 @@ class Circuit:
     dst: str
     opened: float
     moved: int = 0  # bytes, both directions
+    refused: Refusal | None = None  # once refused, a circuit stays refused (counted once, not per direction)
 
     def ends(self) -> tuple[str, str]:
         return (self.src, self.dst)
@@ -120,9 +121,24 @@ class RelayLedger:
 
     def carry(self, circuit_id: int, nbytes: int, now: float) -> Refusal | None:
         """Account `nbytes` read from one end of a circuit before they are passed on:
-        None, or a refusal (the circuit must then be closed, the bytes dropped)."""
+        None, or a refusal (the circuit must then be closed, the bytes dropped; it
+        stays refused, and the refusal is counted once)."""
         circuit = self._circuits[circuit_id]
-        if now >= self.deadline(circuit_id):
+        if circuit.refused is None:
+            circuit.refused = self._over(circuit, nbytes, now)
+        if circuit.refused is not None:
+            return circuit.refused
+        circuit.moved += nbytes
+        self.relayed_bytes += nbytes
+        for peer in set(circuit.ends()):
+            self._peer_window.setdefault(peer, collections.deque()).append((now, nbytes))
+            self._peer_sum[peer] += nbytes
+        self._total_window.append((now, nbytes))
+        self._total_sum += nbytes
+        return None
+
+    def _over(self, circuit: Circuit, nbytes: int, now: float) -> Refusal | None:
+        if now >= circuit.opened + self.quotas.circuit_duration_s:
             return self._refuse("duration", f"circuit open for its {self.quotas.circuit_duration_s} s")
         if circuit.moved + nbytes > self.quotas.circuit_bytes:
             return self._refuse("bytes", f"circuit moved its {self.quotas.circuit_bytes} bytes")
@@ -132,13 +148,6 @@ class RelayLedger:
                 return self._refuse("bytes", f"{peer} moved its {self.quotas.peer_bytes} bytes of this window")
         if self._total_sum + nbytes > self.quotas.total_bytes:
             return self._refuse("bytes", f"this relay moved its {self.quotas.total_bytes} bytes of this window")
-        circuit.moved += nbytes
-        self.relayed_bytes += nbytes
-        for peer in set(circuit.ends()):
-            self._peer_window.setdefault(peer, collections.deque()).append((now, nbytes))
-            self._peer_sum[peer] += nbytes
-        self._total_window.append((now, nbytes))
-        self._total_sum += nbytes
         return None
 
     def close(self, circuit_id: int) -> None:

@@ -197,11 +197,12 @@ class Traversal:
                  relay_candidates: Callable[[], Sequence[RelayCandidate]] = lambda: (),
                  own_addrs: Callable[[], list[str]] = lambda: [], max_addrs: int = 8,
                  on_change: Callable[[], None] = lambda: None, want_relays: int = WANT_RELAYS,
-                 confirmations: int = 3, dht=None) -> None:
+                 confirmations: int = 3, dht=None, punch: bool = True) -> None:
         self.host, self.serve, self.relaying = host, serve, relay
         self.relay_candidates, self.own_addrs, self.max_addrs = relay_candidates, own_addrs, max_addrs
         self.on_change, self.want_relays = on_change, want_relays
         self.dht = dht  # a node's KadDHT: served only while this node is dialable
+        self.punch = punch  # hole punching (DCUtR) on: off, every connection to a NAT'd peer stays relayed
         self.verdicts = Verdicts(confirmations=confirmations)
         self.protocol: CircuitV2Protocol = (QuotaRelay(host, quotas, offer=self.offers_relay) if serve
                                             else CircuitV2Protocol(host, allow_hop=False))
@@ -233,7 +234,7 @@ class Traversal:
 
     def stats(self) -> dict:
         out = {"reachability": self.status, "relays": sorted(self.held), "relayed_dials": self.relayed_dials,
-               "punched": self.punched, "relay_offered": self.offers_relay()}
+               "punched": self.punched, "hole_punching": self.punch, "relay_offered": self.offers_relay()}
         if isinstance(self.protocol, QuotaRelay):
             out["relay"] = self.protocol.ledger.stats()
         return out
@@ -241,8 +242,10 @@ class Traversal:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         _BY_HOST[id(self.host)] = self
         try:
-            async with background_trio_service(self.protocol), background_trio_service(self.dcutr), \
+            async with background_trio_service(self.protocol), contextlib.AsyncExitStack() as stack, \
                     trio.open_nursery() as nursery:
+                if self.punch:
+                    await stack.enter_async_context(background_trio_service(self.dcutr))
                 self._nursery = nursery
                 if self.serve:
                     nursery.start_soon(self._reachability_loop)
@@ -271,7 +274,7 @@ class Traversal:
         else:
             raise ConnectionError(f"no relay reached {peer_id}: {failure}")
         self.dcutr.behind_nat.add(peer_id)
-        if self._nursery is None:
+        if self._nursery is None or not self.punch:
             return
         # Both ends drive the punch (py-libp2p's DCUtR also tries every relayed peer
         # every 2 s); whichever gets through first gives the direct connection.
