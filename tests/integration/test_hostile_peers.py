@@ -23,6 +23,7 @@ import msgpack
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.host.autonat.autonat import AUTONAT_PROTOCOL_ID as AUTONAT_PROTOCOL
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.identity.identify.identify import ID as IDENTIFY_PROTOCOL
 from libp2p.identity.identify.pb.identify_pb2 import Identify
@@ -33,6 +34,9 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11 as GOSSIP_PROTOCOL
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.utils.varint import encode_uvarint
 
 from compushare.errors import FrameError
@@ -59,7 +63,9 @@ GENERATION_TIMEOUT_S = 120.0
 FLOOD_STREAMS = 16  # stalled streams per protocol at once (more than py-libp2p's 12 DHT handlers)
 
 FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL)
-VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL)
+# NAT traversal (revision 14): AutoNAT, circuit relay v2's hop and stop, DCUtR.
+VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL, AUTONAT_PROTOCOL, HOP_PROTOCOL, STOP_PROTOCOL,
+          DCUTR_PROTOCOL)
 EVERY_PROTOCOL = {*FRAMED, *VARINT, PING_PROTOCOL, IDENTIFY_PROTOCOL}
 
 

@@ -23,7 +23,7 @@ from compushare.net.ads import (
     make_ad,
     parse_ad,
 )
-from compushare.net.view import SwarmView, coverage
+from compushare.net.view import SwarmView, coverage, relay_candidates
 
 MODEL = "ab" * 32
 NOW = 1_700_000_000.0
@@ -71,6 +71,28 @@ def test_round_trip():
     assert parsed == made
     assert parsed.serving_of(MODEL) == [SPAN] and parsed.serving_of("cd" * 32) == []
     assert SPAN.step_s(10) == pytest.approx(0.25) and dataclasses.replace(SPAN, block_rate=0).step_s(3) is None
+
+
+def test_reachability_rides_the_ad_and_an_older_ad_without_it_still_parses():
+    made = ad(reach="public", relay=True)
+    parsed = parse_ad(made.raw, sender=peer_of(ALICE), now=NOW + 1)
+    assert (parsed.reach, parsed.relay) == ("public", True)
+    old = body_of(made.raw)
+    del old["net"]  # revision 13's ads
+    parsed = parse_ad(seal(ALICE, old), sender=peer_of(ALICE), now=NOW + 1)
+    assert (parsed.reach, parsed.relay) == ("unknown", False)
+
+
+def test_relay_candidates_are_public_relaying_peers_with_their_direct_addresses():
+    view = SwarmView()
+    relay = ad(BOB, reach="public", relay=True,
+               addrs=("/ip4/10.0.0.2/tcp/1", f"/ip4/10.0.0.3/tcp/1/p2p/{peer_of(ALICE)}/p2p-circuit/p2p/x"))
+    natd = ad(keypair(3), reach="private", relay=False)
+    not_relaying = ad(keypair(4), reach="public", relay=False)
+    for made in (relay, natd, not_relaying, ad(ALICE, reach="public", relay=True)):
+        assert view.offer(made, now=NOW + 1).accepted
+    found = relay_candidates(view, me=peer_of(ALICE), now=NOW + 1)
+    assert [(c.peer_id, c.addrs) for c in found] == [(peer_of(BOB), ("/ip4/10.0.0.2/tcp/1",))]
 
 
 def test_relayed_ad_is_checked_against_its_own_peer():
@@ -124,6 +146,10 @@ def test_expired_future_and_overlong_ads_are_rejected():
     ({"serves": [SPAN.to_wire() | {"free": -1}]}, "free"),
     ({"serves": [SPAN.to_wire() | {"bonus": 1}]}, "exactly"),
     ({"serves": ["x"]}, "exactly"),
+    ({"net": {"reach": "public"}}, "net"),
+    ({"net": {"reach": "behind", "relay": False}}, "net"),
+    ({"net": {"reach": "public", "relay": 1}}, "net"),
+    ({"net": "public"}, "net"),
 ])
 def test_malformed_ads_are_rejected(change, message):
     assert message in rejected(seal(ALICE, body_of(ad().raw) | change))

@@ -62,6 +62,8 @@ def summarize(view: SwarmView, data_dir: Path, local: dict | None, *, now: float
             "age_s": round(max(0.0, now - ad.sent), 1),
             "serving": [s.to_wire() for s in ad.serving],
             "private": any(s.private_rate > 0 for s in ad.serving),  # serves encrypted (private) sessions
+            "reach": ad.reach,  # its own AutoNAT's verdict: public, private (behind NAT) or unknown
+            "relay": ad.relay,  # relays for NAT'd peers
         })
     store = ModelStore(data_dir)
     models = {}
@@ -140,6 +142,21 @@ def private_line(stats: dict | None) -> str:
             f"restarts, {stats['held_mb']:.1f} MB held")
 
 
+def net_line(net: dict) -> str:
+    """This node's reachability, relays held and relaying, in one line."""
+    reach = net.get("reachability", "unknown")
+    line = {"public": "publicly reachable", "private": "behind NAT",
+            "unknown": "reachability not known yet"}.get(reach, reach)
+    if net.get("relays"):
+        line += f", reachable through {len(net['relays'])} relays"
+    relay = net.get("relay")
+    if net.get("relay_offered") and relay:
+        refused = sum(relay.get("refusals", {}).values())
+        line += (f"; relays for {relay.get('reservations', 0)} peers, {relay.get('circuits_open', 0)} circuits open, "
+                 f"{relay.get('relayed_bytes', 0) / 1e6:.1f} MB relayed, {refused} refusals over quota")
+    return line
+
+
 def render(status: dict, console) -> None:
     """Human-readable status with rich: peers, then one bar per block per model.
     Text from ads (versions, GPU names) is a peer's: escaped, never markup."""
@@ -156,9 +173,11 @@ def render(status: dict, console) -> None:
                       f"tokens served, API {daemon.get('api')}", highlight=False)
         if "private" in daemon:
             console.print(f"  {private_line(daemon['private'])}", highlight=False)
+        if daemon.get("net"):
+            console.print(f"  {net_line(daemon['net'])}", highlight=False)
     table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
-    for column in ("peer", "karma", "serves", "private", "free KV", "load", "blocks/s", "hardware", "version",
-                   "ad age"):
+    for column in ("peer", "karma", "reach", "serves", "private", "free KV", "load", "blocks/s", "hardware",
+                   "version", "ad age"):
         table.add_column(column)
     for peer in status["peers"]:
         hw = peer["hardware"]
@@ -167,6 +186,7 @@ def render(status: dict, console) -> None:
             table.add_row(
                 peer["peer_id"][-12:] if index == 0 else "",
                 (f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?") if index == 0 else "",
+                (peer.get("reach", "unknown") + (", relays" if peer.get("relay") else "")) if index == 0 else "",
                 f"{s['model'][:8]} {s['start']}:{s['end']} {s['state']}" if s else "-",
                 ("yes" if s.get("priv", 0) > 0 else "no") if s else "",
                 str(s["free"]) if s else "",

@@ -14,6 +14,8 @@ three overrides, each asking net/relay_quota.RelayLedger first:
                     bytes or duration the circuit is reset. It closes only its own
                     circuit's streams (py-libp2p's closes whatever circuit last
                     registered under the same peer) and passes a half-close on.
+
+and a fourth, `_handle_hop_stream`, that never leaves a HOP stream open after it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class QuotaRelay(CircuitV2Protocol):
         self.ledger = RelayLedger(quotas)
         self.offer = offer  # whether this node relays now (publicly reachable and relaying on)
         self._circuit_of: dict[int, int] = {}  # id(source stream) -> ledger circuit id
+
+    async def _handle_hop_stream(self, stream: INetStream) -> None:
+        # py-libp2p's handler leaves the stream open when it stops on a malformed
+        # message, and a peer could keep such streams parked on the node.
+        try:
+            await super()._handle_hop_stream(stream)
+        finally:
+            await _reset(stream)
 
     async def _handle_reserve(self, stream: INetStream, msg) -> None:
         peer = stream.muxed_conn.peer_id

@@ -242,10 +242,11 @@ class Traversal:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         _BY_HOST[id(self.host)] = self
         try:
-            async with background_trio_service(self.protocol), contextlib.AsyncExitStack() as stack, \
-                    trio.open_nursery() as nursery:
+            async with contextlib.AsyncExitStack() as services:
+                await services.enter_async_context(background_trio_service(self.protocol))
                 if self.punch:
-                    await stack.enter_async_context(background_trio_service(self.dcutr))
+                    await services.enter_async_context(background_trio_service(self.dcutr))
+                nursery = await services.enter_async_context(trio.open_nursery())
                 self._nursery = nursery
                 if self.serve:
                     nursery.start_soon(self._reachability_loop)

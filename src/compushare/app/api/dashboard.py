@@ -25,11 +25,12 @@ DASHBOARD_HTML = """<!doctype html>
  <tr><th>throughput</th><td id="throughput"></td></tr>
  <tr><th>API</th><td id="api"></td></tr>
  <tr><th>private sessions</th><td id="private"></td></tr>
+ <tr><th>reachability</th><td id="reach"></td></tr>
 </tbody></table>
 <h2>Coverage</h2><div id="coverage"></div>
 <h2>Peers</h2>
 <table><thead><tr><th>peer</th><th>karma</th><th>serves</th><th>state</th><th>load</th><th>free KV</th>
-<th>version</th><th>private</th></tr></thead><tbody id="peers"></tbody></table>
+<th>version</th><th>private</th><th>reach</th></tr></thead><tbody id="peers"></tbody></table>
 <h2>Downloads</h2><div id="downloads"></div>
 <script>
 "use strict";
@@ -55,6 +56,10 @@ function render(d) {
   set("private", pv ? "served: " + pv.sessions + " sessions, " + pv.requests + " encrypted requests, " +
       pv.compute_s.toFixed(1) + " s of HE compute, " +
       Object.values(pv.refused || {}).reduce((a, b) => a + b, 0) + " refused" : "not served");
+  const net = n.net;
+  set("reach", net ? net.reachability + (net.relays && net.relays.length ? ", through " + net.relays.length +
+      " relays" : "") + (net.relay_offered && net.relay ? "; relaying " + net.relay.circuits_open +
+      " circuits, " + (net.relay.relayed_bytes / 1e6).toFixed(1) + " MB relayed" : "") : "?");
   const coverage = document.getElementById("coverage");
   coverage.replaceChildren();
   for (const [id, m] of Object.entries(d.models)) {
@@ -75,7 +80,8 @@ function render(d) {
     row.append(el("td", p.peer_id), el("td", p.karma == null ? "?" : p.karma.toFixed(3)),
                el("td", s ? s.start + ":" + s.end : "-"), el("td", s ? s.state : "-"),
                el("td", s ? Math.round(s.load * 100) + "%" : ""), el("td", s ? s.free : ""), el("td", p.version),
-               el("td", p.private ? "yes" : "no", "private"));
+               el("td", p.private ? "yes" : "no", "private"),
+               el("td", (p.reach || "unknown") + (p.relay ? ", relays" : ""), "reach"));
     peers.append(row);
   }
   const downloads = document.getElementById("downloads");

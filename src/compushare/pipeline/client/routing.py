@@ -8,6 +8,7 @@ import heapq
 import statistics
 
 from ...errors import RouteError
+from ...net.reachability import is_circuit
 from ...net.records import ServerRecord
 
 TIE_QUANTUM_S = 0.0005  # expected times this close are a tie, broken by karma
@@ -130,9 +131,13 @@ def describe_route(hops: list[Hop]) -> list[str]:
     """One line per hop saying why it was chosen (for --verbose)."""
     lines = []
     for index, hop in enumerate(hops, 1):
+        # A NAT'd server advertises its circuits first; its ping was measured on the
+        # connection its session uses (through the relay, or hole-punched).
+        natd = ", behind NAT (relayed, or hole-punched)" if hop.record.addrs and is_circuit(hop.record.addrs[0]) \
+            else ""
         lines.append(
             f"hop {index}: {hop.peer_id} blocks {hop.start}:{hop.end}: ping {hop.rtt_s * 1000:.1f} ms, "
-            f"compute ~{hop.compute_s * 1000:.1f} ms, expected {hop.expected_s * 1000:.1f} ms"
+            f"compute ~{hop.compute_s * 1000:.1f} ms, expected {hop.expected_s * 1000:.1f} ms{natd}"
         )
     total = sum(h.expected_s for h in hops)
     lines.append(f"expected {total * 1000:.0f} ms per token through {len(hops)} hops")
