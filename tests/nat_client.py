@@ -18,9 +18,16 @@ from compushare.net.dial import peer_info
 from compushare.net.reachability import is_circuit
 from compushare.net.traversal import traversal_of
 from compushare.pipeline.client.consumer import Consumer, RunRequest
+from compushare.pipeline.client.discovery import discover_servers
 from compushare.pipeline.client.sampling import SamplingParams
+from compushare.torrent.fetch import fetch_model
+from compushare.torrent.storage import Library
 
 DIRECT_TRY_S = 3.0
+
+
+async def _only(info):
+    return [info]
 
 
 async def main(args) -> dict:
@@ -40,6 +47,14 @@ async def main(args) -> dict:
             except BaseException as exc:  # noqa: BLE001  (TooSlowError, or py-libp2p's dial errors)
                 out["direct_dial"] = f"failed: {type(exc).__name__} after {time.monotonic() - began:.1f}s"
             host.get_network().unblock_peer(target)
+        if args.fetch_from:
+            # Pieces from the target alone (at the addresses its record gives: its relays).
+            library = Library(Path(args.data_dir) / "fetched")
+            records = await discover_servers(consumer.dht, consumer.model.model_id, consumer.model.num_blocks)
+            record = next(r for r in records if r.peer_id == args.target)
+            fetched = await fetch_model(host, library, consumer.model.model_id,
+                                        lambda: _only(peer_info(record.peer_id, record.addrs)), head=True)
+            out["fetched"] = {"bytes": fetched.bytes, "from": fetched.bytes_from}
         began = time.perf_counter()
         outcome = await consumer.generate(RunRequest(
             model=args.model, prompt=[int(t) for t in args.prompt.split(",")], direct=not args.no_direct,
@@ -64,4 +79,5 @@ if __name__ == "__main__":
     parser.add_argument("--target", default=None, help="a peer id whose connection is reported")
     parser.add_argument("--try-direct", action="append", default=[], help="an address of --target to dial first")
     parser.add_argument("--no-direct", action="store_true")
+    parser.add_argument("--fetch-from", action="store_true", help="first fetch the model's head pieces from --target")
     print(json.dumps(trio.run(main, parser.parse_args())), flush=True)

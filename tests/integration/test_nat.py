@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,7 +55,7 @@ def wait_for(what: str, check, timeout: float) -> float:
 
 
 def consume(lab, model, tmp: Path, host: int, name: str, boot: list[str], target: str, *, listen: str | None,
-            try_direct: list[str] = ()) -> dict:
+            try_direct: list[str] = (), fetch: bool = False) -> dict:
     data_dir = tmp / name
     import_path(model, data_dir, alias="tiny")
     cmd = [sys.executable, str(CLIENT), "--data-dir", str(data_dir), "--prompt", ",".join(map(str, PROMPT)),
@@ -65,6 +64,8 @@ def consume(lab, model, tmp: Path, host: int, name: str, boot: list[str], target
         cmd += ["--listen", listen]
     for addr in try_direct:
         cmd += ["--try-direct", addr]
+    if fetch:
+        cmd += ["--fetch-from"]
     done = lab.run(host, cmd, capture_output=True, text=True, timeout=180,
                    env=dict(os.environ, COMPUSHARE_HOME=str(data_dir)))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -120,8 +121,10 @@ def test_a_provider_behind_nat_serves_through_relays_and_hole_punching(processes
         port = own[0].split("/tcp/")[1].split("/")[0]
         natd_pair = consume(lab, tiny_model, tmp_path, NATD_CONSUMER, "d1", boot, target,
                             listen=f"/ip4/{lab.addr(NATD_CONSUMER)}/tcp/0",
-                            try_direct=own + [f"/ip4/{lab.seen_addr(PROVIDER)}/tcp/{port}"])
+                            try_direct=own + [f"/ip4/{lab.seen_addr(PROVIDER)}/tcp/{port}"], fetch=True)
         assert natd_pair["direct_dial"].startswith("failed"), natd_pair["direct_dial"]
+        # The NAT'd provider seeds too: the model's head pieces came from it alone.
+        assert natd_pair["fetched"]["bytes"] > 0 and list(natd_pair["fetched"]["from"]) == [target]
         assert natd_pair["tokens"] == expected
         assert "direct" in natd_pair["to_target"] and natd_pair["net"]["punched"] >= 1
 

@@ -57,3 +57,17 @@ def test_bad_toml_and_span(tmp_path):
     for text in ("3:3", "5:2", "a:b", "7"):
         with pytest.raises(UsageError):
             Span.parse(text)
+
+
+def test_relay_quotas_and_switches_come_from_toml_and_flags(tmp_path):
+    (tmp_path / "config.toml").write_text('[node]\nrelay = false\nhole_punch = false\n[relay]\ncircuits = 3\n')
+    config = NodeConfig.build(tmp_path)
+    assert config.relay is False and config.hole_punch is False
+    assert config.relay_quotas.circuits == 3 and config.relay_quotas.reservations == 32  # the rest: defaults
+    assert NodeConfig.build(tmp_path, relay=True, hole_punch=True).relay is True
+    (tmp_path / "config.toml").write_text("[relay]\ncircuit = 3\n")
+    with pytest.raises(UsageError, match="unknown quota 'circuit'"):
+        NodeConfig.build(tmp_path)
+    (tmp_path / "config.toml").write_text("[relay]\ncircuits = 0\n")
+    with pytest.raises(UsageError, match="circuits must be positive"):
+        NodeConfig.build(tmp_path)

@@ -51,7 +51,10 @@ class Torrent:
                 found[ad.peer_id] = peer_info(ad.peer_id, ad.addrs)
         if self.dht is not None:
             for peer_id, info in (await find_provider_infos_fresh(self.dht, seed_key(model_id))).items():
-                found.setdefault(peer_id.to_string(), info)
+                # A provider record keeps the addresses its peer had when it announced;
+                # the peer's own ad has where to reach it now (behind NAT: its relays).
+                ad = self.view.get(peer_id.to_string(), time.time()) if self.view is not None else None
+                found.setdefault(peer_id.to_string(), peer_info(ad.peer_id, ad.addrs) if ad is not None else info)
         found.pop(self.host.get_id().to_string(), None)
         return list(found.values())
 
