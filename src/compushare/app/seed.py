@@ -22,6 +22,7 @@ from ..net.gossip import learn_views
 from ..net.host import full_addrs
 from ..net.identity import load_or_create_identity
 from ..net.peer import open_swarm_host
+from ..net.traversal import client_traversal
 from ..net.view import SwarmView
 from ..runtime import stop_on_signal, write_state
 from ..torrent.fetch import FetchResult, Progress
@@ -37,7 +38,8 @@ async def fetch_from_swarm(data_dir: Path, bootstrap, model_id: str, *, blocks: 
     peers we are connected to while the download runs."""
     key_pair = load_or_create_identity(data_dir)
     async with open_swarm_host(key_pair, server=False, validators=karma_validators(),
-                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap) as swarm:
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap) as swarm, \
+            client_traversal(swarm.host):  # seeders behind NAT: through their relays
         view = SwarmView()
         with trio.move_on_after(5):
             await learn_views(swarm.host, view)

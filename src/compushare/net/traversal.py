@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import multiaddr
 import trio
@@ -71,6 +71,8 @@ RESERVE_TIMEOUT_S = 10.0
 REFRESH_AT = 0.8  # share of a reservation's lifetime after which it is renewed
 DCUTR_DIAL_TIMEOUT_S = 3  # each direct dial of a hole punch (py-libp2p: 10 s)
 CIRCUIT_DIAL_TIMEOUT_S = 10.0
+PROTECT_TAG = "compushare-relay"  # connections to our relays are never pruned by the connection manager
+BEHIND_NAT_MEMORY = 4096  # peers remembered as NAT'd (their private addresses are not dialled first)
 # After reaching a peer through its relay, how long a dial waits for the hole punch
 # before the caller opens its streams (on the relayed connection if the punch is not
 # done by then): a punch takes a few round trips, or one SYN retransmission (1 s) when
@@ -84,6 +86,17 @@ _BY_HOST: dict[int, Traversal] = {}
 
 def traversal_of(host: IHost) -> Traversal | None:
     return _BY_HOST.get(id(host))
+
+
+@contextlib.asynccontextmanager
+async def client_traversal(host: IHost) -> AsyncIterator[Traversal]:
+    """A short-lived client's traversal (`run`, `chat`, `models fetch`): it reaches
+    NAT'd peers through their relays and hole-punches; it neither relays nor reserves."""
+    async with trio.open_nursery() as nursery:
+        traversal = Traversal(host, serve=False)
+        await nursery.start(traversal.run)
+        yield traversal
+        nursery.cancel_scope.cancel()
 
 
 async def dial_back(host: IHost, peer_id: ID, addr: multiaddr.Multiaddr) -> bool:
@@ -274,6 +287,8 @@ class Traversal:
                 failure = exc
         else:
             raise ConnectionError(f"no relay reached {peer_id}: {failure}")
+        if len(self.dcutr.behind_nat) >= BEHIND_NAT_MEMORY:
+            self.dcutr.behind_nat.clear()
         self.dcutr.behind_nat.add(peer_id)
         if self._nursery is None or not self.punch:
             return
@@ -321,7 +336,8 @@ class Traversal:
             if self.status != before:
                 log.info("reachability: %s (AutoNAT, %d servers asked)", self.status, len(ask))
                 if self.status != PRIVATE:
-                    self.held.clear()
+                    for relay in list(self.held):
+                        self._drop(relay)
                 if self.dht is not None:
                     # Peers would put a NAT'd node's unreachable addresses in their routing
                     # tables and wait on them in every look-up: it serves the DHT no more.
@@ -356,7 +372,7 @@ class Traversal:
             for relay, (expiry, ttl, _addrs) in list(self.held.items()):
                 if not connected.get(ID.from_base58(relay)) or expiry <= now:
                     log.warning("relay %s lost: finding another", relay)
-                    del self.held[relay]
+                    self._drop(relay)
                     self._avoid[relay] = now + RELAY_AVOID_S
                     changed = True
                 elif expiry - now < (1 - REFRESH_AT) * ttl:
@@ -370,6 +386,11 @@ class Traversal:
                     self._avoid[candidate.peer_id] = trio.current_time() + RELAY_AVOID_S
             if changed:
                 self.on_change()
+
+    def _drop(self, relay: str) -> None:
+        del self.held[relay]
+        with contextlib.suppress(Exception):
+            self.host.get_network().unprotect(ID.from_base58(relay), PROTECT_TAG)
 
     async def _reserve(self, relay: str, addrs: list[str]) -> bool:
         from .dial import dial  # noqa: PLC0415  (dial imports this module)
@@ -394,6 +415,8 @@ class Traversal:
         ttl = max(60.0, expires_unix - time.time())
         relay_addrs = [a for a in addrs if not is_circuit(a)]
         self._relay_addrs[relay] = relay_addrs
+        with contextlib.suppress(Exception):  # the slot lives as long as this connection: never prune it
+            self.host.get_network().protect(peer, PROTECT_TAG)
         self.held[relay] = (trio.current_time() + ttl, ttl, circuit_addrs(relay, relay_addrs, self.host.get_id().to_base58()))
         log.info("reserved a relay slot on %s for %.0f s", relay, ttl)
         return True

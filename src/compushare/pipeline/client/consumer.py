@@ -24,7 +24,7 @@ from ...net.gossip import learn_views
 from ...net.identity import load_or_create_identity
 from ...net.peer import open_swarm_host
 from ...net.records import ServerRecord
-from ...net.traversal import Traversal
+from ...net.traversal import client_traversal
 from ...net.view import SwarmView
 from .chain import Failover, open_chain
 from .detokenize import IncrementalDetokenizer
@@ -339,10 +339,8 @@ class Consumer:
         key_pair = load_or_create_identity(data_dir)
         async with open_swarm_host(key_pair, server=False, validators=karma_validators(),
                                    listen=list(listen) or ["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
-                                   join=False) as swarm, trio.open_nursery() as services:
+                                   join=False) as swarm, client_traversal(swarm.host):
             host, dht = swarm.host, swarm.dht
-            # Servers behind NAT are reached through their relays, then hole-punched.
-            await services.start(Traversal(host, serve=False).run)
             # Joining the swarm and loading the local parts overlap: both take seconds.
             unreachable: SwarmUnreachable | None = None
             async with trio.open_nursery() as nursery:
@@ -363,7 +361,6 @@ class Consumer:
                     raise loaded["error"]
             yield cls(host, dht, data_dir, loaded["model"], loaded["tokenizer"], loaded["head"],
                       spot_check_rate=spot_check_rate)
-            services.cancel_scope.cancel()
 
     async def generate(self, request: RunRequest, *, on_text: Callable[[str], None] = lambda _t: None,
                        on_route: Callable[[list[Hop]], None] = lambda _r: None,
