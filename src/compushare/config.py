@@ -114,8 +114,8 @@ class RelayQuotas:
 
     reservations: int = 32  # peers holding a slot at once (one slot per peer)
     reservation_ttl_s: int = 3600  # refreshed by the holder before it lapses
-    circuits_per_peer: int = 8  # open circuits a peer is an end of
-    circuits: int = 64  # open circuits in total
+    circuits_per_peer: int = 16  # open circuits a peer is an end of (a NAT'd server: its unpunched consumers)
+    circuits: int = 128  # open circuits in total
     circuit_bytes: int = 256 * MiB  # both directions of one circuit
     circuit_duration_s: int = 3600
     peer_bytes: int = 1024 * MiB  # through circuits a peer is an end of, per window

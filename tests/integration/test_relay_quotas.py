@@ -109,3 +109,11 @@ async def check_quotas(relay_host, target_host, c1_host, target, second, c1, c2,
     stats = ledger.stats()
     assert stats["refusals"] == {"reservation": 1, "circuit": 1, "bytes": 1, "duration": 1}, stats
     assert stats["relayed_bytes"] >= 256 * 1024 - 65536 and stats["circuits_open"] == 0
+
+    # An end that hangs up frees its circuit (and its quota) at once, whatever the other end does.
+    await c1.transport.dial(circuit(relay_host, target_host))
+    assert ledger.stats()["circuits_open"] == 1
+    await c1_host.disconnect(target_host.get_id())
+    with trio.fail_after(10):
+        while ledger.stats()["circuits_open"]:
+            await trio.sleep(0.05)

@@ -201,7 +201,7 @@ def _trim_idle_connections(self, peer_id) -> None:
         if isinstance(created, (int, float)) and now - created < self.connection_config.grace_period:
             continue
         with contextlib.suppress(Exception):
-            if conn.get_streams():
+            if conn.get_streams() or self.tag_store.is_protected(peer_id):
                 continue
         idle.append(conn)
     idle.sort(key=lambda conn: getattr(conn, "_created_at", 0.0) or 0.0)

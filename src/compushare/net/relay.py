@@ -20,6 +20,7 @@ and a fourth, `_handle_hop_stream`, that never leaves a HOP stream open after it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 WRITE_TIMEOUT_S = 15.0
+HALF_CLOSE_GRACE_S = 5.0  # after one end closes its side, the other has this long to finish
 
 
 class QuotaRelay(CircuitV2Protocol):
@@ -47,6 +49,8 @@ class QuotaRelay(CircuitV2Protocol):
         self.ledger = RelayLedger(quotas)
         self.offer = offer  # whether this node relays now (publicly reachable and relaying on)
         self._circuit_of: dict[int, int] = {}  # id(source stream) -> ledger circuit id
+        self._directions: dict[int, list[trio.CancelScope]] = {}  # circuit -> its two relaying directions
+        self._half_closed: set[int] = set()  # circuits one end of which has closed its side
 
     async def _handle_hop_stream(self, stream: INetStream) -> None:
         # py-libp2p's handler leaves the stream open when it stops on a malformed
@@ -63,6 +67,12 @@ class QuotaRelay(CircuitV2Protocol):
             await self._refuse(stream, StatusCode.PERMISSION_DENIED, "this node does not relay now "
                                "(not publicly reachable, or relaying is off)")
             return
+        # A slot lives only as long as its holder's connection (the spec's rule): the
+        # slots of peers that left are free again before the quota is checked.
+        connections = self.host.get_network().connections
+        for holder in list(self.ledger.reservations):
+            if not connections.get(ID.from_base58(holder)):
+                self.ledger.release_reservation(holder)
         granted = self.ledger.reserve(peer.to_base58(), trio.current_time())
         if isinstance(granted, Refusal):
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, granted.reason)
@@ -70,6 +80,9 @@ class QuotaRelay(CircuitV2Protocol):
         await super()._handle_reserve(stream, msg)
 
     async def _handle_connect(self, stream: INetStream, msg) -> None:
+        if not self.offer():
+            await self._refuse(stream, StatusCode.PERMISSION_DENIED, "this node does not relay now")
+            return
         src = stream.muxed_conn.peer_id.to_base58()
         try:
             dst = ID(msg.peer.id).to_base58()
@@ -87,7 +100,14 @@ class QuotaRelay(CircuitV2Protocol):
             await super()._handle_connect(stream, msg)
         finally:
             self._circuit_of.pop(id(stream), None)
+            self._directions.pop(opened, None)
+            self._half_closed.discard(opened)
             self.ledger.close(opened)
+            # py-libp2p's own _relay_data (replaced here) was the only one to forget
+            # the circuits its _handle_connect registers: each held a dead connection.
+            for peer in (stream.muxed_conn.peer_id, ID(msg.peer.id)):
+                if self._active_relays.get(peer, (None,))[0] is stream:
+                    del self._active_relays[peer]
 
     async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
                           deadline: float | None = None, circuit_data_limit: list[int] | None = None) -> None:
@@ -96,22 +116,33 @@ class QuotaRelay(CircuitV2Protocol):
             await _reset(src_stream, dst_stream)
             return
         refusal: Refusal | None = None
+        scope = trio.CancelScope(deadline=self.ledger.deadline(circuit))
+        self._directions.setdefault(circuit, []).append(scope)
         try:
-            with trio.move_on_at(self.ledger.deadline(circuit)) as timer:
+            with scope:
                 while True:
                     data = await src_stream.read(CHUNK)
                     if not data:
-                        await dst_stream.close()  # the half-close goes on; the other direction may continue
+                        # The half-close goes on; the other direction may still finish, within
+                        # HALF_CLOSE_GRACE_S (a peer that never closes its side would hold the
+                        # circuit, and its quota, for good).
+                        await dst_stream.close()
+                        self._half_closed.add(circuit)
+                        for other in self._directions.get(circuit, ()):
+                            other.deadline = min(other.deadline, trio.current_time() + HALF_CLOSE_GRACE_S)
                         return
                     refusal = self.ledger.carry(circuit, len(data), trio.current_time())
                     if refusal is not None:
                         break
                     with trio.fail_after(WRITE_TIMEOUT_S):
                         await dst_stream.write(data)
-            if timer.cancelled_caught:
+            if scope.cancelled_caught and circuit not in self._half_closed:
                 refusal = self.ledger.carry(circuit, 0, trio.current_time())  # counts the duration refusal
         except Exception as exc:  # a reset or closed end, a stalled writer: the circuit is over
             log.debug("circuit from %s ends: %s", peer_id, exc)
+        finally:
+            with contextlib.suppress(ValueError):
+                self._directions.get(circuit, []).remove(scope)
         if refusal is not None:
             log.warning("relay: circuit from %s closed: %s (%s quota)", peer_id, refusal.reason, refusal.kind)
         await _reset(src_stream, dst_stream)

@@ -131,9 +131,9 @@ class RelayLedger:
         circuit.moved += nbytes
         self.relayed_bytes += nbytes
         for peer in set(circuit.ends()):
-            self._peer_window.setdefault(peer, collections.deque()).append((now, nbytes))
+            _add(self._peer_window.setdefault(peer, collections.deque()), now, nbytes)
             self._peer_sum[peer] += nbytes
-        self._total_window.append((now, nbytes))
+        _add(self._total_window, now, nbytes)
         self._total_sum += nbytes
         return None
 
@@ -185,3 +185,13 @@ class RelayLedger:
             "relayed_bytes": self.relayed_bytes,
             "refusals": {kind: self.refusals[kind] for kind in KINDS},
         }
+
+
+def _add(window: collections.deque, now: float, nbytes: int) -> None:
+    """Bytes into a sliding window in one-second buckets: its length is bounded by
+    the window's seconds, however small the chunks a peer sends."""
+    second = float(int(now))
+    if window and window[-1][0] == second:
+        window[-1] = (second, window[-1][1] + nbytes)
+    else:
+        window.append((second, nbytes))

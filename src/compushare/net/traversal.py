@@ -23,7 +23,9 @@ tries each relayed peer every 2 s), and new streams prefer the direct connection
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -70,6 +72,7 @@ RELAY_AVOID_S = 60.0  # a relay that refused or was lost is not asked again for 
 RESERVE_TIMEOUT_S = 10.0
 REFRESH_AT = 0.8  # share of a reservation's lifetime after which it is renewed
 DCUTR_DIAL_TIMEOUT_S = 3  # each direct dial of a hole punch (py-libp2p: 10 s)
+MAX_PUNCH_ADDRS = 4  # addresses of a peer a hole punch dials at most
 CIRCUIT_DIAL_TIMEOUT_S = 10.0
 PROTECT_TAG = "compushare-relay"  # connections to our relays are never pruned by the connection manager
 BEHIND_NAT_MEMORY = 4096  # peers remembered as NAT'd (their private addresses are not dialled first)
@@ -82,6 +85,7 @@ PUNCH_MARGIN_S = 0.5
 RELAY_CLOSE_GRACE_S = 10.0  # after a punch, the relayed connection lives on this long, then until idle
 
 _BY_HOST: dict[int, Traversal] = {}
+_ASKER: contextvars.ContextVar[ID | None] = contextvars.ContextVar("autonat_asker", default=None)  # per handler task
 
 
 def traversal_of(host: IHost) -> Traversal | None:
@@ -134,9 +138,14 @@ class DialBackAutoNAT(AutoNATService):
         self._slots = trio.Semaphore(DIAL_BACK_CONCURRENCY)
         self._busy: set[bytes] = set()
 
+    async def handle_stream(self, stream) -> None:
+        _ASKER.set(stream.muxed_conn.peer_id)  # the connection's own peer, not the one a request names
+        await super().handle_stream(stream)
+
     async def _handle_dial(self, message, observed_ip, is_relayed):
         asker = bytes(message.dial.peer.id)
-        if asker in self._busy or self._slots.value == 0:
+        connection = _ASKER.get()
+        if connection is None or asker != connection.to_bytes() or asker in self._busy or self._slots.value == 0:
             response = AutoNATMessage()
             response.type = AutoNATMessage.DIAL_RESPONSE
             response.dialResponse.status = AutoNATMessage.E_DIAL_REFUSED
@@ -172,6 +181,13 @@ class PatientDCUtR(DCUtRProtocol):
     def __init__(self, host: IHost, **kwargs) -> None:
         super().__init__(host, **kwargs)
         self.behind_nat: set[ID] = set()
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[multiaddr.Multiaddr]:
+        # A peer names the addresses a hole punch dials, 3 rounds in parallel: a few
+        # TCP ones are all a punch needs, never a list that aims the node at others.
+        tcp = [a for a in super()._decode_observed_addrs(addr_bytes[:MAX_PUNCH_ADDRS * 4])
+               if "/tcp/" in str(a) and not is_circuit(str(a))]
+        return tcp[:MAX_PUNCH_ADDRS]
 
     async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
         if peer_id in self.behind_nat:
@@ -273,13 +289,17 @@ class Traversal:
     # -- dialling -------------------------------------------------------------
 
     async def dial_relayed(self, peer_id: ID, addrs: Sequence[str]) -> None:
-        """A connection to `peer_id` through the first of its circuit addresses that
-        answers (ConnectionError with the last failure if none does), then up to
-        PUNCH_WAIT_S for the hole punch that makes it direct."""
+        """A connection to `peer_id` through the first of its circuit addresses (tried
+        in a random order) that answers (ConnectionError with the last failure if none
+        does), then up to PUNCH_WAIT_S for the hole punch that makes it direct."""
         failure: Exception | None = None
-        for addr in addrs:
+        # In a random order: the peer's consumers spread over its relays' quotas.
+        order = random.sample(list(addrs), len(addrs))
+        for left, addr in zip(range(len(order), 0, -1), order):
+            # A relay that vanished without a word must not eat the whole dial's time.
+            budget = (trio.current_effective_deadline() - trio.current_time()) / left
             try:
-                with trio.fail_after(CIRCUIT_DIAL_TIMEOUT_S):
+                with trio.fail_after(min(CIRCUIT_DIAL_TIMEOUT_S, budget)):
                     await self.transport.dial(multiaddr.Multiaddr(addr))
                 self.relayed_dials += 1
                 break
@@ -317,14 +337,15 @@ class Traversal:
 
     async def _reachability_loop(self) -> None:
         while True:
+            before = self.status
             own = sorted(self.own_addrs())
             if own != self._last_own:
                 if self._last_own:
                     log.info("our addresses changed: reachability checked again")
                 self._last_own = own
                 self.verdicts.forget()
-            before = self.status
             servers = self._direct_peers()
+            random.shuffle(servers)  # no peer can grind an id that is always asked first
             now = trio.current_time()
             ask = servers_to_ask(servers, self.verdicts.asked(now), AUTONAT_ASK)
             if ask:
@@ -370,6 +391,8 @@ class Traversal:
             changed = False
             connected = self.host.get_network().connections
             for relay, (expiry, ttl, _addrs) in list(self.held.items()):
+                if self.status != PRIVATE:  # changed while we awaited a reservation
+                    break
                 if not connected.get(ID.from_base58(relay)) or expiry <= now:
                     log.warning("relay %s lost: finding another", relay)
                     self._drop(relay)
@@ -380,6 +403,8 @@ class Traversal:
             self._avoid = {r: until for r, until in self._avoid.items() if until > now}
             for candidate in choose_relays(list(self.held), self.relay_candidates(), self.want_relays,
                                            avoid=self._avoid):
+                if self.status != PRIVATE:
+                    break
                 if await self._reserve(candidate.peer_id, list(candidate.addrs)):
                     changed = True
                 else:
@@ -388,7 +413,7 @@ class Traversal:
                 self.on_change()
 
     def _drop(self, relay: str) -> None:
-        del self.held[relay]
+        self.held.pop(relay, None)
         with contextlib.suppress(Exception):
             self.host.get_network().unprotect(ID.from_base58(relay), PROTECT_TAG)
 
@@ -410,6 +435,8 @@ class Traversal:
             return False
         if not ok:
             log.info("relay %s refused a reservation", relay)
+            return False
+        if self.status != PRIVATE:  # found public while it was being made: not needed
             return False
         expires_unix = self.transport._reservations.get(peer, 0)  # private in the pinned 0.8.1
         ttl = max(60.0, expires_unix - time.time())

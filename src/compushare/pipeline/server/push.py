@@ -21,6 +21,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from ...net.dial import dial
+from ...net.reachability import is_circuit
 from ...net.framing import FramedStream
 from .. import protocol
 from ..messages import Downstream, PushRequest, WireTensor
@@ -133,13 +134,15 @@ class PushLinks:
             peer_id = ID.from_base58(peer)
             with trio.fail_after(DIAL_TIMEOUT_S):
                 # Addresses the node already knows for that peer (its DHT routing table,
-                # its connections) come first: a consumer's addresses are only a hint.
-                # A NAT'd downstream's circuit addresses come from the consumer (its
-                # server record): net/dial reaches it through the relay.
+                # its connections) come first: a consumer's addresses are only a hint,
+                # dialled when nothing is known. Of those, a NAT'd downstream's circuits
+                # (from its server record) are added even then: its own addresses,
+                # learnt when it connected here, lead nowhere.
                 known = []
                 with contextlib.suppress(Exception):  # PeerStoreError: never heard of it
                     known = [str(a) for a in self.host.get_peerstore().addrs(peer_id)]
-                await dial(self.host, peer_id, [*known, *target.addrs], timeout=DIAL_TIMEOUT_S)
+                hint = list(target.addrs) if not known else [a for a in target.addrs if is_circuit(a)]
+                await dial(self.host, peer_id, [*known, *hint], timeout=DIAL_TIMEOUT_S)
                 stream = await self.host.new_stream(peer_id, [protocol.INFER_PROTOCOL])
         except Exception as exc:  # a push is only ever a saving: the chain works without it
             log.debug("cannot open a push stream to %s: %s", peer, str(exc) or type(exc).__name__)
