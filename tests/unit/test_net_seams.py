@@ -130,3 +130,30 @@ def test_the_karma_validator_takes_signed_records_only():
     with pytest.raises(PeerMisbehaved):
         validator.validate(key, value[:-1] + bytes([value[-1] ^ 1]))
     assert validator.select(key, [b"junk", value]) == 1
+
+
+async def test_a_handler_removed_while_its_stream_negotiates_fails_that_stream_not_the_node():
+    """A NAT'd node leaves DHT server mode (the handler goes) while a peer negotiates
+    the DHT on a stream: py-libp2p raised KeyError, which ended the node."""
+    from libp2p.protocol_muxer.exceptions import MultiselectError
+    from libp2p.protocol_muxer.multiselect import Multiselect
+
+    libp2p_patches.apply()
+
+    async def handler(stream) -> None:
+        pass
+
+    muxer = Multiselect({"/x/1.0.0": handler})
+
+    class Peer:  # the peer's side of the negotiation, scripted
+        lines = ["/multistream/1.0.0", "/x/1.0.0"]
+
+        async def read(self) -> str:
+            return self.lines.pop(0)
+
+        async def write(self, line: str) -> None:
+            if line == "/x/1.0.0":  # accepted... and the handler is removed before it is looked up
+                muxer.remove_handler("/x/1.0.0")
+
+    with pytest.raises(MultiselectError, match="removed during negotiation"):
+        await muxer.negotiate(Peer())

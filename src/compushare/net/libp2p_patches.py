@@ -21,6 +21,8 @@ patch without a host); it is idempotent.
   idle trim          a peer's surplus connections are trimmed only while they carry
                      no stream (a hole punch's direct connection must not cut the
                      relayed one that carries a session)
+  handler removed    a protocol handler removed while a stream negotiates it fails
+                     that stream, not the node (a NAT'd node leaving DHT server mode)
 
 `widen_receive_window` is no patch but reads and writes yamux's private stream
 state, so it lives here and is reviewed with them. net/dht.py and net/gossip.py
@@ -60,6 +62,7 @@ PATCHES = (
     "multistream line (MultiselectCommunicator.read)",
     "inbound slot (Swarm._do_handle_inbound_connection, Swarm.upgrade_inbound_raw_conn, Yamux.event_closed)",
     "idle trim (Swarm._trim_connections, Swarm._close_connection_async, Swarm.cleanup_connection_health)",
+    "handler removed (Multiselect.negotiate)",
 )
 
 PEER_QUERY_TIMEOUT_S = 3.0  # one DHT request to one peer (py-libp2p: QUERY_TIMEOUT = 10 s)
@@ -111,6 +114,8 @@ def apply() -> None:
     from libp2p.io.trio import TrioTCPStream
     from libp2p.kad_dht import kad_dht, peer_routing, provider_store
     from libp2p.network.swarm import Swarm
+    from libp2p.protocol_muxer.exceptions import MultiselectError
+    from libp2p.protocol_muxer.multiselect import Multiselect
     from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
     from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
     from libp2p.stream_muxer.yamux import yamux
@@ -186,6 +191,20 @@ def apply() -> None:
     # inference session it carried. Only idle connections are trimmed here; a busy one
     # stays until its streams end (new streams prefer the direct connection).
     Swarm._trim_connections = _trim_idle_connections
+
+    # py-libp2p's negotiation checks that a handler exists, writes its answer, then
+    # looks the handler up again: removed in between (DHT server mode left when
+    # AutoNAT finds the node behind NAT), the KeyError escaped every handler and
+    # ended the node. It now fails that one stream's negotiation.
+    _negotiate = Multiselect.negotiate
+
+    async def negotiate(self, communicator, *args, **kwargs):
+        try:
+            return await _negotiate(self, communicator, *args, **kwargs)
+        except KeyError as exc:
+            raise MultiselectError(f"handler of {exc} removed during negotiation") from None
+
+    Multiselect.negotiate = negotiate
     _applied = True
 
 

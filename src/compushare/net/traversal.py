@@ -176,7 +176,9 @@ class PatientDCUtR(DCUtRProtocol):
       when they are private addresses of another network: skipped for a peer known
       to be behind NAT (it advertised circuits), whose hole punch starts at once;
     - it closes a peer's relayed connections 60 s after a punch, streams or not: a
-      session on one would be cut. Here they close once idle."""
+      session on one would be cut. Here they close once they carry no stream of
+      CompuShare's own protocols (py-libp2p's own ones, identify's, may stay open
+      for good and would hold the circuit, and its quota on the relay, for an hour)."""
 
     def __init__(self, host: IHost, **kwargs) -> None:
         super().__init__(host, **kwargs)
@@ -203,13 +205,22 @@ class PatientDCUtR(DCUtRProtocol):
                        if all(is_circuit(str(a)) for a in conn.get_transport_addresses())]
             busy = 0
             for conn in relayed:
-                if conn.get_streams():
+                if any(_carries_work(stream) for stream in conn.get_streams()):
                     busy += 1
                 else:
                     with contextlib.suppress(Exception):
                         await conn.close()
             if not busy:
                 return
+
+
+def _carries_work(stream) -> bool:
+    """A stream of CompuShare's own protocols (a session, a download): libp2p's own
+    (identify, DHT, DCUtR...) are short or reopen on the direct connection."""
+    try:
+        return str(stream.get_protocol() or "").startswith("/compushare/")
+    except Exception:  # not negotiated yet: count it as work
+        return True
 
 
 def has_direct(host: IHost, peer_id: ID) -> bool:
@@ -313,13 +324,23 @@ class Traversal:
         if self._nursery is None or not self.punch:
             return
         # Both ends drive the punch (py-libp2p's DCUtR also tries every relayed peer
-        # every 2 s); whichever gets through first gives the direct connection.
-        self._nursery.start_soon(self.dcutr.initiate_hole_punch, peer_id)
+        # every 2 s); whichever gets through first gives the direct connection. Ours
+        # ending without one (the peer runs no DCUtR, or its NAT defeated it) ends the wait.
+        ours_done = trio.Event()
+
+        async def punch() -> None:
+            try:
+                await self.dcutr.initiate_hole_punch(peer_id)
+            finally:
+                ours_done.set()
+
+        self._nursery.start_soon(punch)
         # Within the caller's own deadline, with time left to open its stream.
         wait = min(PUNCH_WAIT_S, trio.current_effective_deadline() - trio.current_time() - PUNCH_MARGIN_S)
         with trio.move_on_after(max(0.0, wait)):
-            while not has_direct(self.host, peer_id):
+            while not has_direct(self.host, peer_id) and not ours_done.is_set():
                 await trio.sleep(0.02)
+        if has_direct(self.host, peer_id):
             self.punched += 1
 
     # -- AutoNAT ----------------------------------------------------------------
