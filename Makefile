@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(PY) bench/he.py
 	$(PY) bench/batch_invariance.py
 	$(if $(filter 0,$(shell id -u)),$(PY) bench/wan.py,@echo "bench/wan.py needs root (network namespaces): skipped")
+	$(if $(filter 0,$(shell id -u)),$(PY) bench/nat.py,@echo "bench/nat.py needs root (network namespaces): skipped")
 
 clean:
 	rm -rf $(VENV) .cache demo-swarm
