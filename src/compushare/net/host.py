@@ -10,6 +10,7 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 
 import multiaddr
+import trio
 from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
@@ -24,6 +25,8 @@ from .libp2p_patches import widen_receive_window  # noqa: F401  (bench/ imports 
 from .traversal import traversal_of
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0  # closing a stopping host's connections
 
 
 def quiet_libp2p_logs() -> None:
@@ -68,7 +71,16 @@ async def open_host(key_pair: KeyPair, listen: Sequence[str]) -> AsyncIterator[I
     quiet_libp2p_logs()  # building the host imports modules that set their own levels
     addrs = [multiaddr.Multiaddr(a) for a in listen]
     async with host.run(listen_addrs=addrs):
-        yield host
+        try:
+            yield host
+        finally:
+            # py-libp2p's host leaves its connections open when it stops: a process that
+            # goes on (tests, benchmarks, anything hosting several in turn) would keep
+            # them, and every relay circuit under them, until it exits.
+            with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                for peer in list(host.get_network().connections):
+                    with contextlib.suppress(Exception):
+                        await host.disconnect(peer)
 
 
 def local_ipv4_addresses() -> list[str]:
