@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 CHUNK = 64 * 1024
 WRITE_TIMEOUT_S = 15.0
 HALF_CLOSE_GRACE_S = 5.0  # after one end closes its side, the other has this long to finish
+WATCH_S = 5.0  # a circuit quiet this long checks that both its ends are still connected
 
 
 class QuotaRelay(CircuitV2Protocol):
@@ -121,7 +122,13 @@ class QuotaRelay(CircuitV2Protocol):
         try:
             with scope:
                 while True:
-                    data = await src_stream.read(CHUNK)
+                    data = None
+                    with trio.move_on_after(WATCH_S):
+                        data = await src_stream.read(CHUNK)
+                    if data is None:  # quiet: is either end gone without a word?
+                        if not self._ends_connected(circuit):
+                            break
+                        continue
                     if not data:
                         # The half-close goes on; the other direction may still finish, within
                         # HALF_CLOSE_GRACE_S (a peer that never closes its side would hold the
@@ -146,6 +153,13 @@ class QuotaRelay(CircuitV2Protocol):
         if refusal is not None:
             log.warning("relay: circuit from %s closed: %s (%s quota)", peer_id, refusal.reason, refusal.kind)
         await _reset(src_stream, dst_stream)
+
+    def _ends_connected(self, circuit: int) -> bool:
+        """Whether both ends of `circuit` still have a connection to this relay (a
+        process that died leaves its streams here waiting, not ended, in py-libp2p)."""
+        ends = self.ledger.ends_of(circuit)
+        connections = self.host.get_network().connections
+        return ends is not None and all(connections.get(ID.from_base58(peer)) for peer in ends)
 
     async def _refuse(self, stream: INetStream, code: StatusCode, reason: str) -> None:
         log.info("relay: refused %s: %s", stream.muxed_conn.peer_id, reason)

@@ -116,6 +116,10 @@ class RelayLedger:
         self.circuits_opened += 1
         return circuit_id
 
+    def ends_of(self, circuit_id: int) -> tuple[str, str] | None:
+        circuit = self._circuits.get(circuit_id)
+        return None if circuit is None else circuit.ends()
+
     def deadline(self, circuit_id: int) -> float:
         return self._circuits[circuit_id].opened + self.quotas.circuit_duration_s
 
