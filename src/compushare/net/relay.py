@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 CHUNK = 64 * 1024
 WRITE_TIMEOUT_S = 15.0
 HALF_CLOSE_GRACE_S = 5.0  # after one end closes its side, the other has this long to finish
-WATCH_S = 5.0  # a circuit quiet this long checks that both its ends are still connected
+WATCH_S = 5.0  # how often a circuit checks that both its ends are still connected
+HALF_CLOSED = Refusal("half_closed", "one end closed its side")  # no quota involved: _carry's EOF
 
 
 class QuotaRelay(CircuitV2Protocol):
@@ -121,28 +122,16 @@ class QuotaRelay(CircuitV2Protocol):
         self._directions.setdefault(circuit, []).append(scope)
         try:
             with scope:
-                while True:
-                    data = None
-                    with trio.move_on_after(WATCH_S):
-                        data = await src_stream.read(CHUNK)
-                    if data is None:  # quiet: is either end gone without a word?
-                        if not self._ends_connected(circuit):
-                            break
-                        continue
-                    if not data:
-                        # The half-close goes on; the other direction may still finish, within
-                        # HALF_CLOSE_GRACE_S (a peer that never closes its side would hold the
-                        # circuit, and its quota, for good).
-                        await dst_stream.close()
-                        self._half_closed.add(circuit)
-                        for other in self._directions.get(circuit, ()):
-                            other.deadline = min(other.deadline, trio.current_time() + HALF_CLOSE_GRACE_S)
-                        return
-                    refusal = self.ledger.carry(circuit, len(data), trio.current_time())
-                    if refusal is not None:
-                        break
-                    with trio.fail_after(WRITE_TIMEOUT_S):
-                        await dst_stream.write(data)
+                async with trio.open_nursery() as watch:
+                    # Never by cancelling a read (py-libp2p's yamux read can drop bytes it
+                    # already took from its buffer when cancelled): by resetting the streams.
+                    watch.start_soon(self._watch, circuit, src_stream, dst_stream)
+                    try:
+                        refusal = await self._carry(circuit, scope, src_stream, dst_stream)
+                    finally:
+                        watch.cancel_scope.cancel()
+                if refusal is HALF_CLOSED:
+                    return  # the other direction goes on
             if scope.cancelled_caught and circuit not in self._half_closed:
                 refusal = self.ledger.carry(circuit, 0, trio.current_time())  # counts the duration refusal
         except Exception as exc:  # a reset or closed end, a stalled writer: the circuit is over
@@ -153,6 +142,36 @@ class QuotaRelay(CircuitV2Protocol):
         if refusal is not None:
             log.warning("relay: circuit from %s closed: %s (%s quota)", peer_id, refusal.reason, refusal.kind)
         await _reset(src_stream, dst_stream)
+
+    async def _carry(self, circuit: int, scope: trio.CancelScope, src_stream: INetStream,
+                     dst_stream: INetStream):
+        """One direction of a circuit until its EOF (HALF_CLOSED), a refusal, or an error."""
+        while True:
+            data = await src_stream.read(CHUNK)
+            if not data:
+                # The half-close goes on; the other direction may still finish, within
+                # HALF_CLOSE_GRACE_S (a peer that never closes its side would hold the
+                # circuit, and its quota, for good).
+                await dst_stream.close()
+                self._half_closed.add(circuit)
+                for other in self._directions.get(circuit, ()):
+                    if other is not scope:
+                        other.deadline = min(other.deadline, trio.current_time() + HALF_CLOSE_GRACE_S)
+                return HALF_CLOSED
+            refusal = self.ledger.carry(circuit, len(data), trio.current_time())
+            if refusal is not None:
+                return refusal
+            with trio.fail_after(WRITE_TIMEOUT_S):
+                await dst_stream.write(data)
+
+    async def _watch(self, circuit: int, *streams: INetStream) -> None:
+        """Reset a circuit's streams once either end has lost its connection to this
+        relay: a dead process's relayed streams wait in py-libp2p rather than end."""
+        while True:
+            await trio.sleep(WATCH_S)
+            if not self._ends_connected(circuit):
+                await _reset(*streams)
+                return
 
     def _ends_connected(self, circuit: int) -> bool:
         """Whether both ends of `circuit` still have a connection to this relay (a
