@@ -123,13 +123,14 @@ class QuotaRelay(CircuitV2Protocol):
         try:
             with scope:
                 async with trio.open_nursery() as watch:
-                    # Never by cancelling a read (py-libp2p's yamux read can drop bytes it
-                    # already took from its buffer when cancelled): by resetting the streams.
-                    watch.start_soon(self._watch, circuit, src_stream, dst_stream)
-                    try:
-                        refusal = await self._carry(circuit, scope, src_stream, dst_stream)
-                    finally:
-                        watch.cancel_scope.cancel()
+                    # A read is cancelled only once the circuit is dead anyway (a cancelled
+                    # py-libp2p yamux read can drop bytes it already took from its buffer).
+                    with trio.CancelScope() as carrying:
+                        watch.start_soon(self._watch, circuit, carrying)
+                        try:
+                            refusal = await self._carry(circuit, scope, src_stream, dst_stream)
+                        finally:
+                            watch.cancel_scope.cancel()
                 if refusal is HALF_CLOSED:
                     return  # the other direction goes on
             if scope.cancelled_caught and circuit not in self._half_closed:
@@ -164,13 +165,14 @@ class QuotaRelay(CircuitV2Protocol):
             with trio.fail_after(WRITE_TIMEOUT_S):
                 await dst_stream.write(data)
 
-    async def _watch(self, circuit: int, *streams: INetStream) -> None:
-        """Reset a circuit's streams once either end has lost its connection to this
-        relay: a dead process's relayed streams wait in py-libp2p rather than end."""
+    async def _watch(self, circuit: int, carrying: trio.CancelScope) -> None:
+        """End a direction of a circuit once either end has lost its connection to this
+        relay: a dead process's relayed streams wait in py-libp2p (a read on them,
+        even after a reset, never returns)."""
         while True:
             await trio.sleep(WATCH_S)
             if not self._ends_connected(circuit):
-                await _reset(*streams)
+                carrying.cancel()
                 return
 
     def _ends_connected(self, circuit: int) -> bool:
