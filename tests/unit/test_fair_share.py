@@ -290,16 +290,18 @@ async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_mode
     events = []
     started = trio.Event()
     token = trio.lowlevel.current_trio_token()
-    originals = {index: layer.forward for index, layer in runner.layers.items()}
-    for index, layer in runner.layers.items():
-        def traced(*args, _index=index, _forward=layer.forward, **kwargs):
+    # A layer's first operation is its input norm (model/lean.py): trace that.
+    norms = {index: layer.input_layernorm for index, layer in runner.layers.items()}
+    originals = {index: norm.forward for index, norm in norms.items()}
+    for index, norm in norms.items():
+        def traced(*args, _index=index, _forward=norm.forward, **kwargs):
             tokens = args[0].shape[1]
             events.append(("long" if tokens > 1 else "short", _index))
             if tokens > 1 and _index == 0:
                 trio.from_thread.run_sync(started.set, trio_token=token)
                 time.sleep(0.2)  # the decode step arrives while layer 0 runs
             return _forward(*args, **kwargs)
-        layer.forward = traced
+        norm.forward = traced
     compute = Compute(1)
     long_in, short_in = torch.randn(1, 100, 64), torch.randn(1, 1, 64)
     results = {}
@@ -316,8 +318,8 @@ async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_mode
     first_short = events.index(("short", 0))
     assert events[:first_short] == [("long", 0)]  # the decode step came right after the layer in progress
     assert events[first_short:first_short + 4] == [("short", i) for i in range(4)]
-    for index, layer in runner.layers.items():
-        layer.forward = originals[index]
+    for index, norm in norms.items():
+        norm.forward = originals[index]
     for name, hidden in (("long", long_in), ("short", short_in)):
         alone = runner.forward(hidden, runner.new_cache(), 0)
         assert torch.equal(results[name], alone)

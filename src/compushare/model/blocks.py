@@ -3,6 +3,11 @@
 Layers keep their *global* index (the KV cache and causal mask are indexed by it),
 so a stage holding blocks 10:20 builds layers 10..19 and a DynamicCache whose
 entries 10..19 fill up. Runs synchronously: callers put it in a worker thread.
+
+The layers are transformers' modules (their norms, MLP activation and rotary
+embedding), with each projection the weight format's own module (model/kernels.py:
+nn.Linear for fp32 / bf16, weight-only int8 / 4-bit kernels for quantized models);
+forwards run through model/lean.py, not transformers' per-layer call.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from . import kernels
 from .arch import architecture_of, load_config
-from .batched import supports_batching
+from .formats import SCALE_SUFFIX, base_name
 from .kv_cache import new_cache
+from .lean import run_layers, supports_lean
+from .quantize import matrix_parts
 from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
@@ -41,23 +49,47 @@ class SpanRunner:
         arch = architecture_of(config)
         self.rotary = arch.rotary(config=config)
         self.layers: dict[int, torch.nn.Module] = {}
+        self.weight_bytes = 0  # as held in memory, in the model's format (scales included)
         for index in range(start, end):
             with torch.device("meta"):
                 layer = arch.decoder_layer(config, layer_idx=index)
             prefix = f"{LAYER_PREFIX}{index}."
-            layer_state = {k[len(prefix):]: v.to(dtype) for k, v in state.items() if k.startswith(prefix)}
-            layer.load_state_dict(layer_state, strict=True, assign=True)
+            layer_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            self._load_layer(layer, layer_state, dtype)
             layer.eval()
             self.layers[index] = layer
+            self.weight_bytes += sum(t.numel() * t.element_size()
+                                     for t in (*layer.parameters(), *layer.buffers()) if t.device.type != "meta")
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # Fault injection for tests and demos: >1 makes every forward take that many
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
-        self.batchable = supports_batching(self)  # decode steps of sessions may share a forward
+        self.lean = supports_lean(self.layers.values())
+        self.batchable = self.lean  # decode steps of sessions may share a forward
+
+    @staticmethod
+    def _load_layer(layer: torch.nn.Module, layer_state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Give `layer` (built on the meta device) its weights: each quantized matrix
+        becomes its format's kernel module, the rest is assigned as `dtype`."""
+        quantized = sorted({base_name(k) for k in layer_state if k.endswith(SCALE_SUFFIX)})
+        for name in quantized:
+            parts = matrix_parts(layer_state, name)
+            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(parts))
+            for suffix in parts:
+                del layer_state[name + suffix]
+        expected = {k for k, v in layer.state_dict().items() if v.device.type == "meta"}
+        if set(layer_state) != expected:
+            missing, extra = sorted(expected - set(layer_state)), sorted(set(layer_state) - expected)
+            raise RuntimeError(f"layer weights do not fit: missing {missing[:4]}, unexpected {extra[:4]}")
+        layer.load_state_dict({k: v.to(dtype) for k, v in layer_state.items()}, strict=False, assign=True)
 
     @classmethod
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
         config = load_config(model_dir)
         state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
+        if any(v.dtype == torch.bfloat16 for v in state.values()) and \
+                all(v.dtype == torch.bfloat16 for k, v in state.items() if k.endswith("_proj.weight")):
+            dtype = torch.bfloat16  # a bf16 model computes in bf16, as it was stored
         return cls(config, start, end, state, dtype)
 
     @classmethod
@@ -79,7 +111,15 @@ class SpanRunner:
         return self.config.hidden_size
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for layer in self.layers.values() for p in layer.parameters())
+        """Weights of the span (a quantized matrix counts its elements, not its bytes)."""
+        count = 0
+        for layer in self.layers.values():
+            for module in layer.modules():
+                if isinstance(module, (kernels.Int8Linear, kernels.Int4CpuLinear)):
+                    count += module.in_features * module.out_features
+                elif not list(module.children()):
+                    count += sum(p.numel() for p in module.parameters(recurse=False))
+        return count
 
     def new_cache(self) -> DynamicCache:
         return new_cache(self.config)
@@ -106,6 +146,8 @@ class SpanRunner:
         if not (self.start <= start < end <= self.end):
             raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
         hidden = hidden.to(self.dtype)
+        if self.lean:
+            return run_layers(self, hidden, [cache], [position], start, end, between_layers)
         n = hidden.shape[1]
         position_ids = torch.arange(position, position + n).unsqueeze(0)
         mask = create_causal_mask(

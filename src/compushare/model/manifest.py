@@ -8,7 +8,9 @@ span. The manifest lists every file's pieces by SHA-256 and, for the weight
 files, the byte range of every tensor.
 
 The model id is the SHA-256 of the manifest's bytes: whoever holds the id can check
-a manifest from any peer, then every piece against it.
+a manifest from any peer, then every piece against it. A quantized model's manifest
+also names its weight format (the optional "weights" map, model/formats.py), so the
+format is part of what the id names.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import json
 import math
 import re
 
-from ..errors import FrameError
+from ..errors import FrameError, UsageError
+from .formats import WeightFormat, format_from_manifest
 
 FORMAT = "compushare-manifest/1"
 MIN_PIECE_SIZE = 16 * 1024
@@ -77,11 +80,13 @@ class Piece:
 
 
 class Manifest:
-    def __init__(self, config: dict, piece_size: int, files: list[FileEntry], raw: bytes | None = None) -> None:
+    def __init__(self, config: dict, piece_size: int, files: list[FileEntry], raw: bytes | None = None, *,
+                 weights: dict | None = None) -> None:
         self.config = config
         self.piece_size = piece_size
         self.files = files
-        self.raw = raw if raw is not None else encode(config, piece_size, files)
+        self.weights = weights  # the "weights" map: a quantized model's format
+        self.raw = raw if raw is not None else encode(config, piece_size, files, weights)
         self.model_id = hashlib.sha256(self.raw).hexdigest()
         self.pieces: list[Piece] = []
         self._first_piece: list[int] = []
@@ -132,10 +137,15 @@ class Manifest:
     def tensors(self) -> dict[str, TensorEntry]:
         return {name: t for f in self.files for name, t in f.tensors.items()}
 
+    @property
+    def format(self) -> WeightFormat:
+        """The weight format every span of this model computes in."""
+        return format_from_manifest(self.weights, {t.dtype for t in self.tensors().values()})
 
-def encode(config: dict, piece_size: int, files: list[FileEntry]) -> bytes:
+
+def encode(config: dict, piece_size: int, files: list[FileEntry], weights: dict | None = None) -> bytes:
     """Canonical JSON (sorted keys, no spaces): the bytes the model id hashes."""
-    doc = {
+    doc = ({"weights": weights} if weights is not None else {}) | {
         "format": FORMAT,
         "config": config,
         "piece_size": piece_size,
@@ -178,9 +188,18 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise _fail(f"not JSON: {exc}") from None
-    doc = _map(doc, {"format", "config", "piece_size", "files"}, "the manifest")
+    doc = _map(doc, {"format", "config", "piece_size", "files"}, "the manifest", optional={"weights"})
     if doc["format"] != FORMAT:
         raise _fail(f"unknown manifest format {doc['format']!r}")
+    weights = doc.get("weights")
+    if weights is not None:
+        weights = _map(weights, {"format"}, "weights", optional={"group_size"})
+        try:
+            if not format_from_manifest(weights, set()).quantized or \
+                    any(type(v) not in (str, int) for v in weights.values()):
+                raise _fail("weights names a quantized format (int8, q4)")
+        except UsageError as exc:
+            raise _fail(f"weights: {exc}") from None
     config = doc["config"]
     if not isinstance(config, dict):
         raise _fail("config must be a map")
@@ -221,7 +240,7 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         raise _fail(f"blocks without a file: {sorted(set(range(num_blocks)) - blocks)[:8]}")
     if sum(f.role == "head" for f in files) != 1:
         raise _fail("exactly one head file is required")
-    return Manifest(config, piece_size, files, raw)
+    return Manifest(config, piece_size, files, raw, weights=weights)
 
 
 def _parse_tensors(value, name: str, size: int) -> dict[str, TensorEntry]:

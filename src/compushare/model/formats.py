@@ -1,0 +1,106 @@
+"""Weight formats: how a model's weights are stored, and so how its spans compute.
+
+A format is part of what a model id names: the manifest of an int8 or q4 model says
+so (its "weights" map), and its block files hold the quantized tensors themselves,
+so every node serving that id computes from the very same integers and scales.
+
+  fp32   float32 everywhere (manifests without a "weights" map whose tensors are F32)
+  bf16   bfloat16 everywhere (likewise, BF16 tensors)
+  int8   each decoder projection's weight as int8 with one float32 scale per output
+         row (symmetric, w = q * scale); the embedding / LM head likewise
+  q4     each decoder projection's weight as 4-bit integers in groups of `group_size`
+         along the input dimension, with a float16 scale and minimum per group
+         (asymmetric, w = q * scale + min, q in 0..15: GGUF's Q4_1 exactly, and Q4_0
+         with min = -8 * scale); the embedding / LM head as int8, as llama.cpp's
+         4-bit files keep theirs at 8 bits (the LM head is the most sensitive matrix)
+
+Stored tensor names: a quantized `X.weight` keeps its name for the integers (int8:
+I8 [out, in]; q4: U8 [out, in / 2], element 2j in the low nibble of byte j, 2j+1 in
+the high one) and adds `X.weight_scale` (and `X.weight_min` for q4). Norms stay F32.
+
+The quantizer is deterministic (round to nearest, ties to even; fixed op order), so
+every node that quantizes the same fp32 model gets the same bytes and the same id.
+Pure, no I/O and no torch (`status` and `models list` read formats): the
+quantizer itself is model/quantize.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ..errors import UsageError
+
+FORMATS = ("fp32", "bf16", "int8", "q4")
+QUANTIZED = ("int8", "q4")
+DEFAULT_Q4_GROUP = 64
+Q4_GROUPS = (32, 64, 128)
+SCALE_SUFFIX, MIN_SUFFIX = "_scale", "_min"
+# Decoder projections (Llama, Qwen2): the matrices that hold nearly all of a block's bytes.
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+HEAD_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    group_size: int = 0  # q4 only
+
+    def __post_init__(self) -> None:
+        if self.name not in FORMATS:
+            raise UsageError(f"unknown weight format {self.name!r}: one of {', '.join(FORMATS)}")
+        if (self.name == "q4") != (self.group_size in Q4_GROUPS):
+            raise UsageError(f"q4 needs a group size in {Q4_GROUPS}; {self.name} takes none")
+
+    @property
+    def label(self) -> str:
+        """What users, records and ads see: "fp32", "int8", "q4/g64"."""
+        return f"q4/g{self.group_size}" if self.name == "q4" else self.name
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in QUANTIZED
+
+    def spec(self) -> dict:
+        """The manifest's "weights" map (quantized formats only; dense ones are read off the dtypes)."""
+        return {"format": self.name} | ({"group_size": self.group_size} if self.name == "q4" else {})
+
+    def head_format(self) -> WeightFormat:
+        """The embedding / LM head's own format: int8 under q4 (see the module doc)."""
+        return INT8 if self.name == "q4" else self
+
+
+FP32, BF16, INT8 = WeightFormat("fp32"), WeightFormat("bf16"), WeightFormat("int8")
+
+
+def parse_format(text: str) -> WeightFormat:
+    """"fp32", "bf16", "int8", "q4" (group 64), "q4/g32" (as `label` prints them)."""
+    name, _, group = str(text).strip().lower().partition("/g")
+    if name == "q4":
+        if group and not group.isdigit():
+            raise UsageError(f"bad q4 group size in {text!r}: say q4/g32, q4/g64 or q4/g128")
+        return WeightFormat("q4", int(group) if group else DEFAULT_Q4_GROUP)
+    if group:
+        raise UsageError(f"{name} takes no group size")
+    return WeightFormat(name)
+
+
+def format_from_manifest(weights: dict | None, tensor_dtypes: set[str]) -> WeightFormat:
+    """A manifest's format: its "weights" map if it has one, else its tensors' dtype."""
+    if weights is not None:
+        if weights.get("format") == "q4":
+            return WeightFormat("q4", weights.get("group_size", 0))
+        return WeightFormat(weights.get("format", "?"))
+    return BF16 if tensor_dtypes == {"BF16"} else FP32
+
+
+def is_quantized_matrix(name: str) -> bool:
+    return bool(_PROJECTION.fullmatch(name)) or name in HEAD_MATRICES
+
+
+def base_name(stored_name: str) -> str:
+    """The matrix a stored tensor belongs to (`X.weight_scale` -> `X.weight`)."""
+    for suffix in (SCALE_SUFFIX, MIN_SUFFIX):
+        if stored_name.endswith(".weight" + suffix):
+            return stored_name[: -len(suffix)]
+    return stored_name
