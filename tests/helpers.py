@@ -54,13 +54,15 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def node(self, name: str, model_dir: Path | None, blocks: str | None, *, alias: str = "tiny",
-             bootstrap: list[str] | tuple = (), extra: list[str] | None = None, wait: bool = True):
+             bootstrap: list[str] | tuple = (), extra: list[str] | None = None, wait: bool = True,
+             fmt: str | None = None):
         """A node process; with model_dir None it holds nothing and `alias` must be a
-        model id (the node fetches the manifest and its span from the swarm)."""
+        model id (the node fetches the manifest and its span from the swarm). `fmt`:
+        the weight format `model_dir` is imported in (model/formats.py)."""
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
         if model_dir is not None:
-            import_path(model_dir, data_dir, alias=alias)
+            import_path(model_dir, data_dir, alias=alias, fmt=fmt)
         span = tuple(int(x) for x in blocks.split(":")) if blocks else None  # None: automatic placement
         proc = start_node(node_command(alias, span, data_dir, list(bootstrap), extra), data_dir)
         self.procs.append(proc)

@@ -148,6 +148,7 @@ class NodeConfig:
     slowdown: float = 1.0  # fault injection: compute takes this many times as long
     noise: float = 0.0  # fault injection: outputs get Gaussian noise of this relative scale (a lying server)
     forge_push: bool = False  # fault injection: pushes carry other bytes than the signed output
+    claim_format: str = ""  # fault injection: name this weight format in records, ads and sessions, not the model's
     api_port: int = DEFAULT_API_PORT  # local HTTP API on 127.0.0.1 (0: a free port, negative: none)
     # Private mode (/compushare/private): serve encrypted products; keep the span's
     # weights pre-encoded as CKKS plaintexts (~126 MB a SmolLM2 block, ~2x faster)

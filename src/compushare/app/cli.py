@@ -61,6 +61,9 @@ def node(
     debug_forge_push: bool = typer.Option(None, "--debug-forge-push", hidden=True,
                                           help="Fault injection: push the next server other bytes than the "
                                                "output this server signs (for tests)."),
+    debug_claim_format: str = typer.Option(None, hidden=True,
+                                           help="Fault injection: claim this weight format (records, ads, "
+                                                "sessions) instead of the model's (for tests)."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background: pid in node.pid, "
                                                              "log in node.log (data dir); `compushare stop` ends it."),
     log_level: str = typer.Option("info"),
@@ -80,7 +83,7 @@ def node(
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
                               noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private,
-                              relay=relay, hole_punch=hole_punch)
+                              relay=relay, hole_punch=hole_punch, claim_format=debug_claim_format)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in overrides.items() if v is not None}))

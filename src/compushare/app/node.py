@@ -169,6 +169,7 @@ class Node:
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
                                                    block_rate=provider.block_rate, noise=config.noise, karma=karma.receipts),
                     block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
+                    name="" if is_model_id(name) else name, claimed_format=config.claim_format,
                 )
                 await self._self_benchmark(provider)
                 span = config.blocks

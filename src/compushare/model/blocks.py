@@ -22,13 +22,16 @@ from transformers.masking_utils import create_causal_mask
 
 from . import kernels
 from .arch import architecture_of, load_config
-from .formats import SCALE_SUFFIX, base_name
+from .formats import MIN_SUFFIX, SCALE_SUFFIX, base_name
 from .kv_cache import new_cache
 from .lean import run_layers, supports_lean
-from .quantize import matrix_parts
+from .quantize import matrix_parts, stack_rows
 from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
+# Products that share their input, run as one kernel call in quantized layers (model/lean.py).
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def span_tensor_names(all_names, start: int, end: int) -> list[str]:
@@ -61,22 +64,46 @@ class SpanRunner:
             self.weight_bytes += sum(t.numel() * t.element_size()
                                      for t in (*layer.parameters(), *layer.buffers()) if t.device.type != "meta")
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_sizes = (config.num_attention_heads * self.head_dim, kv_heads * self.head_dim,
+                          kv_heads * self.head_dim)
         # Fault injection for tests and demos: >1 makes every forward take that many
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
+        self.format_label = self._format_label(state, dtype)  # what records, proofs and Opened name
         self.lean = supports_lean(self.layers.values())
         self.batchable = self.lean  # decode steps of sessions may share a forward
+
+    @staticmethod
+    def _format_label(state: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+        """The weight format's label (model/formats.py), read off the weights themselves."""
+        minimums = [(k, v) for k, v in state.items() if k.endswith(MIN_SUFFIX)]
+        if minimums:
+            name, minimum = minimums[0]
+            return f"q4/g{state[base_name(name)].shape[1] * 2 // minimum.shape[1]}"
+        if any(k.endswith(SCALE_SUFFIX) for k in state):
+            return "int8"
+        return "bf16" if dtype == torch.bfloat16 else "fp32"
 
     @staticmethod
     def _load_layer(layer: torch.nn.Module, layer_state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Give `layer` (built on the meta device) its weights: each quantized matrix
         becomes its format's kernel module, the rest is assigned as `dtype`."""
         quantized = sorted({base_name(k) for k in layer_state if k.endswith(SCALE_SUFFIX)})
-        for name in quantized:
-            parts = matrix_parts(layer_state, name)
-            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(parts))
-            for suffix in parts:
+        parts = {name: matrix_parts(layer_state, name) for name in quantized}
+        for name, matrix in parts.items():
+            for suffix in matrix:
                 del layer_state[name + suffix]
+        for fused, members in FUSED.items():
+            # A quantized layer's products that share an input run as one: their rows
+            # (each with its own scales) stacked, so one kernel call reads them all.
+            names = [f"{member}.weight" for member in members]
+            if all(name in parts for name in names):
+                layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names])))
+                for member in members:
+                    layer.set_submodule(member, torch.nn.Identity())  # its rows live in the fused module
+        for name, matrix in parts.items():
+            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix))
         expected = {k for k, v in layer.state_dict().items() if v.device.type == "meta"}
         if set(layer_state) != expected:
             missing, extra = sorted(expected - set(layer_state)), sorted(set(layer_state) - expected)

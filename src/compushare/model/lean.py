@@ -57,9 +57,14 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
         rotate = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         residual = hidden
         normed = layer.input_layernorm(hidden)
-        query = attn.q_proj(normed).view(shape).transpose(1, 2)
-        key = attn.k_proj(normed).view(shape).transpose(1, 2)
-        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        qkv = getattr(attn, "qkv_proj", None)
+        if qkv is not None:  # a quantized layer: one kernel call (model/blocks.FUSED)
+            query, key, value = (part.reshape(shape).transpose(1, 2)
+                                 for part in qkv(normed).split(runner.qkv_sizes, dim=-1))
+        else:
+            query = attn.q_proj(normed).view(shape).transpose(1, 2)
+            key = attn.k_proj(normed).view(shape).transpose(1, 2)
+            value = attn.v_proj(normed).view(shape).transpose(1, 2)
         query, key = rotate(query, key, cos, sin)
         if sessions == 1:
             keys, values = caches[0].update(key, value, index)
@@ -73,5 +78,11 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
             attended = torch.cat(outputs, dim=0)
         hidden = residual + attn.o_proj(attended.reshape(sessions, tokens, -1).contiguous())
         residual = hidden
-        hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        if gate_up is not None:
+            gate, up = gate_up(normed).chunk(2, dim=-1)
+            hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
+        else:
+            hidden = residual + mlp(normed)
     return hidden

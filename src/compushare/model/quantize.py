@@ -78,3 +78,9 @@ def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 def matrix_parts(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     """The stored parts of matrix `name` from a state dict ({"": the tensor} when dense)."""
     return {suffix: state[name + suffix] for suffix in ("", SCALE_SUFFIX, MIN_SUFFIX) if name + suffix in state}
+
+
+def stack_rows(matrices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Quantized matrices with the same input, as one with their rows stacked (exact:
+    every scale belongs to its row)."""
+    return {suffix: torch.cat([m[suffix] for m in matrices], dim=0) for suffix in matrices[0]}

@@ -22,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
 from .reachability import REACHABILITIES, UNKNOWN
-from .records import ALLOWED_DTYPES, MAX_ADDRS, MAX_BLOCKS
+from .records import ALLOWED_DTYPES, FORMAT_LABEL, MAX_ADDRS, MAX_BLOCKS, MODEL_NAME
 from .signed import addrs_field, field, open_sealed, seal, signer_of
 
 AD_TOPIC = "/compushare/ads/1"  # the version is part of the topic: v2 ads get a new one
@@ -57,6 +57,8 @@ class Serving:
     # Encrypted layer-steps per second it offers for private sessions (protocol.md,
     # /compushare/private); 0: it serves no private sessions.
     private_rate: float = 0.0
+    fmt: str = ""  # the model's weight format label ("fp32", "q4/g64"; model/formats.py); "" = unsaid
+    name: str = ""  # the name the server knows the model by ("smollm2-135m@q4"); "" = none
 
     def step_s(self, blocks: int) -> float | None:
         """Expected compute time of one decode step through `blocks` of its blocks."""
@@ -65,7 +67,8 @@ class Serving:
     def to_wire(self) -> dict:
         return {"model": self.model_id, "start": self.start, "end": self.end, "dtype": self.dtype,
                 "free": self.free_tokens, "load": self.load, "rate": self.block_rate, "state": self.state,
-                "priv": self.private_rate}
+                "priv": self.private_rate} | ({"fmt": self.fmt} if self.fmt else {}) | (
+                    {"name": self.name} if self.name else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +137,9 @@ def _finite(value: float, name: str, low: float = 0.0, high: float = math.inf) -
 
 def _serving(obj: object) -> Serving:
     keys = {"model", "start", "end", "dtype", "free", "load", "rate", "state"}
-    if not isinstance(obj, dict) or set(obj) not in (keys, keys | {"priv"}):
+    if not isinstance(obj, dict) or not keys <= set(obj) or set(obj) - keys - {"priv", "fmt", "name"}:
         raise PeerMisbehaved("ad 'serves' entry must have exactly model, start, end, dtype, free, load, rate, state "
-                             "and optionally priv")
+                             "and optionally priv, fmt, name")
     serving = Serving(
         model_id=_get(obj, "model", str),
         start=_get(obj, "start", int),
@@ -147,7 +150,13 @@ def _serving(obj: object) -> Serving:
         block_rate=_finite(_get(obj, "rate", (int, float)), "rate", 0.0, 1e9),
         state=_get(obj, "state", str),
         private_rate=_finite(_get(obj, "priv", (int, float)), "priv", 0.0, 1e9) if "priv" in obj else 0.0,
+        fmt=_get(obj, "fmt", str) if "fmt" in obj else "",
+        name=_get(obj, "name", str) if "name" in obj else "",
     )
+    if serving.fmt and not FORMAT_LABEL.fullmatch(serving.fmt):
+        raise PeerMisbehaved(f"ad weight format {serving.fmt[:20]!r} is not a format label")
+    if serving.name and not MODEL_NAME.fullmatch(serving.name):
+        raise PeerMisbehaved("ad model name must be 1-64 characters of letters, digits and ._@/-")
     if not (len(serving.model_id) == 64 and all(c in "0123456789abcdef" for c in serving.model_id)):
         raise PeerMisbehaved("ad model id must be 64 lowercase hex digits")
     if not (0 <= serving.start < serving.end <= MAX_BLOCKS):

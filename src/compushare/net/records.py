@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 from libp2p.crypto.keys import KeyPair
@@ -22,6 +23,9 @@ MAX_RECORD_BYTES = 8 * 1024
 MAX_ADDRS = 8
 MAX_BLOCKS = 4096
 ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
+# What records and ads may say of a model's weight format and name (model/formats.py, model/catalog.py).
+FORMAT_LABEL = re.compile(r"fp32|bf16|int8|q4/g(32|64|128)")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,63}")
 
 
 def record_key(model_id: str, peer_id: str) -> str:
@@ -39,6 +43,7 @@ class ServerRecord:
     expires: float  # unix seconds; consumers ignore the record after this
     seq: int  # strictly increasing per owner; the DHT keeps the highest
     throughput: float = 0.0  # measured tokens/s of this span, 0 if unknown
+    fmt: str = ""  # the model's weight format label (net/ads.FORMAT_LABEL); "" = unsaid (an older node)
 
     def covers(self, block: int) -> bool:
         return self.start <= block < self.end
@@ -58,7 +63,7 @@ class ServerRecord:
             "expires": self.expires,
             "seq": self.seq,
             "tps": self.throughput,
-        }
+        } | ({"fmt": self.fmt} if self.fmt else {})
 
     def sign(self, key_pair: KeyPair) -> bytes:
         return seal(self._body(), key_pair)
@@ -88,6 +93,7 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
         expires=float(_field(body, "expires", (int, float))),
         seq=_field(body, "seq", int),
         throughput=float(_field(body, "tps", (int, float))),
+        fmt=_field(body, "fmt", str) if "fmt" in body else "",
     )
     if record.peer_id != key_peer or record.model_id != key_model:
         raise PeerMisbehaved("server record body disagrees with its key")
@@ -95,6 +101,8 @@ def parse_record(key: str, value: bytes, *, now: float | None = None, allow_expi
         raise PeerMisbehaved(f"server record span {record.start}:{record.end} is invalid")
     if not (math.isfinite(record.throughput) and record.throughput >= 0 and math.isfinite(record.expires)):
         raise PeerMisbehaved("server record throughput / expiry must be finite (throughput >= 0)")
+    if record.fmt and not FORMAT_LABEL.fullmatch(record.fmt):
+        raise PeerMisbehaved("server record weight format is not a format label")
     if record.dtype not in ALLOWED_DTYPES:
         raise PeerMisbehaved(f"server record dtype {record.dtype!r} not allowed")
     if not allow_expired and not record.is_live(now):

@@ -29,6 +29,7 @@ from .protocol import BAD_REQUEST, SESSION_ID_BYTES
 MAX_ADDRS = 8  # multiaddrs in a link's downstream
 MAX_ADDR_CHARS = 256
 MAX_PEER_CHARS = 128
+MAX_FORMAT_CHARS = 16  # a weight format label, "q4/g128" at most
 _BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
@@ -345,9 +346,11 @@ _REQUESTS = {"open": _open, "step": _step, "push": _push, "link": _link, "trunca
 class Opened:
     session: bytes
     free_tokens: int
+    format: str = ""  # the weight format the span computes in ("fp32", "q4/g64", ...); "" = unsaid
 
     def to_wire(self) -> dict:
-        return {"type": "opened", "session": self.session, "free_tokens": self.free_tokens}
+        return {"type": "opened", "session": self.session, "free_tokens": self.free_tokens} | (
+            {"format": self.format} if self.format else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +478,14 @@ def _receipted(m: dict, session: bytes) -> Receipted:
     return Receipted(session, receipt)
 
 
-_REPLIES = {"opened": lambda m, s: Opened(s, _reply_int(m, "free_tokens")), "result": _result,
+def _opened(m: dict, session: bytes) -> Opened:
+    fmt = m.get("format", "")
+    if not isinstance(fmt, str) or len(fmt) > MAX_FORMAT_CHARS:
+        raise PeerMisbehaved(f"a reply's 'format' must be a string of at most {MAX_FORMAT_CHARS} characters")
+    return Opened(session, _reply_int(m, "free_tokens"), fmt)
+
+
+_REPLIES = {"opened": _opened, "result": _result,
             "linked": lambda m, s: Linked(s), "truncated": lambda m, s: Truncated(s, _reply_int(m, "position")),
             "receipted": _receipted, "closed": lambda m, s: Closed(s)}
 

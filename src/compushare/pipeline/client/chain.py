@@ -28,7 +28,7 @@ import trio
 from libp2p.abc import IHost
 
 from ...errors import HopFailed
-from ...proofs import DEFAULT_TOLERANCE, FailureReport
+from ...proofs import DEFAULT_TOLERANCE, TOLERANCES, FailureReport
 from .. import protocol
 from .chain_core import ChainCore
 from .chain_events import (
@@ -68,10 +68,15 @@ class InferenceChain:
 
     def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
-                 tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None,
-                 push: bool = True, direct: bool = True, standby: bool = False) -> None:
+                 tolerance: float | None = None, rng: random.Random | None = None,
+                 push: bool = True, direct: bool = True, standby: bool = False, fmt: str | None = None) -> None:
         self.host = host
         self.model_id = model_id
+        # The model's weight format: a server that opens a session in another is refused,
+        # and spot checks compare outputs within that format's tolerance.
+        self.fmt = fmt
+        if tolerance is None:
+            tolerance = TOLERANCES.get(fmt, DEFAULT_TOLERANCE) if fmt else DEFAULT_TOLERANCE
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.planner = planner
@@ -177,7 +182,7 @@ class InferenceChain:
         if isinstance(request, OpenSession):
             try:
                 self._remotes[request.session] = await open_hop(self.host, request.session.hop, self.model_id,
-                                                                self.max_tokens, self.hidden_size)
+                                                                self.max_tokens, self.hidden_size, fmt=self.fmt)
             except HopFailed as exc:
                 return Failed(exc)
             return Opened()
@@ -240,9 +245,10 @@ class InferenceChain:
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
                      rng: random.Random | None = None, push: bool = True, direct: bool = True,
-                     standby: bool = False) -> AsyncIterator[InferenceChain]:
+                     standby: bool = False, fmt: str | None = None) -> AsyncIterator[InferenceChain]:
     chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
-                           spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct, standby=standby)
+                           spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct, standby=standby,
+                           fmt=fmt)
     try:
         await chain.open(hops)
         yield chain

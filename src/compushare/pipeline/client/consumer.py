@@ -130,13 +130,15 @@ def eos_ids_of(tokenizer, model_path: Path) -> frozenset[int]:
 
 
 async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
-                     exclude: frozenset[str] = frozenset(), view: SwarmView | None = None) -> list[Hop]:
+                     exclude: frozenset[str] = frozenset(), view: SwarmView | None = None,
+                     fmt: str | None = None) -> list[Hop]:
     """Look up servers, measure them (pings, ads) and plan the fastest chain,
-    retrying briefly while a swarm settles."""
+    retrying briefly while a swarm settles. With `fmt`, servers whose records name
+    another weight format are left out."""
     view = SwarmView() if view is None else view
 
     async def attempt() -> list[Hop]:
-        records = await discover_servers(dht, model_id, num_blocks)
+        records = in_format(await discover_servers(dht, model_id, num_blocks), fmt)
         measures, unreachable = await measure_servers(host, records, view)
         return plan_route(records, num_blocks, now=time.time(), measures=measures,
                           needed_tokens=needed_tokens, exclude=exclude | unreachable)
@@ -149,6 +151,19 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     return await attempt()
 
 
+def in_format(records: list[ServerRecord], fmt: str | None) -> list[ServerRecord]:
+    """The records that do not name a weight format other than `fmt` (the model id's):
+    a chain never mixes formats. Records of older nodes name none; the session's
+    Opened reply is checked too (pipeline/client/hop.open_hop)."""
+    if fmt is None:
+        return records
+    dropped = [r for r in records if r.fmt and r.fmt != fmt]
+    if dropped:
+        log.warning("left out %d server(s) whose records name another weight format than %s: %s", len(dropped), fmt,
+                    ", ".join(f"{r.peer_id[-8:]} ({r.fmt})" for r in dropped[:4]))
+    return [r for r in records if not r.fmt or r.fmt == fmt]
+
+
 def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[tuple[ServerRecord, Measure]]:
     """Server records made from live capability ads (each signed by its server) of
     peers serving a span of `model_id`, with what the ads say of their speed and
@@ -159,7 +174,7 @@ def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[tuple[S
             if serving.state == "serving" and ad.addrs:
                 record = ServerRecord(peer_id=ad.peer_id, model_id=model_id, start=serving.start,
                                       end=serving.end, dtype=serving.dtype, addrs=ad.addrs,
-                                      expires=ad.expires, seq=0)
+                                      expires=ad.expires, seq=0, fmt=serving.fmt)
                 found.append((record, Measure(block_rate=serving.block_rate, load=serving.load,
                                               free_tokens=serving.free_tokens)))
     return found
@@ -175,8 +190,9 @@ class SwarmPlanner:
 
     def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
                  penalties: Penalties | None = None, view: SwarmView | None = None,
-                 karma: KarmaBook | None = None, private: bool = False) -> None:
+                 karma: KarmaBook | None = None, private: bool = False, fmt: str | None = None) -> None:
         self.host, self.dht = host, dht
+        self.fmt = fmt  # the model's weight format: records naming another are left out
         # Private mode: only servers whose live ad offers encrypted products, rated by
         # that (much slower) rate.
         self.private = private
@@ -220,7 +236,7 @@ class SwarmPlanner:
         measures = {peer: dataclasses.replace(m, karma=self.karma.get(peer)) for peer, m in measures.items()}
         if self.private:
             records, measures = self._private_only(records, measures, time.time())
-        self.records, self.measures, self.unreachable = records, measures, unreachable
+        self.records, self.measures, self.unreachable = in_format(records, self.fmt), measures, unreachable
 
     def _private_only(self, records, measures, now):
         kept, rated = [], {}
@@ -384,7 +400,8 @@ class Consumer:
         max_tokens = len(prompt_ids) + request.params.max_new_tokens + MAX_DRAFT
         stats = GenerateStats()
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
-                               penalties=self.penalties, view=self.view, karma=self.karma, private=request.private)
+                               penalties=self.penalties, view=self.view, karma=self.karma, private=request.private,
+                               fmt=model.format.label)
         if request.private:
             await self._prepare_private()
         await planner.refresh()
@@ -409,7 +426,7 @@ class Consumer:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
                                       spot_check_rate=self.spot_check_rate, direct=request.direct,
-                                      standby=request.standby) as chain:
+                                      standby=request.standby, fmt=model.format.label) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                                    on_token=token_out, speculate=request.speculate, stats=stats)
             nursery.cancel_scope.cancel()

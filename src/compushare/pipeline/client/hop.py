@@ -34,6 +34,8 @@ from ..messages import (
 )
 from .routing import Hop
 
+WRONG_FORMAT = "wrong_format"  # a HopUnavailable's code: the server computes in another weight format
+
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
@@ -254,17 +256,26 @@ async def _tightened(scope: trio.CancelScope, tighten: tuple[trio.Event, float],
     return reply
 
 
-async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int) -> RemoteHop:
-    """Dial the server and open a new session on it; every failure is a HopUnavailable."""
+async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int, *,
+                   fmt: str | None = None) -> RemoteHop:
+    """Dial the server and open a new session on it; every failure is a HopUnavailable.
+    With `fmt`, a server whose span computes in another weight format is refused."""
     session_id = os.urandom(protocol.SESSION_ID_BYTES)
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
             stream = await host.new_stream(info.peer_id, [protocol.INFER_PROTOCOL])
         remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size, session_id)
-        await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens),
-                             timeout=CONNECT_TIMEOUT_S)
+        opened = await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens),
+                                      timeout=CONNECT_TIMEOUT_S)
+        if fmt is not None and opened.format != fmt:
+            with contextlib.suppress(Exception):
+                await remote.close()
+            raise HopUnavailable(hop.peer_id, WRONG_FORMAT, f"{hop.peer_id} computes blocks {hop.start}:{hop.end} "
+                                 f"in format {opened.format or '(unsaid)'}, not the model's {fmt}: refused")
         return remote
+    except HopUnavailable:
+        raise
     except RemoteError as exc:
         raise HopUnavailable(hop.peer_id, exc.code, exc.message) from None
     except Exception as exc:  # dial and stream failures come in many types

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, ttl_s: float,
-                 throughput: float = 0.0) -> ServerRecord:
+                 throughput: float = 0.0, fmt: str = "") -> ServerRecord:
     return ServerRecord(
         peer_id=host.get_id().to_string(),
         model_id=model_id,
@@ -33,6 +33,7 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
         expires=time.time() + ttl_s,
         seq=time.time_ns(),
         throughput=throughput,
+        fmt=fmt,
     )
 
 
@@ -58,7 +59,7 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
             await changed.wait()
             continue
         record = build_record(host, model_id, span.start, span.end, provider.dtype, ttl_s,
-                              throughput=provider.span_throughput())
+                              throughput=provider.span_throughput(), fmt=provider.format_label)
         keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(span.start, span.end)]
         try:
             with trio.fail_after(ttl_s / 3):

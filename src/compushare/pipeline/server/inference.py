@@ -176,7 +176,7 @@ class InferenceServer:
             log.info("session %s of %s reclaimed for a peer within its fair share; freed %d tokens",
                      lost.session_id.hex()[:8], lost.owner[-8:], lost.max_tokens)
         session.cache = runner.new_cache()
-        return Opened(request.session, table.free_tokens)
+        return Opened(request.session, table.free_tokens, runner.format_label)
 
     async def _receipt(self, request: ReceiptRequest, peer: str, table: SessionTable) -> Receipted:
         """Countersign the consumer's receipt for this session's latest steps, if it
@@ -212,7 +212,7 @@ class InferenceServer:
         proof = None
         if session.chain is not None:
             proof = prove(self.key_pair, self.model_id, session, position + tokens - chunks[-1], chunks[-1],
-                          encoded, output.shape[1])
+                          encoded, output.shape[1], mode=runner.format_label)
         if self.speculation is not None:
             await self.speculation.flushed(session.downstream)  # this step's push goes first
         return Result(request.session, position, encoded, seconds * 1000, proof)
@@ -329,12 +329,13 @@ class InferenceServer:
 
 
 def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tokens: int, encoded: WireTensor,
-          returned: int) -> Proof:
+          returned: int, *, mode: str = DEFAULT_MODE) -> Proof:
     """The step proof of the last chunk (positions position..position+tokens-1):
-    the last `tokens` of the `returned` token rows `encoded` (proofs.py)."""
+    the last `tokens` of the `returned` token rows `encoded` (proofs.py), computed in
+    `mode` (the span's weight format: its tolerance is the protocol's)."""
     data = encoded.data
     last = memoryview(data)[len(data) - len(data) // returned * tokens:]
-    statement = Statement(DEFAULT_MODE, model_id, session.start, session.end, position, tokens,
+    statement = Statement(mode, model_id, session.start, session.end, position, tokens,
                           session.chain.at(position), session.chain.digest(position, tokens),
                           step_digest(encoded.dtype, last, tokens))
     return Proof(position, tokens, statement.mode, statement.prefix, statement.input_digest,

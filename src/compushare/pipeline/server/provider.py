@@ -20,6 +20,7 @@ from ...config import Span
 from ...model.blocks import SpanRunner
 from ...model.store import StoredModel
 from ...net.ads import Serving
+from ...net.records import MODEL_NAME
 from ...net.tensors import TORCH_TO_WIRE
 from ...net.view import SwarmView
 from .placement import better_span, block_strength, choose_span, holes_outside, span_length
@@ -43,8 +44,11 @@ def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budg
 class Provider:
     def __init__(self, model: StoredModel, server_factory: Callable[[SpanRunner], InferenceServer], *,
                  block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None,
-                 prepare: Callable[[Span], Awaitable[None]] | None = None) -> None:
+                 prepare: Callable[[Span], Awaitable[None]] | None = None, name: str = "",
+                 claimed_format: str = "") -> None:
         self.model = model
+        self.name = name  # what the node calls the model ("smollm2-135m@q4"): ads carry it for name look-ups
+        self.claimed_format = claimed_format  # fault injection (tests): a format other than the model's
         # Runs before a span loads: fetches the span's weights from the swarm if missing.
         self.prepare = prepare
         self.server_factory = server_factory
@@ -95,7 +99,14 @@ class Provider:
             block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
             state=self.state,
             private_rate=self.private_rate() if live else 0.0,
+            fmt=self.format_label,
+            name=self.name if MODEL_NAME.fullmatch(self.name) else "",
         )]
+
+    @property
+    def format_label(self) -> str:
+        """The model's weight format, as its manifest names it (model/formats.py)."""
+        return self.claimed_format or self.model.format.label
 
     async def serve(self, span: Span) -> None:
         """Load `span` in a worker thread and switch the server over to it. If a move's
@@ -110,6 +121,7 @@ class Provider:
             if self.prepare is not None:
                 await self.prepare(span)
             runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
+            runner.format_label = self.format_label
         except Exception:
             if self.server is None:
                 raise  # nothing to fall back on: the node cannot start

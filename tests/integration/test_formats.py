@@ -1,0 +1,85 @@
+"""Weight formats through the swarm: per format, greedy tokens through 3 node
+processes equal one process computing in the same format (fp32: test_pipeline.py);
+a server that names another format than the model id's is refused."""
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from compushare.karma.record import karma_validators
+from compushare.model.blocks import SpanRunner
+from compushare.model.catalog import import_path
+from compushare.model.head import ConsumerHead
+from compushare.net.peer import open_swarm_host
+from compushare.errors import HopUnavailable
+from compushare.pipeline.client.consumer import RunRequest, find_route, run_prompt
+from compushare.pipeline.client.discovery import discover_servers
+from compushare.pipeline.client.hop import WRONG_FORMAT, open_hop
+from compushare.pipeline.client.routing import Hop
+from compushare.pipeline.client.sampling import SamplingParams
+
+PROMPTS = [[1, 17, 42, 99, 3], [1, 200, 201, 202, 203, 204, 205, 206, 207]]
+TOKENS = 24
+
+
+def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
+    """One process, the same format: every block in one SpanRunner, the head beside it."""
+    runner, head = SpanRunner.load(model_dir, 0, 4), ConsumerHead.load(model_dir)
+    cache = runner.new_cache()
+    hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(int(torch.argmax(head.logits(hidden))))
+        hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, runner.cached_length(cache))
+    return tokens
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "q4", "q4/g32"])
+async def test_three_processes_equal_one_process_in_the_same_format(processes, tiny_model, tmp_path, fmt):
+    client = import_path(tiny_model, tmp_path / "client", alias="tiny", fmt=fmt)
+    assert client.format.label == {"q4": "q4/g64"}.get(fmt, fmt)
+    _, first = processes.node("a", tiny_model, "0:1", fmt=fmt)
+    boot = first["addrs"][:1]
+    states = [first] + [processes.node(name, tiny_model, blocks, bootstrap=boot, fmt=fmt)[1]
+                        for name, blocks in (("b", "1:3"), ("c", "3:4"))]
+    assert {s["model_id"] for s in states} == {client.model_id}  # the format is part of the id
+    for prompt in PROMPTS:
+        outcome = await run_prompt(tmp_path / "client", tuple(boot), RunRequest(
+            model="tiny", prompt=prompt, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+        assert outcome.tokens == local_greedy(client.path, prompt, TOKENS)
+        assert [(h.start, h.end) for h in outcome.route] == [(0, 1), (1, 3), (3, 4)]
+        assert {h.record.fmt for h in outcome.route} == {client.format.label}
+
+
+async def test_a_server_naming_another_format_is_refused(processes, tiny_model, tmp_path):
+    """The liar serves the model's real weights but says q4/g64 in its record, its ad
+    and its sessions' Opened reply: the route leaves it out, and a session opened on
+    it anyway is refused; the answer is the honest servers'."""
+    _, first = processes.node("a", tiny_model, "0:1")
+    boot = first["addrs"][:1]
+    _, liar = processes.node("liar", tiny_model, "1:3", bootstrap=boot, extra=["--debug-claim-format", "q4/g64"])
+    for name, blocks in (("b", "1:3"), ("c", "3:4")):
+        processes.node(name, tiny_model, blocks, bootstrap=boot)
+    import_path(tiny_model, tmp_path / "client", alias="tiny")
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
+        with trio.fail_after(60):
+            while True:  # every server's record is in the DHT
+                records = await discover_servers(swarm.dht, first["model_id"], 4)
+                if len({r.peer_id for r in records}) == 4:
+                    break
+                await trio.sleep(0.5)
+        lying = next(r for r in records if r.peer_id == liar["peer_id"])
+        assert lying.fmt == "q4/g64" and {r.fmt for r in records if r is not lying} == {"fp32"}
+        for _ in range(5):
+            route = await find_route(swarm.host, swarm.dht, first["model_id"], 4, fmt="fp32")
+            assert liar["peer_id"] not in {h.peer_id for h in route}
+        with pytest.raises(HopUnavailable) as refused:
+            with trio.fail_after(30):
+                await open_hop(swarm.host, Hop(lying, 1, 3), first["model_id"], 64, 64, fmt="fp32")
+        assert refused.value.code == WRONG_FORMAT and "q4/g64" in str(refused.value)
+    outcome = await run_prompt(tmp_path / "client", tuple(boot), RunRequest(
+        model="tiny", prompt=PROMPTS[0], params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+    assert liar["peer_id"] not in {h.peer_id for h in outcome.route}
+    assert outcome.tokens == local_greedy(tmp_path / "client" / "models" / first["model_id"], PROMPTS[0], TOKENS)
