@@ -114,17 +114,18 @@ def vm_rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def liar_and_honest(processes: Processes, model_dir: Path) -> tuple[dict, list[str], dict, dict]:
+def liar_and_honest(processes: Processes, model_dir: Path, fmt: str | None = None) -> tuple[dict, list[str], dict, dict]:
     """A serves 0:2; B serves 2:4 but adds noise to every output (a lying server) and is
     fast, C serves 2:4 honestly but slowly, so routes prefer B. Returns the states of
-    A, the bootstrap addresses, B and C, once both ads say "serving" with their speeds."""
-    _, a = processes.node("a", model_dir, "0:2")
+    A, the bootstrap addresses, B and C, once both ads say "serving" with their speeds.
+    `fmt`: the weight format all three serve the model in."""
+    _, a = processes.node("a", model_dir, "0:2", fmt=fmt)
     boot = a["addrs"][:1]
     fast_ads = ["--ad-period", "1"]
     liar = processes.node("b", model_dir, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"] + fast_ads,
-                          wait=False)[0]
+                          wait=False, fmt=fmt)[0]
     honest = processes.node("c", model_dir, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
-                            wait=False)[0]
+                            wait=False, fmt=fmt)[0]
     liar, honest = processes.ready("b", liar), processes.ready("c", honest)
     time.sleep(2.5)
     return a, boot, liar, honest

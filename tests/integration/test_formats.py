@@ -13,11 +13,13 @@ from compushare.model.catalog import import_path
 from compushare.model.head import ConsumerHead
 from compushare.net.peer import open_swarm_host
 from compushare.errors import HopUnavailable
-from compushare.pipeline.client.consumer import RunRequest, find_route, run_prompt
+from compushare.pipeline.client.consumer import Consumer, RunRequest, find_route, run_prompt
 from compushare.pipeline.client.discovery import discover_servers
 from compushare.pipeline.client.hop import WRONG_FORMAT, open_hop
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.client.sampling import SamplingParams
+from compushare.proofs import TOLERANCES, FailureReport
+from helpers import liar_and_honest
 
 PROMPTS = [[1, 17, 42, 99, 3], [1, 200, 201, 202, 203, 204, 205, 206, 207]]
 TOKENS = 24
@@ -83,3 +85,24 @@ async def test_a_server_naming_another_format_is_refused(processes, tiny_model, 
         model="tiny", prompt=PROMPTS[0], params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
     assert liar["peer_id"] not in {h.peer_id for h in outcome.route}
     assert outcome.tokens == local_greedy(tmp_path / "client" / "models" / first["model_id"], PROMPTS[0], TOKENS)
+
+
+async def test_spot_checks_compare_like_formats(processes, tiny_model, tmp_path):
+    """A q4 swarm, every step spot-checked: honest q4 servers agree within q4's
+    tolerance (no false alarm), a server adding 5% noise is caught, and its failure
+    report names the format as its compute mode."""
+    client = import_path(tiny_model, tmp_path / "client", alias="tiny", fmt="q4")
+    _, boot, noisy, honest = liar_and_honest(processes, tiny_model, fmt="q4")
+    async with Consumer.connect(tmp_path / "client", tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=1.0) as consumer:
+        request = RunRequest(model="tiny", prompt=PROMPTS[0], params=SamplingParams(max_new_tokens=TOKENS,
+                                                                                  stop_at_eos=False))
+        with trio.fail_after(90):
+            outcome = await consumer.generate(request)
+        assert [(f.reason, f.peer_id) for f in outcome.failovers] == [("mismatch", noisy["peer_id"])]
+        assert honest["peer_id"] in {h.peer_id for h in outcome.route}
+        assert outcome.tokens == local_greedy(client.path, PROMPTS[0], TOKENS)
+    [report_file] = list((tmp_path / "client" / "reports").iterdir())
+    report = FailureReport.from_wire(report_file.read_bytes())
+    report.check()
+    assert report.mode == "q4/g64" and report.tolerance == TOLERANCES["q4/g64"]

@@ -1,0 +1,60 @@
+"""The real SmolLM2-135M-Instruct in a quantized format through a 3-process swarm, and
+its GGUF's own 4-bit weights kept bit for bit."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compushare.app.swarm import swarm_down, swarm_up
+from compushare.model.blocks import SpanRunner
+from compushare.model.catalog import resolve_model
+from compushare.model.head import ConsumerHead
+from compushare.model.quantize import dequantize, matrix_parts
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France?"
+TOKENS = 24
+
+
+def test_the_gguf_weights_are_kept_exactly(tmp_path):
+    """`smollm2-135m@gguf` holds the file's Q4_1 integers and scales: dequantized, they
+    are transformers' own dequantization of the file (the fp32 model), bit for bit."""
+    fp32 = resolve_model("smollm2-135m", tmp_path)
+    native = resolve_model("smollm2-135m@gguf", tmp_path)
+    assert native.format.label == "q4/g32"
+    for block in (0, 17, 29):
+        name = f"block-{block:04d}.safetensors"
+        ours, theirs = load_file(native.path / name), load_file(fp32.path / name)
+        for tensor, value in theirs.items():
+            if tensor.endswith("_proj.weight"):
+                assert torch.equal(dequantize(matrix_parts(ours, tensor)), value), tensor
+    # Our own quantizer, at the file's group size, finds the very same grid: the same id.
+    assert resolve_model("smollm2-135m@q4/g32", tmp_path).model_id == native.model_id
+
+
+async def test_smollm2_q4_swarm_equals_one_process(tmp_path):
+    home = tmp_path / "swarm"
+    client = tmp_path / "client"
+    model = resolve_model("smollm2-135m@q4", client)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    runner, head = SpanRunner.load(model.path, 0, model.num_blocks), ConsumerHead.load(model.path)
+    cache = runner.new_cache()
+    hidden, expected = runner.forward(head.embed_tokens(ids), cache, 0), []
+    for _ in range(TOKENS):
+        expected.append(int(torch.argmax(head.logits(hidden))))
+        hidden = runner.forward(head.embed_tokens(expected[-1:]), cache, runner.cached_length(cache))
+    try:
+        swarm = swarm_up(home, 3, "smollm2-135m@q4")
+        assert swarm["model_id"] == model.model_id
+        outcome = await run_prompt(client, tuple(swarm["bootstrap"]), RunRequest(
+            model="smollm2-135m@q4", prompt=ids, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+    finally:
+        swarm_down(home)
+    assert outcome.tokens == expected
+    assert "Paris" in tokenizer.decode(outcome.tokens)

@@ -1,0 +1,185 @@
+"""Weight formats: labels, the quantizer, the kernels, GGUF blocks kept as they are,
+manifests that name a format, and quantized spans (model/formats.py, quantize.py,
+kernels.py, gguf_native.py, blocks.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compushare.errors import FrameError, UsageError
+from compushare.model.batched import decode_batch
+from compushare.model.blocks import SpanRunner
+from compushare.model.catalog import import_path
+from compushare.model.formats import FORMATS, WeightFormat, format_from_manifest, parse_format
+from compushare.model.gguf_native import _split_blocks, _unpermute
+from compushare.model.head import ConsumerHead
+from compushare.model.kernels import DequantizedLinear, Int4CpuLinear, Int8Linear, embedding_rows, linear
+from compushare.model.manifest import parse
+from compushare.model.quantize import dequantize, pack_nibbles, quantize, quantize_int8, quantize_q4, unpack_nibbles
+from compushare.proofs import TOLERANCES, relative_error
+
+PROJ = "model.layers.3.mlp.down_proj.weight"
+
+
+def test_labels_parse_and_print():
+    assert [parse_format(t).label for t in ("fp32", "BF16", "int8", "q4", "q4/g32", "q4/g128")] == \
+        ["fp32", "bf16", "int8", "q4/g64", "q4/g32", "q4/g128"]
+    for bad in ("fp16", "q4/g48", "q4/gx", "int8/g32", "q8"):
+        with pytest.raises(UsageError):
+            parse_format(bad)
+    assert parse_format("q4").head_format() == parse_format("int8")  # the LM head stays at 8 bits
+    # Every format a span can compute in has a spot-check tolerance in the protocol's table.
+    assert {parse_format(f).label for f in ("fp32", "bf16", "int8", "q4/g32", "q4/g64", "q4/g128")} <= set(TOLERANCES)
+    assert set(FORMATS) == {"fp32", "bf16", "int8", "q4"}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 16), st.integers(0, 2**32 - 1))
+def test_nibbles_pack_and_unpack(rows, pairs, seed):
+    q = torch.randint(0, 16, (rows, 2 * pairs), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    packed = pack_nibbles(q)
+    assert packed.shape == (rows, pairs) and torch.equal(unpack_nibbles(packed), q)
+
+
+def test_quantizers_are_accurate_and_deterministic():
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    int8 = quantize_int8(weight)
+    assert int8[""].dtype == torch.int8 and int8["_scale"].shape == (96,)
+    assert relative_error(dequantize(int8).numpy(), weight.numpy()) < 0.01
+    for group, bound in ((32, 0.09), (64, 0.10), (128, 0.11)):
+        q4 = quantize_q4(weight, group)
+        assert q4[""].shape == (96, 128) and q4["_scale"].dtype == q4["_min"].dtype == torch.float16
+        assert relative_error(dequantize(q4).numpy(), weight.numpy()) < bound
+        again = quantize_q4(weight.clone(), group)
+        assert all(torch.equal(q4[k], again[k]) for k in q4)  # same weights, same bytes, same model id
+    with pytest.raises(UsageError, match="divisible"):
+        quantize_q4(torch.zeros(4, 96), 64)
+
+
+def test_a_grid_is_recovered_exactly():
+    """Weights already on a 4-bit grid (a dequantized Q4_1 file: SmolLM2's fp32) come
+    back bit for bit at the same group size: so `@q4/g32` of SmolLM2 is its GGUF's own."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (8, 64), generator=gen)
+    q[:, ::32], q[:, 1::32] = 0, 15  # every group uses its whole range, as Q4_1's quantizer makes it
+    scale = (torch.rand(8, 2, generator=gen) * 0.01 + 0.001).half()
+    minimum = (torch.randn(8, 2, generator=gen) * 0.05).half()
+    weight = dequantize({"": pack_nibbles(q.to(torch.uint8)), "_scale": scale, "_min": minimum})
+    assert torch.equal(dequantize(quantize_q4(weight, 32)), weight)
+
+
+def test_what_each_format_quantizes():
+    w = torch.randn(64, 64)
+    assert set(quantize(parse_format("int8"), PROJ, w)) == {PROJ, PROJ + "_scale"}
+    assert set(quantize(parse_format("q4"), PROJ, w)) == {PROJ, PROJ + "_scale", PROJ + "_min"}
+    embed = "model.embed_tokens.weight"
+    assert set(quantize(parse_format("q4"), embed, w)) == {embed, embed + "_scale"}  # int8 head
+    norm = "model.layers.3.input_layernorm.weight"
+    assert quantize(parse_format("q4"), norm, torch.ones(64))[norm].dtype == torch.float32
+    assert quantize(parse_format("bf16"), norm, torch.ones(64))[norm].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kernels_compute_the_dequantized_product(rows):
+    """Within bfloat16 rounding of the activations (the kernels' input), whatever the
+    kernel; the dense fallback for devices without kernels agrees too."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(192, 128, generator=gen) * 0.05, torch.randn(rows, 128, generator=gen)
+    for parts, kind in ((quantize_int8(weight), Int8Linear), (quantize_q4(weight, 32), Int4CpuLinear),
+                        (quantize_q4(weight, 64), Int4CpuLinear)):
+        expected = x @ dequantize(parts).T
+        module = linear(parts)
+        assert isinstance(module, kind)
+        for got in (module(x), DequantizedLinear(parts)(x)):
+            assert got.dtype == torch.float32 and got.shape == (rows, 192)
+            assert relative_error(got.numpy(), expected.numpy()) < 1e-2
+    ids = torch.tensor([[5, 0, 191]])
+    for parts in (quantize_int8(weight), quantize_q4(weight, 32)):
+        assert torch.equal(embedding_rows(parts, ids, torch.float32), dequantize(parts)[ids])
+
+
+def test_gguf_q4_blocks_are_kept_exactly():
+    """Q4_1 (d, m, 16 bytes of nibbles: element j low, j + 16 high) and Q4_0 (d only,
+    w = d (q - 8)) blocks as ggml lays them out, split into our scale / min / q."""
+    gen = np.random.default_rng(4)
+    q = gen.integers(0, 16, size=(3, 64)).astype(np.uint8)
+    d = gen.random((3, 2)).astype(np.float16)
+    m = (gen.random((3, 2)) - 0.5).astype(np.float16)
+    nibbles = q.reshape(3, 2, 32)
+    quants = (nibbles[:, :, :16] | (nibbles[:, :, 16:] << 4)).astype(np.uint8)
+    q41 = np.concatenate([d[..., None].view(np.uint8).reshape(3, 2, 2), m[..., None].view(np.uint8).reshape(3, 2, 2),
+                          quants], axis=2).reshape(3, 40)
+    parts = _split_blocks("Q4_1", q41, 64)
+    assert np.array_equal(parts["q"], q) and np.array_equal(parts["scale"], d) and np.array_equal(parts["min"], m)
+    q40 = np.concatenate([d[..., None].view(np.uint8).reshape(3, 2, 2), quants], axis=2).reshape(3, 36)
+    parts = _split_blocks("Q4_0", q40, 64)
+    values = parts["q"].astype(np.float32) * np.repeat(parts["scale"], 32, 1) + np.repeat(parts["min"], 32, 1)
+    assert np.array_equal(values, (q.astype(np.float32) - 8) * np.repeat(d.astype(np.float32), 32, 1))
+
+
+def test_gguf_rows_unpermute_like_transformers():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    assert np.array_equal(_unpermute(rows, 4), LlamaTensorProcessor()._reverse_permute_weights(rows, 4, 4))
+
+
+def test_a_manifest_names_its_format(tiny_model, tmp_path):
+    fp32 = import_path(tiny_model, tmp_path / "a", alias="tiny")
+    q4 = import_path(tiny_model, tmp_path / "b", alias="tiny", fmt="q4/g32")
+    assert fp32.format.label == "fp32" and fp32.manifest.weights is None  # older ids are unchanged
+    assert q4.format.label == "q4/g32" and q4.manifest.weights == {"format": "q4", "group_size": 32}
+    assert parse(q4.manifest.raw, expected_id=q4.model_id).format == q4.format
+    assert import_path(tiny_model, tmp_path / "c", alias="tiny", fmt="q4/g32").model_id == q4.model_id
+    ratio = max(q4.manifest.block_bytes().values()) / max(fp32.manifest.block_bytes().values())
+    assert ratio < 0.2  # 4 bits + a float16 scale and minimum per 32 weights, norms in fp32
+    raw = q4.manifest.raw.decode()
+    for bad in ('{"format":"fp32"}', '{"format":"q4","group_size":48}', '{"format":"int8","bits":8}',
+                '{"format":"q4","group_size":"32"}', '"q4"'):
+        with pytest.raises(FrameError):
+            parse(raw.replace('{"format":"q4","group_size":32}', bad).encode())
+    assert format_from_manifest(None, {"BF16"}) == WeightFormat("bf16")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4", "q4/g32"])
+def test_quantized_spans_split_exactly_and_batch_exactly(tiny_model, tmp_path, fmt):
+    """A quantized model split into two spans gives the very bytes one span gives,
+    and a batched decode step equals each session's own: the same kernels, the same
+    rows, whatever the split or the company."""
+    model = import_path(tiny_model, tmp_path, alias="tiny", fmt=fmt)
+    head = ConsumerHead.load(model.path)
+    whole, first, second = (SpanRunner.load(model.path, a, b) for a, b in ((0, 4), (0, 1), (1, 4)))
+    assert whole.format_label == model.format.label and whole.dtype == torch.float32
+    assert whole.weight_bytes < 0.35 * SpanRunner.load(tiny_model, 0, 4).weight_bytes
+    x = head.embed_tokens([1, 5, 9, 13])
+    alone = whole.forward(x, whole.new_cache(), 0)
+    caches = [first.new_cache(), second.new_cache()]
+    split = second.forward(first.forward(x, caches[0], 0), caches[1], 0)
+    assert torch.equal(alone, split)
+    sessions = [whole.new_cache() for _ in range(3)]
+    own = [whole.new_cache() for _ in range(3)]
+    for cache in sessions + own:
+        whole.forward(x, cache, 0)
+    steps = [head.embed_tokens([20 + i]) for i in range(3)]
+    batched = decode_batch(whole, steps, sessions, [4, 4, 4], 0, 4)
+    for step, cache, out in zip(steps, own, batched):
+        assert torch.equal(out, whole.forward(step, cache, 4))
+    logits = head.logits(alone)
+    assert logits.dtype == torch.float32 and logits.shape == (256,)
+
+
+def test_a_quantized_span_is_close_to_fp32(tiny_model, tmp_path):
+    """The formats' accuracy on the tiny model's last hidden states (SmolLM2's
+    perplexities are bench/node_compute.py's)."""
+    reference = SpanRunner.load(tiny_model, 0, 4)
+    x = ConsumerHead.load(tiny_model).embed_tokens(list(range(1, 30)))
+    expected = reference.forward(x, reference.new_cache(), 0)
+    for fmt, bound in (("bf16", 0.02), ("int8", 0.02), ("q4/g32", 0.15)):
+        model = import_path(tiny_model, tmp_path / fmt.replace("/", "_"), alias="tiny", fmt=fmt)
+        runner = SpanRunner.load(model.path, 0, 4)
+        got = runner.forward(x, runner.new_cache(), 0)
+        assert relative_error(got.float().numpy(), expected.numpy()) < bound, fmt
