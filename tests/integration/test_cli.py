@@ -61,13 +61,25 @@ def test_models_import_and_list(tmp_path, tiny_model):
     import json
 
     (entry,) = json.loads(listed.stdout)
-    assert entry == {"names": ["tiny"], "id": model_id, "blocks": 4, "dtype": "float32",
-                     "bytes": entry["bytes"], "held_blocks": [0, 1, 2, 3], "holds_head": True}
+    assert entry == {"names": ["tiny"], "id": model_id, "blocks": 4, "dtype": "float32", "format": "fp32",
+                     "block_bytes": entry["block_bytes"], "bytes": entry["bytes"], "held_blocks": [0, 1, 2, 3],
+                     "holds_head": True}
     from compushare.model.store import ModelStore
 
     assert entry["bytes"] == ModelStore(home).get(model_id).manifest.total_bytes
     table = _cli("models", "list", env_home=home)
     assert "tiny" in table.stdout and "all" in table.stdout
+    # The same weights in 4 bits: another model (another id), ~1/6 of the bytes per block.
+    quantized = _cli("models", "import", str(tiny_model), "--name", "tiny@q4", "--format", "q4", "--json",
+                     env_home=home)
+    assert quantized.returncode == 0, quantized.stderr
+    q4 = json.loads(quantized.stdout)
+    assert q4["format"] == "q4/g64" and q4["model_id"] != model_id
+    listed = {e["format"]: e for e in json.loads(_cli("models", "list", "--json", env_home=home).stdout)}
+    assert listed["q4/g64"]["names"] == ["tiny@q4"]
+    assert listed["q4/g64"]["block_bytes"] < 0.25 * listed["fp32"]["block_bytes"]
+    bad = _cli("models", "import", str(tiny_model), "--format", "q3", env_home=home)
+    assert bad.returncode != 0 and "unknown weight format" in bad.stderr
 
 
 def test_models_fetch_wants_an_id(tmp_path):

@@ -183,3 +183,25 @@ def test_a_quantized_span_is_close_to_fp32(tiny_model, tmp_path):
         runner = SpanRunner.load(model.path, 0, 4)
         got = runner.forward(x, runner.new_cache(), 0)
         assert relative_error(got.float().numpy(), expected.numpy()) < bound, fmt
+
+
+def test_the_memory_budget_counts_weights_in_their_format_and_the_kv_budget():
+    from types import SimpleNamespace
+
+    from compushare.pipeline.server.provider import MB, block_cost, blocks_for_budget, kv_bytes_per_token
+
+    config = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}  # SmolLM2-135M
+    blocks = {"fp32": 14_160_384, "int8": 3_564_288, "q4/g64": 1_995_264}  # their manifests' block bytes
+
+    def model(label: str):
+        return SimpleNamespace(num_blocks=1000, block_bytes=blocks[label], manifest=SimpleNamespace(config=config),
+                               format=parse_format(label))
+
+    assert kv_bytes_per_token(model("q4/g64")) == 2 * 3 * 64 * 4
+    fit = {label: blocks_for_budget(model(label), max_blocks=None, memory_budget_mb=1024, free_mb=0)
+           for label in blocks}
+    assert fit["fp32"] == 1024 * MB // blocks["fp32"] == 75
+    assert fit["q4/g64"] >= 7 * fit["fp32"] and fit["int8"] >= 3.9 * fit["fp32"]
+    with_kv = blocks_for_budget(model("q4/g64"), max_blocks=None, memory_budget_mb=1024, free_mb=0, kv_tokens=8192)
+    assert with_kv == 1024 * MB // block_cost(model("q4/g64"), 8192) < fit["q4/g64"]
+    assert blocks_for_budget(model("q4/g64"), max_blocks=10, memory_budget_mb=1024, free_mb=0) == 10

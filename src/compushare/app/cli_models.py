@@ -44,16 +44,19 @@ def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "
     stored = ModelStore(resolve_data_dir(data_dir)).list()
     if as_json:
         print(json.dumps([{"names": n, "id": m.model_id, "blocks": m.num_blocks, "dtype": m.dtype,
+                           "format": m.format.label, "block_bytes": m.block_bytes,
                            "bytes": m.manifest.total_bytes, "held_blocks": m.held_blocks(),
                            "holds_head": m.holds(head=True)} for n, m in stored]))
         return
-    table = Table("names", "id", "blocks", "dtype", "size", "held here")
+    table = Table("names", "id", "blocks", "format", "size", "held here")
     for names, m in stored:
-        table.add_row(", ".join(names), m.model_id[:16], str(m.num_blocks), m.dtype,
+        table.add_row(", ".join(names), m.model_id[:16], str(m.num_blocks), m.format.label,
                       f"{m.manifest.total_bytes / 1e6:.1f} MB", _held(m))
     Console().print(table)
     for entry in CATALOG.values():
         print(f"catalog: {entry.name:14} {entry.description}")
+    print("any of them as NAME@FORMAT (int8, q4, q4/g32, bf16; @gguf: a GGUF's own 4-bit weights), e.g. "
+          "smollm2-135m@q4")
 
 
 class _Progress:
@@ -158,6 +161,10 @@ def models_seed(
 
 @models_app.command("import")
 def models_import(path: Path, name: str = typer.Option(None, help="Alias for the model."),
+                  fmt: str = typer.Option(None, "--format",
+                                          help="Weight format: fp32, bf16, int8, q4 (4-bit, groups of 64), q4/g32, "
+                                               "q4/g128; or gguf: keep a GGUF file's own Q4_0/Q4_1 weights as they "
+                                               "are. Default: the source's own (a GGUF is dequantized to fp32)."),
                   data_dir: Path = DATA_DIR,
                   as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
                   ) -> None:
@@ -167,9 +174,10 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
     def do():
         with _Progress(f"importing {path.name}", not as_json) as shown:
             model = import_path(path, resolve_data_dir(data_dir), alias=name, progress=shown.progress,
-                                on_stage=lambda stage: shown.describe(f"{stage} {path.name}"))
+                                on_stage=lambda stage: shown.describe(f"{stage} {path.name}"), fmt=fmt)
         if as_json:
             print(json.dumps({"model_id": model.model_id, "name": name, "num_blocks": model.num_blocks,
+                              "format": model.format.label,
                               "bytes": sum(f.size for f in model.manifest.files)}))
         else:
             print(model.model_id)

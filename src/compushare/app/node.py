@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import trio
@@ -43,7 +44,7 @@ from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.private import PrivateServer
 from ..pipeline.server.private_worker import HEWorker
-from ..pipeline.server.provider import Provider, blocks_for_budget
+from ..pipeline.server.provider import Provider, block_cost, blocks_for_budget, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..runtime import stop_on_signal, write_state
 from .status import summarize
@@ -74,6 +75,7 @@ class Node:
         self.traversal: Traversal | None = None  # reachability, relays, hole punching (net/traversal.py)
         self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
+        self._memory: Callable[[], dict] | None = None  # what the span holds against the memory budget
         self._state: dict = {}
         self._last_state: dict = {}
 
@@ -163,7 +165,8 @@ class Node:
                     model = await torrent.obtain_manifest(name)
                     self._check_span(model)
                 length = blocks_for_budget(model, max_blocks=config.max_blocks,
-                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb)
+                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb,
+                                           kv_tokens=config.limits.kv_budget_tokens)
                 provider = self.provider = Provider(
                     model,
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
@@ -204,14 +207,18 @@ class Node:
                 server.enable_push(host, nursery)
                 server.speculation.forge = config.forge_push
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
+                budget_mb = config.memory_budget_mb if config.memory_budget_mb is not None \
+                    else hardware.ram_free_mb // 2  # blocks_for_budget's default
+                cost = block_cost(model, config.limits.kv_budget_tokens)
+
+                def private_budget(span: tuple[int, int]) -> int:
+                    # What the span's weights (in their format) and KV budget leave of the
+                    # node's memory budget: private mode's pre-encoded weights get that.
+                    return max(0, budget_mb * MB - cost * (span[1] - span[0]))
+
+                self._memory = lambda: memory_state(model, provider.span, budget_mb, config.limits.kv_budget_tokens,
+                                                    private_budget)
                 if config.private:
-                    budget_mb = config.memory_budget_mb if config.memory_budget_mb is not None \
-                        else hardware.ram_free_mb // 2  # blocks_for_budget's default
-
-                    def private_budget(span: tuple[int, int]) -> int:
-                        # What the span's plaintext weights leave of the node's memory budget.
-                        return max(0, budget_mb * MB - model.block_bytes * (span[1] - span[0]))
-
                     worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
                                       budget_bytes=private_budget, noise=config.noise)
                     self.private = PrivateServer(provider, worker)
@@ -351,7 +358,8 @@ class Node:
         span = provider.span
         state = dict(self._state, start=span.start, end=span.end, state=provider.state, moves=provider.moves,
                      fetched=self.fetched,
-                     parameters=provider.server.runner.parameter_count() if provider.server else 0)
+                     parameters=provider.server.runner.parameter_count() if provider.server else 0,
+                     format=provider.format_label, memory=self._memory() if self._memory is not None else None)
         if self.traversal is not None:  # reachability and relays change while it runs
             state.update(addrs=self.traversal.addrs(), net=self.traversal.stats())
         write_state(self.config.data_dir, state)

@@ -142,6 +142,13 @@ def private_line(stats: dict | None) -> str:
             f"restarts, {stats['held_mb']:.1f} MB held")
 
 
+def memory_line(memory: dict) -> str:
+    """What this node's span holds against its memory budget, in one line."""
+    return (f"memory: {memory['blocks']} blocks in {memory['format']}: weights {memory['weights_mb']:.0f} MB, "
+            f"KV up to {memory['kv_mb']:.0f} MB ({memory['kv_tokens']} tokens), private pre-encoding up to "
+            f"{memory['private_mb']:.0f} MB, of a {memory['budget_mb']} MB budget")
+
+
 def net_line(net: dict) -> str:
     """This node's reachability, relays held and relaying, in one line."""
     reach = net.get("reachability", "unknown")
@@ -175,6 +182,8 @@ def render(status: dict, console) -> None:
             console.print(f"  {private_line(daemon['private'])}", highlight=False)
         if daemon.get("net"):
             console.print(f"  {net_line(daemon['net'])}", highlight=False)
+        if daemon.get("memory"):
+            console.print(f"  {memory_line(daemon['memory'])}", highlight=False)
     table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
     for column in ("peer", "karma", "reach", "serves", "private", "free KV", "load", "blocks/s", "hardware",
                    "version", "ad age"):
@@ -187,7 +196,7 @@ def render(status: dict, console) -> None:
                 peer["peer_id"][-12:] if index == 0 else "",
                 (f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?") if index == 0 else "",
                 (peer.get("reach", "unknown") + (", relays" if peer.get("relay") else "")) if index == 0 else "",
-                f"{s['model'][:8]} {s['start']}:{s['end']} {s['state']}" if s else "-",
+                f"{s['model'][:8]} {escape(s.get('fmt', ''))} {s['start']}:{s['end']} {s['state']}" if s else "-",
                 ("yes" if s.get("priv", 0) > 0 else "no") if s else "",
                 str(s["free"]) if s else "",
                 f"{s['load']:.0%}" if s else "",

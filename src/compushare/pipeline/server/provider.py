@@ -31,14 +31,42 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 
 
+def kv_bytes_per_token(model: StoredModel) -> int:
+    """KV cache bytes one token takes in one block: keys and values, float32 (bfloat16
+    for a bf16 model): a span's cache is in its compute dtype, whatever its weights'."""
+    config = model.manifest.config
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return 2 * kv_heads * head_dim * (2 if model.format.name == "bf16" else 4)
+
+
+def block_cost(model: StoredModel, kv_tokens: int) -> int:
+    """What holding one block costs: its weights in the model's format (scales included)
+    plus the KV cache of `kv_tokens` tokens (the server's whole KV budget) in it."""
+    return model.block_bytes + kv_tokens * kv_bytes_per_token(model)
+
+
 def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budget_mb: int | None,
-                      free_mb: int) -> int:
+                      free_mb: int, kv_tokens: int = 0) -> int:
     """How many blocks this node may hold: --max-blocks, and what its memory budget
-    (default: half the RAM free at start) fits."""
+    (default: half the RAM free at start) fits, weights and KV budget together. A
+    4-bit model's block costs ~7x less than an fp32 one's, so a node holds more."""
     budget_mb = memory_budget_mb if memory_budget_mb is not None else free_mb // 2
-    fit = budget_mb * MB // model.block_bytes if model.block_bytes > 0 else model.num_blocks
+    cost = block_cost(model, kv_tokens)
+    fit = budget_mb * MB // cost if cost > 0 else model.num_blocks
     limit = model.num_blocks if max_blocks is None else max_blocks
     return span_length(model.num_blocks, min(limit, fit))
+
+
+def memory_state(model: StoredModel, span: Span | None, budget_mb: int, kv_tokens: int,
+                 private_budget: Callable[[tuple[int, int]], int]) -> dict:
+    """What this node's span holds against its memory budget (node.json, `status`)."""
+    blocks = len(span) if span is not None else 0
+    return {"budget_mb": budget_mb, "format": model.format.label, "blocks": blocks,
+            "weights_mb": round(model.block_bytes * blocks / MB, 1),
+            "kv_mb": round(kv_tokens * kv_bytes_per_token(model) * blocks / MB, 1), "kv_tokens": kv_tokens,
+            "private_mb": round(private_budget((span.start, span.end)) / MB, 1) if span is not None else 0.0}
 
 
 class Provider:
