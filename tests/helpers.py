@@ -46,6 +46,22 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int) ->
     return out[0, len(prompt_ids):].tolist()
 
 
+def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens in one process, in the model's own weight format: every block in
+    one SpanRunner, the head beside it (what a swarm of that model must reproduce)."""
+    from compushare.model.blocks import SpanRunner
+    from compushare.model.head import ConsumerHead
+
+    runner, head = SpanRunner.load(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
+    cache = runner.new_cache()
+    hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(int(torch.argmax(head.logits(hidden))))
+        hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, runner.cached_length(cache))
+    return tokens
+
+
 class Processes:
     """Starts node processes and always stops them, by pid."""
 

@@ -8,9 +8,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.karma.record import karma_validators
-from compushare.model.blocks import SpanRunner
 from compushare.model.catalog import import_path
-from compushare.model.head import ConsumerHead
 from compushare.net.peer import open_swarm_host
 from compushare.errors import HopUnavailable
 from compushare.pipeline.client.consumer import Consumer, RunRequest, find_route, run_prompt
@@ -19,22 +17,10 @@ from compushare.pipeline.client.hop import WRONG_FORMAT, open_hop
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.proofs import TOLERANCES, FailureReport
-from helpers import liar_and_honest
+from helpers import liar_and_honest, local_greedy
 
 PROMPTS = [[1, 17, 42, 99, 3], [1, 200, 201, 202, 203, 204, 205, 206, 207]]
 TOKENS = 24
-
-
-def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
-    """One process, the same format: every block in one SpanRunner, the head beside it."""
-    runner, head = SpanRunner.load(model_dir, 0, 4), ConsumerHead.load(model_dir)
-    cache = runner.new_cache()
-    hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
-    tokens = []
-    for _ in range(new_tokens):
-        tokens.append(int(torch.argmax(head.logits(hidden))))
-        hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, runner.cached_length(cache))
-    return tokens
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "q4", "q4/g32"])

@@ -16,7 +16,7 @@ import trio
 
 from .. import __version__, defences
 from ..config import PID_FILE, STATE_FILE, NodeConfig, Span
-from ..errors import UsageError
+from ..errors import ModelUnavailable, UsageError
 from ..gc_policy import startup_done
 from ..hardware import available_ram_mb, detect_hardware
 from .api.app import build_app
@@ -26,7 +26,7 @@ from .api.server import serve_api
 from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
-from ..model.catalog import DEFAULT_MODEL, resolve_model
+from ..model.catalog import CATALOG, DEFAULT_MODEL, resolve_model, split_name
 from ..model.store import ModelStore, is_model_id
 from ..model.selfbench import cached_block_rate, measure_block_rate
 from ..net.ads import ad_ttl, make_ad
@@ -38,6 +38,7 @@ from ..net.peer import open_swarm_host
 from ..net.records import MAX_ADDRS
 from ..net.traversal import Traversal
 from ..net.view import MAX_PEERS, SwarmView, relay_candidates
+from ..pipeline.client.consumer import name_from_swarm
 from ..pipeline.server.announce import announce_loop
 from ..he.ckks import DEFAULT_PARAMETERS
 from ..pipeline.private_wire import PRIVATE_PROTOCOL
@@ -104,9 +105,11 @@ class Node:
         sys.setswitchinterval(COMPUTE_SWITCH_INTERVAL_S)
         name = config.model or DEFAULT_MODEL
         # A model id this node has never seen comes from the swarm: first its manifest,
-        # then the pieces of whatever span the node takes.
-        model = None if is_model_id(name) and ModelStore(config.data_dir).get(name) is None \
-            else resolve_model(name, config.data_dir)
+        # then the pieces of whatever span the node takes. So does a name neither held
+        # here nor in the catalog: the swarm says which id it names (pipeline/client/names.py).
+        held = ModelStore(config.data_dir).get(name)
+        ask_swarm = held is None and (is_model_id(name) or split_name(name)[0] not in CATALOG)
+        model = None if ask_swarm else held or resolve_model(name, config.data_dir)
         self._check_span(model)
         hardware = detect_hardware()
         key_pair = load_or_create_identity(config.data_dir)
@@ -162,7 +165,16 @@ class Node:
                              api_url)
                 if model is None:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
-                    model = await torrent.obtain_manifest(name)
+                    model_id = name
+                    if not is_model_id(name):
+                        chosen = await name_from_swarm(host, dht, name)
+                        if chosen is None:
+                            raise ModelUnavailable(f"{name!r} is neither held here, nor in the catalog, nor served "
+                                                   "by any server in the swarm")
+                        model_id = chosen.model_id
+                    model = await torrent.obtain_manifest(model_id)
+                    if model_id != name:
+                        ModelStore(config.data_dir).set_alias(name, model_id)
                     self._check_span(model)
                 length = blocks_for_budget(model, max_blocks=config.max_blocks,
                                            memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb,

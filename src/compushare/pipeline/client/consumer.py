@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from ...errors import RouteError, SwarmUnreachable, UsageError
+from ...errors import ModelUnavailable, RouteError, SwarmUnreachable, UsageError
 from ...karma.ledger import ReportStore
 from ...karma.record import karma_validators
 from ...karma.service import KarmaBook, submit_report
@@ -32,6 +32,7 @@ from .discovery import discover_servers
 from .generate import GenerateStats, generate
 from .speculative import MAX_DRAFT
 from .measure import measure_servers
+from .names import NameCandidate, choose_candidate, name_candidates
 from .routing import Hop, Measure, plan_route
 from ...proofs import FailureReport
 from .sampling import SamplingParams
@@ -45,6 +46,7 @@ PRIVATE_STEP_TOKENS = 16  # a private prefill goes in chunks of 16 tokens (priva
 DISCOVERY_WAIT_S = 6.0  # a swarm that is still settling: wait this long for a full route
 REPORT_SUBMIT_TIMEOUT_S = 5.0
 KARMA_LOOKUP_S = 10.0  # one round of karma look-ups (in the background)
+MAX_NAME_PROVIDERS = 64  # karma looked up for at most this many providers of a name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +151,33 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
         except RouteError:
             await trio.sleep(DISCOVERY_RETRY_S)
     return await attempt()
+
+
+async def name_from_swarm(host, dht, name: str) -> NameCandidate | None:
+    """The model id the swarm serves under `name`, counting only providers with
+    evidence (pipeline/client/names.py): None when no server names it at all, an error
+    when some do but none has evidence. Karma counts as evidence: the candidates'
+    providers' karma is looked up first (a newcomer's is 1.0)."""
+    view = SwarmView()
+    view.set_self(host.get_id().to_string())
+    await learn_views(host, view)
+    now = time.time()
+    view.note_connected([peer.to_string() for peer in host.get_network().connections], now)
+    providers = sorted({ad.peer_id for ad in view.live(now) for s in ad.serving if s.name == name})
+    if not providers:
+        return None
+    karma = KarmaBook()
+    with trio.move_on_after(KARMA_LOOKUP_S):
+        await karma.refresh(host, dht, providers[:MAX_NAME_PROVIDERS], timeout_s=KARMA_LOOKUP_S)
+    view.note_karma([p for p in providers if (karma.known(p) or 0.0) > 1.0], time.time())
+    candidates = name_candidates(view, name, time.time())
+    chosen = choose_candidate(name, candidates)
+    if len(candidates) > 1:
+        log.warning("%d models are served as %r: using %s. Others: %s", len(candidates), name, chosen.describe(),
+                    "; ".join(c.describe() for c in candidates[1:4]))
+    else:
+        log.info("%r is %s", name, chosen.describe())
+    return chosen
 
 
 def in_format(records: list[ServerRecord], fmt: str | None) -> list[ServerRecord]:
@@ -348,8 +377,11 @@ class Consumer:
                 loaded["error"] = exc
 
         # A model known by its id (or an alias) whose head and tokenizer are not here: they
-        # come from the swarm's seeders.
-        stored = ModelStore(data_dir).get(model_name)
+        # come from the swarm's seeders. A name not held here is asked of the swarm first
+        # (pipeline/client/names.py), then of the catalog.
+        store = ModelStore(data_dir)
+        stored = store.get(model_name)
+        by_name = stored is None and not is_model_id(model_name)
         from_swarm = (stored is None and is_model_id(model_name)) or (stored is not None
                                                                       and not stored.holds(head=True))
         key_pair = load_or_create_identity(data_dir)
@@ -360,7 +392,7 @@ class Consumer:
             # Joining the swarm and loading the local parts overlap: both take seconds.
             unreachable: SwarmUnreachable | None = None
             async with trio.open_nursery() as nursery:
-                if not from_swarm:
+                if not from_swarm and not by_name:
                     nursery.start_soon(trio.to_thread.run_sync, load_local_parts)
                 try:
                     await swarm.join()
@@ -370,6 +402,19 @@ class Consumer:
                 raise loaded["error"]
             if unreachable is not None:
                 raise unreachable
+            if by_name:
+                unnamed: ModelUnavailable | None = None
+                try:
+                    chosen = await name_from_swarm(host, dht, model_name)
+                except ModelUnavailable as exc:  # named, but by no provider with evidence
+                    chosen, unnamed = None, exc
+                if chosen is not None:
+                    await Torrent(host, dht, data_dir).fetch(chosen.model_id, head=True)
+                    store.set_alias(model_name, chosen.model_id)
+                await trio.to_thread.run_sync(load_local_parts)  # else the catalog's, if it has the name
+                if "error" in loaded:
+                    raise unnamed if unnamed is not None and isinstance(loaded["error"], ModelUnavailable) \
+                        else loaded["error"]
             if from_swarm:
                 await Torrent(host, dht, data_dir).fetch(stored.model_id if stored else model_name, head=True)
                 await trio.to_thread.run_sync(load_local_parts)
