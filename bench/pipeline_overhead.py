@@ -1,6 +1,6 @@
 """Pipeline overhead: a 3-process swarm against the same span code in one process.
 
-    .venv/bin/python bench/pipeline_overhead.py [--trials 3] [--tokens 64]
+    .venv/bin/python bench/pipeline_overhead.py [--trials 3] [--tokens 64] [--format q4]
 
 On SmolLM2-135M (30 blocks, fp32 everywhere, the wire included, one torch thread in
 every process) this measures greedy decode speed four ways:
@@ -27,6 +27,12 @@ HF is timed the same way, with a streamer that timestamps each token as generate
 emits it (not as a difference of two generate calls). Trials are interleaved
 (swarm, local, hf, swarm, ...) after one untimed warm-up of each; the median is
 reported. tokens_match compares all DECODE_TOKENS + 1 greedy tokens.
+
+--format (fp32 by default; bf16, int8, q4, q4/g32) serves and computes the model in
+that weight format everywhere (the swarm runs `smollm2-135m@FORMAT`, model/catalog.py);
+local and ring load the same quantized spans; hf (transformers) runs only for fp32 and
+bf16 (it cannot load our quantized files). Faster spans make the fixed cost of the
+network weigh more: compare swarm/local and swarm/ring across formats.
 
 first_token_s is the wall time from Popen of `compushare run` (a fresh Python
 process, a fresh client data dir) to the first byte on its stdout.
@@ -69,6 +75,7 @@ from compushare.app.api.client import call  # noqa: E402
 from compushare.gc_policy import startup_done  # noqa: E402
 from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.model.formats import parse_format  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
 from compushare.pipeline.client.chain import open_chain  # noqa: E402
 from compushare.pipeline.client.consumer import RunRequest, find_route, prompt_ids_of  # noqa: E402
@@ -129,18 +136,18 @@ def _raise_interrupt(signum, _frame):
 # --------------------------------------------------------------------------- swarm
 
 
-def start_swarm(cleanup: Cleanup, num_blocks: int) -> tuple[list[str], list[dict]]:
+def start_swarm(cleanup: Cleanup, num_blocks: int, name: str = MODEL) -> tuple[list[str], list[dict]]:
     """NODES node processes, each with its own data dir under the temp dir (the model
     is hard-linked from the shared cache); the first is every other's bootstrap."""
     spans = split_blocks(num_blocks, NODES)
     dirs = [cleanup.tmp / f"node-{i}" for i in range(NODES)]
-    first = start_node(node_command(MODEL, spans[0], dirs[0], []), dirs[0])
+    first = start_node(node_command(name, spans[0], dirs[0], []), dirs[0])
     cleanup.procs.append(first)
     states = [wait_ready(first, dirs[0])]
     bootstrap = states[0]["addrs"][:1]
     rest = []
     for span, data_dir in zip(spans[1:], dirs[1:]):
-        proc = start_node(node_command(MODEL, span, data_dir, bootstrap), data_dir)
+        proc = start_node(node_command(name, span, data_dir, bootstrap), data_dir)
         cleanup.procs.append(proc)
         rest.append((proc, data_dir))
     states += [wait_ready(proc, data_dir) for proc, data_dir in rest]
@@ -400,9 +407,9 @@ def hf_trial(model, prompt_ids: list[int], decode_tokens: int) -> dict:
 # --------------------------------------------------------------------------- first token
 
 
-def cli_first_token(client_dir: Path, bootstrap: str, stderr_path: Path) -> float:
+def cli_first_token(client_dir: Path, bootstrap: str, stderr_path: Path, name: str = MODEL) -> float:
     """Wall time from Popen of `compushare run` to the first byte on its stdout."""
-    cmd = [sys.executable, "-m", "compushare", "run", "--model", MODEL, "--home", str(client_dir),
+    cmd = [sys.executable, "-m", "compushare", "run", "--model", name, "--home", str(client_dir),
            "--bootstrap", bootstrap, "--max-tokens", str(CLI_MAX_TOKENS), PROMPT]
     with open(stderr_path, "wb") as err:
         began = time.perf_counter()
@@ -452,6 +459,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="timed decode tokens per trial")
+    parser.add_argument("--format", default="fp32", help="weight format: fp32, bf16, int8, q4, q4/g32")
     parser.add_argument("--ring-worker", nargs=4, help=argparse.SUPPRESS)  # internal: span, model dir, fds
     args = parser.parse_args()
     if args.ring_worker:
@@ -460,6 +468,8 @@ def main() -> int:
         return 0
 
     wall_began = time.perf_counter()
+    fmt = parse_format(args.format)
+    model_name = MODEL if fmt.name == "fp32" else f"{MODEL}@{args.format}"
     torch.set_num_threads(1)
     # Ctrl-C (also when started with SIGINT ignored, e.g. `cmd &` from a script),
     # SIGTERM and SIGHUP all unwind through the `finally` below.
@@ -469,24 +479,26 @@ def main() -> int:
     cleanup = Cleanup()
     client = ring = None
     try:
-        log(f"pipeline overhead bench: {MODEL}, {NODES} nodes, {args.tokens} decode tokens, "
-            f"{args.trials} interleaved trials, fp32, 1 torch thread per process")
+        log(f"pipeline overhead bench: {model_name}, {NODES} nodes, {args.tokens} decode tokens, "
+            f"{args.trials} interleaved trials, {fmt.label}, 1 torch thread per process")
         log(f"cache {os.environ['COMPUSHARE_CACHE']}, temp {cleanup.tmp}")
 
         began = time.perf_counter()
         bench_dir = cleanup.tmp / "bench"
-        model = resolve_model(MODEL, bench_dir)
-        bootstrap, states = start_swarm(cleanup, model.num_blocks)
+        model = resolve_model(model_name, bench_dir)
+        bootstrap, states = start_swarm(cleanup, model.num_blocks, model_name)
         log(f"swarm up in {time.perf_counter() - began:.1f}s: "
             + ", ".join(f"pid {s['pid']} [{s['start']}:{s['end']}]" for s in states))
 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model.path))
-        prompt_ids = prompt_ids_of(tokenizer, RunRequest(model=MODEL, prompt=PROMPT))
+        prompt_ids = prompt_ids_of(tokenizer, RunRequest(model=model_name, prompt=PROMPT))
         head = ConsumerHead.load(model.path)
         runners = [SpanRunner.load(model.path, start, end) for start, end in split_blocks(model.num_blocks, NODES)]
-        hf_model = load_full_model(model.path)  # sdpa, like the spans
+        # sdpa, like the spans; transformers cannot load our quantized files
+        hf_model = None if fmt.quantized else load_full_model(model.path, dtype=torch.bfloat16 if fmt.name == "bf16"
+                                                               else torch.float32)
         ring = Ring(cleanup, model.path, split_blocks(model.num_blocks, NODES), model.hidden_size)
         log(f"prompt: {len(prompt_ids)} tokens (chat template of {PROMPT!r})")
 
@@ -503,6 +515,8 @@ def main() -> int:
             "hf": lambda n: hf_trial(hf_model, prompt_ids, n),
             "ring": lambda n: ring_trial(ring, head, prompt_ids, n),
         }
+        if hf_model is None:
+            del runs["hf"]
         for run in runs.values():  # warm-up: first-call costs, connections, caches
             run(WARMUP_TOKENS)
         results: dict[str, list[dict]] = {name: [] for name in runs}
@@ -518,7 +532,7 @@ def main() -> int:
         local_tokens = results["local"][0]["tokens"]
         local_stable = all(r["tokens"] == local_tokens for r in results["local"])
         tokens_match = local_stable and all(r["tokens"] == local_tokens for r in results["swarm"])
-        tokens_match_hf = all(r["tokens"] == local_tokens for r in results["hf"])
+        tokens_match_hf = all(r["tokens"] == local_tokens for r in results["hf"]) if "hf" in results else None
         mismatch = {name: _first_mismatch(local_tokens, rs) for name, rs in results.items() if name != "local"}
         ratio = med["swarm"] / med["local"]
         ring_ratio = med["ring"] / med["local"]
@@ -527,7 +541,8 @@ def main() -> int:
         first_token: list[float] = []
         client_dir = cleanup.tmp / "cli-client"
         for attempt in range(2):  # 1st: fresh data dir (identity + model import); 2nd: same dir
-            first_token.append(cli_first_token(client_dir, bootstrap[0], cleanup.tmp / f"cli-{attempt}.err"))
+            first_token.append(cli_first_token(client_dir, bootstrap[0], cleanup.tmp / f"cli-{attempt}.err",
+                                               model_name))
             log(f"compushare run: first byte on stdout after {first_token[-1]:.2f}s "
                 f"({'fresh' if attempt == 0 else 'reused'} client dir)")
         first_token_s = statistics.median(first_token)
@@ -539,7 +554,8 @@ def main() -> int:
         log()
         log(f"swarm  {med['swarm']:7.2f} tok/s  ({step_med['swarm']:.2f} ms/token)")
         log(f"local  {med['local']:7.2f} tok/s  ({step_med['local']:.2f} ms/token)")
-        log(f"hf     {med['hf']:7.2f} tok/s  ({step_med['hf']:.2f} ms/token)")
+        if "hf" in med:
+            log(f"hf     {med['hf']:7.2f} tok/s  ({step_med['hf']:.2f} ms/token)")
         log(f"ring   {med['ring']:7.2f} tok/s  ({step_med['ring']:.2f} ms/token): ring/local {ring_ratio:.3f} "
             f"(3 processes, no network stack); swarm/ring {med['swarm'] / med['ring']:.3f} (the network stack)")
         log(f"ratio swarm/local {ratio:.3f} (target >= {TARGET_RATIO:.2f}): "
@@ -556,7 +572,7 @@ def main() -> int:
         summary = {
             "swarm_tok_s": round(med["swarm"], 3),
             "local_tok_s": round(med["local"], 3),
-            "hf_generate_tok_s": round(med["hf"], 3),
+            "hf_generate_tok_s": round(med["hf"], 3) if "hf" in med else None,
             "ratio": round(ratio, 4),
             "tokens_match": tokens_match,
             "tokens_match_hf": tokens_match_hf,
@@ -576,7 +592,8 @@ def main() -> int:
             "first_token_s_trials": [round(t, 3) for t in first_token],
             "decode_tokens": args.tokens,
             "prompt_tokens": len(prompt_ids),
-            "model": MODEL,
+            "model": model_name,
+            "format": fmt.label,
             "model_id": model.model_id,
             "nodes": NODES,
             "route": route,
