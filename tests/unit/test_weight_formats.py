@@ -205,3 +205,12 @@ def test_the_memory_budget_counts_weights_in_their_format_and_the_kv_budget():
     with_kv = blocks_for_budget(model("q4/g64"), max_blocks=None, memory_budget_mb=1024, free_mb=0, kv_tokens=8192)
     assert with_kv == 1024 * MB // block_cost(model("q4/g64"), 8192) < fit["q4/g64"]
     assert blocks_for_budget(model("q4/g64"), max_blocks=10, memory_budget_mb=1024, free_mb=0) == 10
+
+
+def test_the_self_benchmark_runs_the_models_own_format(tiny_model, tmp_path):
+    """Random weights for blocks not held yet, quantized like the model's: a q4 node
+    advertises its q4 speed, not fp32's."""
+    model = import_path(tiny_model, tmp_path, alias="tiny", fmt="q4")
+    runner = SpanRunner.random(model.path, 0, 2)
+    assert runner.format_label == "q4/g64"
+    assert isinstance(runner.layers[0].self_attn.qkv_proj, Int4CpuLinear)

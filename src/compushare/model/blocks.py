@@ -22,10 +22,12 @@ from transformers.masking_utils import create_causal_mask
 
 from . import kernels
 from .arch import architecture_of, load_config
-from .formats import MIN_SUFFIX, SCALE_SUFFIX, base_name
+from .formats import FP32, MIN_SUFFIX, SCALE_SUFFIX, WeightFormat, base_name
 from .kv_cache import new_cache
 from .lean import run_layers, supports_lean
-from .quantize import matrix_parts, stack_rows
+from .manifest import parse as parse_manifest
+from .store import MANIFEST_FILE
+from .quantize import matrix_parts, quantize, stack_rows
 from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
@@ -121,9 +123,11 @@ class SpanRunner:
 
     @classmethod
     def random(cls, model_dir: Path, start: int, end: int, seed: int = 0) -> SpanRunner:
-        """The span with freshly initialised weights: as fast as the real ones (dense
-        compute does not care about the values), for benchmarking blocks not held."""
+        """The span with freshly initialised weights in the model's weight format: as
+        fast as the real ones (the kernels do not care about the values), for
+        benchmarking blocks not held."""
         config = load_config(model_dir)
+        fmt = stored_format(model_dir)
         arch = architecture_of(config)
         state = {}
         with torch.random.fork_rng():  # sampling's global RNG must not move
@@ -131,7 +135,8 @@ class SpanRunner:
             for index in range(start, end):
                 layer = arch.decoder_layer(config, layer_idx=index)
                 state |= {f"{LAYER_PREFIX}{index}.{k}": v for k, v in layer.state_dict().items()}
-        return cls(config, start, end, state)
+        state = {stored: tensor for name, value in state.items() for stored, tensor in quantize(fmt, name, value).items()}
+        return cls(config, start, end, state, torch.bfloat16 if fmt.name == "bf16" else torch.float32)
 
     @property
     def hidden_size(self) -> int:
@@ -209,6 +214,12 @@ class SpanRunner:
         surplus = self.cached_length(cache) - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers 5.x: a negative count of tokens to drop
+
+
+def stored_format(model_dir: Path) -> WeightFormat:
+    """The weight format of a model directory: its manifest's (fp32 without one)."""
+    path = Path(model_dir) / MANIFEST_FILE
+    return parse_manifest(path.read_bytes()).format if path.exists() else FP32
 
 
 def load_full_model(model_dir: Path, dtype=torch.float32):
