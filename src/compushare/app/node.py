@@ -108,7 +108,9 @@ class Node:
         # then the pieces of whatever span the node takes. So does a name neither held
         # here nor in the catalog: the swarm says which id it names (pipeline/client/names.py).
         held = ModelStore(config.data_dir).get(name)
-        ask_swarm = held is None and (is_model_id(name) or split_name(name)[0] not in CATALOG)
+        # (With no bootstrap peer there is no swarm to ask: the catalog's error says what to do.)
+        ask_swarm = held is None and (is_model_id(name) or (split_name(name)[0] not in CATALOG
+                                                            and bool(config.bootstrap)))
         model = None if ask_swarm else held or resolve_model(name, config.data_dir)
         self._check_span(model)
         hardware = detect_hardware()
@@ -169,8 +171,9 @@ class Node:
                     if not is_model_id(name):
                         chosen = await name_from_swarm(host, dht, name)
                         if chosen is None:
-                            raise ModelUnavailable(f"{name!r} is neither held here, nor in the catalog, nor served "
-                                                   "by any server in the swarm")
+                            raise ModelUnavailable(f"unknown model {name!r}: not held here, not in the catalog, and "
+                                                   "served by no server in the swarm; import it with `compushare "
+                                                   "models import PATH --name NAME`")
                         model_id = chosen.model_id
                     model = await torrent.obtain_manifest(model_id)
                     if model_id != name:

@@ -398,6 +398,8 @@ class Consumer:
                     await swarm.join()
                 except SwarmUnreachable as exc:
                     unreachable = exc
+            if unreachable is not None and by_name:  # no swarm to ask: a local problem is reported first
+                await trio.to_thread.run_sync(load_local_parts)
             if "error" in loaded:
                 raise loaded["error"]
             if unreachable is not None:
