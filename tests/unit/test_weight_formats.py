@@ -214,3 +214,20 @@ def test_the_self_benchmark_runs_the_models_own_format(tiny_model, tmp_path):
     runner = SpanRunner.random(model.path, 0, 2)
     assert runner.format_label == "q4/g64"
     assert isinstance(runner.layers[0].self_attn.qkv_proj, Int4CpuLinear)
+
+
+def test_int8_weights_at_any_byte_offset_compute_safely():
+    """A tensor read from a safetensors file may start 8 bytes off a 64-byte boundary;
+    torch's int8 kernel faulted on such weights with several rows (a segfault, found
+    with int8 down projections in a q4 model): Int8Linear keeps an aligned copy."""
+    q = torch.randint(-127, 128, (576, 1536), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    buffer = torch.empty(q.numel() + 64, dtype=torch.int8)
+    offset = next(i for i in range(64) if (buffer.data_ptr() + i) % 64 == 8)
+    misaligned = buffer[offset:offset + q.numel()].view(576, 1536)
+    misaligned.copy_(q)
+    assert misaligned.data_ptr() % 64 == 8
+    module = Int8Linear(misaligned, torch.rand(576))
+    assert module.q.data_ptr() % 64 == 0
+    x = torch.randn(5, 1536)
+    expected = x @ (q.float() * module.scale.float()[:, None]).T
+    assert relative_error(module(x).numpy(), expected.numpy()) < 1e-2

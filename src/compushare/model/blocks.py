@@ -100,7 +100,7 @@ class SpanRunner:
             # A quantized layer's products that share an input run as one: their rows
             # (each with its own scales) stacked, so one kernel call reads them all.
             names = [f"{member}.weight" for member in members]
-            if all(name in parts for name in names):
+            if all(name in parts for name in names) and same_layout([parts[name] for name in names]):
                 layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names])))
                 for member in members:
                     layer.set_submodule(member, torch.nn.Identity())  # its rows live in the fused module
@@ -214,6 +214,13 @@ class SpanRunner:
         surplus = self.cached_length(cache) - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers 5.x: a negative count of tokens to drop
+
+
+def same_layout(matrices: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether quantized matrices can be stacked into one: the same parts, each with
+    the same width (one format, one group size)."""
+    return all(m.keys() == matrices[0].keys() and all(t.shape[1:] == matrices[0][k].shape[1:] for k, t in m.items())
+               for m in matrices)
 
 
 def stored_format(model_dir: Path) -> WeightFormat:

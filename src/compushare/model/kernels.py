@@ -29,14 +29,22 @@ from .quantize import dequantize, unpack_nibbles
 ACTIVATION = torch.bfloat16  # what torch's weight-only CPU kernels are fast with
 
 
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fresh, contiguous storage from torch's allocator (64-byte aligned)."""
+    return tensor.contiguous().clone() if tensor.data_ptr() % 64 else tensor.contiguous()
+
+
 class Int8Linear(torch.nn.Module):
     """y = x @ (q * scale).T with per-row scales, through `_weight_int8pack_mm`."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.to(ACTIVATION).contiguous())
+        # A copy of its own: a tensor read from a safetensors file may start at any
+        # byte, and the kernel's multi-row path faults on int8 weights that are not
+        # 64-byte aligned (seen: 8 bytes off, segfault at 5 rows, fine at 1).
+        self.register_buffer("q", aligned(q))
+        self.register_buffer("scale", aligned(scale.to(ACTIVATION)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
