@@ -30,8 +30,16 @@ def test_the_gguf_weights_are_kept_exactly(tmp_path):
         for tensor, value in theirs.items():
             if tensor.endswith("_proj.weight"):
                 assert torch.equal(dequantize(matrix_parts(ours, tensor)), value), tensor
-    # Our own quantizer, at the file's group size, finds the very same grid: the same id.
-    assert resolve_model("smollm2-135m@q4/g32", tmp_path).model_id == native.model_id
+    # Our own quantizer at the file's group size finds the very same grid for the
+    # matrices it keeps in 4 bits (it keeps k, v and down at int8): so quality at g32 says
+    # nothing of the quantizer on this model, and bench/node_compute.py measures g64.
+    ours = load_file(resolve_model("smollm2-135m@q4/g32", tmp_path).path / "block-0000.safetensors")
+    theirs = load_file(native.path / "block-0000.safetensors")
+    four_bit = [name for name in ours if name.endswith("_min")]
+    assert len(four_bit) == 4  # q, o, gate, up
+    for name in four_bit:
+        base = name.removesuffix("_min")
+        assert all(torch.equal(ours[base + s], theirs[base + s]) for s in ("", "_scale", "_min")), base
 
 
 async def test_smollm2_q4_swarm_equals_one_process(tmp_path):

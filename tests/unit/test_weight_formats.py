@@ -75,7 +75,9 @@ def test_a_grid_is_recovered_exactly():
 def test_what_each_format_quantizes():
     w = torch.randn(64, 64)
     assert set(quantize(parse_format("int8"), PROJ, w)) == {PROJ, PROJ + "_scale"}
-    assert set(quantize(parse_format("q4"), PROJ, w)) == {PROJ, PROJ + "_scale", PROJ + "_min"}
+    gate = PROJ.replace("down_proj", "gate_proj")
+    assert set(quantize(parse_format("q4"), gate, w)) == {gate, gate + "_scale", gate + "_min"}
+    assert set(quantize(parse_format("q4"), PROJ, w)) == {PROJ, PROJ + "_scale"}  # down stays at int8 in q4
     embed = "model.embed_tokens.weight"
     assert set(quantize(parse_format("q4"), embed, w)) == {embed, embed + "_scale"}  # int8 head
     norm = "model.layers.3.input_layernorm.weight"
@@ -132,16 +134,20 @@ def test_a_manifest_names_its_format(tiny_model, tmp_path):
     fp32 = import_path(tiny_model, tmp_path / "a", alias="tiny")
     q4 = import_path(tiny_model, tmp_path / "b", alias="tiny", fmt="q4/g32")
     assert fp32.format.label == "fp32" and fp32.manifest.weights is None  # older ids are unchanged
-    assert q4.format.label == "q4/g32" and q4.manifest.weights == {"format": "q4", "group_size": 32}
+    assert q4.format.label == "q4/g32" and q4.manifest.weights == {
+        "format": "q4", "group_size": 32, "int8": ["mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj"]}
     assert parse(q4.manifest.raw, expected_id=q4.model_id).format == q4.format
     assert import_path(tiny_model, tmp_path / "c", alias="tiny", fmt="q4/g32").model_id == q4.model_id
     ratio = max(q4.manifest.block_bytes().values()) / max(fp32.manifest.block_bytes().values())
     assert ratio < 0.2  # 4 bits + a float16 scale and minimum per 32 weights, norms in fp32
     raw = q4.manifest.raw.decode()
+    spec = '{"format":"q4","group_size":32,"int8":["mlp.down_proj","self_attn.k_proj","self_attn.v_proj"]}'
+    assert spec in raw
     for bad in ('{"format":"fp32"}', '{"format":"q4","group_size":48}', '{"format":"int8","bits":8}',
-                '{"format":"q4","group_size":"32"}', '"q4"'):
+                '{"format":"q4","group_size":"32"}', '"q4"', '{"format":"q4","group_size":32,"int8":["lm_head"]}',
+                '{"format":"int8","int8":["mlp.down_proj"]}', '{"format":"q4","group_size":32,"int8":"mlp"}'):
         with pytest.raises(FrameError):
-            parse(raw.replace('{"format":"q4","group_size":32}', bad).encode())
+            parse(raw.replace(spec, bad).encode())
     assert format_from_manifest(None, {"BF16"}) == WeightFormat("bf16")
 
 
@@ -213,7 +219,9 @@ def test_the_self_benchmark_runs_the_models_own_format(tiny_model, tmp_path):
     model = import_path(tiny_model, tmp_path, alias="tiny", fmt="q4")
     runner = SpanRunner.random(model.path, 0, 2)
     assert runner.format_label == "q4/g64"
-    assert isinstance(runner.layers[0].self_attn.qkv_proj, Int4CpuLinear)
+    attn = runner.layers[0].self_attn
+    assert isinstance(attn.q_proj, Int4CpuLinear) and isinstance(attn.kv_proj, Int8Linear)
+    assert isinstance(runner.layers[0].mlp.gate_up_proj, Int4CpuLinear)
 
 
 def test_int8_weights_at_any_byte_offset_compute_safely():

@@ -32,7 +32,9 @@ from .weights import read_tensors
 
 LAYER_PREFIX = "model.layers."
 # Products that share their input, run as one kernel call in quantized layers (model/lean.py).
+# In order: q/k/v together if they share a format, else k/v (our q4 keeps k, v at int8).
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "self_attn.kv_proj": ("self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 

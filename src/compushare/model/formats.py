@@ -8,18 +8,25 @@ so every node serving that id computes from the very same integers and scales.
   bf16   bfloat16 everywhere (likewise, BF16 tensors)
   int8   each decoder projection's weight as int8 with one float32 scale per output
          row (symmetric, w = q * scale); the embedding / LM head likewise
-  q4     each decoder projection's weight as 4-bit integers in groups of `group_size`
-         along the input dimension, with a float16 scale and minimum per group
-         (asymmetric, w = q * scale + min, q in 0..15: GGUF's Q4_1 exactly, and Q4_0
-         with min = -8 * scale); the embedding / LM head as int8, as llama.cpp's
-         4-bit files keep theirs at 8 bits (the LM head is the most sensitive matrix)
+  q4     decoder projections as 4-bit integers in groups of `group_size` along the
+         input dimension, with a float16 scale and minimum per group (asymmetric,
+         w = q * scale + min, q in 0..15: GGUF's Q4_1 exactly, and Q4_0 with
+         min = -8 * scale); the projections the "weights" map lists under "int8" at
+         int8 instead; the embedding / LM head as int8, as llama.cpp's 4-bit files
+         keep theirs at 8 bits (the LM head is the most sensitive matrix).
+         Our quantizer keeps k, v and down at int8 (INT8_IN_Q4), as llama.cpp's
+         Q4_K_M keeps v and down at 6 bits: on SmolLM2 (bench/node_compute.py),
+         all-4-bit gave 1.23x fp32's perplexity, these three at int8 1.08x, for 0.175
+         of fp32's bytes per block instead of 0.141. A GGUF file's own Q4_0 / Q4_1
+         weights are kept as they are, every projection 4-bit.
 
 Stored tensor names: a quantized `X.weight` keeps its name for the integers (int8:
 I8 [out, in]; q4: U8 [out, in / 2], element 2j in the low nibble of byte j, 2j+1 in
 the high one) and adds `X.weight_scale` (and `X.weight_min` for q4). Norms stay F32.
 
-The quantizer is deterministic (round to nearest, ties to even; fixed op order), so
-every node that quantizes the same fp32 model gets the same bytes and the same id.
+The quantizer is deterministic (round to nearest, ties to even; a fixed search in
+float64), so every node that quantizes the same fp32 model gets the same bytes and
+the same id.
 Pure, no I/O and no torch (`status` and `models list` read formats): the
 quantizer itself is model/quantize.py.
 """
@@ -35,6 +42,9 @@ FORMATS = ("fp32", "bf16", "int8", "q4")
 QUANTIZED = ("int8", "q4")
 DEFAULT_Q4_GROUP = 64
 Q4_GROUPS = (32, 64, 128)
+INT8_IN_Q4 = ("mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj")  # our q4's int8 projections
+PROJECTIONS = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+               "self_attn.q_proj", "self_attn.v_proj")
 SCALE_SUFFIX, MIN_SUFFIX = "_scale", "_min"
 # Decoder projections (Llama, Qwen2): the matrices that hold nearly all of a block's bytes.
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
@@ -45,12 +55,16 @@ HEAD_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 class WeightFormat:
     name: str
     group_size: int = 0  # q4 only
+    int8: tuple[str, ...] = ()  # q4 only: projections ("mlp.down_proj", ...) kept at int8
 
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
             raise UsageError(f"unknown weight format {self.name!r}: one of {', '.join(FORMATS)}")
         if (self.name == "q4") != (self.group_size in Q4_GROUPS):
             raise UsageError(f"q4 needs a group size in {Q4_GROUPS}; {self.name} takes none")
+        if self.int8 and (self.name != "q4" or list(self.int8) != sorted(set(self.int8))
+                          or not set(self.int8) <= set(PROJECTIONS)):
+            raise UsageError(f"only q4 keeps projections at int8, a sorted list of {PROJECTIONS}")
 
     @property
     def label(self) -> str:
@@ -63,7 +77,8 @@ class WeightFormat:
 
     def spec(self) -> dict:
         """The manifest's "weights" map (quantized formats only; dense ones are read off the dtypes)."""
-        return {"format": self.name} | ({"group_size": self.group_size} if self.name == "q4" else {})
+        return {"format": self.name} | ({"group_size": self.group_size} if self.name == "q4" else {}) | (
+            {"int8": list(self.int8)} if self.int8 else {})
 
     def head_format(self) -> WeightFormat:
         """The embedding / LM head's own format: int8 under q4 (see the module doc)."""
@@ -74,12 +89,13 @@ FP32, BF16, INT8 = WeightFormat("fp32"), WeightFormat("bf16"), WeightFormat("int
 
 
 def parse_format(text: str) -> WeightFormat:
-    """"fp32", "bf16", "int8", "q4" (group 64), "q4/g32" (as `label` prints them)."""
+    """"fp32", "bf16", "int8", "q4" (group 64), "q4/g32" (as `label` prints them): what
+    our quantizer makes (q4 with INT8_IN_Q4 at int8)."""
     name, _, group = str(text).strip().lower().partition("/g")
     if name == "q4":
         if group and not group.isdigit():
             raise UsageError(f"bad q4 group size in {text!r}: say q4/g32, q4/g64 or q4/g128")
-        return WeightFormat("q4", int(group) if group else DEFAULT_Q4_GROUP)
+        return WeightFormat("q4", int(group) if group else DEFAULT_Q4_GROUP, INT8_IN_Q4)
     if group:
         raise UsageError(f"{name} takes no group size")
     return WeightFormat(name)
@@ -87,11 +103,18 @@ def parse_format(text: str) -> WeightFormat:
 
 def format_from_manifest(weights: dict | None, tensor_dtypes: set[str]) -> WeightFormat:
     """A manifest's format: its "weights" map if it has one, else its tensors' dtype."""
-    if weights is not None:
-        if weights.get("format") == "q4":
-            return WeightFormat("q4", weights.get("group_size", 0))
-        return WeightFormat(weights.get("format", "?"))
-    return BF16 if tensor_dtypes == {"BF16"} else FP32
+    if weights is None:
+        return BF16 if tensor_dtypes == {"BF16"} else FP32
+    int8 = weights.get("int8", [])
+    if not isinstance(int8, list) or not all(isinstance(p, str) for p in int8):
+        raise UsageError("weights.int8 must be a list of projection names")
+    return WeightFormat(weights.get("format", "?"), weights.get("group_size", 0), tuple(int8))
+
+
+def projection_of(name: str) -> str | None:
+    """"model.layers.3.mlp.down_proj.weight" -> "mlp.down_proj"; None for other tensors."""
+    match = _PROJECTION.fullmatch(name)
+    return match.group(1) if match else None
 
 
 def is_quantized_matrix(name: str) -> bool:

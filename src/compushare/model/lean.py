@@ -57,10 +57,14 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
         rotate = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         residual = hidden
         normed = layer.input_layernorm(hidden)
-        qkv = getattr(attn, "qkv_proj", None)
+        qkv, kv = getattr(attn, "qkv_proj", None), getattr(attn, "kv_proj", None)
         if qkv is not None:  # a quantized layer: one kernel call (model/blocks.FUSED)
             query, key, value = (part.reshape(shape).transpose(1, 2)
                                  for part in qkv(normed).split(runner.qkv_sizes, dim=-1))
+        elif kv is not None:
+            query = attn.q_proj(normed).view(shape).transpose(1, 2)
+            key, value = (part.reshape(shape).transpose(1, 2)
+                          for part in kv(normed).split(runner.qkv_sizes[1:], dim=-1))
         else:
             query = attn.q_proj(normed).view(shape).transpose(1, 2)
             key = attn.k_proj(normed).view(shape).transpose(1, 2)

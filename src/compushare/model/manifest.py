@@ -193,10 +193,10 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         raise _fail(f"unknown manifest format {doc['format']!r}")
     weights = doc.get("weights")
     if weights is not None:
-        weights = _map(weights, {"format"}, "weights", optional={"group_size"})
+        weights = _map(weights, {"format"}, "weights", optional={"group_size", "int8"})
         try:
             if not format_from_manifest(weights, set()).quantized or \
-                    any(type(v) not in (str, int) for v in weights.values()):
+                    any(type(v) not in (str, int, list) for v in weights.values()):
                 raise _fail("weights names a quantized format (int8, q4)")
         except UsageError as exc:
             raise _fail(f"weights: {exc}") from None

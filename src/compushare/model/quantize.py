@@ -1,13 +1,17 @@
 """The quantizer (model/formats.py says what each format stores). Deterministic:
-round to nearest, ties to even, in a fixed order of float32 operations, so every
-node quantizing the same fp32 model writes the same bytes and gets the same id."""
+round to nearest, ties to even; int8's per-row scale, and q4's per-group search in
+float64, so every node quantizing the same fp32 model writes the same bytes and gets
+the same id (in principle two CPUs could sum a near-tie in q4's search differently;
+a node that did would serve a model id of its own, never a mixed chain)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..errors import UsageError
-from .formats import HEAD_MATRICES, MIN_SUFFIX, SCALE_SUFFIX, WeightFormat, is_quantized_matrix
+from .formats import HEAD_MATRICES, MIN_SUFFIX, SCALE_SUFFIX, WeightFormat, is_quantized_matrix, projection_of
 
 
 def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -19,23 +23,48 @@ def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"": q.contiguous(), SCALE_SUFFIX: scale.contiguous()}
 
 
-def quantize_q4(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """Asymmetric 4-bit in groups along the input dimension (GGUF Q4_1's rule:
-    scale = (max - min) / 15, q = round((w - min) / scale)), the scale and min
-    rounded to float16 first so q is chosen against the values stored."""
-    w = weight.float()
+def quantize_q4(weight: torch.Tensor, group_size: int, *, steps: int = 20) -> dict[str, torch.Tensor]:
+    """Asymmetric 4-bit in groups along the input dimension, w ~ q * scale + min with q
+    in 0..15, choosing each group's scale and min to minimise its squared error (the
+    search llama.cpp's k-quants make): for each of `steps` + 1 candidate scales around
+    (max - min) / 15, round the group, fit scale and min to that rounding by least
+    squares, round them to float16, re-round the group against those, keep the best.
+    Weights already on a 4-bit grid come back exactly. Float64 throughout, so the
+    choice does not hang on float32 rounding."""
+    w = weight.double()
     out_features, in_features = w.shape
     if in_features % group_size:
         raise UsageError(f"q4/g{group_size} needs an input dimension divisible by {group_size}, not {in_features}")
-    groups = w.reshape(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    x = w.reshape(out_features, in_features // group_size, group_size)
+    low, high = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+    span = (high - low).clamp(min=1e-30)
+    best_error = torch.full_like(low, math.inf)
+    best_scale, best_min = _fp16(span / 15.0), _fp16(low)
+    for step in range(steps + 1):
+        levels = torch.round((x - low) * ((14.0 + 0.1 * step) / span)).clamp_(0, 15)
+        n, s_l, s_w = group_size, levels.sum(2, keepdim=True), x.sum(2, keepdim=True)
+        s_ll, s_lw = (levels * levels).sum(2, keepdim=True), (levels * x).sum(2, keepdim=True)
+        det = n * s_ll - s_l * s_l
+        scale = torch.where(det > 0, (n * s_lw - s_l * s_w) / det.clamp(min=1e-30), span / 15.0)
+        scale, minimum = _fp16(scale), _fp16((s_w - scale * s_l) / n)
+        error = ((_levels(x, scale, minimum) * scale + minimum - x) ** 2).sum(2, keepdim=True)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scale, best_min = torch.where(better, scale, best_scale), torch.where(better, minimum, best_min)
+    q = _levels(x, best_scale, best_min).to(torch.uint8).reshape(out_features, in_features)
+    return {"": pack_nibbles(q), SCALE_SUFFIX: best_scale.squeeze(2).half().contiguous(),
+            MIN_SUFFIX: best_min.squeeze(2).half().contiguous()}
+
+
+def _fp16(values: torch.Tensor) -> torch.Tensor:
+    """`values` rounded to what float16 stores (finite), back in float64."""
     limit = torch.finfo(torch.float16).max
-    scale = ((high - low) / 15.0).clamp(max=limit).to(torch.float16)
-    minimum = low.clamp(-limit, limit).to(torch.float16)
-    step = scale.float().unsqueeze(2)
-    q = torch.round((groups - minimum.float().unsqueeze(2)) / torch.where(step > 0, step, torch.ones_like(step)))
-    q = q.clamp_(0, 15).to(torch.uint8).reshape(out_features, in_features)
-    return {"": pack_nibbles(q), SCALE_SUFFIX: scale.contiguous(), MIN_SUFFIX: minimum.contiguous()}
+    return values.clamp(-limit, limit).half().double()
+
+
+def _levels(x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The 4-bit levels of `x` against a stored scale and min."""
+    return torch.round((x - minimum) / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(0, 15)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -60,6 +89,8 @@ def quantize(fmt: WeightFormat, name: str, weight: torch.Tensor) -> dict[str, to
     if not is_quantized_matrix(name):
         return {name: weight.float().contiguous()}
     own = fmt.head_format() if name in HEAD_MATRICES else fmt
+    if own.name == "q4" and projection_of(name) in own.int8:
+        own = fmt.head_format()  # the projections this q4 keeps at int8
     parts = quantize_int8(weight) if own.name == "int8" else quantize_q4(weight, own.group_size)
     return {name + suffix: tensor for suffix, tensor in parts.items()}
 
