@@ -10,13 +10,17 @@ same fp32 model gets the same id.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
-from .formats import WeightFormat, parse_format
+from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
+from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
 
 KEEP_GGUF = "gguf"  # the format word for "keep the GGUF file's own quantization"
@@ -89,7 +93,23 @@ def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str) 
                                "fetch it by id from the swarm instead")
     if source.manifest.format.quantized:
         raise UsageError(f"{base} is already quantized ({source.manifest.format.label})")
-    return store.import_dir(source.path, alias=alias, fmt=parse_format(fmt))
+    # Quantized once into the shared conversion cache (q4's search takes ~15 s on one
+    # thread), under a lock, so the nodes of a local swarm hard-link one copy.
+    weights = parse_format(fmt)
+    cache_dir = resolve_cache_dir()
+    tag = f"{source.model_id[:16]}-{weights.label.replace('/', '')}-v{QUANTIZER_VERSION}"
+    target = cache_dir / "converted" / tag
+    with sources.file_lock(cache_dir / "locks" / f"derive-{tag}.lock"):
+        if not (target / MANIFEST_FILE).exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=target.parent))
+            try:
+                lay_out(source.path, staging, fmt=weights)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return store.import_dir(target, alias=alias, laid_out=True)
 
 
 def import_path(path: Path, data_dir: Path, alias: str | None = None, *,

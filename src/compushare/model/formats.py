@@ -42,6 +42,7 @@ FORMATS = ("fp32", "bf16", "int8", "q4")
 QUANTIZED = ("int8", "q4")
 DEFAULT_Q4_GROUP = 64
 Q4_GROUPS = (32, 64, 128)
+QUANTIZER_VERSION = 2  # model/quantize.py's; in cached derivations' names: bump when its bytes change
 INT8_IN_Q4 = ("mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj")  # our q4's int8 projections
 PROJECTIONS = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
                "self_attn.q_proj", "self_attn.v_proj")
