@@ -58,7 +58,9 @@ demo: $(STAMP)
 	status=$$?; $(VENV)/bin/compushare swarm down --home $(DEMO_HOME); exit $$status
 
 bench: $(STAMP)
+	$(PY) bench/node_compute.py
 	$(PY) bench/pipeline_overhead.py
+	$(PY) bench/pipeline_overhead.py --format q4
 	$(PY) bench/compute_beside_loop.py
 	$(PY) bench/gossip.py
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
