@@ -30,3 +30,39 @@ def test_qwen2_split_matches_full_model(tmp_path):
         chunk = [int(head.logits(hidden).argmax())]
         produced.append(chunk[0])
     assert produced == expected
+
+
+def test_qwen2_quantized_keeps_its_projection_biases(tmp_path):
+    """Qwen2's q, k and v projections have biases: a quantized span adds them after the
+    kernel (fused q/k/v or k/v included), so it tracks fp32 as closely as Llama does."""
+    from compushare.model.catalog import import_path
+    from compushare.model.kernels import WithBias
+    from compushare.proofs import relative_error
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases that matter (transformers initialises them to zero)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(str(tmp_path / "hf"))
+    reference = SpanRunner.load(tmp_path / "hf", 0, 2)
+    x = ConsumerHead.load(tmp_path / "hf").embed_tokens([3, 14, 15, 92, 65])
+    expected = reference.forward(x, reference.new_cache(), 0)
+    for fmt in ("int8", "q4/g32"):
+        stored = import_path(tmp_path / "hf", tmp_path / fmt.replace("/", "_"), alias="q", fmt=fmt)
+        runner = SpanRunner.load(stored.path, 0, 2)
+        attn = runner.layers[0].self_attn
+        fused = getattr(attn, "qkv_proj", None) or attn.kv_proj
+        assert isinstance(fused, WithBias)
+        got = runner.forward(x, runner.new_cache(), 0)
+        error = relative_error(got.numpy(), expected.numpy())
+        assert error < {"int8": 0.02, "q4/g32": 0.12}[fmt], (fmt, error)
+        for layer in runner.layers.values():  # without its biases the span is far off
+            attention = layer.self_attn
+            (getattr(attention, "qkv_proj", None) or attention.kv_proj).bias.zero_()
+        unbiased = runner.forward(x, runner.new_cache(), 0)
+        assert relative_error(unbiased.numpy(), expected.numpy()) > 3 * error

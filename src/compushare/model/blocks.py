@@ -98,16 +98,24 @@ class SpanRunner:
         for name, matrix in parts.items():
             for suffix in matrix:
                 del layer_state[name + suffix]
+        # Biases of quantized products (Qwen2's q, k, v) go with their kernel module.
+        biases = {name: layer_state.pop(bias) for name in quantized
+                  if (bias := name.removesuffix(".weight") + ".bias") in layer_state}
         for fused, members in FUSED.items():
             # A quantized layer's products that share an input run as one: their rows
             # (each with its own scales) stacked, so one kernel call reads them all.
             names = [f"{member}.weight" for member in members]
             if all(name in parts for name in names) and same_layout([parts[name] for name in names]):
-                layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names])))
+                bias = None
+                if any(name in biases for name in names):
+                    bias = torch.cat([biases.pop(name) if name in biases else torch.zeros(parts[name][""].shape[0])
+                                      for name in names])
+                layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names]),
+                                                          bias=bias))
                 for member in members:
                     layer.set_submodule(member, torch.nn.Identity())  # its rows live in the fused module
         for name, matrix in parts.items():
-            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix))
+            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix, bias=biases.pop(name, None)))
         expected = {k for k, v in layer.state_dict().items() if v.device.type == "meta"}
         if set(layer_state) != expected:
             missing, extra = sorted(expected - set(layer_state)), sorted(set(layer_state) - expected)

@@ -99,10 +99,24 @@ KERNELS: dict[tuple[str, str], Callable[[dict[str, torch.Tensor]], torch.nn.Modu
 }
 
 
-def linear(parts: dict[str, torch.Tensor], device: str = "cpu") -> torch.nn.Module:
-    """A module computing x @ W.T for the stored matrix `parts` ({"": weight} when dense;
-    plus "_scale" / "_min" when quantized). Dense weights give a plain nn.Linear, op for
-    op what transformers runs."""
+class WithBias(torch.nn.Module):
+    """A quantized product plus a float32 bias (Qwen2's q, k and v projections have one)."""
+
+    def __init__(self, product: torch.nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.product = product
+        self.register_buffer("bias", bias.float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x) + self.bias
+
+
+def linear(parts: dict[str, torch.Tensor], device: str = "cpu", bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """A module computing x @ W.T (+ bias) for the stored matrix `parts` ({"": weight}
+    when dense; plus "_scale" / "_min" when quantized). Dense weights give a plain
+    nn.Linear, op for op what transformers runs."""
+    if bias is not None:
+        return WithBias(linear(parts, device), bias)
     if SCALE_SUFFIX not in parts:
         weight = parts[""]
         module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
