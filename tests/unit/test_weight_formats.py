@@ -239,3 +239,20 @@ def test_int8_weights_at_any_byte_offset_compute_safely():
     x = torch.randn(5, 1536)
     expected = x @ (q.float() * module.scale.float()[:, None]).T
     assert relative_error(module(x).numpy(), expected.numpy()) < 1e-2
+
+
+def test_plain_readers_see_a_quantized_model_dequantized(tiny_model, tmp_path):
+    """Private mode's encrypted products and the transformers reference read float
+    weights: a quantized matrix comes dequantized, under its own name."""
+    from compushare.model.blocks import load_full_model
+    from compushare.model.weights import read_dense_tensors, read_tensors
+
+    model = import_path(tiny_model, tmp_path, alias="tiny", fmt="q4/g32")
+    dense = read_dense_tensors(model.path, lambda names: [n for n in names if n.startswith("model.layers.1.")])
+    raw = read_tensors(model.path, lambda names: names)
+    gate = "model.layers.1.mlp.gate_proj.weight"
+    assert dense[gate].dtype == torch.float32 and torch.equal(dense[gate], dequantize(
+        {s: raw[gate + s] for s in ("", "_scale", "_min")}))
+    assert not any(n.endswith(("_scale", "_min")) for n in dense) and len(dense) == 9
+    full = load_full_model(model.path)
+    assert torch.equal(full.model.layers[1].mlp.gate_proj.weight, dense[gate])

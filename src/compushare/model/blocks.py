@@ -28,7 +28,7 @@ from .lean import run_layers, supports_lean
 from .manifest import parse as parse_manifest
 from .store import MANIFEST_FILE
 from .quantize import matrix_parts, quantize, stack_rows
-from .weights import read_tensors
+from .weights import read_dense_tensors, read_tensors
 
 LAYER_PREFIX = "model.layers."
 # Products that share their input, run as one kernel call in quantized layers (model/lean.py).
@@ -248,7 +248,7 @@ def load_full_model(model_dir: Path, dtype=torch.float32):
     config = load_config(model_dir)
     with torch.random.fork_rng():  # initialising the skeleton must not move sampling's RNG
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = read_tensors(model_dir, lambda names: names)
+    state = read_dense_tensors(model_dir, lambda names: names)  # a quantized model dequantized
     if "lm_head.weight" not in state:  # tied embeddings (SmolLM2)
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)

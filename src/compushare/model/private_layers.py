@@ -23,7 +23,7 @@ from transformers.masking_utils import create_causal_mask
 
 from .arch import architecture_of, load_config
 from .kv_cache import new_cache
-from .weights import read_tensors
+from .weights import read_dense_tensors
 
 GROUP_OF = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -80,7 +80,7 @@ class PrivateLayers:
         def local(names):
             return [n for n in names if n.startswith("model.layers.") and not n.endswith("_proj.weight")]
 
-        return cls(config, read_tensors(model_dir, local), project)
+        return cls(config, read_dense_tensors(model_dir, local), project)
 
     def product(self, layer: int, group: str, part: int, x: torch.Tensor) -> torch.Tensor:
         """Rows of one projection: the group's product is asked for once per input."""

@@ -9,6 +9,25 @@ import torch
 from safetensors import safe_open
 
 
+def read_dense_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
+    """Like read_tensors, in float values whatever the format: `names_filter` sees the
+    matrices' own names (not their "_scale" / "_min" parts), and a quantized matrix is
+    dequantized to float32 (what private mode's encrypted products and the transformers
+    reference compute with)."""
+    from .formats import SCALE_SUFFIX, base_name
+    from .quantize import dequantize, matrix_parts
+
+    def wanted(names):
+        chosen = set(names_filter(sorted({base_name(n) for n in names})))
+        return [n for n in names if base_name(n) in chosen]
+
+    raw = read_tensors(model_dir, wanted)
+    out = {name: tensor for name, tensor in raw.items() if base_name(name) == name and name + SCALE_SUFFIX not in raw}
+    for name in {base_name(n) for n in raw if n.endswith(SCALE_SUFFIX)}:
+        out[name] = dequantize({k: v for k, v in matrix_parts(raw, name).items()})
+    return out
+
+
 def read_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
     """Read only the tensors selected by `names_filter(all_names)` from safetensors files."""
     out: dict[str, torch.Tensor] = {}

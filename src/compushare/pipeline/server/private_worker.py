@@ -74,7 +74,7 @@ class WorkerState:
         import torch  # noqa: PLC0415
         from transformers import AutoConfig  # noqa: PLC0415
 
-        from ...model.weights import read_tensors  # noqa: PLC0415
+        from ...model.weights import read_dense_tensors  # noqa: PLC0415
 
         torch.set_num_threads(1)
         began = time.perf_counter()
@@ -83,8 +83,9 @@ class WorkerState:
         self.context = Context(request["params"])
         self.steps = required_steps(config, self.context.slots)
         prefixes = tuple(layer_prefix(i) for i in range(start, end))
-        state = read_tensors(request["model_dir"], lambda names: [n for n in names if n.startswith(prefixes)
-                                                                 and n.endswith("_proj.weight")])
+        # A quantized model's products are encrypted with its dequantized weights.
+        state = read_dense_tensors(request["model_dir"], lambda names: [n for n in names if n.startswith(prefixes)
+                                                                       and n.endswith("_proj.weight")])
         state = {k: v.float().numpy() for k, v in state.items()}
         # Pre-encoded weights come out of the node's memory budget: when the span's do
         # not fit what is left of it, the weights are encoded per request instead.
