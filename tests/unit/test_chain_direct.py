@@ -265,3 +265,19 @@ def test_a_standby_that_kept_up_takes_over():
     assert core.idle and core.hops == [standby] and core.standby_takeovers == 1
     assert torch.equal(core.output, x3 + 1) and core.failovers[0].replacements == (PEERS[1],)
     assert core.history.sizes == [2, 1, 1]
+
+
+def test_a_proof_in_another_compute_mode_does_not_link():
+    """Step proofs must sign the model's weight format: a server signing a laxer mode
+    (here int8's tolerance on an fp32 model) could never be reported against an honest
+    witness's fp32 proof, so its answer does not link and the step is relayed."""
+    from compushare.pipeline.client.chain_plan import proof_links
+
+    x, out = tensor([1.0]), tensor([2.0])
+    (honest,) = reply(0, 0, x, out).replies
+    assert proof_links(honest, digest(x), MODEL, hop(0), 0, 1, DEFAULT_MODE) is None
+    assert "compute mode 'fp32', not the model's 'int8'" in proof_links(honest, digest(x), MODEL, hop(0), 0, 1, "int8")
+    statement = Statement("int8", MODEL, 0, 1, 0, 1, GENESIS, digest(x), digest(out))
+    lax = Reply(out, data(out), "float32", Proof(0, 1, "int8", GENESIS, digest(x), digest(out),
+                                                 statement.sign(KEYS[0])), b"")
+    assert "not the model's 'fp32'" in proof_links(lax, digest(x), MODEL, hop(0), 0, 1, DEFAULT_MODE)

@@ -401,3 +401,15 @@ def test_from_wire_on_a_mangled_report_raises_only_peer_misbehaved(changes):
         except (KeyError, TypeError):
             continue  # a claim already replaced by a non-map, or a key already deleted
     parse(pack(body))
+
+
+def test_the_tolerance_grows_with_the_span_for_rounding_formats():
+    """bf16 / int8 / q4 round activations before every product: the difference two
+    honest kernels make grows with depth (protocol.md's table), fp32's does not."""
+    from compushare.proofs import tolerance
+
+    assert tolerance("fp32", 1) == tolerance("fp32", 30) == 1e-3
+    assert tolerance("q4/g64", 2) == tolerance("q4/g64", 10) == 2e-2
+    assert tolerance("q4/g64", 30) == pytest.approx(6e-2) and tolerance("int8", 15) == pytest.approx(3e-2)
+    with pytest.raises(KeyError):
+        tolerance("q4/g48", 3)

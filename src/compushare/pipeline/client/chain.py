@@ -28,7 +28,7 @@ import trio
 from libp2p.abc import IHost
 
 from ...errors import HopFailed
-from ...proofs import DEFAULT_TOLERANCE, TOLERANCES, FailureReport
+from ...proofs import DEFAULT_MODE, FailureReport
 from .. import protocol
 from .chain_core import ChainCore
 from .chain_events import (
@@ -74,15 +74,14 @@ class InferenceChain:
         self.model_id = model_id
         # The model's weight format: a server that opens a session in another is refused,
         # and spot checks compare outputs within that format's tolerance.
-        self.fmt = fmt
-        if tolerance is None:
-            tolerance = TOLERANCES.get(fmt, DEFAULT_TOLERANCE) if fmt else DEFAULT_TOLERANCE
+        self.fmt = fmt  # tolerance None: the protocol's for the format and each span (proofs.tolerance)
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.planner = planner
         self.tolerance = tolerance
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
                               tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
+                              mode=fmt or DEFAULT_MODE,
                               standby=standby,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []

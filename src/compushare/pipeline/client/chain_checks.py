@@ -94,7 +94,7 @@ class SpotChecking(Machine):
             return self._hop_done(primary.replies[0].output)
         mine, theirs = primary.replies[0], check.replies[-1]
         error = relative_error(mine.output.numpy(), theirs.output.numpy())
-        if error <= self.tolerance:
+        if error <= self.tolerance_for(span):
             return self._hop_done(mine.output)
         # Two servers disagree. A third one, if there is one, says which is wrong: a
         # lying verifier must not get an honest server excluded.
@@ -127,7 +127,7 @@ class SpotChecking(Machine):
 
     def _verdict(self, dispute: Dispute, arbiter: Any) -> None:
         span, hop, verifier = dispute.span, dispute.hop, dispute.verifier
-        blamed = judge(dispute.primary.output, dispute.check.output, arbiter, self.tolerance)
+        blamed = judge(dispute.primary.output, dispute.check.output, arbiter, self.tolerance_for(span))
         if blamed == "neither":
             return self._hop_done(dispute.primary.output)
         tokens = self._step.tokens
@@ -143,7 +143,7 @@ class SpotChecking(Machine):
         self._fail_over(HopFailed(
             hop.peer_id, "mismatch",
             f"{hop.peer_id} (blocks {span[0]}:{span[1]}) answered step {self.position} {dispute.error:.2g} away "
-            f"from {verifier.session.peer_id}'s answer (tolerance {self.tolerance:g}"
+            f"from {verifier.session.peer_id}'s answer (tolerance {self.tolerance_for(span):g}"
             f"{'' if arbiter is None else ', a third server agreeing'})"))
 
     def _drop_verifier(self, span: Span, error: HopFailed) -> None:

@@ -245,7 +245,8 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
                 break
             reply = event.replies[0]
             expected = reply.input_digest if index == 0 else step.last_reply.proof.output_digest
-            problem = proof_links(reply, expected, self.model_id, session.hop, self.position, step.tokens)
+            problem = proof_links(reply, expected, self.model_id, session.hop, self.position, step.tokens,
+                                  self.mode)
             if problem is not None:
                 self.chain_breaks += 1
                 log.warning("direct step %d: %s; relaying it from the previous server's signed output, and "

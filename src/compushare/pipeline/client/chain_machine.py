@@ -12,7 +12,7 @@ from typing import Any
 
 from ...errors import HopFailed
 from ...karma.receipts import RECEIPT_STEPS
-from ...proofs import DEFAULT_TOLERANCE
+from ...proofs import DEFAULT_MODE, tolerance as protocol_tolerance
 from .chain_events import EFFECTS, REQUESTS, Answered, Failed, Forgive, Penalise, Session
 from .chain_plan import REPLAY_MAX_TOKENS, Failover, History, Verifier
 from .spotcheck import SpotCheckSchedule
@@ -38,13 +38,14 @@ class Machine:
     an effect. A transition ends with a request pending, or the machine idle."""
 
     def __init__(self, *, can_fail_over: bool, spot_check_rate: float = 0.0,
-                 tolerance: float = DEFAULT_TOLERANCE, rng: random.Random | None = None, push: bool = True,
+                 tolerance: float | None = None, rng: random.Random | None = None, push: bool = True,
                  clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
                  replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
+                 mode: str = DEFAULT_MODE,
                  direct_max_tokens: int = 0, standby: bool = False) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
-        self.tolerance = tolerance
+        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
         self.rng = rng or random.Random()
         self.push = push
         self.clock = clock  # wall time, for the failover records
@@ -54,6 +55,7 @@ class Machine:
         # last one's to the consumer; steps of at most direct_max_tokens tokens.
         self.direct = direct and push
         self.model_id = model_id  # what step proofs name (direct steps check them)
+        self.mode = mode  # the compute mode they must sign: the model's weight format
         self.direct_max_tokens = direct_max_tokens
         self.direct_steps = 0  # steps that went straight through the chain
         self.checked_relays = 0  # steps relayed instead because a hop's spot check was due
@@ -78,6 +80,13 @@ class Machine:
         self._step: Step | None = None
         self._then: Callable[[list], None] | None = None  # takes the answers to the pending requests
         self._outbox: list = []
+
+    def tolerance_for(self, span: tuple[int, int]) -> float:
+        """How far two honest answers for `span` may differ: the protocol's tolerance for
+        the chain's compute mode and the span's length, unless the chain was given one."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return protocol_tolerance(self.mode, span[1] - span[0])
 
     @property
     def idle(self) -> bool:

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ...errors import PeerMisbehaved
-from ...proofs import TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
+from ...proofs import DEFAULT_MODE, TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
 from .chain_events import FileReport, Session, StepRequest
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ def catch_up_plan(seen: list[Any], sizes: list[int], fed: int, hidden: Any, toke
     return tuple(requests)
 
 
-def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int, tokens: int) -> str | None:
+def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int, tokens: int,
+                mode: str = DEFAULT_MODE) -> str | None:
     """Why a direct step's `reply` (from the server of `hop`) does not link into the
     step's proof chain, or None if it does: its proof covers this step, its signed
     input is `expected_input` (the previous server's signed output, or the digest of
@@ -150,6 +151,8 @@ def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int,
         return f"{peer} returned other bytes than it signed"
     statement = Statement(proof.mode, model_id, hop.start, hop.end, position, tokens, proof.prefix,
                           proof.input_digest, proof.output_digest)
+    if proof.mode != mode:
+        return f"{peer} proved its step in compute mode {proof.mode[:16]!r}, not the model's {mode!r}"
     if proof.mode not in TOLERANCES or not statement.verify(peer, proof.sig):
         return f"{peer}'s step proof is not signed by it"
     return None

@@ -26,7 +26,7 @@ from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import decode_tensor, encode_tensor
-from ...proofs import step_digest
+from ...proofs import DEFAULT_MODE, step_digest
 from .. import protocol
 from ..messages import (
     CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply,
@@ -81,6 +81,9 @@ class RemoteHop:
         self.hidden_size = hidden_size
         self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
         self.usage = Usage()  # what the next receipt covers
+        # The compute mode its step proofs must sign: the model's weight format. A proof
+        # in another mode could never meet an honest witness's in a failure report.
+        self.mode = DEFAULT_MODE
 
     @property
     def peer_id(self) -> str:
@@ -168,6 +171,9 @@ class RemoteHop:
                                    max_tokens=message.reply_tokens)
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
+        if reply.proof is not None and reply.proof.mode != self.mode:
+            raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: its step proof names compute mode "
+                            f"{reply.proof.mode[:16]!r}, not the model's {self.mode!r}")
         wall = time.perf_counter() - began
         if learn:
             self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
@@ -268,7 +274,9 @@ async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden
         remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size, session_id)
         opened = await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens),
                                       timeout=CONNECT_TIMEOUT_S)
-        if fmt is not None and opened.format != fmt:
+        remote.mode = fmt or DEFAULT_MODE
+        # A server that names no format is an older one: it computes fp32 models in fp32.
+        if fmt is not None and (opened.format or DEFAULT_MODE) != fmt:
             with contextlib.suppress(Exception):
                 await remote.close()
             raise HopUnavailable(hop.peer_id, WRONG_FORMAT, f"{hop.peer_id} computes blocks {hop.start}:{hop.end} "
