@@ -68,3 +68,15 @@ def test_ties_break_by_blocks_then_providers_then_id():
     view.offer(ad(honest(1), REAL, (0, 22)), NOW)
     view.note_connected([honest(0), honest(1)], NOW)
     assert [c.model_id for c in name_candidates(view, "tinyllama", NOW)] == [REAL, OTHER]
+
+
+def test_a_few_evidenced_providers_of_a_fragment_do_not_outrank_a_whole_model():
+    """Three providers with evidence serving one block of a fake id lose to two serving
+    the whole of the real one: a model is useful only whole."""
+    view = SwarmView(policy=True)
+    view.offer(ad(honest(0), REAL, (0, 11)), NOW)
+    view.offer(ad(honest(1), REAL, (11, 22)), NOW)
+    for i in range(3):
+        view.offer(ad(sybil(i), FAKE, (0, 1)), NOW)
+    view.note_connected([honest(0), honest(1)] + [sybil(i) for i in range(3)], NOW)
+    assert choose_candidate("tinyllama", name_candidates(view, "tinyllama", NOW)).model_id == REAL

@@ -38,7 +38,7 @@ from ..net.peer import open_swarm_host
 from ..net.records import MAX_ADDRS
 from ..net.traversal import Traversal
 from ..net.view import MAX_PEERS, SwarmView, relay_candidates
-from ..pipeline.client.consumer import name_from_swarm
+from ..pipeline.client.consumer import name_from_swarm, peer_ids_of
 from ..pipeline.server.announce import announce_loop
 from ..he.ckks import DEFAULT_PARAMETERS
 from ..pipeline.private_wire import PRIVATE_PROTOCOL
@@ -169,7 +169,7 @@ class Node:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model_id = name
                     if not is_model_id(name):
-                        chosen = await name_from_swarm(host, dht, name)
+                        chosen = await name_from_swarm(host, dht, name, trusted=peer_ids_of(config.bootstrap))
                         if chosen is None:
                             raise ModelUnavailable(f"unknown model {name!r}: not held here, not in the catalog, and "
                                                    "served by no server in the swarm; import it with `compushare "

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from ...errors import ModelUnavailable, RouteError, SwarmUnreachable, UsageError
 from ...karma.ledger import ReportStore
 from ...karma.record import karma_validators
 from ...karma.service import KarmaBook, submit_report
-from ...model.catalog import resolve_model
+from ...model.catalog import CATALOG, resolve_model, split_name
 from ...model.store import ModelStore, is_model_id
 from ...model.head import ConsumerHead
 from ...torrent.service import Torrent
@@ -153,22 +154,30 @@ async def find_route(host, dht, model_id: str, num_blocks: int, *, needed_tokens
     return await attempt()
 
 
-async def name_from_swarm(host, dht, name: str) -> NameCandidate | None:
+def peer_ids_of(addrs) -> list[str]:
+    """The peer ids named by `/p2p/<id>` multiaddrs."""
+    return [addr.rsplit("/p2p/", 1)[1] for addr in addrs if "/p2p/" in addr]
+
+
+async def name_from_swarm(host, dht, name: str, *, trusted: list[str] = ()) -> NameCandidate | None:
     """The model id the swarm serves under `name`, counting only providers with
-    evidence (pipeline/client/names.py): None when no server names it at all, an error
-    when some do but none has evidence. Karma counts as evidence: the candidates'
-    providers' karma is looked up first (a newcomer's is 1.0)."""
+    evidence (pipeline/client/names.py): the `trusted` peers (the bootstrap peers the
+    user gave: a connection anyone can open is no evidence) and providers whose karma
+    is above a newcomer's (looked up for at most MAX_NAME_PROVIDERS of them, chosen at
+    random so ground ids cannot crowd others out). None when no server names it at all;
+    an error when some do but none has evidence."""
     view = SwarmView()
     view.set_self(host.get_id().to_string())
     await learn_views(host, view)
     now = time.time()
-    view.note_connected([peer.to_string() for peer in host.get_network().connections], now)
+    view.note_connected(trusted, now)
     providers = sorted({ad.peer_id for ad in view.live(now) for s in ad.serving if s.name == name})
     if not providers:
         return None
     karma = KarmaBook()
+    sample = random.sample(providers, min(len(providers), MAX_NAME_PROVIDERS))
     with trio.move_on_after(KARMA_LOOKUP_S):
-        await karma.refresh(host, dht, providers[:MAX_NAME_PROVIDERS], timeout_s=KARMA_LOOKUP_S)
+        await karma.refresh(host, dht, sample, timeout_s=KARMA_LOOKUP_S)
     view.note_karma([p for p in providers if (karma.known(p) or 0.0) > 1.0], time.time())
     candidates = name_candidates(view, name, time.time())
     chosen = choose_candidate(name, candidates)
@@ -181,16 +190,16 @@ async def name_from_swarm(host, dht, name: str) -> NameCandidate | None:
 
 
 def in_format(records: list[ServerRecord], fmt: str | None) -> list[ServerRecord]:
-    """The records that do not name a weight format other than `fmt` (the model id's):
-    a chain never mixes formats. Records of older nodes name none; the session's
-    Opened reply is checked too (pipeline/client/hop.open_hop)."""
+    """The records naming `fmt` (the model id's weight format): a chain never mixes
+    formats. A record naming none is fp32's (older nodes', and fp32 servers leave it
+    unsaid); the session's Opened reply is checked too (pipeline/client/hop.open_hop)."""
     if fmt is None:
         return records
-    dropped = [r for r in records if r.fmt and r.fmt != fmt]
+    dropped = [r for r in records if (r.fmt or "fp32") != fmt]
     if dropped:
         log.warning("left out %d server(s) whose records name another weight format than %s: %s", len(dropped), fmt,
                     ", ".join(f"{r.peer_id[-8:]} ({r.fmt})" for r in dropped[:4]))
-    return [r for r in records if not r.fmt or r.fmt == fmt]
+    return [r for r in records if (r.fmt or "fp32") == fmt]
 
 
 def records_from_ads(view: SwarmView, model_id: str, now: float) -> list[tuple[ServerRecord, Measure]]:
@@ -364,12 +373,13 @@ class Consumer:
                       text_prompts: bool = True, spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
                       listen: tuple[str, ...] = ()):
         loaded: dict = {}
+        wanted = [model_name]  # what to load: the name, or the id the swarm names for it
 
         def load_local_parts() -> None:
             # Errors are kept until both overlapping steps are done, so the report does
             # not depend on which ends first: a local problem first, then "no swarm".
             try:
-                model = resolve_model(model_name, data_dir)
+                model = resolve_model(wanted[0], data_dir)
                 loaded["model"] = model
                 loaded["tokenizer"] = load_tokenizer(model) if text_prompts else None
                 loaded["head"] = ConsumerHead.load(model.path)
@@ -377,11 +387,12 @@ class Consumer:
                 loaded["error"] = exc
 
         # A model known by its id (or an alias) whose head and tokenizer are not here: they
-        # come from the swarm's seeders. A name not held here is asked of the swarm first
-        # (pipeline/client/names.py), then of the catalog.
+        # come from the swarm's seeders. A name neither held here nor the catalog's (whose
+        # ids this node derives itself) is asked of the swarm (pipeline/client/names.py);
+        # the answer is used, not kept: a later run asks again.
         store = ModelStore(data_dir)
         stored = store.get(model_name)
-        by_name = stored is None and not is_model_id(model_name)
+        by_name = stored is None and not is_model_id(model_name) and split_name(model_name)[0] not in CATALOG
         from_swarm = (stored is None and is_model_id(model_name)) or (stored is not None
                                                                       and not stored.holds(head=True))
         key_pair = load_or_create_identity(data_dir)
@@ -407,13 +418,13 @@ class Consumer:
             if by_name:
                 unnamed: ModelUnavailable | None = None
                 try:
-                    chosen = await name_from_swarm(host, dht, model_name)
+                    chosen = await name_from_swarm(host, dht, model_name, trusted=peer_ids_of(bootstrap))
                 except ModelUnavailable as exc:  # named, but by no provider with evidence
                     chosen, unnamed = None, exc
                 if chosen is not None:
                     await Torrent(host, dht, data_dir).fetch(chosen.model_id, head=True)
-                    store.set_alias(model_name, chosen.model_id)
-                await trio.to_thread.run_sync(load_local_parts)  # else the catalog's, if it has the name
+                    wanted[0] = chosen.model_id
+                await trio.to_thread.run_sync(load_local_parts)
                 if "error" in loaded:
                     raise unnamed if unnamed is not None and isinstance(loaded["error"], ModelUnavailable) \
                         else loaded["error"]

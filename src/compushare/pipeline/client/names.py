@@ -5,8 +5,10 @@ they know a model by in their signed capability ads, beside its id and weight fo
 A node that does not hold a name asks its view which ids are served under it. Anyone
 can sign an ad naming anything, so a candidate counts only the providers the view
 holds *evidence* for (net/view.py's policy: this node itself, a live or past
-connection, karma above a newcomer's, or minutes in view): a flood of fresh Sybil
-identities can add candidates but cannot make one win. The best-evidenced candidate
+connection, karma above a newcomer's, or minutes in view; a consumer asking afresh
+counts only the bootstrap peers its user gave and karma, since anyone can open a
+connection): a flood of fresh Sybil identities can add candidates but cannot make one
+win. The best-evidenced candidate
 is chosen; when none has evidence the user is shown the candidates and chooses by id.
 """
 
@@ -32,8 +34,9 @@ class NameCandidate:
 
 
 def name_candidates(view: SwarmView, name: str, now: float) -> list[NameCandidate]:
-    """Every model id live ads serve under `name`, best-evidenced first (then most
-    blocks covered, then most providers; the id breaks ties, so no order is random)."""
+    """Every model id live ads serve under `name`, best first: the most blocks served by
+    providers with evidence (a model is only useful whole), then the most such providers,
+    then the most providers; the id breaks ties, so no order is random."""
     providers: dict[str, set[str]] = {}
     evidenced: dict[str, set[str]] = {}
     blocks: dict[str, set[int]] = {}
@@ -50,7 +53,7 @@ def name_candidates(view: SwarmView, name: str, now: float) -> list[NameCandidat
                 blocks.setdefault(serving.model_id, set()).update(range(serving.start, serving.end))
     found = [NameCandidate(model_id, formats[model_id], len(peers), len(evidenced.get(model_id, ())),
                            len(blocks.get(model_id, ()))) for model_id, peers in providers.items()]
-    return sorted(found, key=lambda c: (-c.evidenced, -c.blocks, -c.providers, c.model_id))
+    return sorted(found, key=lambda c: (-c.blocks, -c.evidenced, -c.providers, c.model_id))
 
 
 def choose_candidate(name: str, candidates: list[NameCandidate]) -> NameCandidate:

@@ -59,7 +59,7 @@ async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: P
             await changed.wait()
             continue
         record = build_record(host, model_id, span.start, span.end, provider.dtype, ttl_s,
-                              throughput=provider.span_throughput(), fmt=provider.format_label)
+                              throughput=provider.span_throughput(), fmt=provider.advertised_format)
         keys = [model_key(model_id)] + [block_key(model_id, b) for b in range(span.start, span.end)]
         try:
             with trio.fail_after(ttl_s / 3):

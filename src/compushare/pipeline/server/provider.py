@@ -127,9 +127,15 @@ class Provider:
             block_rate=(server.block_rate if live and server.block_rate > 0 else self.block_rate),
             state=self.state,
             private_rate=self.private_rate() if live else 0.0,
-            fmt=self.format_label,
+            fmt=self.advertised_format,
             name=self.name if MODEL_NAME.fullmatch(self.name) else "",
         )]
+
+    @property
+    def advertised_format(self) -> str:
+        """What ads and records say of the format: fp32 unsaid, as older nodes say it
+        (they know no `fmt` field, and a consumer takes an unsaid one as fp32)."""
+        return "" if self.format_label == "fp32" else self.format_label
 
     @property
     def format_label(self) -> str:
