@@ -256,3 +256,20 @@ def test_plain_readers_see_a_quantized_model_dequantized(tiny_model, tmp_path):
     assert not any(n.endswith(("_scale", "_min")) for n in dense) and len(dense) == 9
     full = load_full_model(model.path)
     assert torch.equal(full.model.layers[1].mlp.gate_proj.weight, dense[gate])
+
+
+def test_malformed_quantized_weights_fail_at_load_not_at_the_first_step(tiny_model, tmp_path):
+    from compushare.model.arch import load_config
+    from compushare.model.blocks import span_tensor_names
+    from compushare.model.weights import read_tensors
+
+    model = import_path(tiny_model, tmp_path, alias="tiny", fmt="q4/g32")
+    state = read_tensors(model.path, lambda names: span_tensor_names(names, 0, 1))
+    config = load_config(model.path)
+    SpanRunner(config, 0, 1, dict(state))  # as stored: fine
+    scale = "model.layers.0.mlp.gate_proj.weight_scale"
+    for bad in (state[scale][:, :1], state[scale].float(), state[scale][:-1]):
+        with pytest.raises(ValueError, match="no quantized"):
+            SpanRunner(config, 0, 1, dict(state) | {scale: bad})
+    # Output rows the packed 4-bit kernel cannot tile (not a multiple of 16): the dense fallback.
+    assert isinstance(linear(quantize_q4(torch.randn(100, 64), 32)), DequantizedLinear)

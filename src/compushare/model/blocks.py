@@ -22,12 +22,12 @@ from transformers.masking_utils import create_causal_mask
 
 from . import kernels
 from .arch import architecture_of, load_config
-from .formats import FP32, MIN_SUFFIX, SCALE_SUFFIX, WeightFormat, base_name
+from .formats import FP32, MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
 from .kv_cache import new_cache
 from .lean import run_layers, supports_lean
 from .manifest import parse as parse_manifest
 from .store import MANIFEST_FILE
-from .quantize import matrix_parts, quantize, stack_rows
+from .quantize import matrix_parts, random_parts, stack_rows
 from .weights import read_dense_tensors, read_tensors
 
 LAYER_PREFIX = "model.layers."
@@ -77,6 +77,9 @@ class SpanRunner:
         self.format_label = self._format_label(state, dtype)  # what records, proofs and Opened name
         self.lean = supports_lean(self.layers.values())
         self.batchable = self.lean  # decode steps of sessions may share a forward
+        if not self.lean and self.format_label not in ("fp32", "bf16"):
+            raise ValueError(f"{self.format_label} weights run only through the lean forward (model/lean.py), "
+                             "which these layers (sliding-window attention) do not support")
 
     @staticmethod
     def _format_label(state: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
@@ -96,6 +99,7 @@ class SpanRunner:
         quantized = sorted({base_name(k) for k in layer_state if k.endswith(SCALE_SUFFIX)})
         parts = {name: matrix_parts(layer_state, name) for name in quantized}
         for name, matrix in parts.items():
+            check_parts(name, matrix, layer.get_submodule(name.removesuffix(".weight")).weight.shape)
             for suffix in matrix:
                 del layer_state[name + suffix]
         # Biases of quantized products (Qwen2's q, k, v) go with their kernel module.
@@ -126,9 +130,12 @@ class SpanRunner:
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
         config = load_config(model_dir)
         state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
-        if any(v.dtype == torch.bfloat16 for v in state.values()) and \
-                all(v.dtype == torch.bfloat16 for k, v in state.items() if k.endswith("_proj.weight")):
-            dtype = torch.bfloat16  # a bf16 model computes in bf16, as it was stored
+        # One rule for the compute dtype, the manifest's (format_from_manifest): a bf16
+        # model (every tensor BF16) computes in bf16; anything else in float32.
+        held = (Path(model_dir) / MANIFEST_FILE).exists()
+        if (stored_format(model_dir).name == "bf16") if held else \
+                (bool(state) and all(v.dtype == torch.bfloat16 for v in state.values())):
+            dtype = torch.bfloat16
         return cls(config, start, end, state, dtype)
 
     @classmethod
@@ -145,7 +152,9 @@ class SpanRunner:
             for index in range(start, end):
                 layer = arch.decoder_layer(config, layer_idx=index)
                 state |= {f"{LAYER_PREFIX}{index}.{k}": v for k, v in layer.state_dict().items()}
-        state = {stored: tensor for name, value in state.items() for stored, tensor in quantize(fmt, name, value).items()}
+        generator = torch.Generator().manual_seed(seed)
+        state = {stored: tensor for name, value in state.items()
+                 for stored, tensor in random_parts(fmt, name, value, generator).items()}
         return cls(config, start, end, state, torch.bfloat16 if fmt.name == "bf16" else torch.float32)
 
     @property
@@ -224,6 +233,25 @@ class SpanRunner:
         surplus = self.cached_length(cache) - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers 5.x: a negative count of tokens to drop
+
+
+def check_parts(name: str, parts: dict[str, torch.Tensor], shape: torch.Size) -> None:
+    """A quantized matrix's stored parts fit the layer's [out, in] and a format
+    (model/formats.py), or loading fails here, before the node advertises the span."""
+    out_features, in_features = shape
+    q, scale, minimum = parts[""], parts[SCALE_SUFFIX], parts.get(MIN_SUFFIX)
+    if minimum is None:
+        fits = (q.dtype == torch.int8 and tuple(q.shape) == (out_features, in_features)
+                and scale.dtype == torch.float32 and tuple(scale.shape) == (out_features,))
+    else:
+        groups = scale.shape[1] if scale.dim() == 2 else 0
+        fits = (q.dtype == torch.uint8 and tuple(q.shape) == (out_features, in_features // 2) and in_features % 2 == 0
+                and groups > 0 and in_features % groups == 0 and in_features // groups in Q4_GROUPS
+                and all(t.dtype == torch.float16 and tuple(t.shape) == (out_features, groups)
+                        for t in (scale, minimum)))
+    if not fits:
+        raise ValueError(f"{name}: stored parts {({k: (str(t.dtype), tuple(t.shape)) for k, t in parts.items()})} "
+                         f"are no quantized [{out_features}, {in_features}] matrix")
 
 
 def same_layout(matrices: list[dict[str, torch.Tensor]]) -> bool:

@@ -89,6 +89,8 @@ def _int8(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 def _q4_cpu(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
+    if parts[""].shape[0] % 16:  # the packed layout wants output rows in tiles of 16
+        return DequantizedLinear(parts)
     return Int4CpuLinear(parts[""], parts[SCALE_SUFFIX], parts[MIN_SUFFIX])
 
 
