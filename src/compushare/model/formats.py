@@ -94,7 +94,7 @@ def parse_format(text: str) -> WeightFormat:
     our quantizer makes (q4 with INT8_IN_Q4 at int8)."""
     name, _, group = str(text).strip().lower().partition("/g")
     if name == "q4":
-        if group and not group.isdigit():
+        if "/g" in str(text).lower() and (not group.isdigit() or int(group) not in Q4_GROUPS):
             raise UsageError(f"bad q4 group size in {text!r}: say q4/g32, q4/g64 or q4/g128")
         return WeightFormat("q4", int(group) if group else DEFAULT_Q4_GROUP, INT8_IN_Q4)
     if group:

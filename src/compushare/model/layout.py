@@ -69,7 +69,8 @@ def _entry(tensor) -> tuple[str, tuple[int, ...], bytes]:
     return dtype, tuple(tensor.shape), tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _read_source_tensors(source: Path, fmt: WeightFormat | None = None) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+def _read_source_tensors(source: Path, fmt: WeightFormat | None = None, kept: dict | None = None
+                         ) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     import torch  # here, not at the top: `status` and `models list` need no torch
     from safetensors import safe_open
 
@@ -84,8 +85,11 @@ def _read_source_tensors(source: Path, fmt: WeightFormat | None = None) -> dict[
             for name in handle.keys():
                 if name in out:
                     raise UsageError(f"tensor {name} appears in two files of {source}")
-                if fmt is not None:
+                if kept is not None and name in kept:  # stored already (a GGUF's own 4-bit weights)
+                    stored = {k: v for k, v in kept.items() if base_name(k) == name}
+                elif fmt is not None:
                     stored = quantize(fmt, name, handle.get_tensor(name))
+                if fmt is not None:
                     if set(stored) & set(out):
                         raise UsageError(f"tensor {name} is already quantized in {source}")
                     out |= {stored_name: _entry(tensor) for stored_name, tensor in stored.items()}
@@ -113,10 +117,7 @@ def native_gguf_tensors(source: Path, gguf_path: Path) -> tuple[WeightFormat, di
     if others:
         log.warning("%d matrices of %s are not Q4_0/Q4_1 (%s): quantized to %s by our quantizer", len(others),
                     gguf_path.name, ", ".join(sorted(set(others.values()))), fmt.label)
-    tensors = _read_source_tensors(source, fmt)
-    for name in kept:
-        tensors[name] = _entry(kept[name])
-    return fmt, tensors
+    return fmt, _read_source_tensors(source, fmt, kept)
 
 
 def lay_out(source: Path, target: Path, *, piece_size: int | None = None,

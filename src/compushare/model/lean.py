@@ -4,7 +4,7 @@ transformers' decoder layer builds its keyword arguments, mask and rotary inputs
 layer, per call; here the causal masks and rotary tables are built once per forward
 and every layer runs the same few tensor operations, in the order transformers runs
 them (so a dense fp32 span is bit-identical to transformers' layers:
-tests/unit/test_lean.py). The projections are whatever modules the layer holds:
+tests/unit/test_blocks.py compares a split model with the whole one). The projections are whatever modules the layer holds:
 nn.Linear for fp32 / bf16, model/kernels.py's weight-only kernels for int8 / q4.
 
 Several sessions' steps run as one [N, n, H] forward (N sessions, n tokens each;
