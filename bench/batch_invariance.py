@@ -30,19 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    try:
-        import compushare  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO / "src"))
-os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+import _common  # noqa: E402, F401  (this checkout's src/, the shared conversion cache)
 
 import torch  # noqa: E402
 

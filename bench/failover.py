@@ -48,13 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    try:
-        import compushare  # noqa: F401  (installed editable in the venv)
-    except ImportError:
-        sys.path.insert(0, str(REPO / "src"))
-os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
 
 import trio  # noqa: E402
 

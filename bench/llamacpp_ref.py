@@ -46,10 +46,8 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
