@@ -273,3 +273,11 @@ def test_malformed_quantized_weights_fail_at_load_not_at_the_first_step(tiny_mod
             SpanRunner(config, 0, 1, dict(state) | {scale: bad})
     # Output rows the packed 4-bit kernel cannot tile (not a multiple of 16): the dense fallback.
     assert isinstance(linear(quantize_q4(torch.randn(100, 64), 32)), DequantizedLinear)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "q4", "q4/g32"])
+def test_random_blocks_come_in_every_format(tiny_model, tmp_path, fmt):
+    model = import_path(tiny_model, tmp_path, alias="tiny", fmt=fmt)
+    runner = SpanRunner.random(model.path, 0, 2)
+    assert runner.format_label == model.format.label
+    assert runner.forward(torch.randn(1, 3, 64), runner.new_cache(), 0).shape == (1, 3, 64)

@@ -74,8 +74,8 @@ def random_parts(fmt: WeightFormat, name: str, weight: torch.Tensor, generator: 
     """Stored tensors of `name` under `fmt` with random codes, as quantize() lays them out
     but without its search: for timing blocks not held (values do not change speed)."""
     own = fmt.head_format() if name in HEAD_MATRICES else fmt
-    if not fmt.quantized or not is_quantized_matrix(name) or (own.name == "q4" and projection_of(name) in own.int8):
-        return quantize(fmt, name, weight)
+    if own.name != "q4" or not is_quantized_matrix(name) or projection_of(name) in own.int8:
+        return quantize(fmt, name, weight)  # dense, or int8: no search to skip
     out_features, in_features = weight.shape
     packed = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=generator)
     groups = in_features // own.group_size
