@@ -35,6 +35,15 @@ def supports_lean(layers) -> bool:
     return True
 
 
+def _module_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return module(hidden)
+
+
+def fused_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Llama's / Qwen2's RMSNorm in one call (float32 activations, float32 weight)."""
+    return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), module.weight, module.variance_epsilon)
+
+
 @torch.inference_mode()
 def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int], start: int, end: int,
                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -48,6 +57,9 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
                                 past_key_values=caches[i], position_ids=position_ids[i:i + 1], layer_idx=start)
              for i in range(sessions)]
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+    # Quantized spans owe transformers no bit-identity: torch's one-call RMSNorm is ~5 %
+    # of a q4 decode step faster than the module's seven operations.
+    norm = fused_norm if runner.format_label not in ("fp32", "bf16") else _module_norm
     shape = (sessions, tokens, -1, runner.head_dim)
     for index in range(start, end):
         if between_layers is not None:
@@ -56,7 +68,7 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
         attn = layer.self_attn
         rotate = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         residual = hidden
-        normed = layer.input_layernorm(hidden)
+        normed = norm(layer.input_layernorm, hidden)
         qkv, kv = getattr(attn, "qkv_proj", None), getattr(attn, "kv_proj", None)
         if qkv is not None:  # a quantized layer: one kernel call (model/blocks.FUSED)
             query, key, value = (part.reshape(shape).transpose(1, 2)
@@ -82,7 +94,7 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
             attended = torch.cat(outputs, dim=0)
         hidden = residual + attn.o_proj(attended.reshape(sessions, tokens, -1).contiguous())
         residual = hidden
-        mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
+        mlp, normed = layer.mlp, norm(layer.post_attention_layernorm, hidden)
         gate_up = getattr(mlp, "gate_up_proj", None)
         if gate_up is not None:
             gate, up = gate_up(normed).chunk(2, dim=-1)
