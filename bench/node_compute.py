@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
-import json
 import math
 import os
 import platform
@@ -90,7 +89,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO, finish  # noqa: E402  (this checkout's src/, the shared caches)
 BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
@@ -582,18 +581,6 @@ def run(args: argparse.Namespace, cleanup: Cleanup) -> dict:
     return result
 
 
-def save(result: dict, path: Path) -> None:
-    """Append the summary to the benchmark's JSON-lines file (bench/results/README.md)."""
-    commit = result.get("commit") or ""
-    runs = sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
-    entry = {"run": runs + 1, "date": datetime.date.today().isoformat(), **result,
-             **({"note": f"working tree over {commit}"} if commit else {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as out:
-        out.write(json.dumps(entry) + "\n")
-    log(f"appended as run {entry['run']} to {path}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="timed decode steps; greedy tokens per quality prompt")
@@ -617,10 +604,7 @@ def main() -> int:
         result = run(args, cleanup)
     finally:
         cleanup.run()
-    if args.results:
-        save(result, Path(args.results))
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, args.results)
 
 
 if __name__ == "__main__":

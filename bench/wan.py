@@ -62,8 +62,6 @@ bench/results/wan.jsonl with run, date and commit (--results '' skips that).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import os
 import re
@@ -76,7 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO, finish, stop_lab  # noqa: E402  (this checkout's src/, the shared caches)
 
 sys.path.insert(0, str(REPO / "tools"))
 import netlab  # noqa: E402  (tools/netlab, the project's namespace harness)
@@ -346,7 +344,7 @@ def ping_rtt_ms(text: str) -> float | None:
 
 def run_delay(args, delay_ms: int) -> dict:
     """One lab at one delay: nodes up, ping, the consumer's trials; everything down."""
-    from compushare.app.swarm import node_command, split_blocks, start_node, stop_pids, wait_ready
+    from compushare.app.swarm import node_command, split_blocks, start_node, wait_ready
     from compushare.model.catalog import resolve_model
 
     root = Path(tempfile.mkdtemp(prefix=f"compushare-wan{delay_ms}-"))
@@ -386,19 +384,7 @@ def run_delay(args, delay_ms: int) -> dict:
         failed = False
         return runs
     finally:
-        stop_pids([p.pid for p in procs if p.poll() is None], timeout=10)
-        for proc in procs:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-        lab.close()
-        if failed:
-            for node_log in sorted(root.glob("node-*/node.log")):
-                with contextlib.suppress(OSError):
-                    log(f"--- {node_log} (last 1500 characters)\n{node_log.read_text(errors='replace')[-1500:]}")
-        if args.keep:
-            log(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        stop_lab(procs, lab, root, failed=failed, keep=args.keep, logs="node-*/node.log", log=log)
 
 
 def summarise(runs: dict, delay_ms: int, tokens: int) -> dict:
@@ -487,19 +473,6 @@ def report(s: dict, runs: dict, delay_ms: int, tokens: int) -> None:
           f"identical to local: {s['identical']}", flush=True)
 
 
-def save(result: dict, path: Path) -> None:
-    """Append the summary to the benchmark's JSON-lines file (bench/results/README.md)."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip()
-    runs = sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
-    entry = {"run": runs + 1, "date": datetime.date.today().isoformat(), **result,
-             **({"commit": commit, "note": f"working tree over {commit}"} if commit else {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as out:
-        out.write(json.dumps(entry) + "\n")
-    print(f"appended as run {entry['run']} to {path}", flush=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--delays", default="20,50", help="ms added on each host's ingress (RTT = 2x), one lab each")
@@ -533,10 +506,7 @@ def main() -> int:
     result.update({"delays_ms": delays, "tokens": args.tokens, "trials": args.trials,
                    "wall_s": round(time.perf_counter() - began)})
     print(f"total {result['wall_s']} s", flush=True)
-    if args.results:
-        save(result, Path(args.results))
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(result, args.results)
 
 
 if __name__ == "__main__":
