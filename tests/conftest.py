@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,13 @@ settings.register_profile("compushare", deadline=None, suppress_health_check=[He
 settings.load_profile("compushare")
 
 REPO = Path(__file__).resolve().parent.parent
+# The processes tests start stand for commands a user types at a terminal, where Ctrl-C
+# raises KeyboardInterrupt. A suite started in the background of a shell without job
+# control (as CI runners may start it) inherits SIGINT ignored, and every child would
+# too (an ignored signal survives exec; a handler does not): the Ctrl-C tests would
+# then test the runner's setting, not CompuShare.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Converted SmolLM2 weights are shared by every test (and `make demo`): convert once.
 os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 

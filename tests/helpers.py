@@ -17,6 +17,31 @@ from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, StepClaim, step_
 from compushare.app.swarm import node_command, start_node, wait_ready
 
 TINY_LAYERS = 4
+# How long a test waits for something that should come in a second or two. Generous
+# on purpose: a wait ends as soon as its condition holds, so a slow or loaded machine
+# costs time, never a failure (docs/testing.md).
+WAIT_S = 60.0
+
+
+def wait_until(check, what: str, timeout: float = WAIT_S, interval: float = 0.1):
+    """Poll `check()` until it returns something truthy (returned); AssertionError
+    naming `what` after `timeout` seconds. For waits outside trio (trio tests poll
+    with `trio.fail_after` and `trio.sleep`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(interval)
+
+
+def dashboard(data_dir: Path, state: dict) -> dict:
+    """A node's /control/dashboard (its view of the swarm) through its control API."""
+    from compushare.app.api.client import call
+
+    return call(data_dir, state["api"], "/control/dashboard")
 
 
 def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = TINY_LAYERS, tie: bool = False) -> Path:
@@ -143,7 +168,13 @@ def liar_and_honest(processes: Processes, model_dir: Path, fmt: str | None = Non
     honest = processes.node("c", model_dir, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
                             wait=False, fmt=fmt)[0]
     liar, honest = processes.ready("b", liar), processes.ready("c", honest)
-    time.sleep(2.5)
+
+    def b_preferred() -> bool:  # A's view, which a consumer bootstrapping from A learns
+        rates = {peer["peer_id"]: serving["rate"] for peer in dashboard(processes.root / "a", a)["peers"]
+                 for serving in peer["serving"] if serving["state"] == "serving" and serving["start"] == 2}
+        return rates.get(liar["peer_id"], 0) > rates.get(honest["peer_id"], 0) > 0
+
+    wait_until(b_preferred, "A's view shows B and C serving 2:4, B faster")
     return a, boot, liar, honest
 
 

@@ -32,7 +32,7 @@ from compushare.net.framing import FramedStream
 from compushare.net.gossip import MAX_VIEW_ADS, MAX_VIEW_FRAME, VIEW_PROTOCOL, fetch_view
 from compushare.net.host import open_host
 from compushare.net.signed import signer_of
-from compushare.net.view import NEWCOMER_SLOTS, SwarmView
+from compushare.net.view import MAX_PEERS, NEWCOMER_SLOTS, SwarmView
 from helpers import vm_rss_mb
 from hostile.sybil import attack
 
@@ -109,7 +109,12 @@ async def flood_and_join(processes, tiny_model, monkeypatch, *, policy: bool) ->
                 while counts["sybil_ads"] < FLOOD:
                     await trio.sleep(0.5)
             out["flood_s"] = round(trio.current_time() - began, 1)
-            await trio.sleep(3)  # the last RPCs validated
+            # T has taken in the flood: its view is full of Sybils (the newcomers' slots
+            # with the policy on; the whole view without it, which then refuses B).
+            full = NEWCOMER_SLOTS if policy else MAX_PEERS
+            with trio.fail_after(FLOOD_TIMEOUT_S):
+                while len(await trio.to_thread.run_sync(dashboard_peers, target, processes.root / "t")) < full:
+                    await trio.sleep(0.5)
             # A new real server joins through T while the Sybils stay advertised.
             _, b = await trio.to_thread.run_sync(lambda: processes.node("b", tiny_model, "2:4", bootstrap=boot))
             out["b"] = b["peer_id"]

@@ -18,7 +18,7 @@ import pytest
 
 from compushare.app.swarm import node_command, start_node, wait_ready
 from compushare.model.catalog import import_path
-from helpers import reference_greedy
+from helpers import reference_greedy, wait_until
 from netlab import Lab, Topology
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -46,12 +46,10 @@ def state(data_dir: Path) -> dict:
 
 
 def wait_for(what: str, check, timeout: float) -> float:
+    """Seconds until `check()` held (polled; AssertionError after `timeout`)."""
     began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if check():
-            return time.monotonic() - began
-        time.sleep(0.25)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+    wait_until(check, what, timeout, interval=0.25)
+    return time.monotonic() - began
 
 
 def consume(lab, model, tmp: Path, host: int, name: str, boot: list[str], target: str, *, listen: str | None,
@@ -106,8 +104,8 @@ def test_a_provider_behind_nat_serves_through_relays_and_hole_punching(processes
         assert relayed["tokens"] == expected
         assert target in [peer for peer, _s, _e in relayed["route"]]
         assert relayed["to_target"] == ["relayed"] and relayed["net"]["punched"] == 0
-        time.sleep(2.5)  # node.json follows within 2 s
-        assert relayed_bytes(publics.values()) - before > NEW * 64 * 4  # at least each token's hidden state
+        # At least each token's hidden state, once the relays' node.json catch up (every 2 s).
+        wait_until(lambda: relayed_bytes(publics.values()) - before > NEW * 64 * 4, "the relays count the bytes")
 
         # The same consumer listening on its address: through the relay, then punched.
         punched = consume(lab, tiny_model, tmp_path, CONSUMER, "c2", boot, target,

@@ -15,11 +15,12 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.stream.exceptions import StreamError
 
 HIDDEN = 64
+IDLE_TIMEOUT_S = 1.5
 
 
 @pytest.fixture
 def tiny_node(processes, tiny_model):
-    extra = ["--kv-budget", "64", "--idle-timeout", "1.5"]
+    extra = ["--kv-budget", "64", "--idle-timeout", str(IDLE_TIMEOUT_S)]
     _, state = processes.node("server", tiny_model, "0:4", extra=extra)
     return state
 
@@ -141,18 +142,23 @@ async def test_full_kv_budget_is_busy_and_idle_session_expires(tiny_node):
     async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host:
         await host.connect(info)
         framed = await open_stream(host)
-        first = os.urandom(16)
+        first, opened_at = os.urandom(16), trio.current_time()
         assert (await _call(framed, _open(first, 48, state=tiny_node)))["type"] == "opened"
         reply = await _call(framed, _open(os.urandom(16), 32, state=tiny_node))
         assert (reply["type"], reply["code"]) == ("error", "busy")
         assert "KV budget" in reply["message"]
 
-        # idle for longer than --idle-timeout: the session and its cache are dropped
-        await trio.sleep(3.5)
+        # Idle for longer than --idle-timeout: the session and its cache are dropped,
+        # which frees the budget: a new session is refused as busy until then (polled
+        # without touching the first one, which a step would keep alive).
+        second = os.urandom(16)
+        with trio.fail_after(60):
+            while (reply := await _call(framed, _open(second, 48, state=tiny_node)))["type"] != "opened":
+                assert reply["code"] == "busy"
+                await trio.sleep(0.1)
+        assert trio.current_time() - opened_at >= IDLE_TIMEOUT_S - 0.1  # not before its time
         reply = await _call(framed, _step(first, 0))
         assert (reply["type"], reply["code"]) == ("error", "unknown_session")
-        second = os.urandom(16)
-        assert (await _call(framed, _open(second, 48, state=tiny_node)))["type"] == "opened"
         assert (await _call(framed, _step(second, 0)))["type"] == "result"
 
 

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.app.swarm import node_command, start_node, wait_ready
@@ -125,7 +126,6 @@ async def test_a_decode_step_beside_a_long_prefill_waits_one_layer_not_the_prefi
         await compute.run(runner, runner.new_cache(), torch.randn(1, 1024, hidden), 0, 0, 30, [1024], peer="hog")
 
     async def decode():
-        await trio.sleep(0.5)  # the prefill is well under way
         began = time.perf_counter()
         await compute.run(runner, cache, torch.randn(1, 1, hidden), 9, 0, 30, [1], peer="user")
         waited["decode"] = time.perf_counter() - began
@@ -133,6 +133,7 @@ async def test_a_decode_step_beside_a_long_prefill_waits_one_layer_not_the_prefi
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prefill)
+            await trio.testing.wait_all_tasks_blocked()  # the prefill is computing, in its thread
             nursery.start_soon(decode)
     ratio = waited["decode"] / alone
     print(f"fair={fair}: a decode step alone {alone * 1000:.0f} ms, beside the prefill "

@@ -1,7 +1,10 @@
 """The real SmolLM2-135M-Instruct through a 3-process local swarm."""
 
+import contextlib
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from compushare.model.catalog import resolve_model
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.app.swarm import swarm_down, swarm_up
+from helpers import wait_until
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
@@ -160,31 +164,109 @@ def test_run_cli_streams_answer_with_route(smol_swarm, tmp_path):
     assert "blocks 0:10: ping" in result.stderr and "expected" in result.stderr
 
 
-def test_ctrl_c_in_run_leaves_no_stray_process(smol_swarm, tmp_path):
-    home, swarm = smol_swarm
-    proc = subprocess.Popen(
-        _cli("run", "--home", str(tmp_path / "cli"), "--swarm-home", str(home), "--max-tokens", "1000",
-             "Write a very long story about a dragon."),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
+def _first_output(proc: subprocess.Popen, timeout: float = 120) -> bytes:
+    """The first byte `proc` writes to its stdout (it has started answering)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output within {timeout:.0f} s"
+    first = proc.stdout.read(1)
+    assert first, f"exited with {proc.wait(timeout=10)} before answering"
+    return first
+
+
+# A consumer that streams 1,000 tokens whatever the model says (no stop at EOS).
+LOADER = """
+import sys, trio
+from pathlib import Path
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
+
+def out(text):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+trio.run(lambda: run_prompt(Path(sys.argv[1]), tuple(sys.argv[2:]), RunRequest(
+    model="smollm2-135m", prompt="Write a very long story about a castle.",
+    params=SamplingParams(max_new_tokens=1000, stop_at_eos=False)), on_text=out))
+"""
+
+
+@contextlib.contextmanager
+def _two_other_sessions(swarm: dict, tmp_path: Path):
+    """Two long generations by other consumers, streaming through the whole swarm."""
+    logs = [(tmp_path / f"load{i}.log").open("wb") for i in range(2)]
+    loaders = [subprocess.Popen([sys.executable, "-c", LOADER, str(tmp_path / f"load{i}"), *swarm["bootstrap"]],
+                                stdout=subprocess.PIPE, stderr=log) for i, log in enumerate(logs)]
     try:
-        first = proc.stdout.read(1)  # generation has started
-        assert first
-        children = psutil.Process(proc.pid).children(recursive=True)
-        began = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=10)
-        assert time.monotonic() - began < 5
-        assert proc.returncode == 130, proc.stderr.read().decode()[-3000:]
-        assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
-        for child in children:
-            assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        for proc in loaders:
+            _first_output(proc)
+        yield loaders
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=5)
-    # The swarm is unharmed: every node is still up.
-    for node in swarm["nodes"]:
+        for proc in loaders:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        for log in logs:
+            log.close()
+
+
+def test_ctrl_c_stops_run_and_a_chat_reply_at_once_while_two_other_sessions_load_the_swarm(smol_swarm, tmp_path):
+    """SIGINT to `compushare run` mid-answer: it exits (130) within 2 s, leaving no
+    process behind; Ctrl-C in `compushare chat` mid-reply: the reply stops within 1 s
+    and not a character more of it is shown. Meanwhile two other consumers stream
+    long generations through the same servers, which go on unharmed."""
+    import pexpect
+
+    home, swarm = smol_swarm
+    with _two_other_sessions(swarm, tmp_path) as loaders:
+        proc = subprocess.Popen(
+            _cli("run", "--home", str(tmp_path / "cli"), "--swarm-home", str(home), "--max-tokens", "1000",
+                 "Write a very long story about a dragon."),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        try:
+            _first_output(proc)  # generation has started
+            children = psutil.Process(proc.pid).children(recursive=True)
+            began = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+            run_exit_s = time.monotonic() - began
+            assert proc.returncode == 130, proc.stderr.read().decode()[-3000:]
+            assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+            for child in children:
+                assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+
+        child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--data-dir", str(tmp_path / "chat"),
+                                               "--bootstrap", swarm["bootstrap"][0], "--max-tokens", "1000"],
+                              env=dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home")), encoding="utf-8",
+                              timeout=120)
+        try:
+            child.expect_exact(">>> ")
+            story = "Write a very long story about a dragon who learns to cook."
+            child.sendline(story)
+            child.expect_exact(story)  # the echo (see the REPL test below)
+            child.expect(r"\w+ \w+ \w+")  # the reply is streaming
+            began = time.monotonic()
+            child.sendintr()
+            child.expect_exact("[reply cancelled]")
+            chat_stop_s = time.monotonic() - began
+            child.expect_exact(">>> ")
+            assert not re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", child.before).strip()  # nothing more of the reply
+            child.sendline("/exit")
+            child.expect(pexpect.EOF)
+            child.close()
+            assert child.exitstatus == 0
+        finally:
+            if child.isalive():
+                child.kill(signal.SIGKILL)
+        print(f"Ctrl-C: run exited after {run_exit_s:.2f} s, the chat reply stopped after {chat_stop_s:.2f} s")
+        assert run_exit_s < 2.0
+        assert chat_stop_s < 1.0
+        assert all(loader.poll() is None for loader in loaders)  # the other sessions went on
+    for node in swarm["nodes"]:  # the swarm is unharmed: every node is still up
         assert psutil.pid_exists(node["pid"])
 
 
@@ -299,7 +381,8 @@ def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp
 
 
 def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
-    """A client that hangs up mid-stream ends the generation: the swarm stops computing."""
+    """A client that hangs up mid-stream ends the generation: the swarm stops computing
+    (every node's sessions close) long before the 400 tokens asked for."""
     import httpx
 
     from compushare.app.api.auth import TOKEN_FILE
@@ -307,11 +390,13 @@ def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
     home, swarm = smol_swarm
     node, first = swarm["nodes"][1], swarm["nodes"][0]
     headers = {"Authorization": f"Bearer {(Path(node['data_dir']) / TOKEN_FILE).read_text().strip()}"}
-    first_headers = {"Authorization": f"Bearer {(Path(first['data_dir']) / TOKEN_FILE).read_text().strip()}"}
 
-    def served() -> int:
-        return httpx.get(f"{first['api']}/control/status", headers=first_headers, timeout=10).json()["tokens_served"]
+    def status(of: dict) -> dict:
+        token = (Path(of["data_dir"]) / TOKEN_FILE).read_text().strip()
+        return httpx.get(f"{of['api']}/control/status", headers={"Authorization": f"Bearer {token}"},
+                         timeout=10).json()
 
+    at_start = status(first)["tokens_served"]
     body = {"model": "smollm2-135m", "stream": True, "max_tokens": 400, "temperature": 0,
             "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}
     with httpx.stream("POST", f"{node['api']}/v1/chat/completions", json=body, headers=headers,
@@ -322,7 +407,9 @@ def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
             events += line.startswith("data: ")
             if events >= 4:
                 break  # then hang up
-    time.sleep(2.0)  # the disconnect reaches the node; the last step in flight finishes
-    before = served()
-    time.sleep(3.0)
-    assert served() == before  # nothing more was computed for the abandoned reply
+    # The disconnect reaches the node, which closes the reply's session on every server.
+    wait_until(lambda: all(status(n)["sessions"] == 0 for n in swarm["nodes"]), "every session closed")
+    after = status(first)["tokens_served"]
+    # The prompt (~40 tokens with the template) and a few steps, not 400 tokens more.
+    assert after - at_start < 150, after - at_start
+    assert status(first)["tokens_served"] == after  # nothing more was computed for the abandoned reply

@@ -4,7 +4,7 @@ compute (scheduler.py, and Compute's turns under trio)."""
 from __future__ import annotations
 
 import collections
-import time
+import threading
 
 import pytest
 import torch
@@ -288,7 +288,7 @@ async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_mode
 
     runner = SpanRunner.load(tiny_model, 0, 4)
     events = []
-    started = trio.Event()
+    started, short_waiting = trio.Event(), threading.Event()
     token = trio.lowlevel.current_trio_token()
     # A layer's first operation is its input norm (model/lean.py): trace that.
     norms = {index: layer.input_layernorm for index, layer in runner.layers.items()}
@@ -299,7 +299,7 @@ async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_mode
             events.append(("long" if tokens > 1 else "short", _index))
             if tokens > 1 and _index == 0:
                 trio.from_thread.run_sync(started.set, trio_token=token)
-                time.sleep(0.2)  # the decode step arrives while layer 0 runs
+                assert short_waiting.wait(timeout=30)  # the decode step arrives while layer 0 runs
             return _forward(*args, **kwargs)
         norm.forward = traced
     compute = Compute(1)
@@ -315,6 +315,8 @@ async def test_a_decode_step_runs_between_two_layers_of_a_long_forward(tiny_mode
             nursery.start_soon(run, "long", long_in, "hog")
             await started.wait()
             nursery.start_soon(run, "short", short_in, "user")
+            await trio.testing.wait_all_tasks_blocked()  # it waits for the compute slot
+            short_waiting.set()
     first_short = events.index(("short", 0))
     assert events[:first_short] == [("long", 0)]  # the decode step came right after the layer in progress
     assert events[first_short:first_short + 4] == [("short", i) for i in range(4)]

@@ -4,6 +4,7 @@ reads returns the bytes sent, in order, never more than asked for."""
 from __future__ import annotations
 
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.io.trio import TrioTCPStream
@@ -87,7 +88,7 @@ def test_concurrent_readers_never_reorder_bytes():
             async with trio.open_nursery() as nursery:
                 for tag in range(4):
                     nursery.start_soon(read_some, tag)
-                await trio.sleep(0.05)  # all four wait: one in recv(), three wait for its result
+                await trio.testing.wait_all_tasks_blocked()  # all four wait: one in recv(), three for its result
                 await writer.send_all(b"abcdefghijkl")
         await writer.aclose()
         await reader.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -229,8 +230,18 @@ def _readline_history(data_dir: Path):
     return save
 
 
+def interruptible() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt here even if SIGINT came ignored: a process
+    started in the background of a shell without job control (some CI runners and
+    scripts) inherits SIGINT ignored, and Python then leaves it so. The REPL reads the
+    terminal, so it is in the foreground; Ctrl-C is how its user stops a reply."""
+    if sys.stdin.isatty() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature: float, max_tokens: int,
          spot_check_rate: float, private: bool = False, out=sys.stdout, err=sys.stderr) -> int:
+    interruptible()
     conversation = Conversation(model, temperature, max_tokens, private=private)
     swarm = SwarmThread(data_dir, bootstrap, spot_check_rate)
     save_history = _readline_history(data_dir)
@@ -261,12 +272,12 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
                 print(shown, file=out, flush=True)
                 continue
             conversation.messages.append({"role": "user", "content": line})
-            pieces: list[str] = []
+            stopped = threading.Event()  # Ctrl-C: not a character more of this reply
 
-            def show(text: str) -> None:
-                pieces.append(text)
-                out.write(text)
-                out.flush()
+            def show(text: str) -> None:  # called in the swarm thread
+                if not stopped.is_set():
+                    out.write(text)
+                    out.flush()
 
             private = conversation.private
             if private:  # before the first turn's keys are made (seconds), not only once the route is known
@@ -285,6 +296,7 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
                 conversation.messages.append({"role": "assistant", "content": conversation.last.text})
                 print(file=out, flush=True)
             except KeyboardInterrupt:
+                stopped.set()
                 swarm.cancel()
                 conversation.messages.pop()  # the unanswered question leaves the context too
                 print("\n[reply cancelled]", file=err, flush=True)

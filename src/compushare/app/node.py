@@ -326,6 +326,7 @@ class Node:
                                "receipts": len(self.karma.receipts.ledger), "counted": tally.counted}
         server = self.provider.server if self.provider is not None else None
         status["tokens_served"] = server.tokens_served if server is not None else 0
+        status["sessions"] = len(server.sessions) if server is not None else 0  # open now
         status["throughput"] = server.throughput() if server is not None else 0.0
         status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
         # Decode steps of several sessions computed as one forward (and how many forwards).

@@ -19,6 +19,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from .api.client import call as control_call
 from ..config import STATE_FILE
+from ..errors import SwarmUnreachable
 from ..model.store import ModelStore
 from ..net.gossip import learn_views
 from ..net.peer import open_swarm_host
@@ -28,6 +29,8 @@ from ..karma.service import KarmaReport, karma_of
 from .swarm import is_our_node
 
 JOIN_TIMEOUT_S = 15.0
+VIEW_WAIT_S = 30.0  # for a first answer with a view
+VIEW_RETRY_S = 0.5
 KARMA_TIMEOUT_S = 10.0
 MAX_KARMA_LOOKUPS = 64
 
@@ -100,7 +103,14 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
         host, dht = swarm.host, swarm.dht
         with trio.fail_after(JOIN_TIMEOUT_S):
             await swarm.join()
-            await learn_views(host, view)
+        # A busy node (loading a span, say) can miss one request's deadline: ask again
+        # until one answers, rather than report an empty swarm.
+        answered = 0
+        with trio.move_on_after(VIEW_WAIT_S):
+            while not (answered := await learn_views(host, view)):
+                await trio.sleep(VIEW_RETRY_S)
+        if not answered:
+            raise SwarmUnreachable(f"no peer answered with its view of the swarm within {VIEW_WAIT_S:.0f} s")
         asked = len(host.get_network().connections)
         peers = [ad.peer_id for ad in view.live(time.time())][:MAX_KARMA_LOOKUPS]
 

@@ -250,16 +250,21 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView) -> int:
     return taken
 
 
-async def learn_views(host: IHost, view: SwarmView) -> None:
-    """Fill `view` from the views of every peer we are connected to."""
+async def learn_views(host: IHost, view: SwarmView) -> int:
+    """Fill `view` from the views of every peer we are connected to; return how many
+    answered."""
+    answered = 0
 
     async def one(peer) -> None:
+        nonlocal answered
         with contextlib.suppress(Exception):
             await fetch_view(host, peer, view)
+            answered += 1
 
     async with trio.open_nursery() as nursery:
         for peer in list(host.get_network().connections):
             nursery.start_soon(one, peer)
+    return answered
 
 
 async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:

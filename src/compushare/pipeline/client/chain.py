@@ -134,6 +134,15 @@ class InferenceChain:
             for session in self.core.retired:
                 await self._remotes[session].abort()
 
+    async def abort(self) -> None:
+        """Reset every session's stream at once, as a cancelled or interrupted
+        generation ends: the user is waiting, and a stream may have a step in flight
+        whose reply would stand in for a receipt's. Each server frees the session with
+        its stream; the steps since the last receipt go unreceipted."""
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            for session in list(self.core.live()) + list(self.core.retired):
+                await self._remotes[session].abort()
+
     # -- performing the core's actions -------------------------------------------------
 
     async def _drive(self, actions: list) -> None:
@@ -251,5 +260,11 @@ async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens:
     try:
         await chain.open(hops)
         yield chain
-    finally:
+    except BaseException as exc:
+        if isinstance(exc, Exception):  # an error: the sessions are still settled and closed
+            await chain.close()
+        else:  # cancelled or interrupted (Ctrl-C): no round trip more, see abort()
+            await chain.abort()
+        raise
+    else:
         await chain.close()
