@@ -263,15 +263,21 @@ def test_the_secret_key_occurs_nowhere_in_what_the_provider_received(session):
         assert window not in stream
     middle = len(session.keys) // 2
     assert session.keys[middle:middle + 64] in stream  # the control: the method finds what is there
-    # Uncompressed too: no coefficient of the key (in NTT form, one per prime and
-    # slot: 24576 values of ~60 random bits) is a coefficient of any received object.
+    # Uncompressed too: the key's coefficients (in NTT form, one per prime and slot:
+    # 24576 values, 8192 below each of its primes of 60, 40 and 40 bits) are not among
+    # those of any received object. A coefficient can equal one of the millions of
+    # received values by chance (it happened once, and failed `make test`): a leak
+    # would match thousands, chance a handful at most.
     own = session.secret._secret.data()
     secret_values = np.array([own.data(i) for i in range(own.coeff_count())], dtype=np.uint64)
     received = [values for _, values in key_polys(session.provider.keys)]
     received += [coefficients(ct) for ct in session.provider.inputs[:20]]
     received = np.concatenate(received)
     assert received.size > 500_000
-    assert not np.isin(secret_values, received).any()
+    small = np.uint64(1 << 41)  # below the 40-bit primes
+    chance = (secret_values < small).sum() * (received < small).sum() / float(1 << 40)
+    matches = int(np.isin(secret_values, received).sum())
+    assert matches <= 5 + 10 * chance, (matches, chance)  # Poisson(chance): P(> 5 + 10 chance) < 1e-6
     # Nor is any 64-byte window of the key's raw coefficients in the received bytes.
     raw = secret_values.tobytes()
     for start in np.linspace(0, len(raw) - 64, 12).astype(int):
