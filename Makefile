@@ -40,9 +40,14 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PY) -m pip install -q -e '.[test,tray]'
 	touch $(STAMP)
 
+# The suite runs on TEST_WORKERS processes at once (pytest-xdist): an integration test
+# spends most of its time waiting on node processes. Tests marked serial bound or
+# compare timings: they run afterwards, one at a time. docs/testing.md: the rules.
+TEST_WORKERS ?= 3
 test: $(STAMP) testsysdeps netlabdeps
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
+	$(PY) -m pytest -q -ra --durations=5 -m serial
 
 # The developer loop: the import contracts and the unit tests (pure cores, codecs,
 # in-memory drivers; no node processes, no network namespaces), about a minute.

@@ -60,3 +60,16 @@ def pytest_collection_modifyitems(config, items):
         kind = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
         if kind in ("unit", "integration", "slow"):
             item.add_marker(getattr(pytest.mark, kind))
+
+
+@pytest.fixture(scope="module")
+def smol_swarm(tmp_path_factory):
+    """The real SmolLM2-135M on a local swarm of 3 node processes (10 blocks each),
+    one per test module: (its home, swarm_up's description)."""
+    from compushare.app.swarm import swarm_down, swarm_up
+
+    home = tmp_path_factory.mktemp("smol-swarm")
+    try:
+        yield home, swarm_up(home, 3, "smollm2-135m")
+    finally:
+        swarm_down(home)

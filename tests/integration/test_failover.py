@@ -62,6 +62,7 @@ def _pid_of(states, peer_id):
     return next(s["pid"] for s in states.values() if s["peer_id"] == peer_id)
 
 
+@pytest.mark.serial  # bounds the seconds until a hang is noticed
 @pytest.mark.parametrize("standby", [False, True], ids=["replay", "standby"])
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, client_dir, tiny_model, fault,

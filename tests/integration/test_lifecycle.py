@@ -37,6 +37,7 @@ def test_provider_holds_only_its_span(processes, tiny_model):
 TTL_S = 3  # records refreshed every TTL/3: short, so the lapse is quick to see
 
 
+@pytest.mark.serial  # bounds the seconds SIGTERM takes
 async def test_sigterm_stops_node_quickly_and_its_record_lapses(processes, tiny_model):
     ttl = ["--record-ttl", str(TTL_S)]
     (stays,) = processes.nodes([("stays", "0:4")], tiny_model, extra=ttl)

@@ -21,7 +21,9 @@ from compushare.model.catalog import import_path
 from helpers import reference_greedy, wait_until
 from netlab import Lab, Topology
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+# Labs of network namespaces, one test at a time (make test runs tests in parallel).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+              pytest.mark.xdist_group("netns")]
 PREFIX = f"n{os.getpid() % 100000}"
 CLIENT = Path(__file__).resolve().parents[1] / "nat_client.py"
 PROMPT = [1, 17, 42, 99, 3]

@@ -13,7 +13,9 @@ import pytest
 from netlab import Lab, Topology, down, has_netem
 from netlab.lab import namespaces
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+# Labs of network namespaces, one test at a time (make test runs tests in parallel).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+              pytest.mark.xdist_group("netns")]
 PREFIX = f"t{os.getpid() % 100000}"  # this run's own labs: nobody else's are touched
 
 # A TCP sink: accepts one connection, reads to EOF, prints the peer's address, bytes and seconds.

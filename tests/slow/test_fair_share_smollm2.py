@@ -29,7 +29,7 @@ from compushare.pipeline.server.compute import Compute
 from helpers import Processes
 from hostile.infer import hog
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # ratios of timings: measured with nothing else running
 MODEL = "smollm2-135m"
 PROMPT = "Name three rivers of Europe."
 NEW_TOKENS = 48
