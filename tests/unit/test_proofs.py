@@ -70,12 +70,13 @@ def test_fields_do_not_run_together():
     "", "not a peer id", "0OIl", PEERS[0][:-3], PEERS[0] + "x",
     ID(b"\x12\x20" + bytes(32)).to_base58(),  # a sha256 peer id: no public key inside
     ID.from_pubkey(create_secp256k1_key_pair().public_key).to_base58(),  # signed with another key type
-])
+], ids=["empty", "words", "not-base58", "cut", "extended", "sha256-id", "secp256k1"])  # stable: xdist compares ids
 def test_garbage_peer_id_is_not_valid_and_does_not_raise(peer):
     assert STEP.verify(peer, STEP.sign(KEYS[0])) is False
 
 
-@pytest.mark.parametrize("signature", [b"", b"\x00" * 64, b"\xff" * 63, b"\x01" * 65, os.urandom(64), "text", None])
+@pytest.mark.parametrize("signature", [b"", b"\x00" * 64, b"\xff" * 63, b"\x01" * 65, os.urandom(64), "text", None],
+                         ids=["empty", "zeros", "short", "long", "random", "text", "none"])
 def test_garbage_signature_is_not_valid_and_does_not_raise(signature):
     assert STEP.verify(PEERS[0], signature) is False
 
