@@ -52,14 +52,20 @@ def processes(tmp_path):
         procs.close()
 
 
+ORDER = {"slow": 0, "integration": 1, "unit": 2}
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers follow the layout: tests/unit are fast and in-process; tests/integration
     start real hosts or processes; tests/slow use the real SmolLM2 weights. `make
-    test-fast` runs `-m unit`; `make test` runs everything."""
+    test-fast` runs `-m unit`; `make test` runs everything. The longest tests go
+    first, so that the workers of `make test` do not wait on one at the end while
+    the many short unit tests fill the gaps."""
     for item in items:
         kind = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
-        if kind in ("unit", "integration", "slow"):
+        if kind in ORDER:
             item.add_marker(getattr(pytest.mark, kind))
+    items.sort(key=lambda item: ORDER.get(Path(str(item.fspath)).relative_to(REPO / "tests").parts[0], 1))
 
 
 @pytest.fixture(scope="module")

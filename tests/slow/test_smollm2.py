@@ -17,7 +17,8 @@ from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from helpers import wait_until
 
-pytestmark = pytest.mark.slow
+# One worker runs the module's tests, so that they share one swarm (smol_swarm).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smol_swarm")]
 QUESTION = "What is the capital of France?"
 
 
