@@ -140,8 +140,9 @@ class InferenceChain:
         whose reply would stand in for a receipt's. Each server frees the session with
         its stream; the steps since the last receipt go unreceipted."""
         with trio.CancelScope(shield=True), trio.move_on_after(1):
-            for session in list(self.core.live()) + list(self.core.retired):
-                await self._remotes[session].abort()
+            async with trio.open_nursery() as nursery:  # one stuck reset holds up no other
+                for session in list(self.core.live()) + list(self.core.retired):
+                    nursery.start_soon(self._remotes[session].abort)
 
     # -- performing the core's actions -------------------------------------------------
 
