@@ -40,14 +40,17 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PY) -m pip install -q -e '.[test,tray]'
 	touch $(STAMP)
 
-# The suite runs on TEST_WORKERS processes at once (pytest-xdist): an integration test
-# spends most of its time waiting on node processes. Tests marked serial bound or
-# compare timings: they run afterwards, one at a time. docs/testing.md: the rules.
+# Tests marked serial bound or compare timings: they run first, one at a time, on a
+# quiet machine. Then the rest run on TEST_WORKERS processes at once (pytest-xdist):
+# an integration test spends much of its time waiting on node processes. Both parts
+# always run; either failing fails the target. docs/testing.md: the rules.
 TEST_WORKERS ?= 3
 test: $(STAMP) testsysdeps netlabdeps
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
-	$(PY) -m pytest -q -ra --durations=5 -m serial
+	status=0; \
+	$(PY) -m pytest -q -ra --durations=5 -m serial || status=$$?; \
+	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not serial" || status=$$?; \
+	exit $$status
 
 # The developer loop: the import contracts and the unit tests (pure cores, codecs,
 # in-memory drivers; no node processes, no network namespaces), about a minute.

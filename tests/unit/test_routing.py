@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from compushare.errors import RouteError
@@ -213,13 +213,14 @@ def _hop_cost(records, measures, record, start, end) -> float:
     """The planner's cost model, restated independently of its code."""
     import statistics
 
-    from compushare.pipeline.client.routing import DEFAULT_BLOCK_RATE, DEFAULT_RTT_S, MAX_LOAD
+    from compushare.pipeline.client.routing import DEFAULT_BLOCK_RATE, DEFAULT_RTT_S, MAX_LOAD, MIN_BLOCK_RATE
 
     live = [r for r in records if r.is_live(NOW)]
 
     def rate(r):
         m = measures.get(r.peer_id, Measure())
-        return m.block_rate if m.block_rate > 0 else (r.throughput * (r.end - r.start) if r.throughput > 0 else 0)
+        known = m.block_rate if m.block_rate > 0 else (r.throughput * (r.end - r.start) if r.throughput > 0 else 0)
+        return max(known, MIN_BLOCK_RATE) if known > 0 else 0
 
     rtts = [measures[r.peer_id].rtt_s for r in live if r.peer_id in measures and measures[r.peer_id].rtt_s is not None]
     rates = [x for r in live if (x := rate(r)) > 0]
@@ -230,6 +231,9 @@ def _hop_cost(records, measures, record, start, end) -> float:
 
 
 @given(record_lists, st.integers(0, 10), measure_maps)
+@example(  # a subnormal advertised rate once made every route's time infinite
+    records=[rec("p0", 0, 2, tps=0.0, expires=NOW + 1), rec("p1", 0, 1, tps=1.0, expires=NOW + 1)], n=2,
+    measures={"p0": Measure(block_rate=2.2250738585072014e-308)})
 def test_plan_is_the_cheapest_contiguous_cover(records, n, measures):
     missing = uncovered_blocks(records, n, NOW)
     if missing:

@@ -15,6 +15,9 @@ TIE_QUANTUM_S = 0.0005  # expected times this close are a tie, broken by karma
 HOP_OVERHEAD_S = 0.003  # framing, crypto and waking two processes, measured per hop on loopback
 DEFAULT_RTT_S = 0.05  # a server we could not ping yet: assume a typical WAN hop
 DEFAULT_BLOCK_RATE = 40.0  # decode steps/s through one block when nothing was measured
+# An advertised rate is taken as at least this: a rate of 1e-308 (a peer's ad says what
+# it likes) made a hop's time overflow to infinity, and every route then tied.
+MIN_BLOCK_RATE = 1e-3
 MAX_LOAD = 0.9
 
 
@@ -47,10 +50,11 @@ class Hop:
 
 
 def _rate(record: ServerRecord, measure: Measure) -> float:
+    """Known decode steps/s through one block, at least MIN_BLOCK_RATE; 0 if unknown."""
     if measure.block_rate > 0:
-        return measure.block_rate
+        return max(measure.block_rate, MIN_BLOCK_RATE)
     if record.throughput > 0:  # the record's figure is for its whole span
-        return record.throughput * (record.end - record.start)
+        return max(record.throughput * (record.end - record.start), MIN_BLOCK_RATE)
     return 0.0
 
 
