@@ -16,6 +16,8 @@ from compushare.model.catalog import import_path
 from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, StepClaim, step_digest
 from compushare.app.swarm import node_command, start_node, wait_ready
 
+import forkserver
+
 TINY_LAYERS = 4
 # How long a test waits for something that should come in a second or two. Generous
 # on purpose: a wait ends as soon as its condition holds, so a slow or loaded machine
@@ -105,7 +107,7 @@ class Processes:
         if model_dir is not None:
             import_path(model_dir, data_dir, alias=alias, fmt=fmt)
         span = tuple(int(x) for x in blocks.split(":")) if blocks else None  # None: automatic placement
-        proc = start_node(node_command(alias, span, data_dir, list(bootstrap), extra), data_dir)
+        proc = forkserver.spawn(node_command(alias, span, data_dir, list(bootstrap), extra), data_dir)
         self.procs.append(proc)
         state = wait_ready(proc, data_dir, timeout=120) if wait else None
         return proc, state

@@ -62,6 +62,8 @@ KARMA_TICK_S = 5.0
 KARMA_ROUND_S = 30.0
 KARMA_NEWCOMERS = 32  # newcomers (no evidence yet) checked per round
 NET_STATE_PERIOD_S = 2.0
+NAME_WAIT_S = 15.0  # for a server in the swarm to name the model this node was asked for
+NAME_RETRY_S = 0.5
 
 
 class Node:
@@ -169,11 +171,17 @@ class Node:
                     await learn_views(host, self.view)  # a newcomer sees the swarm at once
                     model_id = name
                     if not is_model_id(name):
-                        chosen = await name_from_swarm(host, dht, name, trusted=peer_ids_of(config.bootstrap))
+                        # Nodes started together: the server that names it may not have
+                        # sent its first ad yet. Ask again for a while before giving up.
+                        chosen = None
+                        with trio.move_on_after(NAME_WAIT_S):
+                            while (chosen := await name_from_swarm(host, dht, name,
+                                                                   trusted=peer_ids_of(config.bootstrap))) is None:
+                                await trio.sleep(NAME_RETRY_S)
                         if chosen is None:
                             raise ModelUnavailable(f"unknown model {name!r}: not held here, not in the catalog, and "
-                                                   "served by no server in the swarm; import it with `compushare "
-                                                   "models import PATH --name NAME`")
+                                                   f"served by no server in the swarm within {NAME_WAIT_S:.0f} s; "
+                                                   "import it with `compushare models import PATH --name NAME`")
                         model_id = chosen.model_id
                     model = await torrent.obtain_manifest(model_id)
                     if model_id != name:
