@@ -47,6 +47,7 @@ $(STAMP): pyproject.toml | sysdeps
 TEST_WORKERS ?= 3
 test: $(STAMP) testsysdeps netlabdeps
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check
 	status=0; \
 	$(PY) -m pytest -q -ra --durations=5 -m serial || status=$$?; \
 	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not serial" || status=$$?; \
@@ -56,6 +57,7 @@ test: $(STAMP) testsysdeps netlabdeps
 # in-memory drivers; no node processes, no network namespaces), about a minute.
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check
 	$(PY) -m pytest -q -ra -m unit
 
 demo: $(STAMP)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 ENABLED = os.environ.get("COMPUSHARE_TEST_FORK", "1") != "0"
@@ -48,8 +48,11 @@ def _serve() -> None:
             if pid == 0:
                 _child(cli, request)  # never returns
             reply = {"pid": pid}
-        else:  # "poll"
-            reply = {"returncode": exits.get(request["pid"])}
+        else:  # "poll"; with "reap", the child has ended: wait for its status
+            pid = request["pid"]
+            if request.get("reap") and pid not in exits:
+                exits[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            reply = {"returncode": exits.get(pid)}
         replies.write(json.dumps(reply).encode() + b"\n")
         replies.flush()
 
@@ -113,11 +116,18 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
+        if self.poll() is None:
+            try:  # not our child: a pidfd becomes readable when the process ends
+                pidfd = os.pidfd_open(self.pid)
+            except ProcessLookupError:  # ended and reaped by the server already
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    if not select.select([pidfd], [], [], timeout)[0]:
+                        raise subprocess.TimeoutExpired(self.args, timeout)
+                finally:
+                    os.close(pidfd)
+            self.returncode = self._server.returncode(self.pid, reap=True)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -160,8 +170,8 @@ class _Server:
                           "log": str(log)})["pid"]
         return Forked(self, pid, cmd)
 
-    def returncode(self, pid: int) -> int | None:
-        return self._call({"op": "poll", "pid": pid})["returncode"]
+    def returncode(self, pid: int, *, reap: bool = False) -> int | None:
+        return self._call({"op": "poll", "pid": pid, "reap": reap})["returncode"]
 
     def close(self) -> None:
         with self._lock:

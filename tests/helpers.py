@@ -180,6 +180,28 @@ def liar_and_honest(processes: Processes, model_dir: Path, fmt: str | None = Non
     return a, boot, liar, honest
 
 
+@contextlib.contextmanager
+def chat_at_a_terminal(data_dir: Path, bootstrap: str, *args: str, home: Path, **spawn):
+    """`compushare chat` in a pseudo-terminal, driven as a person would (pexpect):
+    yields the child at its first prompt. Leaving the block types /exit and checks
+    the REPL ends cleanly; an error kills it."""
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--data-dir", str(data_dir),
+                                           "--bootstrap", bootstrap, *args],
+                          env=dict(os.environ, COMPUSHARE_HOME=str(home)), encoding="utf-8", timeout=120, **spawn)
+    try:
+        child.expect_exact(">>> ")
+        yield child
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -9,7 +9,6 @@ them."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 
 from compushare.app.api.engine import messages_to_ids
 from compushare.model.catalog import import_path
-from helpers import reference_greedy
+from helpers import chat_at_a_terminal, reference_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -56,8 +55,6 @@ def _expected_reply(model_dir, messages) -> str:
 
 
 def test_chat_private_turn_then_plaintext_turn_and_status(processes, worded_model, tmp_path):
-    import pexpect
-
     _, node = processes.node("a", worded_model, "0:4", extra=["--api-port", "0"])
     client = tmp_path / "client"
     import_path(worded_model, client, alias="tiny")
@@ -67,12 +64,8 @@ def test_chat_private_turn_then_plaintext_turn_and_status(processes, worded_mode
                                             {"role": "assistant", "content": first},
                                             {"role": "user", "content": follow_up}])
     env = dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home"))
-    child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--model", "tiny", "--data-dir", str(client),
-                                           "--bootstrap", node["addrs"][0], "--max-tokens", str(MAX_TOKENS),
-                                           "--spot-check", "0"],
-                          env=env, encoding="utf-8", timeout=120, dimensions=(50, 250))
-    try:
-        child.expect_exact(">>> ")
+    with chat_at_a_terminal(client, node["addrs"][0], "--model", "tiny", "--max-tokens", str(MAX_TOKENS),
+                            "--spot-check", "0", home=tmp_path / "home", dimensions=(50, 250)) as child:
         child.sendline("/private")
         child.expect_exact("private mode: off")
         child.expect_exact(">>> ")
@@ -102,13 +95,6 @@ def test_chat_private_turn_then_plaintext_turn_and_status(processes, worded_mode
         child.expect_exact("route (1 hops)")
         child.expect_exact(">>> ")
         assert "private:" not in child.before  # the plaintext turn's stats
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
-        child.close()
-        assert child.exitstatus == 0
-    finally:
-        if child.isalive():
-            child.kill(signal.SIGKILL)
 
     from openai import OpenAI
 

@@ -47,7 +47,7 @@ async def test_late_provider_found_by_next_lookup(processes, tiny_model, unrelat
     model_id = first["model_id"]
     async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
-        host, dht = swarm.host, swarm.dht
+        dht = swarm.dht
         with trio.fail_after(20):
             records = await discover_servers(dht, model_id, 4)
         assert {r.peer_id for r in records} == {first["peer_id"]}
@@ -105,7 +105,7 @@ async def test_record_signed_by_wrong_key_is_ignored(processes, tiny_model, unre
 
         async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                    listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
-            host, dht = swarm.host, swarm.dht
+            dht = swarm.dht
             with trio.fail_after(20):
                 records = await discover_servers(dht, model_id, 4)
     peers = {r.peer_id for r in records}

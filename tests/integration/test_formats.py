@@ -3,7 +3,6 @@ processes equal one process computing in the same format (fp32: test_pipeline.py
 a server that names another format than the model id's is refused."""
 
 import pytest
-import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 

@@ -46,7 +46,7 @@ async def test_sigterm_stops_node_quickly_and_its_record_lapses(processes, tiny_
     goes = processes.ready("goes", proc)
     async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot) as swarm:
-        host, dht = swarm.host, swarm.dht
+        dht = swarm.dht
         with trio.fail_after(20):
             records = await discover_servers(dht, stays["model_id"], 4)
         assert {r.peer_id for r in records} == {stays["peer_id"], goes["peer_id"]}

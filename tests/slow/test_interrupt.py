@@ -3,7 +3,6 @@ reply, while the swarm (the real SmolLM2 on 3 node processes) serves other sessi
 Marked serial: it bounds seconds, so `make test` runs it with nothing else running."""
 
 import contextlib
-import os
 import re
 import select
 import signal
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from helpers import chat_at_a_terminal
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -72,8 +73,6 @@ def test_ctrl_c_stops_run_and_a_chat_reply_at_once_while_two_other_sessions_load
     process behind; Ctrl-C in `compushare chat` mid-reply: the reply stops within 1 s
     and not a character more of it is shown. Meanwhile two other consumers stream
     long generations through the same servers, which go on unharmed."""
-    import pexpect
-
     home, swarm = smol_swarm
     with _two_other_sessions(swarm, tmp_path) as loaders:
         proc = subprocess.Popen(
@@ -97,12 +96,8 @@ def test_ctrl_c_stops_run_and_a_chat_reply_at_once_while_two_other_sessions_load
                 proc.kill()
                 proc.wait(timeout=5)
 
-        child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--data-dir", str(tmp_path / "chat"),
-                                               "--bootstrap", swarm["bootstrap"][0], "--max-tokens", "1000"],
-                              env=dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home")), encoding="utf-8",
-                              timeout=120)
-        try:
-            child.expect_exact(">>> ")
+        with chat_at_a_terminal(tmp_path / "chat", swarm["bootstrap"][0], "--max-tokens", "1000",
+                                home=tmp_path / "home") as child:
             story = "Write a very long story about a dragon who learns to cook."
             child.sendline(story)
             child.expect_exact(story)  # the echo (see the REPL test in test_smollm2.py)
@@ -113,13 +108,6 @@ def test_ctrl_c_stops_run_and_a_chat_reply_at_once_while_two_other_sessions_load
             chat_stop_s = time.monotonic() - began
             child.expect_exact(">>> ")
             assert not re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", child.before).strip()  # nothing more of the reply
-            child.sendline("/exit")
-            child.expect(pexpect.EOF)
-            child.close()
-            assert child.exitstatus == 0
-        finally:
-            if child.isalive():
-                child.kill(signal.SIGKILL)
         print(f"Ctrl-C: run exited after {run_exit_s:.2f} s, the chat reply stopped after {chat_stop_s:.2f} s")
         assert run_exit_s < 2.0
         assert chat_stop_s < 1.0

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from compushare.model.blocks import load_full_model
 from compushare.model.catalog import resolve_model
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
-from helpers import wait_until
+from helpers import chat_at_a_terminal, wait_until
 
 # One worker runs the module's tests, so that they share one swarm (smol_swarm).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smol_swarm")]
@@ -215,15 +214,9 @@ def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp
     """`compushare chat` driven like a person at a terminal: a question, a follow-up
     that needs the first turn, /stats, a long reply stopped by Ctrl-C (the REPL
     stays), then /exit."""
-    import pexpect
-
     home, swarm = smol_swarm
-    env = dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home"))
-    child = pexpect.spawn(sys.executable, ["-m", "compushare", "chat", "--data-dir", str(tmp_path / "chat"),
-                                           "--bootstrap", swarm["bootstrap"][0], "--max-tokens", "48"],
-                          env=env, encoding="utf-8", timeout=120)
-    try:
-        child.expect_exact(">>> ")
+    with chat_at_a_terminal(tmp_path / "chat", swarm["bootstrap"][0], "--max-tokens", "48",
+                            home=tmp_path / "home") as child:
         child.sendline(QUESTION)
         child.expect("Paris")
         child.expect_exact(">>> ")
@@ -249,14 +242,7 @@ def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp
         child.sendline("/stats")  # still alive, and the cancelled reply did not replace the last one
         child.expect(r"tok/s")
         child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
-        child.close()
-        assert child.exitstatus == 0
-        assert (tmp_path / "chat" / "chat_history").exists()  # readline history kept in the data dir
-    finally:
-        if child.isalive():
-            child.kill(signal.SIGKILL)
+    assert (tmp_path / "chat" / "chat_history").exists()  # readline history kept in the data dir
 
 
 def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):

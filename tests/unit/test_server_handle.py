@@ -1,6 +1,5 @@
 """The server's request handler answers any decoded frame with a reply, never raises."""
 
-import hashlib
 import os
 import threading
 
