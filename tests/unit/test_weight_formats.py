@@ -281,3 +281,25 @@ def test_random_blocks_come_in_every_format(tiny_model, tmp_path, fmt):
     runner = SpanRunner.random(model.path, 0, 2)
     assert runner.format_label == model.format.label
     assert runner.forward(torch.randn(1, 3, 64), runner.new_cache(), 0).shape == (1, 3, 64)
+
+
+def test_a_budget_given_is_the_whole_process_and_a_fixed_span_must_fit_it():
+    from types import SimpleNamespace
+
+    from compushare.config import Span
+    from compushare.errors import UsageError
+    from compushare.pipeline.server.provider import MB, block_cost, blocks_for_budget, check_fixed_span
+
+    config = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}  # Llama-3.1-8B
+    model = SimpleNamespace(num_blocks=32, block_bytes=123 * MB, manifest=SimpleNamespace(config=config),
+                            format=parse_format("q4/g32"))
+    cost = block_cost(model, 1024)
+    budget = 400 + 12 * cost // MB + 1  # the process's 400 MB, then room for exactly 12 blocks
+    assert blocks_for_budget(model, max_blocks=None, memory_budget_mb=budget, free_mb=0, kv_tokens=1024,
+                             held_mb=400) == 12
+    assert blocks_for_budget(model, max_blocks=None, memory_budget_mb=budget, free_mb=0, kv_tokens=1024,
+                             held_mb=0) > 12
+    check_fixed_span(model, Span(0, 12), memory_budget_mb=budget, held_mb=400, kv_tokens=1024)
+    with pytest.raises(UsageError, match="at most 12 blocks fit"):
+        check_fixed_span(model, Span(0, 13), memory_budget_mb=budget, held_mb=400, kv_tokens=1024)
+    check_fixed_span(model, Span(0, 32), memory_budget_mb=None, held_mb=400, kv_tokens=1024)  # no budget, no limit

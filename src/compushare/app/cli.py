@@ -34,8 +34,10 @@ def node(
     blocks: str = typer.Option(None, help="Half-open span of blocks to serve, e.g. 10:20. "
                                           "Without it the node chooses where the swarm is weakest, and moves."),
     max_blocks: int = typer.Option(None, help="Automatic placement: serve at most this many blocks."),
-    memory_budget_mb: int = typer.Option(None, help="Automatic placement: memory for weights "
-                                                    "(default: half the RAM free at start)."),
+    memory_budget_mb: int = typer.Option(None, help="The node's memory in all, process included: automatic "
+                                                    "placement takes as many blocks as fit (default: weights and "
+                                                    "KV budget in half the RAM free at start); a --blocks span "
+                                                    "that does not fit is refused."),
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
     bootstrap: list[str] = BOOTSTRAP,

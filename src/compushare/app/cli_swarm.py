@@ -100,15 +100,21 @@ def swarm_up_cmd(
     nodes: int = typer.Option(3, help="Number of node processes."),
     model: str = typer.Option("smollm2-135m"),
     home: Path = typer.Option(None, help="Directory holding the nodes' data dirs (default <data dir>/swarm)."),
+    memory_budget_mb: int = typer.Option(None, help="Each node's memory in all (MB): a node whose share of the "
+                                                    "blocks does not fit refuses to start."),
+    kv_budget: int = typer.Option(None, help="Each node's KV cache budget in tokens over all sessions."),
 ) -> None:
-    """Start N nodes on 127.0.0.1 splitting the model's blocks between them."""
+    """Start N nodes on 127.0.0.1 splitting the model's blocks between them. The first
+    node holds the model; the others fetch their blocks from it through the swarm."""
     from .swarm import swarm_up
 
     setup_logging("warning")
     target = home or resolve_data_dir(None) / "swarm"
+    extra = ([] if memory_budget_mb is None else ["--memory-budget-mb", str(memory_budget_mb)]) + (
+        [] if kv_budget is None else ["--kv-budget", str(kv_budget)])
 
     def up():
-        swarm = swarm_up(target, nodes, model)
+        swarm = swarm_up(target, nodes, model, extra)
         for n in swarm["nodes"]:
             err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
         err.print(f"bootstrap: {swarm['bootstrap'][0]}")

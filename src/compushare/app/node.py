@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import psutil
 import torch
 import trio
 
@@ -45,7 +46,8 @@ from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.private import PrivateServer
 from ..pipeline.server.private_worker import HEWorker
-from ..pipeline.server.provider import Provider, block_cost, blocks_for_budget, memory_state
+from ..pipeline.server.provider import (Provider, block_cost, blocks_for_budget, check_fixed_span, memory_state,
+                                        weights_budget_mb)
 from ..pipeline.server.inference import InferenceServer
 from ..runtime import stop_on_signal, write_state
 from .status import summarize
@@ -187,9 +189,6 @@ class Node:
                     if model_id != name:
                         ModelStore(config.data_dir).set_alias(name, model_id)
                     self._check_span(model)
-                length = blocks_for_budget(model, max_blocks=config.max_blocks,
-                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb,
-                                           kv_tokens=config.limits.kv_budget_tokens)
                 provider = self.provider = Provider(
                     model,
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
@@ -198,7 +197,17 @@ class Node:
                     name="" if is_model_id(name) else name, claimed_format=config.claim_format,
                 )
                 await self._self_benchmark(provider)
+                # Measured after the self-benchmark: transformers is imported by then, and
+                # its random blocks are freed (malloc_policy returns large buffers at once).
+                held_mb = round(psutil.Process().memory_info().rss / MB)
+                kv_tokens = config.limits.kv_budget_tokens
+                length = blocks_for_budget(model, max_blocks=config.max_blocks,
+                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb,
+                                           kv_tokens=kv_tokens, held_mb=held_mb)
                 span = config.blocks
+                if span is not None:
+                    check_fixed_span(model, span, memory_budget_mb=config.memory_budget_mb, held_mb=held_mb,
+                                     kv_tokens=kv_tokens)
                 if span is None:
                     # The random warm-up starts after the benchmark: nodes started together
                     # (and slowed alike) then choose one after another, each seeing the
@@ -230,8 +239,7 @@ class Node:
                 server.enable_push(host, nursery)
                 server.speculation.forge = config.forge_push
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
-                budget_mb = config.memory_budget_mb if config.memory_budget_mb is not None \
-                    else hardware.ram_free_mb // 2  # blocks_for_budget's default
+                budget_mb = weights_budget_mb(config.memory_budget_mb, hardware.ram_free_mb, held_mb)
                 cost = block_cost(model, config.limits.kv_budget_tokens)
 
                 def private_budget(span: tuple[int, int]) -> int:

