@@ -248,7 +248,8 @@ class Node:
                     return max(0, budget_mb * MB - cost * (span[1] - span[0]))
 
                 self._memory = lambda: memory_state(model, provider.span, budget_mb, config.limits.kv_budget_tokens,
-                                                    private_budget)
+                                                    private_budget) | {"held_mb": held_mb,
+                                                                       "given_mb": config.memory_budget_mb}
                 if config.private:
                     worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
                                       budget_bytes=private_budget, noise=config.noise)
