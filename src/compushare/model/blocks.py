@@ -48,8 +48,20 @@ def span_tensor_names(all_names, start: int, end: int) -> list[str]:
     return wanted
 
 
+def layer_states(state: dict[str, torch.Tensor]) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Layer index -> that layer's tensors under their names in the layer, out of a span's whole state."""
+    def of(index: int) -> dict[str, torch.Tensor]:
+        prefix = f"{LAYER_PREFIX}{index}."
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return of
+
+
 class SpanRunner:
-    def __init__(self, config, start: int, end: int, state: dict[str, torch.Tensor], dtype=torch.float32):
+    def __init__(self, config, start: int, end: int,
+                 state: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]], dtype=torch.float32):
+        """`state` is the span's tensors, or a function reading one layer's (`load`: a
+        span is read a layer at a time, so what loading holds beyond the span's kernels
+        is one layer's stored bytes, not the span's)."""
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end, self.dtype = config, start, end, dtype
@@ -57,12 +69,15 @@ class SpanRunner:
         self.rotary = arch.rotary(config=config)
         self.layers: dict[int, torch.nn.Module] = {}
         self.weight_bytes = 0  # as held in memory, in the model's format (scales included)
+        states = layer_states(state) if isinstance(state, dict) else state
         for index in range(start, end):
             with torch.device("meta"):
                 layer = arch.decoder_layer(config, layer_idx=index)
-            prefix = f"{LAYER_PREFIX}{index}."
-            layer_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            layer_state = states(index)
+            if index == start:
+                self.format_label = self._format_label(layer_state, dtype)  # what records, proofs and Opened name
             self._load_layer(layer, layer_state, dtype)
+            del layer_state
             layer.eval()
             self.layers[index] = layer
             self.weight_bytes += sum(t.numel() * t.element_size()
@@ -74,7 +89,6 @@ class SpanRunner:
         # Fault injection for tests and demos: >1 makes every forward take that many
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
-        self.format_label = self._format_label(state, dtype)  # what records, proofs and Opened name
         self.lean = supports_lean(self.layers.values())
         self.batchable = self.lean  # decode steps of sessions may share a forward
         if not self.lean and self.format_label not in ("fp32", "bf16"):
@@ -129,14 +143,21 @@ class SpanRunner:
     @classmethod
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
         config = load_config(model_dir)
-        state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
         # One rule for the compute dtype, the manifest's (format_from_manifest): a bf16
         # model (every tensor BF16) computes in bf16; anything else in float32.
-        held = (Path(model_dir) / MANIFEST_FILE).exists()
-        if (stored_format(model_dir).name == "bf16") if held else \
-                (bool(state) and all(v.dtype == torch.bfloat16 for v in state.values())):
-            dtype = torch.bfloat16
-        return cls(config, start, end, state, dtype)
+        if (Path(model_dir) / MANIFEST_FILE).exists():
+            if stored_format(model_dir).name == "bf16":
+                dtype = torch.bfloat16
+        else:  # a plain safetensors directory (tests): its dtypes say
+            state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
+            if state and all(v.dtype == torch.bfloat16 for v in state.values()):
+                dtype = torch.bfloat16
+            return cls(config, start, end, state, dtype)
+
+        def one_layer(index: int) -> dict[str, torch.Tensor]:
+            return layer_states(read_tensors(model_dir, lambda names: span_tensor_names(names, index, index + 1)))(index)
+
+        return cls(config, start, end, one_layer, dtype)
 
     @classmethod
     def random(cls, model_dir: Path, start: int, end: int, seed: int = 0) -> SpanRunner:
@@ -146,16 +167,22 @@ class SpanRunner:
         config = load_config(model_dir)
         fmt = stored_format(model_dir)
         arch = architecture_of(config)
-        state = {}
-        with torch.random.fork_rng():  # sampling's global RNG must not move
-            torch.manual_seed(seed)
-            for index in range(start, end):
-                layer = arch.decoder_layer(config, layer_idx=index)
-                state |= {f"{LAYER_PREFIX}{index}.{k}": v for k, v in layer.state_dict().items()}
         generator = torch.Generator().manual_seed(seed)
-        state = {stored: tensor for name, value in state.items()
-                 for stored, tensor in random_parts(fmt, name, value, generator).items()}
-        return cls(config, start, end, state, torch.bfloat16 if fmt.name == "bf16" else torch.float32)
+
+        def one_layer(index: int) -> dict[str, torch.Tensor]:
+            # A layer at a time, a matrix at a time: an 8B-shaped block is 0.9 GB in
+            # float32, more than a 4-bit node's whole budget may leave.
+            with torch.device("meta"):
+                shapes = {k: v.shape for k, v in arch.decoder_layer(config, layer_idx=index).state_dict().items()}
+            state = {}
+            for name, shape in shapes.items():
+                value = torch.ones(shape) if len(shape) == 1 else torch.empty(shape).normal_(0, 0.02,
+                                                                                             generator=generator)
+                state |= random_parts(fmt, f"{LAYER_PREFIX}{index}.{name}", value, generator)
+                del value
+            return layer_states(state)(index)
+
+        return cls(config, start, end, one_layer, torch.bfloat16 if fmt.name == "bf16" else torch.float32)
 
     @property
     def hidden_size(self) -> int:
