@@ -7,9 +7,9 @@ both CompuShare and llama.cpp run as stored: every matrix in a 4-bit GGUF type
 (Q4_0 by default: 18 bytes per 32 weights, fp16 scale d and 16 nibbles q, w = d(q-8)),
 norms in F32, written tensor by tensor with the `gguf` package so memory stays at
 one tensor's size (the embedding's 295 MB at most). The weights are deterministic
-random bytes (numpy's PCG64 from `--seed`): uniform nibbles and scales around
-0.0043, so each weight has std ~0.02 like a trained model's, and 32 layers of them
-keep activations finite. No rope scaling: the shapes, the bytes and the exactness
+random values (numpy's PCG64 from `--seed`): nibbles uniform in 1..15 (zero-mean
+weights) and scales around 0.0047, so each weight has std ~0.02 like a trained
+model's, and 32 layers of them keep activations finite. No rope scaling: the shapes, the bytes and the exactness
 are the point, not the text.
 
 The tokenizer is SmolLM2's byte-level BPE (from its own GGUF in the cache, fetched
@@ -57,10 +57,13 @@ def q4_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     """Random Q4_0 rows [rows, cols / 32 * 18] (uint8): scale d (fp16) then 16 bytes of nibbles."""
     blocks = cols // BLOCK
     out = np.empty((rows, blocks, 18), dtype=np.uint8)
-    # Uniform nibbles: (q - 8) has std ~4.6, so d ~ WEIGHT_STD / 4.6 gives weights of std ~WEIGHT_STD.
-    scale = (WEIGHT_STD / 4.6) * (0.5 + rng.random((rows, blocks), dtype=np.float32))
+    # Nibbles uniform in 1..15, so q - 8 is symmetric about 0 (all 16 levels would give
+    # every weight a mean of -d/2: a direction shared by all rows that drowns the input,
+    # and every prompt then gives the same token). (q - 8) has std 4.3, so d ~ WEIGHT_STD / 4.3.
+    scale = (WEIGHT_STD / 4.3) * (0.5 + rng.random((rows, blocks), dtype=np.float32))
     out[:, :, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2)
-    out[:, :, 2:] = np.frombuffer(rng.bytes(rows * blocks * 16), dtype=np.uint8).reshape(rows, blocks, 16)
+    q = rng.integers(1, 16, size=(rows, blocks, BLOCK), dtype=np.uint8)
+    out[:, :, 2:] = q[:, :, :16] | (q[:, :, 16:] << 4)  # ggml: byte j holds element j and element j + 16
     return out.reshape(rows, blocks * 18)
 
 
