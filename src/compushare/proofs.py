@@ -56,7 +56,7 @@ REPORT_FORMAT = "compushare/failure-report/v2"
 # against the dequantized fallback on SmolLM2 q4: 5.5e-3 over 2 blocks, 1.4e-2 over
 # 10, 4.3e-2 over 30), so these modes allow 2e-3 per block of the span where that is
 # more: 6e-2 for 30 blocks.
-TOLERANCES = {"fp32": 1e-3} | {label: 2e-2 for label in ("bf16", "int8", "q4/g32", "q4/g64", "q4/g128")}
+TOLERANCES = {"fp32": 1e-3} | {label: 2e-2 for label in ("bf16", "int8", "q4/g32", "q4/g64", "q4/g128", "gguf")}
 TOLERANCE_PER_BLOCK = {label: 2e-3 for label in TOLERANCES if label != "fp32"}
 
 

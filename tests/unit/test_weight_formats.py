@@ -1,4 +1,4 @@
-"""Weight formats: labels, the quantizer, the kernels, GGUF blocks kept as they are,
+"""Weight formats: labels, the quantizer, the kernels, GGUF rows unpermuted,
 manifests that name a format, and quantized spans (model/formats.py, quantize.py,
 kernels.py, gguf_native.py, blocks.py)."""
 
@@ -15,7 +15,7 @@ from compushare.model.batched import decode_batch
 from compushare.model.blocks import SpanRunner
 from compushare.model.catalog import import_path
 from compushare.model.formats import FORMATS, WeightFormat, format_from_manifest, parse_format
-from compushare.model.gguf_native import _split_blocks, _unpermute
+from compushare.model.gguf_native import unpermute
 from compushare.model.head import ConsumerHead
 from compushare.model.kernels import DequantizedLinear, Int4CpuLinear, Int8Linear, embedding_rows, linear
 from compushare.model.manifest import parse
@@ -34,7 +34,7 @@ def test_labels_parse_and_print():
     assert parse_format("q4").head_format() == parse_format("int8")  # the LM head stays at 8 bits
     # Every format a span can compute in has a spot-check tolerance in the protocol's table.
     assert {parse_format(f).label for f in ("fp32", "bf16", "int8", "q4/g32", "q4/g64", "q4/g128")} <= set(TOLERANCES)
-    assert set(FORMATS) == {"fp32", "bf16", "int8", "q4"}
+    assert set(FORMATS) == {"fp32", "bf16", "int8", "q4", "gguf"} and "gguf" in TOLERANCES
 
 
 @settings(max_examples=50, deadline=None)
@@ -104,30 +104,11 @@ def test_kernels_compute_the_dequantized_product(rows):
         assert torch.equal(embedding_rows(parts, ids, torch.float32), dequantize(parts)[ids])
 
 
-def test_gguf_q4_blocks_are_kept_exactly():
-    """Q4_1 (d, m, 16 bytes of nibbles: element j low, j + 16 high) and Q4_0 (d only,
-    w = d (q - 8)) blocks as ggml lays them out, split into our scale / min / q."""
-    gen = np.random.default_rng(4)
-    q = gen.integers(0, 16, size=(3, 64)).astype(np.uint8)
-    d = gen.random((3, 2)).astype(np.float16)
-    m = (gen.random((3, 2)) - 0.5).astype(np.float16)
-    nibbles = q.reshape(3, 2, 32)
-    quants = (nibbles[:, :, :16] | (nibbles[:, :, 16:] << 4)).astype(np.uint8)
-    q41 = np.concatenate([d[..., None].view(np.uint8).reshape(3, 2, 2), m[..., None].view(np.uint8).reshape(3, 2, 2),
-                          quants], axis=2).reshape(3, 40)
-    parts = _split_blocks("Q4_1", q41, 64)
-    assert np.array_equal(parts["q"], q) and np.array_equal(parts["scale"], d) and np.array_equal(parts["min"], m)
-    q40 = np.concatenate([d[..., None].view(np.uint8).reshape(3, 2, 2), quants], axis=2).reshape(3, 36)
-    parts = _split_blocks("Q4_0", q40, 64)
-    values = parts["q"].astype(np.float32) * np.repeat(parts["scale"], 32, 1) + np.repeat(parts["min"], 32, 1)
-    assert np.array_equal(values, (q.astype(np.float32) - 8) * np.repeat(d.astype(np.float32), 32, 1))
-
-
 def test_gguf_rows_unpermute_like_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     rows = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
-    assert np.array_equal(_unpermute(rows, 4), LlamaTensorProcessor()._reverse_permute_weights(rows, 4, 4))
+    assert np.array_equal(unpermute(rows, 4), LlamaTensorProcessor()._reverse_permute_weights(rows, 4, 4))
 
 
 def test_a_manifest_names_its_format(tiny_model, tmp_path):

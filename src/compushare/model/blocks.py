@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import numpy as np
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from . import kernels
+from . import gguf_native, kernels
 from .arch import architecture_of, load_config
 from .formats import FP32, MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
 from .kv_cache import new_cache
@@ -58,10 +59,12 @@ def layer_states(state: dict[str, torch.Tensor]) -> Callable[[int], dict[str, to
 
 class SpanRunner:
     def __init__(self, config, start: int, end: int,
-                 state: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]], dtype=torch.float32):
+                 state: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]], dtype=torch.float32,
+                 gguf_types: dict[str, str] | None = None):
         """`state` is the span's tensors, or a function reading one layer's (`load`: a
         span is read a layer at a time, so what loading holds beyond the span's kernels
-        is one layer's stored bytes, not the span's)."""
+        is one layer's stored bytes, not the span's). `gguf_types`: a gguf model's
+        {matrix name: ggml type} (its manifest's), whose matrices are raw blocks."""
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end, self.dtype = config, start, end, dtype
@@ -74,9 +77,11 @@ class SpanRunner:
             with torch.device("meta"):
                 layer = arch.decoder_layer(config, layer_idx=index)
             layer_state = states(index)
-            if index == start:
-                self.format_label = self._format_label(layer_state, dtype)  # what records, proofs and Opened name
-            self._load_layer(layer, layer_state, dtype)
+            if index == start:  # what records, proofs and Opened name
+                self.format_label = "gguf" if gguf_types else self._format_label(layer_state, dtype)
+            prefix = f"{LAYER_PREFIX}{index}."
+            self._load_layer(layer, layer_state, dtype, {name[len(prefix):]: kind for name, kind in
+                                                         (gguf_types or {}).items() if name.startswith(prefix)})
             del layer_state
             layer.eval()
             self.layers[index] = layer
@@ -107,13 +112,20 @@ class SpanRunner:
         return "bf16" if dtype == torch.bfloat16 else "fp32"
 
     @staticmethod
-    def _load_layer(layer: torch.nn.Module, layer_state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def _load_layer(layer: torch.nn.Module, layer_state: dict[str, torch.Tensor], dtype: torch.dtype,
+                    types: dict[str, str] | None = None) -> None:
         """Give `layer` (built on the meta device) its weights: each quantized matrix
-        becomes its format's kernel module, the rest is assigned as `dtype`."""
-        quantized = sorted({base_name(k) for k in layer_state if k.endswith(SCALE_SUFFIX)})
+        becomes its format's kernel module (a GGUF matrix, named in `types`, its ggml
+        type's), the rest is assigned as `dtype`."""
+        types = types or {}
+        quantized = sorted({base_name(k) for k in layer_state if k.endswith(SCALE_SUFFIX)} | set(types))
         parts = {name: matrix_parts(layer_state, name) for name in quantized}
         for name, matrix in parts.items():
-            check_parts(name, matrix, layer.get_submodule(name.removesuffix(".weight")).weight.shape)
+            shape = layer.get_submodule(name.removesuffix(".weight")).weight.shape
+            if name in types:
+                check_gguf_rows(name, matrix.get(""), types[name], shape)
+            else:
+                check_parts(name, matrix, shape)
             for suffix in matrix:
                 del layer_state[name + suffix]
         # Biases of quantized products (Qwen2's q, k, v) go with their kernel module.
@@ -123,17 +135,19 @@ class SpanRunner:
             # A quantized layer's products that share an input run as one: their rows
             # (each with its own scales) stacked, so one kernel call reads them all.
             names = [f"{member}.weight" for member in members]
-            if all(name in parts for name in names) and same_layout([parts[name] for name in names]):
+            if all(name in parts for name in names) and same_layout([parts[name] for name in names]) and len(
+                    {types.get(name) for name in names}) == 1:  # GGUF rows stack within one type
                 bias = None
                 if any(name in biases for name in names):
                     bias = torch.cat([biases.pop(name) if name in biases else torch.zeros(parts[name][""].shape[0])
                                       for name in names])
                 layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names]),
-                                                          bias=bias))
+                                                          bias=bias, gguf_type=types.get(names[0])))
                 for member in members:
                     layer.set_submodule(member, torch.nn.Identity())  # its rows live in the fused module
         for name, matrix in parts.items():
-            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix, bias=biases.pop(name, None)))
+            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix, bias=biases.pop(name, None),
+                                                                             gguf_type=types.get(name)))
         expected = {k for k, v in layer.state_dict().items() if v.device.type == "meta"}
         if set(layer_state) != expected:
             missing, extra = sorted(expected - set(layer_state)), sorted(set(layer_state) - expected)
@@ -144,9 +158,12 @@ class SpanRunner:
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
         config = load_config(model_dir)
         # One rule for the compute dtype, the manifest's (format_from_manifest): a bf16
+        gguf_types = None
         # model (every tensor BF16) computes in bf16; anything else in float32.
         if (Path(model_dir) / MANIFEST_FILE).exists():
-            if stored_format(model_dir).name == "bf16":
+            fmt = stored_format(model_dir)
+            if fmt.name == "bf16":
+            gguf_types = dict(fmt.types) or None
                 dtype = torch.bfloat16
         else:  # a plain safetensors directory (tests): its dtypes say
             state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
@@ -157,7 +174,7 @@ class SpanRunner:
         def one_layer(index: int) -> dict[str, torch.Tensor]:
             return layer_states(read_tensors(model_dir, lambda names: span_tensor_names(names, index, index + 1)))(index)
 
-        return cls(config, start, end, one_layer, dtype)
+        return cls(config, start, end, one_layer, dtype, gguf_types)
 
     @classmethod
     def random(cls, model_dir: Path, start: int, end: int, seed: int = 0) -> SpanRunner:
@@ -175,14 +192,21 @@ class SpanRunner:
             with torch.device("meta"):
                 shapes = {k: v.shape for k, v in arch.decoder_layer(config, layer_idx=index).state_dict().items()}
             state = {}
+                full = f"{LAYER_PREFIX}{index}.{name}"
+                if full in types:  # a gguf model: random blocks of the matrix's own type
+                    rows = gguf_native.random_rows(types[full], shape[0], shape[1], rng)
+                    state[full] = torch.from_numpy(rows)
+                    continue
             for name, shape in shapes.items():
                 value = torch.ones(shape) if len(shape) == 1 else torch.empty(shape).normal_(0, 0.02,
                                                                                              generator=generator)
-                state |= random_parts(fmt, f"{LAYER_PREFIX}{index}.{name}", value, generator)
+                state |= random_parts(fmt, full, value, generator)
                 del value
             return layer_states(state)(index)
 
-        return cls(config, start, end, one_layer, torch.bfloat16 if fmt.name == "bf16" else torch.float32)
+        types, rng = dict(fmt.types), np.random.default_rng(seed)
+        return cls(config, start, end, one_layer, torch.bfloat16 if fmt.name == "bf16" else torch.float32,
+                   types or None)
 
     @property
     def hidden_size(self) -> int:
@@ -193,7 +217,8 @@ class SpanRunner:
         count = 0
         for layer in self.layers.values():
             for module in layer.modules():
-                if isinstance(module, (kernels.Int8Linear, kernels.Int4CpuLinear)):
+                if isinstance(module, (kernels.Int8Linear, kernels.Int4CpuLinear, kernels.GroupedInt4Linear,
+                                       kernels.DenseLinear)):
                     count += module.in_features * module.out_features
                 elif not list(module.children()):
                     count += sum(p.numel() for p in module.parameters(recurse=False))
@@ -254,6 +279,18 @@ class SpanRunner:
         """Tokens held. A session may run only a suffix of the span, leaving the
         span's first layers empty: take the longest layer."""
         return max(cache.get_seq_length(index) for index in self.layers)
+
+def check_gguf_rows(name: str, raw: torch.Tensor | None, kind: str, shape: torch.Size) -> None:
+    """A GGUF matrix's stored rows fit the layer's [out, in]: U8 [out, whole blocks of `kind`]."""
+    out_features, in_features = shape
+    try:
+        expected = (out_features, gguf_native.row_bytes(kind, in_features))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if raw is None or raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
+        found = None if raw is None else (str(raw.dtype), tuple(raw.shape))
+        raise ValueError(f"{name}: stored {found} are no {kind} rows of a [{out_features}, {in_features}] matrix")
+
 
     def truncate(self, cache: DynamicCache, length: int) -> None:
         """Roll the cache back to its first `length` tokens (speculative decoding)."""

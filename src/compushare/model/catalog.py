@@ -2,7 +2,7 @@
 
 `NAME@FORMAT` names NAME in another weight format (model/formats.py): `smollm2-135m@q4`
 is SmolLM2 quantized by our own quantizer, `smollm2-135m@gguf` its GGUF file's own
-4-bit weights kept as they are (model/gguf_native.py). Either is a model of its own,
+tensors kept as they are (model/gguf_import.py). Either is a model of its own,
 with its own id; the quantizer is deterministic, so every node deriving it from the
 same fp32 model gets the same id.
 """
@@ -23,7 +23,7 @@ from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
 from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
 
-KEEP_GGUF = "gguf"  # the format word for "keep the GGUF file's own quantization"
+KEEP_GGUF = "gguf"  # the format word for "keep the GGUF file's own tensors" (a GGUF's default)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -117,21 +117,26 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
                 progress: Callable[[int, int], None] | None = None, fmt: str | None = None) -> StoredModel:
     """Import a model directory or GGUF file; `on_stage` names each step as it
     starts ("converting", "writing"), `progress(bytes, total)` follows the writing.
-    `fmt`: a weight format to convert to, or "gguf" (a GGUF's own 4-bit weights kept)."""
+    `fmt`: a weight format to convert to, or "gguf" (a GGUF's own tensors kept as they
+    are, streamed: what a GGUF file gets without `fmt`)."""
     path = Path(path).expanduser()
     store = ModelStore(data_dir)
     gguf_file = path if path.is_file() and path.suffix == ".gguf" else None
     if fmt == KEEP_GGUF and gguf_file is None:
-        raise UsageError("--format gguf keeps a GGUF file's own quantization: give a .gguf file")
-    weights: WeightFormat | None = parse_format(fmt) if fmt not in (None, KEEP_GGUF) else None
-    if gguf_file is not None:
+        raise UsageError("--format gguf keeps a GGUF file's own tensors: give a .gguf file")
+    if gguf_file is not None and fmt in (None, KEEP_GGUF):
+        from .gguf_import import import_gguf_cached
+
+        laid_out = import_gguf_cached(gguf_file, resolve_cache_dir(), progress=progress,
+                                      on_stage=lambda stage: on_stage(f"{stage}"))
+        on_stage("linking")
+        return store.import_dir(laid_out, alias=alias, laid_out=True)
+    weights: WeightFormat | None = parse_format(fmt) if fmt is not None else None
+    if gguf_file is not None:  # dequantized by transformers (whole model in memory), then converted
         on_stage("converting")
         path = sources.convert_gguf_cached(gguf_file, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
-    if fmt == KEEP_GGUF:
-        on_stage("keeping the GGUF's quantization")
-        return store.import_dir(path, alias=alias, native_gguf=gguf_file, progress=progress)
     # Our own conversions are already laid out: hard-link them instead of rewriting.
     laid_out = weights is None and (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(
         resolve_cache_dir())

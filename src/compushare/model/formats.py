@@ -17,8 +17,11 @@ so every node serving that id computes from the very same integers and scales.
          Our quantizer keeps k, v and down at int8 (INT8_IN_Q4), as llama.cpp's
          Q4_K_M keeps v and down at 6 bits: on SmolLM2 (bench/node_compute.py),
          all-4-bit gave 1.23x fp32's perplexity, these three at int8 1.08x, for 0.175
-         of fp32's bytes per block instead of 0.141. A GGUF file's own Q4_0 / Q4_1
-         weights are kept as they are, every projection 4-bit.
+         of fp32's bytes per block instead of 0.141.
+  gguf   a GGUF file's own tensors as they come (model/gguf_native.py): every matrix
+         (every 2-D tensor) stored as the file's raw ggml blocks, U8 [out, row bytes],
+         its ggml type ("Q4_K", "Q6_K", "F16" ...) named in the "weights" map's
+         "types"; a mixed file keeps its mix. 1-D tensors (norms, biases) as F32.
 
 Stored tensor names: a quantized `X.weight` keeps its name for the integers (int8:
 I8 [out, in]; q4: U8 [out, in / 2], element 2j in the low nibble of byte j, 2j+1 in
@@ -37,18 +40,24 @@ import dataclasses
 import re
 
 from ..errors import UsageError
+from .families import all_projections
 
-FORMATS = ("fp32", "bf16", "int8", "q4")
-QUANTIZED = ("int8", "q4")
+FORMATS = ("fp32", "bf16", "int8", "q4", "gguf")
+QUANTIZED = ("int8", "q4", "gguf")
+# ggml types a gguf model may name (what gguf-py reads; model/kernels.py says which kernel runs each)
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
 DEFAULT_Q4_GROUP = 64
 Q4_GROUPS = (32, 64, 128)
 QUANTIZER_VERSION = 2  # model/quantize.py's; in cached derivations' names: bump when its bytes change
-INT8_IN_Q4 = ("mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj")  # our q4's int8 projections
-PROJECTIONS = ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
-               "self_attn.q_proj", "self_attn.v_proj")
+# Our q4's int8 projections. Phi-3 stores q, k and v as one matrix (qkv_proj): 4-bit
+# there, like every projection of a GGUF's own Q4_0 file.
+INT8_IN_Q4 = ("mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj")
 SCALE_SUFFIX, MIN_SUFFIX = "_scale", "_min"
-# Decoder projections (Llama, Qwen2): the matrices that hold nearly all of a block's bytes.
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# Decoder projections, every family's (model/families.py; Phi-3's fused qkv_proj and
+# gate_up_proj among them): the matrices that hold nearly all of a block's bytes.
+PROJECTIONS = all_projections()
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(" + "|".join(map(re.escape, PROJECTIONS)) + r")\.weight")
 HEAD_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -57,6 +66,7 @@ class WeightFormat:
     name: str
     group_size: int = 0  # q4 only
     int8: tuple[str, ...] = ()  # q4 only: projections ("mlp.down_proj", ...) kept at int8
+    types: tuple[tuple[str, str], ...] = ()  # gguf only: (tensor name, ggml type), sorted
 
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
@@ -66,6 +76,9 @@ class WeightFormat:
         if self.int8 and (self.name != "q4" or list(self.int8) != sorted(set(self.int8))
                           or not set(self.int8) <= set(PROJECTIONS)):
             raise UsageError(f"only q4 keeps projections at int8, a sorted list of {PROJECTIONS}")
+        if (self.name == "gguf") != bool(self.types) or list(self.types) != sorted(set(self.types)) or not all(
+                isinstance(n, str) and kind in GGUF_TYPES for n, kind in self.types):
+            raise UsageError(f"gguf (and only gguf) names each matrix's ggml type, one of {', '.join(GGUF_TYPES)}")
 
     @property
     def label(self) -> str:
@@ -79,7 +92,7 @@ class WeightFormat:
     def spec(self) -> dict:
         """The manifest's "weights" map (quantized formats only; dense ones are read off the dtypes)."""
         return {"format": self.name} | ({"group_size": self.group_size} if self.name == "q4" else {}) | (
-            {"int8": list(self.int8)} if self.int8 else {})
+            {"int8": list(self.int8)} if self.int8 else {}) | ({"types": dict(self.types)} if self.types else {})
 
     def head_format(self) -> WeightFormat:
         """The embedding / LM head's own format: int8 under q4 (see the module doc)."""
@@ -109,7 +122,11 @@ def format_from_manifest(weights: dict | None, tensor_dtypes: set[str]) -> Weigh
     int8 = weights.get("int8", [])
     if not isinstance(int8, list) or not all(isinstance(p, str) for p in int8):
         raise UsageError("weights.int8 must be a list of projection names")
-    return WeightFormat(weights.get("format", "?"), weights.get("group_size", 0), tuple(int8))
+    types = weights.get("types", {})
+    if not isinstance(types, dict):
+        raise UsageError("weights.types must map tensor names to ggml types")
+    return WeightFormat(weights.get("format", "?"), weights.get("group_size", 0), tuple(int8),
+                        tuple(sorted(types.items())))
 
 
 def projection_of(name: str) -> str | None:

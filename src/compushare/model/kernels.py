@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import gguf_native
 from .formats import MIN_SUFFIX, SCALE_SUFFIX
 from .quantize import dequantize, unpack_nibbles
 
@@ -94,11 +95,108 @@ def _q4_cpu(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
     return Int4CpuLinear(parts[""], parts[SCALE_SUFFIX], parts[MIN_SUFFIX])
 
 
-# (device type, format name) -> constructor from a matrix's stored parts.
+class GroupedInt4Linear(torch.nn.Module):
+    """y = x @ W.T for W in affine groups of 32 (a GGUF type, gguf_native.affine_groups:
+    w = scale * code + min) through `_weight_int4pack_mm_for_cpu`, whose weights are
+    (c - 8) * scale + zero with scale and zero held in bfloat16. Codes of 4 bits go in
+    as they are. Codes of 5 to 8 bits go in as two 4-bit planes side by side along the
+    input, low nibbles with the scale and high nibbles with 16x it, and the input
+    meets both: one kernel call at 8 bits a weight, no value changed but by the
+    scales' bfloat16 rounding (torch has no kernel at 5, 6 or 8 bits with groups).
+    Built ROWS_AT_ONCE rows at a time (the packed layout is separable in tiles of 64
+    rows): a 128k-row LM head would take 2 GB of int32 codes at once."""
+
+    ROWS_AT_ONCE = 2048
+
+    def __init__(self, raw: torch.Tensor, kind: str) -> None:
+        super().__init__()
+        self.out_features = raw.shape[0]
+        self.in_features = gguf_native.in_features_of(kind, raw.shape[1])
+        self.planes = 1 if gguf_native.AFFINE_BITS[kind] <= 4 else 2
+        chunks = [self._pack(raw[row:row + self.ROWS_AT_ONCE].numpy(), kind)
+                  for row in range(0, self.out_features, self.ROWS_AT_ONCE)]
+        self.register_buffer("packed", torch.cat([packed for packed, _ in chunks]))
+        self.register_buffer("scales_and_zeros", torch.cat([sz for _, sz in chunks], dim=1).contiguous())
+
+    def _pack(self, raw, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale, minimum = (torch.from_numpy(a) for a in gguf_native.affine_groups(raw, kind))
+        held = scale.to(ACTIVATION).float()  # the scale as the kernel holds it
+        if self.planes == 1:
+            scales, zeros = held, minimum + 8.0 * held
+        else:
+            # The two planes' zeros must add up to min + 136 * scale; 8 * scale and
+            # 128 * scale are exact in bfloat16, so the one rounded zero is the smaller
+            # of min + 8 scale and min + 128 scale (Q8_0's is 0: exact).
+            low, high = minimum + 8.0 * held, minimum + 128.0 * held
+            first = low.abs() <= high.abs()
+            zeros = torch.cat([torch.where(first, low, 8.0 * held), torch.where(first, 128.0 * held, high)], dim=1)
+            codes, scales = torch.cat([codes & 0x0F, codes >> 4], dim=1), torch.cat([held, 16.0 * held], dim=1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        return packed, torch.stack([scales.t(), zeros.t()], dim=-1).to(ACTIVATION)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(ACTIVATION)
+        if self.planes == 2:
+            flat = torch.cat([flat, flat], dim=-1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GGUF_GROUP, self.scales_and_zeros)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class DenseLinear(torch.nn.Module):
+    """A dense matrix computed in its own dtype, float32 out: a GGUF's F32, F16 and BF16
+    matrices, and its types without a kernel dequantized to float16 (Q6_K, whose scale
+    per 16 weights the int4 kernel cannot take: float16 keeps 11 bits, more than its 6).
+    A float16 product overflows past 65504: one that does is computed again in float32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.nn.functional.linear(flat.to(self.weight.dtype), self.weight)
+        if self.weight.dtype == torch.float16 and not bool(torch.isfinite(out).all()):
+            out = torch.nn.functional.linear(flat.float(), self.weight.float())
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+GGUF_GROUP = 32
+
+
+def _gguf_values(kind: str, raw: torch.Tensor) -> torch.Tensor:
+    """A GGUF matrix's raw rows as a dense tensor: F32 / F16 / BF16 as they are, any
+    other type dequantized (gguf-py) to float16."""
+    if kind in ("F32", "F16", "BF16"):
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind]
+        return raw.contiguous().view(dtype).clone()
+    rows = GroupedInt4Linear.ROWS_AT_ONCE  # float32 values of a whole LM head would be 2 GB
+    out = torch.empty(raw.shape[0], gguf_native.in_features_of(kind, raw.shape[1]), dtype=torch.float16)
+    for row in range(0, raw.shape[0], rows):
+        out[row:row + rows] = torch.from_numpy(gguf_native.dequantize(raw[row:row + rows].numpy(), kind))
+    return out
+
+
+def _gguf_affine(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.nn.Module]:
+    def make(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
+        raw = parts[""]
+        if raw.shape[0] % 16:  # the packed layout wants output rows in tiles of 16
+            return DenseLinear(_gguf_values(kind, raw))
+        return GroupedInt4Linear(raw, kind)
+    return make
+
+
+def _gguf_dense(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.nn.Module]:
+    return lambda parts: DenseLinear(_gguf_values(kind, parts[""]))
+
+
+# (device type, format name) -> constructor from a matrix's stored parts; a GGUF
+# matrix's format name is "gguf:" and its ggml type (parts: {"": raw rows}).
 KERNELS: dict[tuple[str, str], Callable[[dict[str, torch.Tensor]], torch.nn.Module]] = {
     ("cpu", "int8"): _int8,
     ("cpu", "q4"): _q4_cpu,
-}
+} | {("cpu", f"gguf:{kind}"): _gguf_affine(kind) for kind in gguf_native.AFFINE_BITS} | {
+    ("cpu", f"gguf:{kind}"): _gguf_dense(kind) for kind in ("F32", "F16", "BF16", "Q6_K")}
 
 
 class WithBias(torch.nn.Module):
@@ -113,12 +211,16 @@ class WithBias(torch.nn.Module):
         return self.product(x) + self.bias
 
 
-def linear(parts: dict[str, torch.Tensor], device: str = "cpu", bias: torch.Tensor | None = None) -> torch.nn.Module:
+def linear(parts: dict[str, torch.Tensor], device: str = "cpu", bias: torch.Tensor | None = None, *,
+           gguf_type: str | None = None) -> torch.nn.Module:
     """A module computing x @ W.T (+ bias) for the stored matrix `parts` ({"": weight}
-    when dense; plus "_scale" / "_min" when quantized). Dense weights give a plain
-    nn.Linear, op for op what transformers runs."""
+    when dense; plus "_scale" / "_min" when quantized; {"": raw rows} of ggml type
+    `gguf_type`). Dense weights give a plain nn.Linear, op for op what transformers runs."""
     if bias is not None:
-        return WithBias(linear(parts, device), bias)
+        return WithBias(linear(parts, device, gguf_type=gguf_type), bias)
+    if gguf_type is not None:
+        make = KERNELS.get((device, f"gguf:{gguf_type}"))
+        return make(parts) if make is not None else DenseLinear(_gguf_values(gguf_type, parts[""]))
     if SCALE_SUFFIX not in parts:
         weight = parts[""]
         module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)

@@ -11,14 +11,16 @@ multiple of 8, then the tensors' bytes packed in name order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import UsageError
 from .formats import WeightFormat, base_name
@@ -39,65 +41,129 @@ def block_of(tensor_name: str) -> int | None:
     return int(tensor_name[len(LAYER_PREFIX):].split(".", 1)[0])
 
 
-def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> tuple[bytes, dict[str, TensorEntry]]:
-    """(file bytes, byte range of each tensor) for {name: (dtype, shape, raw bytes)}."""
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredSpec:
+    """What a stored tensor will be, known before its bytes are read."""
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class TensorSource(Protocol):
+    """Where lay_out reads the tensors it stores: every stored tensor's spec up front
+    (the file sizes fix the piece size before the first byte is written), then each
+    tensor's bytes (any buffer) in name order, one file's tensors at a time."""
+
+    def specs(self) -> dict[str, StoredSpec]: ...
+
+    def read(self, name: str): ...
+
+
+def safetensors_header(specs: dict[str, StoredSpec]) -> tuple[bytes, dict[str, TensorEntry]]:
+    """(the 8-byte length + JSON header of a file holding `specs`, each tensor's byte range)."""
     header, offset = {}, 0
-    for name in sorted(tensors):
-        dtype, shape, data = tensors[name]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
+    for name in sorted(specs):
+        spec = specs[name]
+        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
     entries = {name: TensorEntry(h["dtype"], tuple(h["shape"]), start + h["data_offsets"][0],
                                  start + h["data_offsets"][1]) for name, h in header.items()}
-    body = b"".join(tensors[name][2] for name in sorted(tensors))
-    return struct.pack("<Q", len(text)) + text + body, entries
+    return struct.pack("<Q", len(text)) + text, entries
+
+
+class PieceHasher:
+    """SHA-256 of each `piece_size` piece of a byte stream fed in any chunks."""
+
+    def __init__(self, piece_size: int) -> None:
+        self.piece_size, self.digests = piece_size, []
+        self._current, self._filled = hashlib.sha256(), 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.piece_size - self._filled)
+            self._current.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.piece_size:
+                self.digests.append(self._current.hexdigest())
+                self._current, self._filled = hashlib.sha256(), 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self.digests.append(self._current.hexdigest())
+            self._current, self._filled = hashlib.sha256(), 0
+        return tuple(self.digests)
 
 
 def piece_hashes(data: bytes, piece_size: int) -> tuple[str, ...]:
-    return tuple(hashlib.sha256(data[i:i + piece_size]).hexdigest() for i in range(0, len(data), piece_size))
+    hasher = PieceHasher(piece_size)
+    hasher.update(data)
+    return hasher.finish()
 
 
-SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8"}
+class SafetensorsTensors:
+    """lay_out's tensor source for a Hugging Face directory: each tensor as it is, or
+    converted to `fmt` (model/quantize.py) when read; specs come from converting an
+    empty tensor of the same shape on the meta device, so nothing is read up front."""
 
+    def __init__(self, source: Path, fmt: WeightFormat | None) -> None:
+        from safetensors import safe_open
 
-def _entry(tensor) -> tuple[str, tuple[int, ...], bytes]:
-    import torch
+        self.fmt, self._file_of, self._specs = fmt, {}, {}
+        self._cached: tuple[str | None, dict] = (None, {})
+        files = sorted(source.glob("*.safetensors"))
+        if not files:
+            raise UsageError(f"{source} holds no .safetensors weights")
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in self._file_of:
+                        raise UsageError(f"tensor {name} appears in two files of {source}")
+                    self._file_of[name] = path
+                    piece = handle.get_slice(name)
+                    for stored, spec in self._convert_spec(name, piece.get_dtype(), tuple(piece.get_shape())).items():
+                        if stored in self._specs:
+                            raise UsageError(f"tensor {name} is already quantized in {source}")
+                        self._specs[stored] = spec
 
-    dtype = SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")]
-    return dtype, tuple(tensor.shape), tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    def _convert_spec(self, name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, StoredSpec]:
+        if self.fmt is None:
+            return {name: StoredSpec(dtype, shape)}
+        import torch
 
+        from .quantize import quantize
 
-def _read_source_tensors(source: Path, fmt: WeightFormat | None = None, kept: dict | None = None
-                         ) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    import torch  # here, not at the top: `status` and `models list` need no torch
-    from safetensors import safe_open
+        empty = torch.empty(shape, device="meta")
+        return {stored: StoredSpec(SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")], tuple(t.shape))
+                for stored, t in quantize(self.fmt, name, empty).items()}
 
-    from .quantize import quantize
+    def specs(self) -> dict[str, StoredSpec]:
+        return self._specs
 
-    out = {}
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"{source} holds no .safetensors weights")
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                if name in out:
-                    raise UsageError(f"tensor {name} appears in two files of {source}")
-                if kept is not None and name in kept:  # stored already (a GGUF's own 4-bit weights)
-                    stored = {k: v for k, v in kept.items() if base_name(k) == name}
-                elif fmt is not None:
-                    stored = quantize(fmt, name, handle.get_tensor(name))
-                if fmt is not None:
-                    if set(stored) & set(out):
-                        raise UsageError(f"tensor {name} is already quantized in {source}")
-                    out |= {stored_name: _entry(tensor) for stored_name, tensor in stored.items()}
-                    continue
-                sl = handle.get_slice(name)
-                raw = handle.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                out[name] = (sl.get_dtype(), tuple(sl.get_shape()), raw)
-    return out
+    def read(self, name: str):
+        import torch
+        from safetensors import safe_open
+
+        from .quantize import quantize
+
+        base = base_name(name) if self.fmt is not None else name
+        if self._cached[0] != base:  # a matrix's parts (X.weight, X.weight_min, X.weight_scale) come in a row
+            with safe_open(str(self._file_of[base]), framework="pt") as handle:
+                tensor = handle.get_tensor(base)
+            stored = quantize(self.fmt, base, tensor) if self.fmt is not None else {base: tensor}
+            self._cached = (base, {k: v.contiguous().reshape(-1).view(torch.uint8).numpy() for k, v in stored.items()})
+        return self._cached[1][name]
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -107,27 +173,15 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def native_gguf_tensors(source: Path, gguf_path: Path) -> tuple[WeightFormat, dict]:
-    """q4/g32 tensors for `source` (a GGUF's converted directory) that keep the GGUF's
-    own 4-bit matrices (model/gguf_native.py); the rest quantized by our quantizer."""
-    from .gguf_native import GROUP, native_matrices
-
-    fmt = WeightFormat("q4", GROUP)
-    kept, others = native_matrices(gguf_path, json.loads((source / "config.json").read_text()))
-    if others:
-        log.warning("%d matrices of %s are not Q4_0/Q4_1 (%s): quantized to %s by our quantizer", len(others),
-                    gguf_path.name, ", ".join(sorted(set(others.values()))), fmt.label)
-    return fmt, _read_source_tensors(source, fmt, kept)
-
-
 def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
             progress: Callable[[int, int], None] | None = None, fmt: WeightFormat | None = None,
-            tensors: dict[str, tuple[str, tuple[int, ...], bytes]] | None = None) -> Manifest:
+            tensors: TensorSource | None = None) -> Manifest:
     """Write `source` (config.json + safetensors + tokenizer files) into the empty
     directory `target` in store layout, with manifest.json and config.json;
-    `progress(bytes written, total bytes)` after each file. With `fmt`, every weight
-    is converted to that format (model/quantize.py); `tensors` replaces the source's
-    weights with ready stored ones (a GGUF's own quantization, model/gguf_native.py)."""
+    `progress(bytes written, total bytes)` as it goes. With `fmt`, every weight is
+    converted to that format (model/quantize.py); `tensors` replaces the source's
+    weights (a GGUF's own, model/gguf_import.py), `fmt` then only naming their format.
+    Streams: one tensor's bytes in memory at a time, piece hashes computed as written."""
     source = Path(source)
     if not (source / "config.json").exists():
         raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
@@ -137,27 +191,46 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
     if type(num_blocks) is not int or num_blocks < 1:
         raise UsageError(f"{source}/config.json has no valid num_hidden_layers")
     if tensors is None:
-        tensors = _read_source_tensors(source, fmt)
-    groups: dict[int | None, dict] = {None: {}} | {b: {} for b in range(num_blocks)}
-    for name, value in tensors.items():
+        tensors = SafetensorsTensors(source, fmt)
+    groups: dict[int | None, dict[str, StoredSpec]] = {None: {}} | {b: {} for b in range(num_blocks)}
+    for name, spec in tensors.specs().items():
         block = block_of(base_name(name))
         if block not in groups:
             raise UsageError(f"tensor {name} belongs to no block of a {num_blocks}-block model")
-        groups[block][name] = value
-    contents: list[tuple[str, str, int | None, bytes, dict]] = []
+        groups[block][name] = spec
+    # (name, role, block, header, entries, tensor specs) of the weight files, then the meta files' bytes
+    weight_files = []
     for block, group in groups.items():
-        data, entries = safetensors_bytes(group)
+        header, entries = safetensors_header(group)
         name, role = (HEAD_FILE, "head") if block is None else (block_file_name(block), "block")
-        contents.append((name, role, block, data, entries))
-    for path in sorted(source.iterdir()):
-        if path.is_file() and path.name.endswith(META_SUFFIXES) and path.name not in NOT_META:
-            contents.append((path.name, "meta", None, path.read_bytes(), {}))
-    piece_size = piece_size or auto_piece_size(sum(len(c[3]) for c in contents))
-    files = []
+        weight_files.append((name, role, block, header, entries, group))
+    meta = [(path.name, path.read_bytes()) for path in sorted(source.iterdir())
+            if path.is_file() and path.name.endswith(META_SUFFIXES) and path.name not in NOT_META]
+    total = sum(len(w[3]) + sum(s.nbytes for s in w[5].values()) for w in weight_files) + sum(len(m[1]) for m in meta)
+    piece_size = piece_size or auto_piece_size(total)
+    files, written = [], 0
     target.mkdir(parents=True, exist_ok=True)
-    total, written = sum(len(c[3]) for c in contents), 0
-    for name, role, block, data, entries in contents:
-        files.append(FileEntry(name, role, block, len(data), piece_hashes(data, piece_size), entries))
+    for name, role, block, header, entries, group in weight_files:
+        hasher = PieceHasher(piece_size)
+        with open(target / name, "wb") as handle:
+            for chunk_name, chunk in [("", header)] + [(n, None) for n in sorted(group)]:
+                data = chunk if chunk is not None else tensors.read(chunk_name)
+                size = memoryview(data).nbytes
+                if chunk_name and size != group[chunk_name].nbytes:
+                    raise UsageError(f"tensor {chunk_name} holds {size} bytes, not the "
+                                     f"{group[chunk_name].nbytes} of {group[chunk_name]}")
+                handle.write(data)
+                hasher.update(data)
+                written += size
+                del data
+                if progress is not None:
+                    progress(written, total)
+            handle.flush()
+            os.fsync(handle.fileno())
+        size = len(header) + sum(s.nbytes for s in group.values())
+        files.append(FileEntry(name, role, block, size, hasher.finish(), entries))
+    for name, data in meta:
+        files.append(FileEntry(name, "meta", None, len(data), piece_hashes(data, piece_size), {}))
         _write_file(target / name, data)
         written += len(data)
         if progress is not None:

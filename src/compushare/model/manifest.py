@@ -193,11 +193,11 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         raise _fail(f"unknown manifest format {doc['format']!r}")
     weights = doc.get("weights")
     if weights is not None:
-        weights = _map(weights, {"format"}, "weights", optional={"group_size", "int8"})
+        weights = _map(weights, {"format"}, "weights", optional={"group_size", "int8", "types"})
         try:
             if not format_from_manifest(weights, set()).quantized or \
-                    any(type(v) not in (str, int, list) for v in weights.values()):
-                raise _fail("weights names a quantized format (int8, q4)")
+                    any(type(v) not in (str, int, list, dict) for v in weights.values()):
+                raise _fail("weights names a quantized format (int8, q4, gguf)")
         except UsageError as exc:
             raise _fail(f"weights: {exc}") from None
     config = doc["config"]

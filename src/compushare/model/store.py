@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import FrameError, UsageError
 from .manifest import Manifest, parse
 from .formats import WeightFormat
-from .layout import lay_out, native_gguf_tensors, write_config
+from .layout import lay_out, write_config
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,7 @@ class ModelStore:
         return self.get(manifest.model_id)
 
     def import_dir(self, source: Path, alias: str | None = None, *, piece_size: int | None = None,
-                   laid_out: bool = False, progress=None, fmt: WeightFormat | None = None,
-                   native_gguf: Path | None = None) -> StoredModel:
+                   laid_out: bool = False, progress=None, fmt: WeightFormat | None = None) -> StoredModel:
         """Import an HF-style directory (config.json + safetensors + tokenizer files),
         laying it out as the store holds models. `laid_out=True` marks a directory
         this program laid out itself (the shared conversion cache): its files are
@@ -185,12 +184,8 @@ class ModelStore:
             if not (source / "config.json").exists():
                 raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
             staging = Path(tempfile.mkdtemp(prefix=".import-", dir=self.root))
-            tensors = None
-            if native_gguf is not None:
-                fmt, tensors = native_gguf_tensors(source, native_gguf)
             try:
-                manifest = lay_out(source, staging, piece_size=piece_size, progress=progress, fmt=fmt,
-                                   tensors=tensors)
+                manifest = lay_out(source, staging, piece_size=piece_size, progress=progress, fmt=fmt)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import gguf_native
+
 
 def read_dense_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
     """Like read_tensors, in float values whatever the format: `names_filter` sees the
@@ -25,7 +27,18 @@ def read_dense_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]
     out = {name: tensor for name, tensor in raw.items() if base_name(name) == name and name + SCALE_SUFFIX not in raw}
     for name in {base_name(n) for n in raw if n.endswith(SCALE_SUFFIX)}:
         out[name] = dequantize({k: v for k, v in matrix_parts(raw, name).items()})
+    for name, kind in gguf_types(model_dir).items():  # a GGUF's raw blocks, as gguf-py dequantizes them
+        if name in out:
+            out[name] = torch.from_numpy(gguf_native.dequantize(out[name].numpy(), kind))
     return out
+
+
+def gguf_types(model_dir: Path) -> dict[str, str]:
+    """{matrix name: ggml type} of a gguf model (its manifest's); {} for any other."""
+    from .manifest import parse
+
+    path = Path(model_dir) / "manifest.json"
+    return dict(parse(path.read_bytes()).format.types) if path.exists() else {}
 
 
 def read_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:

@@ -1,0 +1,195 @@
+"""Import a GGUF file as it comes (the `gguf` weight format), streaming tensor by tensor.
+
+Nothing loads the whole model: the config and tokenizer come from the file's
+metadata (transformers' GGUF readers), the tensors' names, types and byte ranges
+from gguf-py's GGUFReader, and each tensor's bytes are read with a plain file read
+when layout.lay_out writes it, so memory holds one tensor at a time (a page-cache
+mapping of the whole file would count in the process's RSS as it is read).
+
+Tensor names map to transformers' names through transformers' own GGUF map
+(`get_gguf_hf_weights_map`, over gguf-py's per-architecture name tables), built on a
+meta-device model of the file's config. Every 2-D tensor is kept as its raw blocks
+(U8 [out, row bytes]); Llama-architecture files store attn_q / attn_k rows permuted
+for llama.cpp's rotary layout, and those rows are put back as transformers puts
+them back (rows are whole blocks, so this is exact). 1-D tensors (norms, biases)
+are stored as float32 values after transformers' own per-architecture processing
+(Gemma's norms are stored as 1 + w).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelUnavailable, UsageError
+from . import gguf_native
+from .formats import GGUF_TYPES, WeightFormat
+from .layout import StoredSpec, lay_out
+from .manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class GGUFTensors:
+    """layout.lay_out's tensor source for a GGUF file: specs from the metadata, bytes on
+    demand. `names` maps GGUF tensor names to stored ones; `heads` gives the head count
+    of each GGUF tensor whose rows are stored permuted."""
+
+    def __init__(self, path: Path, names: dict[str, str], heads: dict[str, int], processor) -> None:
+        import gguf
+
+        self.path, self.processor = path, processor
+        self.specs_by_name: dict[str, StoredSpec] = {}
+        self.types: dict[str, str] = {}
+        self._where: dict[str, tuple[str, str, int, int, tuple[int, ...]]] = {}
+        self.skipped: list[str] = []
+        for tensor in gguf.GGUFReader(str(path)).tensors:
+            stored = names.get(tensor.name)
+            if stored is None:
+                self.skipped.append(tensor.name)  # e.g. Llama 3.1's rope_freqs: transformers drops it too
+                continue
+            kind = tensor.tensor_type.name
+            dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
+            if len(dims) == 2:
+                if kind not in GGUF_TYPES:
+                    raise UsageError(f"{path.name}: {tensor.name} is of ggml type {kind}, which no node reads")
+                spec = StoredSpec("U8", (dims[0], gguf_native.row_bytes(kind, dims[1])))
+                self.types[stored] = kind
+            elif len(dims) == 1:
+                spec = StoredSpec("F32", dims)
+            else:
+                raise UsageError(f"{path.name}: {tensor.name} has {len(dims)} dimensions")
+            if spec.nbytes != int(tensor.n_bytes) and len(dims) == 2:
+                raise UsageError(f"{path.name}: {tensor.name} holds {tensor.n_bytes} bytes, not {spec.nbytes}")
+            self.specs_by_name[stored] = spec
+            self._where[stored] = (tensor.name, kind, int(tensor.data_offset), int(tensor.n_bytes), dims)
+        self.heads = {names[name]: count for name, count in heads.items() if name in names}
+        missing = sorted(set(names.values()) - set(self.specs_by_name) - {"lm_head.weight"})
+        if missing:
+            raise UsageError(f"{path.name} lacks tensors the model needs: {', '.join(missing[:4])}")
+
+    def specs(self) -> dict[str, StoredSpec]:
+        return self.specs_by_name
+
+    def read(self, name: str):
+        gguf_name, kind, offset, size, dims = self._where[name]
+        raw = np.empty(size, dtype=np.uint8)
+        with open(self.path, "rb") as handle:
+            handle.seek(offset)
+            if handle.readinto(memoryview(raw)) != size:
+                raise UsageError(f"{self.path.name} ends inside tensor {gguf_name}")
+        if len(dims) == 2:
+            rows = raw.reshape(dims[0], -1)
+            return gguf_native.unpermute(rows, self.heads[name]) if name in self.heads else rows
+        values = gguf_native.dequantize(raw.reshape(1, -1), kind).reshape(-1)
+        values = self.processor.process(weights=values, name=gguf_name).weights
+        return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def read_metadata(path: Path, staging: Path):
+    """The file's config (as transformers reads it, checked servable) and tokenizer,
+    written into `staging`; returns (config, GGUF architecture name)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .arch import architecture_of
+
+    try:
+        architecture = load_gguf_checkpoint(str(path), return_tensors=False)["config"]["model_type"]
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise UsageError(f"{path.name}: transformers cannot read this GGUF file's model ({exc})") from None
+    if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    try:
+        architecture_of(config)  # refused here, before anything is stored
+    except ModelUnavailable as exc:
+        raise UsageError(f"{path.name}: no node could serve it: {exc}") from None
+    config.save_pretrained(str(staging))
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(staging))
+    return config, architecture
+
+
+def tensor_names(config, gguf_architecture: str):
+    """({GGUF name: transformers name}, {GGUF name: heads} of permuted rows, processor)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, Gemma2TensorProcessor,
+                                                          LlamaTensorProcessor, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    processor_class = TENSOR_PROCESSORS.get(gguf_architecture, TensorProcessor)
+    # Only processors that leave matrices alone (or permute whole rows) keep raw blocks exact.
+    if processor_class not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor):
+        raise UsageError(f"GGUF architecture {gguf_architecture} rewrites its matrices on load: not kept as stored")
+    processor = processor_class(config=config.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        names = get_gguf_hf_weights_map(model, processor)
+    except NotImplementedError as exc:
+        raise UsageError(f"gguf-py has no tensor names for {gguf_architecture}: {exc}") from None
+    names = {gguf_name: hf for gguf_name, hf in names.items() if hf in model.state_dict()}
+    heads = {}
+    if processor_class is LlamaTensorProcessor:
+        kv_heads = config.num_key_value_heads or config.num_attention_heads
+        for gguf_name in names:
+            if ".attn_q." in gguf_name:
+                heads[gguf_name] = config.num_attention_heads
+            elif ".attn_k." in gguf_name:
+                heads[gguf_name] = kv_heads
+    return names, heads, processor
+
+
+def import_gguf(path: Path, target: Path, *, progress: Callable[[int, int], None] | None = None,
+                on_stage: Callable[[str], None] = lambda _stage: None) -> Manifest:
+    """Lay the GGUF file `path` out at `target` (a new directory) in the gguf format."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path} is not a file")
+    staging = Path(tempfile.mkdtemp(prefix=".gguf-meta-", dir=target.parent))
+    try:
+        on_stage("reading the metadata of")
+        config, architecture = read_metadata(path, staging)
+        names, heads, processor = tensor_names(config, architecture)
+        tensors = GGUFTensors(path, names, heads, processor)
+        if tensors.skipped:
+            log.info("%s: not used by transformers' model: %s", path.name, ", ".join(tensors.skipped))
+        kinds = sorted(set(tensors.types.values()))
+        log.info("%s: keeping its tensors as they are (%s)", path.name, ", ".join(kinds))
+        on_stage("writing")
+        fmt = WeightFormat("gguf", types=tuple(sorted(tensors.types.items())))
+        return lay_out(staging, target, progress=progress, fmt=fmt, tensors=tensors)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def import_gguf_cached(path: Path, cache_dir: Path, *, progress=None, on_stage=lambda _stage: None) -> Path:
+    """The file laid out once into the shared conversion cache (under a lock: nodes
+    starting together lay it out once), for the store to hard-link."""
+    import hashlib
+
+    from .sources import file_lock
+    from .store import MANIFEST_FILE
+
+    stat = Path(path).stat()
+    digest = hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / "converted" / f"gguf-kept-v1-{digest}"
+    with file_lock(cache_dir / "locks" / f"gguf-kept-{digest}.lock"):
+        if not (target / MANIFEST_FILE).exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            laid_out = Path(tempfile.mkdtemp(prefix=".layout-", dir=target.parent))
+            try:
+                import_gguf(path, laid_out, progress=progress, on_stage=on_stage)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(laid_out, target)
+            finally:
+                shutil.rmtree(laid_out, ignore_errors=True)
+    return target
