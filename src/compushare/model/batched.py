@@ -22,7 +22,7 @@ MAX_BATCH = 16
 
 
 def supports_batching(runner) -> bool:
-    return runner.lean
+    return runner.batchable
 
 
 def decode_batch(runner, hiddens: list[torch.Tensor], caches: list, positions: list[int], start: int,

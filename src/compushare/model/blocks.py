@@ -7,7 +7,8 @@ entries 10..19 fill up. Runs synchronously: callers put it in a worker thread.
 The layers are transformers' modules (their norms, MLP activation and rotary
 embedding), with each projection the weight format's own module (model/kernels.py:
 nn.Linear for fp32 / bf16, weight-only int8 / 4-bit kernels for quantized models);
-forwards run through model/lean.py, not transformers' per-layer call.
+forwards run through model/lean.py, not transformers' per-layer call, for every
+family (model/families.py): so every span is batchable and may be quantized.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import numpy as np
+import torch
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
 from . import gguf_native, kernels
 from .arch import architecture_of, load_config
 from .formats import FP32, MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
 from .kv_cache import new_cache
-from .lean import run_layers, supports_lean
+from .families import layer_types
+from .lean import run_layers
 from .manifest import parse as parse_manifest
 from .store import MANIFEST_FILE
 from .quantize import matrix_parts, random_parts, stack_rows
@@ -69,7 +70,9 @@ class SpanRunner:
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end, self.dtype = config, start, end, dtype
         arch = architecture_of(config)
+        self.family, self.layer_types = arch.family, layer_types(config)
         self.rotary = arch.rotary(config=config)
+        self.apply_rotary, self.eager_attention = arch.apply_rotary, arch.eager_attention
         self.layers: dict[int, torch.nn.Module] = {}
         self.weight_bytes = 0  # as held in memory, in the model's format (scales included)
         states = layer_states(state) if isinstance(state, dict) else state
@@ -94,11 +97,7 @@ class SpanRunner:
         # Fault injection for tests and demos: >1 makes every forward take that many
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
-        self.lean = supports_lean(self.layers.values())
-        self.batchable = self.lean  # decode steps of sessions may share a forward
-        if not self.lean and self.format_label not in ("fp32", "bf16"):
-            raise ValueError(f"{self.format_label} weights run only through the lean forward (model/lean.py), "
-                             "which these layers (sliding-window attention) do not support")
+        self.batchable = True  # decode steps of sessions may share a forward (model/batched.py)
 
     @staticmethod
     def _format_label(state: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
@@ -158,13 +157,13 @@ class SpanRunner:
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
         config = load_config(model_dir)
         # One rule for the compute dtype, the manifest's (format_from_manifest): a bf16
-        gguf_types = None
         # model (every tensor BF16) computes in bf16; anything else in float32.
+        gguf_types = None
         if (Path(model_dir) / MANIFEST_FILE).exists():
             fmt = stored_format(model_dir)
             if fmt.name == "bf16":
-            gguf_types = dict(fmt.types) or None
                 dtype = torch.bfloat16
+            gguf_types = dict(fmt.types) or None
         else:  # a plain safetensors directory (tests): its dtypes say
             state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
             if state and all(v.dtype == torch.bfloat16 for v in state.values()):
@@ -192,12 +191,12 @@ class SpanRunner:
             with torch.device("meta"):
                 shapes = {k: v.shape for k, v in arch.decoder_layer(config, layer_idx=index).state_dict().items()}
             state = {}
+            for name, shape in shapes.items():
                 full = f"{LAYER_PREFIX}{index}.{name}"
                 if full in types:  # a gguf model: random blocks of the matrix's own type
                     rows = gguf_native.random_rows(types[full], shape[0], shape[1], rng)
                     state[full] = torch.from_numpy(rows)
                     continue
-            for name, shape in shapes.items():
                 value = torch.ones(shape) if len(shape) == 1 else torch.empty(shape).normal_(0, 0.02,
                                                                                              generator=generator)
                 state |= random_parts(fmt, full, value, generator)
@@ -248,49 +247,12 @@ class SpanRunner:
         end = self.end if end is None else end
         if not (self.start <= start < end <= self.end):
             raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
-        hidden = hidden.to(self.dtype)
-        if self.lean:
-            return run_layers(self, hidden, [cache], [position], start, end, between_layers)
-        n = hidden.shape[1]
-        position_ids = torch.arange(position, position + n).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            past_key_values=cache,
-            position_ids=position_ids,
-            layer_idx=start,
-        )
-        position_embeddings = self.rotary(hidden, position_ids)
-        for index in range(start, end):
-            if between_layers is not None:
-                between_layers()
-            hidden = self.layers[index](
-                hidden,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-            )
-        return hidden
+        return run_layers(self, hidden.to(self.dtype), [cache], [position], start, end, between_layers)
 
     def cached_length(self, cache: DynamicCache) -> int:
         """Tokens held. A session may run only a suffix of the span, leaving the
         span's first layers empty: take the longest layer."""
         return max(cache.get_seq_length(index) for index in self.layers)
-
-def check_gguf_rows(name: str, raw: torch.Tensor | None, kind: str, shape: torch.Size) -> None:
-    """A GGUF matrix's stored rows fit the layer's [out, in]: U8 [out, whole blocks of `kind`]."""
-    out_features, in_features = shape
-    try:
-        expected = (out_features, gguf_native.row_bytes(kind, in_features))
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    if raw is None or raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
-        found = None if raw is None else (str(raw.dtype), tuple(raw.shape))
-        raise ValueError(f"{name}: stored {found} are no {kind} rows of a [{out_features}, {in_features}] matrix")
-
 
     def truncate(self, cache: DynamicCache, length: int) -> None:
         """Roll the cache back to its first `length` tokens (speculative decoding)."""
@@ -316,6 +278,18 @@ def check_parts(name: str, parts: dict[str, torch.Tensor], shape: torch.Size) ->
     if not fits:
         raise ValueError(f"{name}: stored parts {({k: (str(t.dtype), tuple(t.shape)) for k, t in parts.items()})} "
                          f"are no quantized [{out_features}, {in_features}] matrix")
+
+
+def check_gguf_rows(name: str, raw: torch.Tensor | None, kind: str, shape: torch.Size) -> None:
+    """A GGUF matrix's stored rows fit the layer's [out, in]: U8 [out, whole blocks of `kind`]."""
+    out_features, in_features = shape
+    try:
+        expected = (out_features, gguf_native.row_bytes(kind, in_features))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if raw is None or raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
+        found = None if raw is None else (str(raw.dtype), tuple(raw.shape))
+        raise ValueError(f"{name}: stored {found} are no {kind} rows of a [{out_features}, {in_features}] matrix")
 
 
 def same_layout(matrices: list[dict[str, torch.Tensor]]) -> bool:

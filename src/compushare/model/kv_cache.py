@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 GROW_TOKENS = 256  # capacity grows by whole blocks: at most this much unused room per layer
 
@@ -61,10 +61,43 @@ class BlockGrownLayer(DynamicLayer):
         return 0 if not self.is_initialized or self._key_room is None else self._key_room.shape[-2]
 
 
+class BlockGrownSlidingLayer(BlockGrownLayer):
+    """A sliding-window layer (Mistral, Gemma's local layers) that keeps every token,
+    as BlockGrownLayer does, but hands attention only what transformers' sliding
+    layer would: the last `sliding_window - 1` cached tokens and the new ones. So
+    outputs are bit-identical to transformers' and a rollback of any depth works
+    (speculation's truncate), where transformers' layer, having dropped the tokens
+    that left the window, refuses to crop. The cost: the whole history's memory,
+    what a full-attention layer holds (and what the KV budget counts)."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        before = self.get_seq_length()
+        keys, values = super().update(key_states, value_states)
+        first = max(0, before - (self.sliding_window - 1))
+        return keys[..., first:, :], values[..., first:, :]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The (length, offset) of the keys `update` returns, as transformers' sliding layer says."""
+        before = self.get_seq_length()
+        return min(before, self.sliding_window - 1) + query_length, max(before - self.sliding_window + 1, 0)
+
+
 def new_cache(config) -> DynamicCache:
     """A DynamicCache for `config` whose layers grow in blocks."""
     cache = DynamicCache(config=config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):  # sliding windows: keep theirs
-        return cache
-    cache.layers = [BlockGrownLayer() for _ in cache.layers]
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layers.append(BlockGrownLayer())
+        elif type(layer) is DynamicSlidingWindowLayer:
+            layers.append(BlockGrownSlidingLayer(layer.sliding_window))
+        else:
+            raise ValueError(f"no block-grown cache for {type(layer).__name__} layers")
+    cache.layers = layers
     return cache

@@ -1,47 +1,79 @@
-"""The lean forward of Llama- and Qwen2-style decoder layers: the span runner's hot path.
+"""The lean forward of decoder layers, every family's: the span runner's hot path.
 
 transformers' decoder layer builds its keyword arguments, mask and rotary inputs per
-layer, per call; here the causal masks and rotary tables are built once per forward
-and every layer runs the same few tensor operations, in the order transformers runs
-them (so a dense fp32 span is bit-identical to transformers' layers:
-tests/unit/test_blocks.py compares a split model with the whole one). The projections are whatever modules the layer holds:
-nn.Linear for fp32 / bf16, model/kernels.py's weight-only kernels for int8 / q4.
+layer, per call; here the masks (one per layer type: full or sliding-window) and
+rotary tables (one per layer type where the family has several, Gemma 3) are built
+once per forward and every layer runs the same few tensor operations, in the order
+transformers runs them, with the family's own steps (model/families.py): QK-norm
+(Qwen3, Gemma 3), Gemma's norms around attention and MLP and its (1 + w) norm
+(the norm modules themselves), attention soft-capping (Gemma 2). So a dense fp32
+span is bit-identical to transformers' layers (tests/unit/test_families.py compares
+a split model with the whole one, per family). The projections are whatever modules
+the layer holds: nn.Linear for fp32 / bf16, model/kernels.py's weight-only kernels
+for int8 / q4 / gguf; fused ones (quantized layers' qkv / kv / gate_up, Phi-3's own
+qkv_proj and gate_up_proj) run as one call.
 
 Several sessions' steps run as one [N, n, H] forward (N sessions, n tokens each;
 batched decode has n = 1): projections and MLPs see all N rows at once, attention
-runs per session against its own KV cache.
+runs per session against its own KV cache and masks.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .families import FULL, SLIDING
 
-def supports_lean(layers) -> bool:
-    """Llama- and Qwen2-style layers with full attention (what this forward mirrors)."""
-    for layer in layers:
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or getattr(attn, "sliding_window", None) is not None:
-            return False
-        if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-            return False
-        if not all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
-            return False
-    return True
+MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 
 
 def _module_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return module(hidden)
 
 
-def fused_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Llama's / Qwen2's RMSNorm in one call (float32 activations, float32 weight)."""
+def _fused_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm (w) in one call (float32 activations, float32 weight)."""
     return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), module.weight, module.variance_epsilon)
+
+
+def _fused_norm_plus_one(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm (1 + w) in one call."""
+    return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), 1.0 + module.weight, module.eps)
+
+
+def norm_of(runner) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """How `runner`'s layers run their norms. Quantized spans owe transformers no
+    bit-identity: torch's one-call RMSNorm is ~5 % of a q4 decode step faster than
+    the module's seven operations."""
+    if runner.format_label in ("fp32", "bf16"):
+        return _module_norm
+    return _fused_norm_plus_one if runner.family.norm_plus_one else _fused_norm
+
+
+def _projections(attn, normed: torch.Tensor, shape: tuple, sizes: tuple[int, int, int]):
+    """Query, key and value [N, n, heads, D] (not yet transposed), from whichever
+    modules the attention holds."""
+    qkv, kv = getattr(attn, "qkv_proj", None), getattr(attn, "kv_proj", None)
+    if qkv is not None:  # quantized layers' stacked rows, or Phi-3's own fused matrix
+        return tuple(part.reshape(shape) for part in qkv(normed).split(sizes, dim=-1))
+    query = attn.q_proj(normed).view(shape)
+    if kv is not None:
+        key, value = (part.reshape(shape) for part in kv(normed).split(sizes[1:], dim=-1))
+        return query, key, value
+    return query, attn.k_proj(normed).view(shape), attn.v_proj(normed).view(shape)
+
+
+def _mlp(mlp, normed: torch.Tensor) -> torch.Tensor:
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if gate_up is None:
+        return mlp(normed)
+    gate, up = gate_up(normed).chunk(2, dim=-1)  # quantized layers' stacked rows, or Phi-3's own
+    act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
+    return mlp.down_proj(act(gate) * up)
 
 
 @torch.inference_mode()
@@ -49,56 +81,59 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
     """Layers start..end-1 of `runner` on `hidden` [N, n, H]: session i's n tokens start
     at `positions[i]` and are appended to `caches[i]`. Returns [N, n, H]."""
-    config = runner.config
+    config, family, kinds = runner.config, runner.family, runner.layer_types
     sessions, tokens = hidden.shape[0], hidden.shape[1]
     position_ids = torch.tensor(positions, dtype=torch.long).view(sessions, 1) + torch.arange(tokens)
-    cos, sin = runner.rotary(hidden, position_ids)
-    masks = [create_causal_mask(config=config, inputs_embeds=hidden[i:i + 1], attention_mask=None,
-                                past_key_values=caches[i], position_ids=position_ids[i:i + 1], layer_idx=start)
-             for i in range(sessions)]
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
-    # Quantized spans owe transformers no bit-identity: torch's one-call RMSNorm is ~5 %
-    # of a q4 decode step faster than the module's seven operations.
-    norm = fused_norm if runner.format_label not in ("fp32", "bf16") else _module_norm
+    # Per layer type: the first layer of that type in the range sizes its mask (a span's
+    # cache holds nothing for layers outside it), as transformers' model does for the whole.
+    first_of = {}
+    for index in range(start, end):
+        first_of.setdefault(kinds[index], index)
+    if family.rotary_per_layer_type:
+        rotary = {kind: runner.rotary(hidden, position_ids, kind) for kind in first_of}
+    else:
+        shared = runner.rotary(hidden, position_ids)
+        rotary = dict.fromkeys(first_of, shared)
+    masks = {kind: [MASKS[kind](config=config, inputs_embeds=hidden[i:i + 1], attention_mask=None,
+                                past_key_values=caches[i], position_ids=position_ids[i:i + 1], layer_idx=first)
+                    for i in range(sessions)]
+             for kind, first in first_of.items()}
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, runner.eager_attention)
+    rotate, norm = runner.apply_rotary, norm_of(runner)
     shape = (sessions, tokens, -1, runner.head_dim)
     for index in range(start, end):
         if between_layers is not None:
             between_layers()
-        layer = runner.layers[index]
+        layer, kind = runner.layers[index], kinds[index]
         attn = layer.self_attn
-        rotate = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         residual = hidden
-        normed = norm(layer.input_layernorm, hidden)
-        qkv, kv = getattr(attn, "qkv_proj", None), getattr(attn, "kv_proj", None)
-        if qkv is not None:  # a quantized layer: one kernel call (model/blocks.FUSED)
-            query, key, value = (part.reshape(shape).transpose(1, 2)
-                                 for part in qkv(normed).split(runner.qkv_sizes, dim=-1))
-        elif kv is not None:
-            query = attn.q_proj(normed).view(shape).transpose(1, 2)
-            key, value = (part.reshape(shape).transpose(1, 2)
-                          for part in kv(normed).split(runner.qkv_sizes[1:], dim=-1))
-        else:
-            query = attn.q_proj(normed).view(shape).transpose(1, 2)
-            key = attn.k_proj(normed).view(shape).transpose(1, 2)
-            value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        query, key, value = _projections(attn, norm(layer.input_layernorm, hidden), shape, runner.qkv_sizes)
+        if family.qk_norm == "before_transpose":
+            query, key = norm(attn.q_norm, query), norm(attn.k_norm, key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if family.qk_norm == "after_transpose":
+            query, key = norm(attn.q_norm, query), norm(attn.k_norm, key)
+        cos, sin = rotary[kind]
         query, key = rotate(query, key, cos, sin)
-        if sessions == 1:
-            keys, values = caches[0].update(key, value, index)
-            attended, _ = attention(attn, query, keys, values, masks[0], dropout=0.0, scaling=attn.scaling)
+        options = {"dropout": 0.0, "scaling": attn.scaling,
+                   "sliding_window": config.sliding_window if kind == SLIDING else None}
+        if family.attention_softcap:
+            options["softcap"] = attn.attn_logit_softcapping
+        outputs = []
+        for i in range(sessions):
+            one = slice(None) if sessions == 1 else slice(i, i + 1)
+            keys, values = caches[i].update(key[one], value[one], index)
+            outputs.append(attention(attn, query[one], keys, values, masks[kind][i], **options)[0])
+        attended = outputs[0] if sessions == 1 else torch.cat(outputs, dim=0)
+        out = attn.o_proj(attended.reshape(sessions, tokens, -1).contiguous())
+        if family.sandwich_norms:
+            out = norm(layer.post_attention_layernorm, out)
+            hidden = residual + out
+            residual = hidden
+            out = _mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, hidden))
+            hidden = residual + norm(layer.post_feedforward_layernorm, out)
         else:
-            outputs = []
-            for i in range(sessions):
-                keys, values = caches[i].update(key[i:i + 1], value[i:i + 1], index)
-                out, _ = attention(attn, query[i:i + 1], keys, values, masks[i], dropout=0.0, scaling=attn.scaling)
-                outputs.append(out)
-            attended = torch.cat(outputs, dim=0)
-        hidden = residual + attn.o_proj(attended.reshape(sessions, tokens, -1).contiguous())
-        residual = hidden
-        mlp, normed = layer.mlp, norm(layer.post_attention_layernorm, hidden)
-        gate_up = getattr(mlp, "gate_up_proj", None)
-        if gate_up is not None:
-            gate, up = gate_up(normed).chunk(2, dim=-1)
-            hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
-        else:
-            hidden = residual + mlp(normed)
+            hidden = residual + out
+            residual = hidden
+            hidden = residual + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
     return hidden

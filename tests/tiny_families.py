@@ -1,0 +1,64 @@
+"""A tiny random checkpoint of each model family (model/families.py), built offline
+with transformers' own config classes: hidden 64, 4 layers, vocabulary 256, so a
+whole model runs in milliseconds. Each config turns on what makes its family
+differ (rope scaling, QK-norm, a sliding window shorter than the tests' sequences,
+soft-capping, two rope bases, fused projections), and every weight, norms and
+biases included, is random (transformers initialises norms and biases to
+constants, which would hide a missing (1 + w) or bias)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WINDOW = 4  # sliding windows: shorter than every test's prompt plus decode
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, initializer_range=0.3)
+# Gemma scales its embeddings by sqrt(64) = 8: at the others' spread one token wins every step.
+GEMMA = COMMON | dict(initializer_range=0.02)
+
+
+def _configs():
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
+
+    return {
+        "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**COMMON, tie_word_embeddings=True),
+        "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False),
+        "gemma2": lambda: Gemma2Config(**GEMMA, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                       attn_logit_softcapping=1.5, final_logit_softcapping=0.5),
+        "gemma3": lambda: Gemma3TextConfig(
+            **GEMMA, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+        "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False),
+    }
+
+
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+
+
+def tiny_config(family: str):
+    return _configs()[family]()
+
+
+def make_tiny_family(family: str, path: Path, *, seed: int = 0) -> Path:
+    """save_pretrained of a tiny random model of `family` into `path`: deterministic."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:  # norms (w or 1 + w) and biases
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    model.save_pretrained(str(path))
+    return path
