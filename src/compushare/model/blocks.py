@@ -151,7 +151,11 @@ class SpanRunner:
         if set(layer_state) != expected:
             missing, extra = sorted(expected - set(layer_state)), sorted(set(layer_state) - expected)
             raise RuntimeError(f"layer weights do not fit: missing {missing[:4]}, unexpected {extra[:4]}")
-        layer.load_state_dict({k: v.to(dtype) for k, v in layer_state.items()}, strict=False, assign=True)
+        # Where matrices became kernels, the rest (norms) is copied: a tensor read from the
+        # block file keeps the file's whole mapping, and with it the stored matrices' pages,
+        # resident (an 8B Q4_0 span held its 123 MB a block twice).
+        copy = bool(quantized)
+        layer.load_state_dict({k: v.to(dtype, copy=copy) for k, v in layer_state.items()}, strict=False, assign=True)
 
     @classmethod
     def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:

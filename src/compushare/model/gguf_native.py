@@ -57,6 +57,17 @@ def in_features_of(kind: str, raw_row_bytes: int) -> int:
     return raw_row_bytes // size * weights
 
 
+def held_bytes(kind: str, shape: tuple[int, ...]) -> int:
+    """Bytes the kernel of a [rows, row bytes] matrix of `kind` holds (model/kernels.py):
+    4-bit codes and a bfloat16 scale and zero per 32 weights for affine types (twice
+    for 5 to 8 bits), float16 / bfloat16 / float32 values for the rest."""
+    rows, in_features = shape[0], in_features_of(kind, shape[1])
+    if kind in AFFINE_BITS and rows % 16 == 0:
+        planes = 1 if AFFINE_BITS[kind] <= 4 else 2
+        return planes * rows * (in_features // 2 + in_features // GROUP * 4)
+    return rows * in_features * (4 if kind == "F32" else 2)
+
+
 def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     """transformers' reverse of llama.cpp's rotary row permutation of attn_q / attn_k,
     on any array whose first axis is the rows (values or a row's raw blocks alike)."""
@@ -161,6 +172,16 @@ def random_rows(kind: str, rows: int, in_features: int, rng: np.random.Generator
         blocks[..., 8:12] = blocks[..., 4:8]
         blocks[..., 12:16] = (blocks[..., 12:16] & 0x0F) * 17
     return blocks.reshape(rows, -1)
+
+
+def read_rows(path, begin: int, shape: tuple[int, int]) -> np.ndarray:
+    """Raw rows [rows, bytes] at byte `begin` of a file, read into memory of their own."""
+    out = np.empty(shape, dtype=np.uint8)
+    with open(path, "rb") as handle:
+        handle.seek(begin)
+        if handle.readinto(memoryview(out).cast("B")) != out.nbytes:
+            raise ValueError(f"{path} ends inside the rows at byte {begin}")
+    return out
 
 
 class MappedRows:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
+from . import gguf_native, kernels
 from .families import HeadSpec, head_spec, read_config
 from .formats import base_name
-from .weights import read_tensors
+from .manifest import parse
+from .weights import gguf_types, read_tensors
 
 HEAD_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -39,11 +40,26 @@ def rms_norm_plus_one(hidden: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (normed * (1.0 + weight.float())).type_as(hidden)
 
 
+def stored_range(model_dir: Path, name: str) -> tuple[Path, int, tuple[int, ...]]:
+    """(file, first byte, shape) of tensor `name` of a stored model, from its manifest."""
+    manifest = parse((Path(model_dir) / "manifest.json").read_bytes())
+    for entry in manifest.files:
+        if name in entry.tensors:
+            tensor = entry.tensors[name]
+            return Path(model_dir) / entry.name, tensor.begin, tensor.shape
+    raise ValueError(f"{model_dir} has no tensor {name}")
+
+
 class ConsumerHead:
-    def __init__(self, state: dict[str, torch.Tensor], spec: HeadSpec, dtype=torch.float32):
+    def __init__(self, state: dict[str, torch.Tensor], spec: HeadSpec, dtype=torch.float32, *,
+                 gguf_rows: gguf_native.MappedRows | None = None, gguf_types: dict[str, str] | None = None):
         self.dtype, self.spec, self.rms_norm_eps = dtype, spec, spec.rms_norm_eps
-        self.quantized = any(name != base_name(name) for name in state)
-        if self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
+        self.quantized = bool(gguf_types) or any(name != base_name(name) for name in state)
+        self.gguf_rows = gguf_rows
+        if gguf_types:  # a GGUF's own tensors: embedding rows read from the file, the LM head its type's kernel
+            head = LM_HEAD if LM_HEAD in gguf_types else EMBED  # tied: the embedding's own blocks
+            self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
+        elif self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
             self.embed_parts = {name[len(EMBED):]: t for name, t in state.items() if base_name(name) == EMBED}
             head_parts = {name[len(LM_HEAD):]: t for name, t in state.items() if base_name(name) == LM_HEAD}
             self.lm_head_module = kernels.linear(head_parts or self.embed_parts)  # tied: SmolLM2
@@ -55,6 +71,13 @@ class ConsumerHead:
 
     @classmethod
     def load(cls, model_dir: Path, dtype=torch.float32) -> ConsumerHead:
+        types = gguf_types(model_dir)
+        if types:  # the LM head read with plain reads (a mapping would stay resident), the embedding mapped
+            state = read_tensors(model_dir, lambda names: [n for n in names if n == "model.norm.weight"])
+            head = LM_HEAD if LM_HEAD in types else EMBED
+            state[head] = torch.from_numpy(gguf_native.read_rows(*stored_range(model_dir, head)))
+            rows = gguf_native.MappedRows(*stored_range(model_dir, EMBED), types[EMBED])
+            return cls(state, head_spec(read_config(model_dir)), dtype, gguf_rows=rows, gguf_types=types)
         state = read_tensors(model_dir, lambda names: [n for n in names if base_name(n) in HEAD_TENSORS])
         return cls(state, head_spec(read_config(model_dir)), dtype)
 
@@ -67,6 +90,8 @@ class ConsumerHead:
 
     def _embed_rows(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor([token_ids], dtype=torch.long)
+        if self.gguf_rows is not None:
+            return torch.from_numpy(self.gguf_rows(list(token_ids))).to(self.dtype).unsqueeze(0)
         if self.quantized:
             return kernels.embedding_rows(self.embed_parts, ids, self.dtype)
         return torch.nn.functional.embedding(ids, self.embed)

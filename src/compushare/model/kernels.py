@@ -19,6 +19,7 @@ DequantizedLinear, which is correct everywhere and fast nowhere.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -113,10 +114,14 @@ class GroupedInt4Linear(torch.nn.Module):
         self.out_features = raw.shape[0]
         self.in_features = gguf_native.in_features_of(kind, raw.shape[1])
         self.planes = 1 if gguf_native.AFFINE_BITS[kind] <= 4 else 2
-        chunks = [self._pack(raw[row:row + self.ROWS_AT_ONCE].numpy(), kind)
-                  for row in range(0, self.out_features, self.ROWS_AT_ONCE)]
-        self.register_buffer("packed", torch.cat([packed for packed, _ in chunks]))
-        self.register_buffer("scales_and_zeros", torch.cat([sz for _, sz in chunks], dim=1).contiguous())
+        width = self.in_features * self.planes  # codes a row, both planes side by side
+        self.register_buffer("packed", torch.empty(self.out_features, width // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.empty(width // GGUF_GROUP, self.out_features, 2,
+                                                             dtype=ACTIVATION))
+        for row in range(0, self.out_features, self.ROWS_AT_ONCE):
+            rows = slice(row, row + self.ROWS_AT_ONCE)
+            self.packed[rows], self.scales_and_zeros[:, rows] = self._pack(raw[rows].numpy(), kind)
+        release_freed_memory()
 
     def _pack(self, raw, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         codes, scale, minimum = (torch.from_numpy(a) for a in gguf_native.affine_groups(raw, kind))
@@ -131,8 +136,7 @@ class GroupedInt4Linear(torch.nn.Module):
             first = low.abs() <= high.abs()
             zeros = torch.cat([torch.where(first, low, 8.0 * held), torch.where(first, 128.0 * held, high)], dim=1)
             codes, scales = torch.cat([codes & 0x0F, codes >> 4], dim=1), torch.cat([held, 16.0 * held], dim=1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        return packed, torch.stack([scales.t(), zeros.t()], dim=-1).to(ACTIVATION)
+        return pack_int4(codes), torch.stack([scales.t(), zeros.t()], dim=-1).to(ACTIVATION)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
@@ -140,6 +144,27 @@ class GroupedInt4Linear(torch.nn.Module):
             flat = torch.cat([flat, flat], dim=-1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GGUF_GROUP, self.scales_and_zeros)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15) in `_weight_int4pack_mm_for_cpu`'s packed layout. Its
+    own converter takes int32 codes and is ~10x slower than the byte shuffle that gives
+    its layout (tiles of 64 rows: byte (k, i) of a tile holds row i's code k low and row
+    i + 32's high), which loading an 8B model's span does hundreds of times: the
+    shuffle is used where it is checked, once, to give the converter's very bytes."""
+    rows, cols = codes.shape
+    if rows % 64 or not _shuffle_matches_converter():
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    tiles = codes.reshape(rows // 64, 2, 32, cols)
+    return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(rows, cols // 2).contiguous()
+
+
+@functools.cache
+def _shuffle_matches_converter() -> bool:
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tiles = codes.reshape(2, 2, 32, 64)
+    shuffled = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(128, 32)
+    return torch.equal(shuffled, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 class DenseLinear(torch.nn.Module):
@@ -174,7 +199,29 @@ def _gguf_values(kind: str, raw: torch.Tensor) -> torch.Tensor:
     out = torch.empty(raw.shape[0], gguf_native.in_features_of(kind, raw.shape[1]), dtype=torch.float16)
     for row in range(0, raw.shape[0], rows):
         out[row:row + rows] = torch.from_numpy(gguf_native.dequantize(raw[row:row + rows].numpy(), kind))
+    release_freed_memory()
     return out
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system. Building a kernel frees many
+    chunk-sized transients (MBs each) that glibc keeps in its heap once its mmap
+    threshold has grown past them: 0.5 GB of RSS after an 8B model's LM head."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _load_malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
 
 
 def _gguf_affine(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.nn.Module]:
@@ -205,7 +252,7 @@ class WithBias(torch.nn.Module):
     def __init__(self, product: torch.nn.Module, bias: torch.Tensor) -> None:
         super().__init__()
         self.product = product
-        self.register_buffer("bias", bias.float().contiguous())
+        self.register_buffer("bias", bias.float().clone())  # its own: a file's tensor keeps the file mapped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x) + self.bias
