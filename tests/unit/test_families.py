@@ -173,3 +173,70 @@ def test_quantized_spans_run(checkpoint, tmp_path, fmt):
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
         assert torch.isfinite(a).all()
+
+
+def test_models_import_refuses_an_unservable_model_before_storing_it(tmp_path):
+    from compushare.errors import UsageError
+    from compushare.model.store import ModelStore
+
+    source = make_tiny_family("llama", tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (source / "config.json").write_text(json.dumps(config))
+    data = tmp_path / "data"
+    with pytest.raises(UsageError, match="no node could serve it: unsupported architecture GPT2LMHeadModel") as refused:
+        import_path(source, data, alias="gpt")
+    assert all(family.title in str(refused.value) for family in FAMILIES.values())
+    assert ModelStore(data).list() == []
+    assert not [path for path in data.rglob("*") if path.is_file()]
+    with pytest.raises(ModelUnavailable, match="unsupported architecture GPT2LMHeadModel"):
+        SpanRunner.load(source, 0, 1)  # a node given such a model (fetched by id) refuses it too
+
+
+def test_private_layers_run_every_family(checkpoint):
+    """Private mode's consumer side (model/private_layers.py: transformers' own layers,
+    each projection group asked for) with exact products reproduces the span runner,
+    sliding windows, Gemma's norms and Phi-3's fused groups included. The products are
+    computed from he/groups.py's stacked group weights, as a provider encrypts them."""
+    from compushare.he.groups import GROUPS, group_shapes, group_weight
+    from compushare.model.arch import load_config
+    from compushare.model.private_layers import PrivateLayers
+    from compushare.model.weights import read_tensors
+
+    _, path = checkpoint
+    config = load_config(path)
+    state = read_tensors(path, lambda names: [n for n in names if n.endswith("_proj.weight")])
+    weights = {(layer, group): torch.from_numpy(group_weight(state, layer, group))
+               for layer in range(config.num_hidden_layers) for group in GROUPS}
+    asked = []
+
+    def project(layer, group, x):
+        assert tuple(weights[(layer, group)].shape) == group_shapes(config)[group]
+        asked.append((layer, group))
+        return (x.double() @ weights[(layer, group)].T).to(x.dtype)
+
+    private, runner, head = PrivateLayers.load(path, project), SpanRunner.load(path, 0, 4), ConsumerHead.load(path)
+    caches, tokens = (private.new_cache(), runner.new_cache()), ([], [])
+    ids, length = PROMPT, 0
+    for _ in range(4):
+        hidden = head.embed_tokens(ids)
+        ours, theirs = private.forward(hidden, caches[0], length), runner.forward(hidden, caches[1], length)
+        assert (ours - theirs).norm() <= 1e-5 * theirs.norm()
+        length += len(ids)
+        tokens[0].append(int(head.logits(ours).argmax()))
+        tokens[1].append(int(head.logits(theirs).argmax()))
+        ids = tokens[1][-1:]
+    assert tokens[0] == tokens[1]
+    assert len(asked) == 4 * 4 * len(GROUPS)  # 4 steps, 4 layers, one product per group
+
+
+def test_private_mode_refuses_layers_it_cannot_encrypt(tmp_path, monkeypatch):
+    """A family whose layers hold a projection no encrypted group covers is refused,
+    naming it (here Phi-3, with its fused qkv_proj's group entry taken away)."""
+    from compushare.model import private_layers
+    from compushare.model.private_layers import PrivateLayers, PrivateModeUnsupported
+
+    path = make_tiny_family("phi3", tmp_path / "phi3")
+    monkeypatch.delitem(private_layers.GROUP_OF, "qkv_proj")
+    with pytest.raises(PrivateModeUnsupported, match="private mode cannot run Phi-3: its layers' self_attn.qkv_proj"):
+        PrivateLayers.load(path, project=None)

@@ -168,7 +168,8 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
                   data_dir: Path = DATA_DIR,
                   as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
                   ) -> None:
-    """Import a safetensors / Hugging Face directory or a GGUF file (prints its id)."""
+    """Import a safetensors / Hugging Face directory or a GGUF file (prints its id).
+    A model of a family no node serves is refused before anything is stored."""
     from ..model.catalog import import_path
 
     def do():

@@ -5,7 +5,9 @@ share the output ciphertexts, plan.py), so a layer is four encrypted products an
 four round trips: q, k and v of the normed hidden state; o of the attention
 output; gate and up of the normed hidden state; down of the SiLU-gated product.
 Biases (Qwen2's q, k and v) are added by the consumer, in plaintext, after it
-decrypts: they are a handful of numbers a layer and need no encryption.
+decrypts: they are a handful of numbers a layer and need no encryption. A
+checkpoint that stores a group's rows as one matrix already (Phi-3's qkv_proj and
+gate_up_proj) gives the group that matrix: the same rows in the same order.
 """
 
 from __future__ import annotations
@@ -21,26 +23,36 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("mlp.down_proj",),
 }
 PROJECTIONS_PER_LAYER = sum(len(parts) for parts in GROUPS.values())  # 7
+FUSED_GROUPS = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
 
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
+def group_members(state: dict, layer: int, group: str) -> tuple[str, ...]:
+    """The matrices holding a group's rows in `state`: its fused one if stored so, else its projections."""
+    fused = FUSED_GROUPS.get(group)
+    if fused is not None and f"{layer_prefix(layer)}{fused}.weight" in state:
+        return (fused,)
+    return GROUPS[group]
+
+
 def group_weight(state: dict, layer: int, group: str) -> np.ndarray:
     """The stacked [rows, cols] float64 weight of one group of one layer, from a
     state dict of numpy-convertible tensors (torch's or numpy's)."""
-    parts = [np.asarray(state[f"{layer_prefix(layer)}{name}.weight"], dtype=np.float64) for name in GROUPS[group]]
+    parts = [np.asarray(state[f"{layer_prefix(layer)}{name}.weight"], dtype=np.float64)
+             for name in group_members(state, layer, group)]
     return np.concatenate(parts, axis=0)
 
 
 def group_rows(state: dict, layer: int, group: str) -> list[int]:
-    """Rows of each projection of the group, in stacking order."""
-    return [int(state[f"{layer_prefix(layer)}{name}.weight"].shape[0]) for name in GROUPS[group]]
+    """Rows of each matrix of the group, in stacking order."""
+    return [int(state[f"{layer_prefix(layer)}{name}.weight"].shape[0]) for name in group_members(state, layer, group)]
 
 
 def group_shapes(config) -> dict[str, tuple[int, int]]:
-    """[rows, cols] of each group for a transformers config (Llama, Qwen2)."""
+    """[rows, cols] of each group for a transformers config (every family: model/families.py)."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
+from .families import family_of_config, read_config
 from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
 from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
@@ -112,6 +113,18 @@ def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str) 
     return store.import_dir(target, alias=alias, laid_out=True)
 
 
+def check_servable(directory: Path, source: Path) -> None:
+    """UsageError, before anything is stored, for a model of a family no node serves
+    (model/families.py): stored, it would be refused by every node."""
+    config = directory / "config.json"
+    if not config.exists():
+        raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
+    try:
+        family_of_config(read_config(directory))
+    except ModelUnavailable as exc:
+        raise UsageError(f"{source} not imported, as no node could serve it: {exc}") from exc
+
+
 def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
                 on_stage: Callable[[str], None] = lambda _stage: None,
                 progress: Callable[[int, int], None] | None = None, fmt: str | None = None) -> StoredModel:
@@ -129,6 +142,7 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
 
         laid_out = import_gguf_cached(gguf_file, resolve_cache_dir(), progress=progress,
                                       on_stage=lambda stage: on_stage(f"{stage}"))
+        check_servable(laid_out, gguf_file)
         on_stage("linking")
         return store.import_dir(laid_out, alias=alias, laid_out=True)
     weights: WeightFormat | None = parse_format(fmt) if fmt is not None else None
@@ -137,6 +151,7 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
         path = sources.convert_gguf_cached(gguf_file, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    check_servable(path, gguf_file or path)
     # Our own conversions are already laid out: hard-link them instead of rewriting.
     laid_out = weights is None and (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(
         resolve_cache_dir())

@@ -76,6 +76,26 @@ def _mlp(mlp, normed: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(act(gate) * up)
 
 
+def attention_inputs(config, family, rotary_embedding, kinds: list[str], hidden: torch.Tensor,
+                     position_ids: torch.Tensor, caches: list, start: int, end: int) -> tuple[dict, dict]:
+    """For layers start..end-1 of one forward: {layer type: (cos, sin)} and {layer type:
+    [session i's mask]}. Per layer type, the first layer of that type in the range sizes
+    its mask (a span's cache holds nothing for layers outside it), as transformers'
+    model does for the whole."""
+    first_of: dict[str, int] = {}
+    for index in range(start, end):
+        first_of.setdefault(kinds[index], index)
+    if family.rotary_per_layer_type:
+        rotary = {kind: rotary_embedding(hidden, position_ids, kind) for kind in first_of}
+    else:
+        rotary = dict.fromkeys(first_of, rotary_embedding(hidden, position_ids))
+    masks = {kind: [MASKS[kind](config=config, inputs_embeds=hidden[i:i + 1], attention_mask=None,
+                                past_key_values=caches[i], position_ids=position_ids[i:i + 1], layer_idx=first)
+                    for i in range(hidden.shape[0])]
+             for kind, first in first_of.items()}
+    return rotary, masks
+
+
 @torch.inference_mode()
 def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int], start: int, end: int,
                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -84,20 +104,7 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
     config, family, kinds = runner.config, runner.family, runner.layer_types
     sessions, tokens = hidden.shape[0], hidden.shape[1]
     position_ids = torch.tensor(positions, dtype=torch.long).view(sessions, 1) + torch.arange(tokens)
-    # Per layer type: the first layer of that type in the range sizes its mask (a span's
-    # cache holds nothing for layers outside it), as transformers' model does for the whole.
-    first_of = {}
-    for index in range(start, end):
-        first_of.setdefault(kinds[index], index)
-    if family.rotary_per_layer_type:
-        rotary = {kind: runner.rotary(hidden, position_ids, kind) for kind in first_of}
-    else:
-        shared = runner.rotary(hidden, position_ids)
-        rotary = dict.fromkeys(first_of, shared)
-    masks = {kind: [MASKS[kind](config=config, inputs_embeds=hidden[i:i + 1], attention_mask=None,
-                                past_key_values=caches[i], position_ids=position_ids[i:i + 1], layer_idx=first)
-                    for i in range(sessions)]
-             for kind, first in first_of.items()}
+    rotary, masks = attention_inputs(config, family, runner.rotary, kinds, hidden, position_ids, caches, start, end)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, runner.eager_attention)
     rotate, norm = runner.apply_rotary, norm_of(runner)
     shape = (sessions, tokens, -1, runner.head_dim)

@@ -9,8 +9,11 @@ three modules see the same input tensor, the first asks, the others take their
 rows of the answer). So the layers are transformers' own, op for op, and only the
 products come from elsewhere (encrypted: pipeline/client/private_chain.py).
 
-The consumer holds no projection weight: per layer it reads the two norms and any
-biases (Qwen2's q, k, v), a few kilobytes.
+The consumer holds no projection weight: per layer it reads the norms (Gemma's
+four and the QK-norms included) and any biases (Qwen2's q, k, v), a few kilobytes.
+Every family (model/families.py) runs so: its masks per layer type (sliding
+windows) and rotary tables come from model/lean.py, as a span runner's do. A family
+whose layers hold a projection no group covers is refused (PrivateModeUnsupported).
 """
 
 from __future__ import annotations
@@ -19,16 +22,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers.masking_utils import create_causal_mask
 
+from ..errors import ModelUnavailable
 from .arch import architecture_of, load_config
+from .families import layer_types
 from .kv_cache import new_cache
+from .lean import attention_inputs
 from .weights import read_dense_tensors
 
 GROUP_OF = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+    "qkv_proj": ("qkv", 0), "gate_up_proj": ("gate_up", 0),  # Phi-3's fused matrices: the whole group
 }
+
+
+class PrivateModeUnsupported(ModelUnavailable):
+    """Raised when a model's layers hold projections private mode cannot encrypt."""
 
 Project = Callable[[int, str, torch.Tensor], torch.Tensor]  # (layer, group, x [T, cols]) -> [T, rows]
 
@@ -47,6 +57,7 @@ class PrivateLayers:
     def __init__(self, config, state: dict[str, torch.Tensor], project: Project) -> None:
         self.config, self.project = config, project
         arch = architecture_of(config)
+        self.family, self.kinds = arch.family, layer_types(config)
         self.rotary = arch.rotary(config=config)
         self.layers: list[torch.nn.Module] = []
         self.products = 0  # group products asked for (one per group, layer and step)
@@ -65,6 +76,11 @@ class PrivateLayers:
                             self._splits.setdefault(group, {})[part] = getattr(parent, name).out_features
                         setattr(parent, name, _Remote(self, index, group, part,
                                                       None if bias is None else bias.float()))
+            uncovered = sorted(name for name, module in layer.named_modules() if isinstance(module, torch.nn.Linear))
+            if uncovered:
+                raise PrivateModeUnsupported(
+                    f"private mode cannot run {arch.family.title}: its layers' {', '.join(uncovered)} belong to no "
+                    f"encrypted group (he/groups.py: {', '.join(sorted(set(g for g, _ in GROUP_OF.values())))})")
             local = {k[len(prefix):]: v.float() for k, v in state.items()
                      if k.startswith(prefix) and not k.endswith("_proj.bias")}
             missing, unexpected = layer.load_state_dict(local, strict=False, assign=True)
@@ -109,13 +125,13 @@ class PrivateLayers:
         hidden = hidden.float()
         n = hidden.shape[1]
         position_ids = torch.arange(position, position + n).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=cache, position_ids=position_ids, layer_idx=start)
-        position_embeddings = self.rotary(hidden, position_ids)
+        rotary, masks = attention_inputs(self.config, self.family, self.rotary, self.kinds, hidden, position_ids,
+                                         [cache], start, end)
         try:
-            for layer in self.layers[start:end]:
-                hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                               use_cache=True, position_embeddings=position_embeddings)
+            for index in range(start, end):
+                kind = self.kinds[index]
+                hidden = self.layers[index](hidden, attention_mask=masks[kind][0], position_ids=position_ids,
+                                            past_key_values=cache, use_cache=True, position_embeddings=rotary[kind])
         finally:
             for key in [k for k in self._last if start <= k[0] < end]:
                 del self._last[key]  # no activation outlives its step
