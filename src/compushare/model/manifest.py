@@ -240,6 +240,11 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
         raise _fail(f"blocks without a file: {sorted(set(range(num_blocks)) - blocks)[:8]}")
     if sum(f.role == "head" for f in files) != 1:
         raise _fail("exactly one head file is required")
+    if weights is not None and weights.get("types"):  # gguf: each type names a stored byte matrix
+        stored = {name: t for f in files for name, t in f.tensors.items()}
+        if not all(name in stored and stored[name].dtype == "U8" and len(stored[name].shape) == 2
+                   for name in weights["types"]):
+            raise _fail("weights.types names a tensor that is not a stored U8 matrix")
     return Manifest(config, piece_size, files, raw, weights=weights)
 
 

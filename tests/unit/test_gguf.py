@@ -1,0 +1,172 @@
+"""GGUF files as they come (the gguf format): per ggml type, the weights a kernel
+computes with are gguf-py's dequantization of the file's blocks within the kernel's
+rounding; a mixed (Q4_K_M-style) file imports without a whole-model load into what
+transformers loads from it; layout streams and stays byte-deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compushare.errors import UsageError
+from compushare.model import gguf_native, kernels
+from compushare.model.blocks import SpanRunner, load_full_model
+from compushare.model.catalog import import_path
+from compushare.model.head import ConsumerHead
+from compushare.model.layout import PieceHasher, piece_hashes
+from compushare.proofs import relative_error
+from gguf_files import Q4_K_M, raw_rows, write_tiny_llama
+
+# type -> (kernel class, bound on |served - dequantized| in units of 2^-8 * (|w| + the group's max |w|)):
+# the int4 kernel holds scale and zero in bfloat16 and rounds its bfloat16 output (measured
+# up to 1.5); float16 keeps 11 bits (Q6_K, measured 0.06); F16, BF16 and F32 are exact.
+SERVED = {"Q4_0": ("GroupedInt4Linear", 2.0), "Q4_1": ("GroupedInt4Linear", 2.0), "Q5_0": ("GroupedInt4Linear", 2.0),
+          "Q5_1": ("GroupedInt4Linear", 2.0), "Q8_0": ("GroupedInt4Linear", 2.0), "Q4_K": ("GroupedInt4Linear", 2.0),
+          "Q5_K": ("GroupedInt4Linear", 2.0), "Q6_K": ("DenseLinear", 0.125), "F16": ("DenseLinear", 0.0),
+          "BF16": ("DenseLinear", 0.0), "F32": ("DenseLinear", 0.0)}
+ROWS, COLS = 208, 512  # 208 rows: a packed chunk of 128 (the byte shuffle) and one of 80 (torch's converter)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Imports lay GGUF files out in the conversion cache: a test's own, not the repo's."""
+    monkeypatch.setenv("COMPUSHARE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def typed_file(tmp_path_factory):
+    """One GGUF file holding a [ROWS, COLS] matrix of every type, as GGUFWriter writes it."""
+    path = tmp_path_factory.mktemp("types") / "types.gguf"
+    rng = np.random.default_rng(7)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for kind in SERVED:
+        writer.add_tensor(kind, raw_rows(kind, ROWS, COLS, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("kind", sorted(SERVED))
+def test_each_type_serves_the_files_dequantized_values(typed_file, kind, monkeypatch):
+    monkeypatch.setattr(kernels.GroupedInt4Linear, "ROWS_AT_ONCE", 128)
+    path, tensors = typed_file
+    tensor = tensors[kind]
+    raw = np.asarray(tensor.data).view(np.uint8).reshape(ROWS, -1)  # F16 etc. come typed
+    expected = gguf.quants.dequantize(raw, tensor.tensor_type).astype(np.float32)
+    module = kernels.linear({"": torch.from_numpy(raw.copy())}, gguf_type=kind)
+    kernel, bound = SERVED[kind]
+    assert type(module).__name__ == kernel and module.in_features == COLS
+    served = module(torch.eye(COLS)).T.numpy()  # the identity is exact in bfloat16: the weights themselves
+    groups = np.repeat(np.abs(expected).reshape(ROWS, -1, 32).max(axis=2), 32, axis=1)
+    assert np.all(np.abs(served - expected) <= bound * 2.0 ** -8 * (np.abs(expected) + groups) + 1e-30)
+    # The consumer's embedding: rows read from the mapped file, dequantized exactly.
+    rows = gguf_native.MappedRows(path, int(tensor.data_offset), raw.shape, kind)
+    assert np.array_equal(rows([5, 0, ROWS - 1, 5]), expected[[5, 0, ROWS - 1, 5]])
+    # A product of several rows computes with the same weights.
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
+    assert relative_error(module(x).numpy(), (x.numpy() @ expected.T)) < 1e-2
+
+
+def test_affine_groups_are_the_values(typed_file):
+    """What the int4 kernel is given (codes, scale, min per 32) reconstructs gguf-py's values exactly."""
+    _, tensors = typed_file
+    for kind in gguf_native.AFFINE_BITS:
+        tensor = tensors[kind]
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(ROWS, -1)  # F16 etc. come typed
+        codes, scale, minimum = gguf_native.affine_groups(raw, kind)
+        assert codes.max() < 2 ** gguf_native.AFFINE_BITS[kind]
+        values = codes.astype(np.float32) * np.repeat(scale, 32, 1) + np.repeat(minimum, 32, 1)
+        expected = gguf.quants.dequantize(raw, tensor.tensor_type)
+        assert np.allclose(values, expected, rtol=1e-6, atol=1e-7), kind  # float32 rounding of gguf-py's order
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=300), st.lists(st.integers(1, 64), max_size=12), st.sampled_from([16, 64, 128]))
+def test_pieces_hashed_as_written_equal_pieces_of_the_whole(data, cuts, piece_size):
+    hasher, at = PieceHasher(piece_size), 0
+    for cut in cuts + [len(data)]:
+        hasher.update(data[at:at + cut])
+        at += cut
+    hasher.update(data[at:])
+    assert hasher.finish() == piece_hashes(data, piece_size)
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("mixed") / "tiny-q4_k_m.gguf", Q4_K_M)
+
+
+def test_a_mixed_file_keeps_its_mix_and_is_what_transformers_loads(mixed_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = import_path(mixed_file, tmp_path / "a", alias="tiny")
+    assert model.format.label == "gguf" and model.manifest.weights["format"] == "gguf"
+    types = model.manifest.weights["types"]
+    assert types["model.embed_tokens.weight"] == "Q8_0" and types["lm_head.weight"] == "Q6_K"
+    assert {types[f"model.layers.2.{p}.weight"] for p in ("self_attn.v_proj", "mlp.down_proj")} == {"Q6_K"}
+    assert types["model.layers.2.self_attn.q_proj.weight"] == "Q4_K" and len(types) == 2 + 4 * 7
+    tensors = model.manifest.tensors()
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].dtype == "U8"  # the file's blocks
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == "F32"
+    # Dequantized, the stored tensors are transformers' own GGUF load (names, unpermuted rows, values).
+    reference = AutoModelForCausalLM.from_pretrained(str(mixed_file.parent), gguf_file=mixed_file.name,
+                                                     dtype=torch.float32).eval()
+    ours, theirs = load_full_model(model.path).state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # Served: each matrix on its type's kernel, the embedding's rows exact.
+    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path)
+    attn, mlp = runner.layers[1].self_attn, runner.layers[1].mlp
+    assert runner.format_label == "gguf" and isinstance(attn.q_proj, kernels.GroupedInt4Linear)
+    assert isinstance(attn.v_proj, kernels.DenseLinear) and isinstance(mlp.gate_up_proj, kernels.GroupedInt4Linear)
+    ids = [1, 5, 9, 13, 200]
+    assert torch.equal(head.embed_tokens(ids)[0], theirs["model.embed_tokens.weight"][ids])
+    logits = head.logits_rows(runner.forward(head.embed_tokens(ids), runner.new_cache(), 0))
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert relative_error(logits.numpy(), expected.numpy()) < 2e-2  # bfloat16 activations (TOLERANCES["gguf"])
+    # Byte-deterministic: the same file gives the same id; the budget counts kernels' bytes.
+    assert import_path(mixed_file, tmp_path / "b", alias="tiny").model_id == model.model_id
+    assert model.block_bytes == max(sum(t.numel() * t.element_size() for t in layer.buffers()) + sum(
+        p.numel() * p.element_size() for p in layer.parameters()) for layer in runner.layers.values())
+
+
+def test_an_architecture_no_node_serves_is_refused_before_storing(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    for key, value in (("context_length", 64), ("embedding_length", 32), ("block_count", 1),
+                       ("feed_forward_length", 64), ("attention.head_count", 2)):
+        writer.add_uint32(f"gpt2.{key}", value)
+    writer.add_float32("gpt2.attention.layer_norm_epsilon", 1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_tensor("token_embd.weight", np.zeros((3, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UsageError, match="gpt2|GPT2"):
+        import_path(path, tmp_path / "store", alias="nope")
+    assert not [p for p in (tmp_path / "store" / "models").iterdir() if p.name != "aliases.json"]
+
+
+def test_a_manifest_names_gguf_types(mixed_file, tmp_path):
+    from compushare.errors import FrameError
+    from compushare.model.manifest import parse
+
+    model = import_path(mixed_file, tmp_path, alias="tiny")
+    raw = model.manifest.raw.decode()
+    assert parse(model.manifest.raw, expected_id=model.model_id).format == model.format
+    for old, new in (('"Q6_K"', '"Q7_K"'), ('"Q6_K"', '6'), ('"types":{', '"types":{"x":"Q4_0",'),
+                     ('"format":"gguf"', '"format":"gguf","group_size":32')):
+        with pytest.raises(FrameError):
+            parse(raw.replace(old, new, 1).encode())
+    assert json.loads(raw)["weights"]["types"] == dict(model.format.types)
