@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -182,7 +183,10 @@ def main() -> None:
     gguf_path = synthetic_gguf.ensure(log=log)
     log(f"file: {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB)")
     root = Path(tempfile.mkdtemp(prefix="big-model-", dir=Path(os.environ["COMPUSHARE_CACHE"]).parent))
-    env = dict(os.environ, COMPUSHARE_HOME=str(root / "home"), PYTHONUNBUFFERED="1")
+    # A cache of their own: the import must convert, not hard-link an earlier run's conversion.
+    env = dict(os.environ, COMPUSHARE_HOME=str(root / "home"), COMPUSHARE_CACHE=str(root / "cache"),
+               PYTHONUNBUFFERED="1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the nodes (finally below)
     swarm_home = root / "swarm"
     failed = True
     try:
@@ -231,6 +235,7 @@ def main() -> None:
         for s, peak in zip(states, peaks):
             log(f"  node {s['start']}:{s['end']}: peak RSS {peak:.0f} MB of a {budget_mb} MB budget")
         subprocess.run(cli("swarm", "down", "--home", str(swarm_home)), env=env, timeout=60, capture_output=True)
+        # (the reference below needs the memory the nodes held)
 
         ref = reference(stored.path, prompt, len(outcome.tokens), stored.num_blocks, env, root / "reference.log")
         identical = ref["tokens"] == outcome.tokens
@@ -263,10 +268,10 @@ def main() -> None:
         }
         failed = False
     finally:
-        with contextlib.suppress(Exception):
-            from compushare.app.swarm import swarm_down
+        from compushare.app.swarm import stop_pids
 
-            swarm_down(swarm_home)
+        # By the pid files, not swarm.json: `swarm up` writes that only once every node is up.
+        stop_pids([int(p.read_text()) for p in swarm_home.glob("node-*/node.pid") if p.read_text().strip().isdigit()])
         if args.keep:
             log(f"scratch dir kept: {root}")
         else:

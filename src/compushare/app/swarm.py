@@ -50,15 +50,19 @@ def start_node(cmd: list[str], data_dir: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen, data_dir: Path, timeout: float = START_TIMEOUT_S) -> dict:
+def wait_ready(proc: subprocess.Popen, data_dir: Path, timeout: float = START_TIMEOUT_S,
+               watch: tuple[tuple[subprocess.Popen, Path], ...] = ()) -> dict:
+    """The node's state once it serves; an error as soon as it, or a node in `watch`
+    (the one it bootstraps from), exits."""
     deadline = time.monotonic() + timeout
     path = data_dir / STATE_FILE
     while time.monotonic() < deadline:
         if path.exists():
             return json.loads(path.read_text())
-        if proc.poll() is not None:
-            tail = (data_dir / "node.log").read_text(errors="replace")[-2000:]
-            raise CompushareError(f"node in {data_dir} exited with {proc.returncode}:\n{tail}")
+        for other, other_dir in ((proc, data_dir), *watch):
+            if other.poll() is not None:
+                tail = (other_dir / "node.log").read_text(errors="replace")[-2000:]
+                raise CompushareError(f"node in {other_dir} exited with {other.returncode}:\n{tail}")
         time.sleep(0.1)
     raise CompushareError(f"node in {data_dir} not ready after {timeout:.0f}s")
 
@@ -121,7 +125,7 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
         bootstrap = first["addrs"][:1]
         for span, data_dir in zip(spans[1:], dirs[1:]):
             procs.append(start_node(node_command(model, span, data_dir, bootstrap, extra_args), data_dir))
-        states = [first] + [wait_ready(p, d) for p, d in zip(procs[1:], dirs[1:])]
+        states = [first] + [wait_ready(p, d, watch=((procs[0], dirs[0]),)) for p, d in zip(procs[1:], dirs[1:])]
     except BaseException:
         stop_pids([p.pid for p in procs])
         raise
