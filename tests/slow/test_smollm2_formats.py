@@ -1,5 +1,5 @@
 """The real SmolLM2-135M-Instruct in a quantized format through a 3-process swarm, and
-its GGUF's own 4-bit weights kept bit for bit."""
+its GGUF's own blocks kept bit for bit."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from compushare.model.blocks import SpanRunner
 from compushare.model.catalog import resolve_model
 from compushare.model.head import ConsumerHead
 from compushare.model.quantize import dequantize, matrix_parts
+from compushare.model.weights import read_dense_tensors
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 
@@ -19,27 +20,29 @@ TOKENS = 24
 
 
 def test_the_gguf_weights_are_kept_exactly(tmp_path):
-    """`smollm2-135m@gguf` holds the file's Q4_1 integers and scales: dequantized, they
-    are transformers' own dequantization of the file (the fp32 model), bit for bit."""
+    """`smollm2-135m@gguf` holds the file's own blocks (Q4_1 projections, a Q8_0 tied
+    embedding): dequantized, they are transformers' own dequantization of the file (the
+    fp32 model), bit for bit, and a decode through them agrees with it."""
     fp32 = resolve_model("smollm2-135m", tmp_path)
     native = resolve_model("smollm2-135m@gguf", tmp_path)
-    assert native.format.label == "q4/g32"
+    types = dict(native.format.types)
+    assert native.format.label == "gguf" and set(types.values()) == {"Q4_1", "Q8_0"}
+    assert types["model.embed_tokens.weight"] == "Q8_0" and len(types) == 1 + 30 * 7
+    assert native.manifest.total_bytes < 0.2 * fp32.manifest.total_bytes
     for block in (0, 17, 29):
-        name = f"block-{block:04d}.safetensors"
-        ours, theirs = load_file(native.path / name), load_file(fp32.path / name)
-        for tensor, value in theirs.items():
-            if tensor.endswith("_proj.weight"):
-                assert torch.equal(dequantize(matrix_parts(ours, tensor)), value), tensor
+        prefix = f"model.layers.{block}."
+        ours = read_dense_tensors(native.path, lambda names: [n for n in names if n.startswith(prefix)])
+        theirs = load_file(fp32.path / f"block-{block:04d}.safetensors")
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     # Our own quantizer at the file's group size finds the very same grid for the
     # matrices it keeps in 4 bits (it keeps k, v and down at int8): so quality at g32 says
     # nothing of the quantizer on this model, and bench/node_compute.py measures g64.
     ours = load_file(resolve_model("smollm2-135m@q4/g32", tmp_path).path / "block-0000.safetensors")
-    theirs = load_file(native.path / "block-0000.safetensors")
-    four_bit = [name for name in ours if name.endswith("_min")]
+    theirs = read_dense_tensors(native.path, lambda names: [n for n in names if n.startswith("model.layers.0.")])
+    four_bit = [name.removesuffix("_min") for name in ours if name.endswith("_min")]
     assert len(four_bit) == 4  # q, o, gate, up
     for name in four_bit:
-        base = name.removesuffix("_min")
-        assert all(torch.equal(ours[base + s], theirs[base + s]) for s in ("", "_scale", "_min")), base
+        assert torch.equal(dequantize(matrix_parts(ours, name)), theirs[name]), name
 
 
 async def test_smollm2_q4_swarm_equals_one_process(tmp_path):
