@@ -16,7 +16,7 @@ $COMPUSHARE_CACHE, default <repo>/.cache/compushare):
   q4           smollm2-135m@q4       our quantizer from the fp32 weights: q, o, gate, up in
                                      4 bits, groups of 64 (scale and min searched for the
                                      least squared error), k, v, down and the head at int8
-  gguf_native  smollm2-135m@gguf     the GGUF file's own Q4_1 weights kept (q4/g32, all 4-bit)
+  gguf_native  smollm2-135m@gguf     the GGUF file's own blocks kept (gguf: Q4_1, all 4-bit)
   q4_g32       smollm2-135m@q4/g32   only with --formats: our quantizer at group 32. Its
                                      4-bit matrices recover the GGUF's grid exactly (the run
                                      checks block 0's), so its quality is not a test of the
@@ -345,13 +345,17 @@ def measure_quality(loaded: dict[str, Loaded], prompts: list[list[int]], tokens:
 
 
 def same_4bit_matrices(ours: Path, theirs: Path) -> bool:
-    """Whether every matrix block 0 holds in 4 bits in both models is byte-identical."""
+    """Whether every matrix block 0 of `ours` holds in 4 bits equals the GGUF model
+    `theirs`'s own (its blocks dequantized), value for value."""
     from safetensors.torch import load_file
 
-    a, b = (load_file(str(Path(d) / "block-0000.safetensors")) for d in (ours, theirs))
-    shared = [name for name in a if name.endswith("_min") and name in b]
-    return bool(shared) and all(torch.equal(a[n], b[n]) and torch.equal(a[n[:-4]], b[n[:-4]])
-                                and torch.equal(a[n[:-4] + "_scale"], b[n[:-4] + "_scale"]) for n in shared)
+    from compushare.model.quantize import dequantize, matrix_parts
+    from compushare.model.weights import read_dense_tensors
+
+    a = load_file(str(Path(ours) / "block-0000.safetensors"))
+    b = read_dense_tensors(theirs, lambda names: [n for n in names if n.startswith("model.layers.0.")])
+    four_bit = [name.removesuffix("_min") for name in a if name.endswith("_min")]
+    return bool(four_bit) and all(torch.equal(dequantize(matrix_parts(a, n)), b[n]) for n in four_bit)
 
 
 def measure_ppl(loaded: dict[str, Loaded], ids: list[int]) -> dict:
