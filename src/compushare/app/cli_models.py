@@ -55,7 +55,7 @@ def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "
     Console().print(table)
     for entry in CATALOG.values():
         print(f"catalog: {entry.name:14} {entry.description}")
-    print("any of them as NAME@FORMAT (int8, q4, q4/g32, bf16; @gguf: a GGUF's own 4-bit weights), e.g. "
+    print("any of them as NAME@FORMAT (int8, q4, q4/g32, bf16; @gguf: a GGUF's own tensors), e.g. "
           "smollm2-135m@q4")
 
 
@@ -163,8 +163,9 @@ def models_seed(
 def models_import(path: Path, name: str = typer.Option(None, help="Alias for the model."),
                   fmt: str = typer.Option(None, "--format",
                                           help="Weight format: fp32, bf16, int8, q4 (4-bit, groups of 64), q4/g32, "
-                                               "q4/g128; or gguf: keep a GGUF file's own Q4_0/Q4_1 weights as they "
-                                               "are. Default: the source's own (a GGUF is dequantized to fp32)."),
+                                               "q4/g128; or gguf: keep a GGUF file's own tensors as they are. "
+                                               "Default: the source's own (a GGUF's tensors kept, streamed; "
+                                               "another format dequantizes it whole through transformers)."),
                   data_dir: Path = DATA_DIR,
                   as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar).")
                   ) -> None:

@@ -9,7 +9,9 @@
   private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
   arch.py      architecture table (Llama, Qwen2) -> transformers classes
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
-  layout.py    a Hugging Face directory laid out the way the store and the swarm hold it
+  layout.py    a Hugging Face directory laid out the way the store and the swarm hold it, streamed
+  gguf_import.py  a GGUF file laid out as it comes (the gguf format), tensor by tensor
+  gguf_native.py  pure numpy: what each ggml type's blocks mean
   weights.py   selected tensors read from safetensors files (the head's loader)
   selfbench.py how fast this node decodes one block: a short benchmark, cached
 """

@@ -15,6 +15,29 @@ A build for another device registers its own kernels in KERNELS under its device
 type ("cuda": torch's `_weight_int4pack_mm` with `_convert_weight_to_int4pack`;
 "mps": `_weight_int4pack_mm_with_scales_and_zeros`); until it does, it gets
 DequantizedLinear, which is correct everywhere and fast nowhere.
+
+A gguf model's matrices (raw ggml blocks, model/gguf_native.py) run on the kernel of
+their ggml type, registered below as ("cpu", "gguf:TYPE"). Measured by
+bench/gguf_kernels.py (1 thread, one-token product, this project's CPUs, torch 2.13;
+GB/s of the file's bytes a token reads; bits: per weight in the file / in the kernel):
+
+  type  kernel                                           14336x4096     4096x4096    bits
+  Q4_0  int4 (`_weight_int4pack_mm_for_cpu`, group 32)    3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
+  Q4_1  int4: scale d, zero m + 8d                         3.2 ms 11.4    0.90 ms 11.6   5 / 5
+  Q4_K  int4: scale d*sc, min -dmin*m per 32 (float32)     3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
+  Q5_K  int4, two planes (low nibble; high, scale x16)     6.4 ms  6.3    1.84 ms  6.3   5.5 / 10
+  Q8_0  int4, two planes (Q5_0 / Q5_1 likewise)            6.4 ms  9.7    1.87 ms  9.5   8.5 / 10
+  Q6_K  float16 dense (a scale per 16: no int4 group)      5.2 ms  9.3    1.51 ms  9.1   6.6 / 16
+  F16   float16 dense                                      5.2 ms 22.8    1.51 ms 22.2   16 / 16
+  BF16  bfloat16 dense (no fast bf16 GEMV on these CPUs)  10.2 ms 11.5    2.60 ms 12.9   16 / 16
+  F32   float32 dense                                     10.4 ms 22.7    2.83 ms 23.7   32 / 32
+
+The int4 kernel holds each group's scale and zero in bfloat16, so a 4-bit type's
+served weights are its values up to that rounding (and the product's bfloat16 input
+and output); 5- to 8-bit types keep every bit of their codes (two 4-bit planes, the
+input met twice in one call), so a mixed file keeps its mix: nothing is served at
+fewer bits than stored. Float16 products that overflow are computed again in float32.
+Any other type gguf-py reads (Q2_K, Q3_K, IQ*) is dequantized to float16.
 """
 
 from __future__ import annotations
