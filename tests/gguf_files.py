@@ -38,12 +38,14 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: bool = False) -> Path:
+def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: bool = False,
+                     arch: str = "llama") -> Path:
+    """`arch` "qwen2": Qwen2's layout instead (q / k / v biases, rows not permuted)."""
     import gguf
 
     s, rng = SHAPE, np.random.default_rng(seed)
     head_dim = s["hidden"] // s["heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test llama")
     writer.add_context_length(512)
     writer.add_embedding_length(s["hidden"])
@@ -67,9 +69,11 @@ def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: b
     def matrix(name: str, role: str, rows: int, cols: int, heads: int | None = None) -> None:
         kind = types[role]
         raw = raw_rows(kind, rows, cols, rng)
-        if heads is not None:
+        if heads is not None and arch == "llama":
             raw = permute(raw, heads)
         writer.add_tensor(name, raw, raw_shape=None, raw_dtype=gguf.GGMLQuantizationType[kind])
+        if arch == "qwen2" and role in ("attn_q", "attn_k", "attn_v"):
+            writer.add_tensor(name.replace(".weight", ".bias"), (0.02 * rng.standard_normal(rows)).astype(np.float32))
 
     def norm(name: str, size: int) -> None:
         writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))

@@ -138,6 +138,26 @@ def test_a_mixed_file_keeps_its_mix_and_is_what_transformers_loads(mixed_file, t
         p.numel() * p.element_size() for p in layer.parameters()) for layer in runner.layers.values())
 
 
+def test_a_tied_qwen2_file_imports_with_its_biases(tmp_path):
+    """Qwen2: q / k / v biases, rows not permuted; tied: the LM head is the embedding's blocks."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_llama(tmp_path / "qwen2.gguf", Q4_K_M | {"token_embd": "Q4_K"}, arch="qwen2", tie=True)
+    model = import_path(path, tmp_path / "store", alias="qwen")
+    assert model.manifest.config["model_type"] == "qwen2" and "lm_head.weight" not in model.manifest.tensors()
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ours, theirs = load_full_model(model.path).state_dict(), reference.state_dict()
+    assert "model.layers.0.self_attn.q_proj.bias" in ours
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path)
+    assert isinstance(head.lm_head_module, kernels.GroupedInt4Linear)  # the Q4_K embedding, as a kernel
+    ids = [3, 30, 100]
+    logits = head.logits_rows(runner.forward(head.embed_tokens(ids), runner.new_cache(), 0))
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert relative_error(logits.numpy(), expected.numpy()) < 2e-2
+
+
 def test_an_architecture_no_node_serves_is_refused_before_storing(tmp_path):
     path = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
