@@ -62,3 +62,17 @@ def make_tiny_family(family: str, path: Path, *, seed: int = 0) -> Path:
                 parameter.add_(torch.randn_like(parameter) * 0.3)
     model.save_pretrained(str(path))
     return path
+
+
+def add_word_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer beside the checkpoint in `path`, so that text goes in and
+    comes out: token i is the word "w<i>", 0..3 are pad, bos, eos and unk."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, COMMON["vocab_size"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+    return path
