@@ -7,7 +7,8 @@
   kv_cache.py  the KV cache that grows in blocks, written in place
   head.py      ConsumerHead: embeddings, final norm and LM head
   private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
-  arch.py      architecture table (Llama, Qwen2) -> transformers classes
+  families.py  pure: the model families served (one table) and what differs in each
+  arch.py      a family's transformers classes; configs loaded for them
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
   layout.py    a Hugging Face directory laid out the way the store and the swarm hold it, streamed
   gguf_import.py  a GGUF file laid out as it comes (the gguf format), tensor by tensor
