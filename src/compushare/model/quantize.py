@@ -39,6 +39,11 @@ def quantize_q4(weight: torch.Tensor, group_size: int, *, steps: int = 20) -> di
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise UsageError(f"q4/g{group_size} needs an input dimension divisible by {group_size}, not {in_features}")
+    if weight.device.type == "meta":  # shapes only (layout.py's specs): the search on meta costs ~0.2 s a matrix
+        groups = in_features // group_size
+        return {"": torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"),
+                SCALE_SUFFIX: torch.empty(out_features, groups, dtype=torch.float16, device="meta"),
+                MIN_SUFFIX: torch.empty(out_features, groups, dtype=torch.float16, device="meta")}
     chunks = [_search_q4(weight[row:row + SEARCH_ROWS], group_size, steps)
               for row in range(0, out_features, SEARCH_ROWS)]
     q, scale, minimum = (torch.cat(part, dim=0) for part in zip(*chunks))
