@@ -94,6 +94,17 @@ def measured(cmd: list[str], *, env: dict, out: Path, timeout: float) -> tuple[f
     return seconds, usage.ru_maxrss / 1024
 
 
+def settled_state(data_dir: Path, timeout: float = 60.0) -> dict:
+    """node.json once it says what the node holds against its budget (its first
+    version is written as the span starts serving, before that is known)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = json.loads((data_dir / "node.json").read_text())
+        if state.get("memory") or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
 def parameters(config: dict) -> int:
     """A Llama-shaped model's parameter count, from its config (stored tensors may be packed)."""
     hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
@@ -217,7 +228,7 @@ def main() -> None:
                  env=env, out=root / "swarm_up.log", timeout=1800)
         up_s = time.monotonic() - began
         swarm = json.loads((swarm_home / "swarm.json").read_text())
-        states = [json.loads((Path(n["data_dir"]) / "node.json").read_text()) for n in swarm["nodes"]]
+        states = [settled_state(Path(n["data_dir"])) for n in swarm["nodes"]]
         log(f"swarm up in {up_s:.1f} s: " + ", ".join(f"{s['start']}:{s['end']} (fits {s['max_blocks']}, held "
                                                        f"{s['memory']['held_mb']} MB)" for s in states))
         fetched = [f for s in states for f in s.get("fetched", [])]
@@ -244,8 +255,9 @@ def main() -> None:
         log(f"llama.cpp (1 thread): {llama['decode_tok_s']:.2f} tok/s")
 
         files = stored.manifest.files
-        token_bytes = sum(f.size for f in files if f.role == "block") + max(
-            t.end - t.start for f in files if f.role == "head" for t in f.tensors.values())
+        head = {name: t for f in files if f.role == "head" for name, t in f.tensors.items()}
+        lm_head = head.get("lm_head.weight") or head["model.embed_tokens.weight"]  # tied: the embedding
+        token_bytes = sum(f.size for f in files if f.role == "block") + lm_head.end - lm_head.begin
         copy = copy_gb_s()
         bound = copy * 1e9 / token_bytes
         log(f"bound: {token_bytes / 1e9:.2f} GB read per token, copy at {copy:.1f} GB/s -> {bound:.2f} tok/s")

@@ -17,6 +17,7 @@ from .errors import UsageError
 
 APP_NAME = "compushare"
 STATE_FILE = "node.json"  # a running node's state in its data dir
+LISTEN_FILE = "node.listen.json"  # pid, peer id and addresses, as soon as the node can be dialled
 
 
 def resolve_data_dir(flag: str | Path | None = None) -> Path:

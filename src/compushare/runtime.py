@@ -28,7 +28,11 @@ async def stop_on_signal(scope: trio.CancelScope) -> None:
 
 def write_state(data_dir, state: dict) -> None:
     """`<data dir>/node.json`: what `swarm`, `status` and tests read about a node."""
-    path = data_dir / STATE_FILE
+    write_json(data_dir / STATE_FILE, state)
+
+
+def write_json(path, value: dict) -> None:
+    """Replace `path` atomically: a reader sees the old file or the new one, never half."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
+    tmp.write_text(json.dumps(value, indent=2))
     os.replace(tmp, path)

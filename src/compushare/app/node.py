@@ -16,7 +16,7 @@ import torch
 import trio
 
 from .. import __version__, defences
-from ..config import PID_FILE, STATE_FILE, NodeConfig, Span
+from ..config import LISTEN_FILE, PID_FILE, STATE_FILE, NodeConfig, Span
 from ..errors import ModelUnavailable, UsageError
 from ..gc_policy import startup_done
 from ..hardware import available_ram_mb, detect_hardware
@@ -49,7 +49,7 @@ from ..pipeline.server.private_worker import HEWorker
 from ..pipeline.server.provider import (Provider, block_cost, blocks_for_budget, check_fixed_span, memory_state,
                                         weights_budget_mb)
 from ..pipeline.server.inference import InferenceServer
-from ..runtime import stop_on_signal, write_state
+from ..runtime import stop_on_signal, write_json, write_state
 from .status import summarize
 from ..torrent.service import Torrent
 
@@ -158,6 +158,10 @@ class Node:
                 await nursery.start(traversal.run)
                 await nursery.start(gossip.run)  # before dialling: pubsub learns peers from connections
                 await swarm.join(retry=True)
+                # Dialable and seeding from here on: `swarm up` starts the other nodes now,
+                # so they fetch their spans while this one loads its own.
+                write_json(config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": me,
+                                                           "addrs": advertised_addrs(host)})
                 nursery.start_soon(routing_sync_loop, host, dht)
                 nursery.start_soon(karma.publish_loop)
                 nursery.start_soon(karma.provide_reports_loop)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import STATE_FILE
+from ..config import LISTEN_FILE, STATE_FILE
 from ..errors import CompushareError, UsageError
 
 SWARM_FILE = "swarm.json"
@@ -44,6 +44,7 @@ def node_command(model: str, span: tuple[int, int] | None, data_dir: Path, boots
 def start_node(cmd: list[str], data_dir: Path) -> subprocess.Popen:
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / STATE_FILE).unlink(missing_ok=True)
+    (data_dir / LISTEN_FILE).unlink(missing_ok=True)
     log = open(data_dir / "node.log", "ab")
     # Own session: a Ctrl-C in the terminal that started the swarm does not reach it.
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -51,11 +52,12 @@ def start_node(cmd: list[str], data_dir: Path) -> subprocess.Popen:
 
 
 def wait_ready(proc: subprocess.Popen, data_dir: Path, timeout: float = START_TIMEOUT_S,
-               watch: tuple[tuple[subprocess.Popen, Path], ...] = ()) -> dict:
-    """The node's state once it serves; an error as soon as it, or a node in `watch`
-    (the one it bootstraps from), exits."""
+               watch: tuple[tuple[subprocess.Popen, Path], ...] = (), file: str = STATE_FILE) -> dict:
+    """The node's state once it serves (`file`=LISTEN_FILE: its addresses, once it can
+    be dialled); an error as soon as it, or a node in `watch` (the one it bootstraps
+    from), exits."""
     deadline = time.monotonic() + timeout
-    path = data_dir / STATE_FILE
+    path = data_dir / file
     while time.monotonic() < deadline:
         if path.exists():
             return json.loads(path.read_text())
@@ -121,11 +123,13 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
     procs: list[subprocess.Popen] = []
     try:
         procs.append(start_node(node_command(model, spans[0], dirs[0], [], extra_args), dirs[0]))
-        first = wait_ready(procs[0], dirs[0])
-        bootstrap = first["addrs"][:1]
+        # The others start as soon as the first can be dialled: they fetch their spans'
+        # weights from it while it loads its own (an 8B-shaped model: ~20 s sooner).
+        bootstrap = wait_ready(procs[0], dirs[0], file=LISTEN_FILE)["addrs"][:1]
         for span, data_dir in zip(spans[1:], dirs[1:]):
             procs.append(start_node(node_command(model, span, data_dir, bootstrap, extra_args), data_dir))
-        states = [first] + [wait_ready(p, d, watch=((procs[0], dirs[0]),)) for p, d in zip(procs[1:], dirs[1:])]
+        states = [wait_ready(procs[0], dirs[0])] + [wait_ready(p, d, watch=((procs[0], dirs[0]),))
+                                                    for p, d in zip(procs[1:], dirs[1:])]
     except BaseException:
         stop_pids([p.pid for p in procs])
         raise

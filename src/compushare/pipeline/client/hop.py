@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 MIN_DEADLINE_S = 1.0  # no step is given less (scheduling hiccups on a loaded machine)
 DEADLINE_LATENCIES = 5.0  # a step may take this many times the hop's usual latency per chunk...
-DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much per token it carries
+DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much (or one usual latency, if more) per token it carries
 LATENCY_EWMA = 0.2
 RECEIPT_TIMEOUT_S = 2.0
 
@@ -93,7 +93,11 @@ class RemoteHop:
         return f"{self.peer_id} (blocks {self.hop.start}:{self.hop.end})"
 
     def deadline(self, tokens: int, chunks: int = 1) -> float:
-        return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + DEADLINE_PER_TOKEN_S * tokens
+        # A prompt's tokens cost compute, not only bytes: through 11 blocks of an 8B-shaped
+        # model on one thread each prompt token costs about what a decode step does
+        # (~0.15 s), so a flat 10 ms per token timed out a healthy 31-token prefill.
+        per_token = max(DEADLINE_PER_TOKEN_S, self.latency)
+        return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + per_token * tokens
 
     async def request(self, message: Request, timeout: float,
                       tighten: tuple[trio.Event, float] | None = None) -> Reply:
