@@ -24,37 +24,39 @@ def _configs():
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                               Qwen3Config)
 
-    return {
-        "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
+    return {  # each takes overrides of its fields (`tiny_config`)
+        "llama": lambda o: LlamaConfig(**COMMON | dict(tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-        "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-        "qwen3": lambda: Qwen3Config(**COMMON, tie_word_embeddings=True),
-        "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False),
-        "gemma2": lambda: Gemma2Config(**GEMMA, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                                       attn_logit_softcapping=1.5, final_logit_softcapping=0.5),
-        "gemma3": lambda: Gemma3TextConfig(
-            **GEMMA, sliding_window=WINDOW, query_pre_attn_scalar=16,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}) | o),
+        "qwen2": lambda o: Qwen2Config(**COMMON | dict(tie_word_embeddings=True) | o),
+        "qwen3": lambda o: Qwen3Config(**COMMON | dict(tie_word_embeddings=True) | o),
+        "mistral": lambda o: MistralConfig(**COMMON | dict(sliding_window=WINDOW, tie_word_embeddings=False) | o),
+        "gemma2": lambda o: Gemma2Config(**GEMMA | dict(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                                        attn_logit_softcapping=1.5, final_logit_softcapping=0.5) | o),
+        "gemma3": lambda o: Gemma3TextConfig(**GEMMA | dict(
+            sliding_window=WINDOW, query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
-        "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False),
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}) | o),
+        "phi3": lambda o: Phi3Config(**COMMON | dict(tie_word_embeddings=False) | o),
     }
 
 
 FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
 
 
-def tiny_config(family: str):
-    return _configs()[family]()
+def tiny_config(family: str, **overrides):
+    """`family`'s tiny config; `overrides` replace its fields (a smaller model, other layer types)."""
+    return _configs()[family](overrides)
 
 
-def make_tiny_family(family: str, path: Path, *, seed: int = 0) -> Path:
-    """save_pretrained of a tiny random model of `family` into `path`: deterministic."""
+def make_tiny_family(family: str, path: Path, *, seed: int = 0, **overrides) -> Path:
+    """save_pretrained of a tiny random model of `family` (with `overrides`, tiny_config's)
+    into `path`: deterministic."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():

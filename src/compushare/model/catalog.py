@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
-from .families import family_of_config, read_config
+from .families import family_of_config, family_of_gguf, read_config
 from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
 from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
@@ -137,6 +137,13 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
     gguf_file = path if path.is_file() and path.suffix == ".gguf" else None
     if fmt == KEEP_GGUF and gguf_file is None:
         raise UsageError("--format gguf keeps a GGUF file's own tensors: give a .gguf file")
+    if gguf_file is not None:  # refused from its header, before any conversion
+        from .gguf_config import architecture
+
+        try:
+            family_of_gguf(architecture(gguf_file))
+        except ModelUnavailable as exc:
+            raise UsageError(f"{gguf_file} not imported, as no node could serve it: {exc}") from exc
     if gguf_file is not None and fmt in (None, KEEP_GGUF):
         from .gguf_import import import_gguf_cached
 

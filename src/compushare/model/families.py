@@ -53,6 +53,9 @@ class Family:
     final_softcap_default: float | None = None  # final_logit_softcapping when config.json omits it
     rms_norm_eps_default: float = 1e-6  # rms_norm_eps when config.json omits it (transformers' class default)
     projections: tuple[str, ...] = SEPARATE  # the decoder's weight matrices as the checkpoint names them
+    # general.architecture of its GGUF files (model/gguf_config.py); llama.cpp's converter
+    # writes a Mistral as "llama" (without its sliding window).
+    gguf_architectures: tuple[str, ...] = ()
 
     @property
     def fused(self) -> dict[str, tuple[str, ...]]:
@@ -62,21 +65,21 @@ class Family:
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     Family("llama", "Llama 2/3.x", ("LlamaForCausalLM",), ("llama",),
-           "transformers.models.llama.modeling_llama", "Llama"),
+           "transformers.models.llama.modeling_llama", "Llama", gguf_architectures=("llama",)),
     Family("qwen2", "Qwen2/2.5", ("Qwen2ForCausalLM",), ("qwen2",),
-           "transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+           "transformers.models.qwen2.modeling_qwen2", "Qwen2", gguf_architectures=("qwen2",)),
     Family("qwen3", "Qwen3", ("Qwen3ForCausalLM",), ("qwen3",),
-           "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm="before_transpose"),
+           "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm="before_transpose", gguf_architectures=("qwen3",)),
     Family("mistral", "Mistral", ("MistralForCausalLM",), ("mistral",),
            "transformers.models.mistral.modeling_mistral", "Mistral"),
     Family("gemma2", "Gemma 2", ("Gemma2ForCausalLM",), ("gemma2",),
            "transformers.models.gemma2.modeling_gemma2", "Gemma2", attention="eager", sandwich_norms=True,
-           norm_plus_one=True, embed_scale=True, attention_softcap=True, final_softcap_default=30.0),
+           norm_plus_one=True, embed_scale=True, attention_softcap=True, final_softcap_default=30.0, gguf_architectures=("gemma2",)),
     Family("gemma3", "Gemma 3 (text)", ("Gemma3ForCausalLM",), ("gemma3_text",),
            "transformers.models.gemma3.modeling_gemma3", "Gemma3", qk_norm="after_transpose",
-           sandwich_norms=True, norm_plus_one=True, embed_scale=True, rotary_per_layer_type=True),
+           sandwich_norms=True, norm_plus_one=True, embed_scale=True, rotary_per_layer_type=True, gguf_architectures=("gemma3",)),
     Family("phi3", "Phi-3", ("Phi3ForCausalLM",), ("phi3",),
-           "transformers.models.phi3.modeling_phi3", "Phi3", rms_norm_eps_default=1e-5, projections=FUSED),
+           "transformers.models.phi3.modeling_phi3", "Phi3", rms_norm_eps_default=1e-5, projections=FUSED, gguf_architectures=("phi3",)),
 )}
 
 
@@ -102,6 +105,14 @@ def family_of(architectures, model_type: str | None) -> Family:
             return family
     described = ", ".join(names) if names else f"model_type {model_type!r}"
     raise ModelUnavailable(f"unsupported architecture {described}: CompuShare serves {supported()}")
+
+
+def family_of_gguf(architecture: str) -> Family:
+    """The family of a GGUF file's general.architecture, or ModelUnavailable naming the supported ones."""
+    for family in FAMILIES.values():
+        if architecture in family.gguf_architectures:
+            return family
+    raise ModelUnavailable(f"unsupported GGUF architecture {architecture}: CompuShare serves {supported()}")
 
 
 def family_of_config(config) -> Family:

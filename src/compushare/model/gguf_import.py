@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelUnavailable, UsageError
-from . import gguf_native
+from . import gguf_config, gguf_native
 from .formats import GGUF_TYPES, WeightFormat
 from .layout import StoredSpec, lay_out
 from .manifest import Manifest
@@ -96,18 +96,19 @@ def read_metadata(path: Path, staging: Path):
     """The file's config (as transformers reads it, checked servable) and tokenizer,
     written into `staging`; returns (config, GGUF architecture name)."""
     from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from .arch import architecture_of
 
+    fields, rope_freqs, tensor_names = gguf_config.read_fields(path)
+    architecture = fields["general.architecture"]  # gguf-py's, which transformers may rename (gemma3_text)
     try:
-        architecture = load_gguf_checkpoint(str(path), return_tensors=False)["config"]["model_type"]
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UsageError(f"{path.name}: transformers cannot read this GGUF file's model ({exc})") from None
     if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config = type(config).from_dict(gguf_config.completed(config.to_dict(), fields, rope_freqs, tensor_names))
     try:
         architecture_of(config)  # refused here, before anything is stored
     except ModelUnavailable as exc:
