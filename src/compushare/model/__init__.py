@@ -12,6 +12,7 @@
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
   layout.py    a Hugging Face directory laid out the way the store and the swarm hold it, streamed
   gguf_import.py  a GGUF file laid out as it comes (the gguf format), tensor by tensor
+  gguf_config.py  a GGUF file's config as llama.cpp reads its metadata (what transformers' reader drops)
   gguf_native.py  pure numpy: what each ggml type's blocks mean
   weights.py   selected tensors read from safetensors files (the head's loader)
   selfbench.py how fast this node decodes one block: a short benchmark, cached

@@ -1,10 +1,11 @@
 """Import a GGUF file as it comes (the `gguf` weight format), streaming tensor by tensor.
 
 Nothing loads the whole model: the config and tokenizer come from the file's
-metadata (transformers' GGUF readers), the tensors' names, types and byte ranges
-from gguf-py's GGUFReader, and each tensor's bytes are read with a plain file read
-when layout.lay_out writes it, so memory holds one tensor at a time (a page-cache
-mapping of the whole file would count in the process's RSS as it is read).
+metadata (transformers' GGUF readers, the config completed by gguf_config.py), the
+tensors' names, types and byte ranges from gguf-py's GGUFReader, and each tensor's
+bytes are read with a plain file read when layout.lay_out writes it, so memory holds
+one tensor at a time (a page-cache mapping of the whole file would count in the
+process's RSS as it is read).
 
 Tensor names map to transformers' names through transformers' own GGUF map
 (`get_gguf_hf_weights_map`, over gguf-py's per-architecture name tables), built on a
@@ -12,8 +13,9 @@ meta-device model of the file's config. Every 2-D tensor is kept as its raw bloc
 (U8 [out, row bytes]); Llama-architecture files store attn_q / attn_k rows permuted
 for llama.cpp's rotary layout, and those rows are put back as transformers puts
 them back (rows are whole blocks, so this is exact). 1-D tensors (norms, biases)
-are stored as float32 values after transformers' own per-architecture processing
-(Gemma's norms are stored as 1 + w).
+are stored as float32 values after transformers' own per-architecture processing,
+looked up under the file's general.architecture (Gemma's norms, which the file holds
+as 1 + w, stored as w).
 """
 
 from __future__ import annotations
