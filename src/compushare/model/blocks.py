@@ -13,6 +13,7 @@ family (model/families.py): so every span is batchable and may be quantized.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers import DynamicCache
 from . import gguf_native, kernels
 from .arch import architecture_of, load_config
 from .formats import FP32, MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
+from .device import CPU
 from .kv_cache import new_cache
 from .families import layer_types
 from .lean import run_layers
@@ -38,6 +40,14 @@ LAYER_PREFIX = "model.layers."
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "self_attn.kv_proj": ("self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def span_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, a CUDA one with its index (the current device's if unsaid)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def span_tensor_names(all_names, start: int, end: int) -> list[str]:
@@ -61,35 +71,28 @@ def layer_states(state: dict[str, torch.Tensor]) -> Callable[[int], dict[str, to
 class SpanRunner:
     def __init__(self, config, start: int, end: int,
                  state: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]], dtype=torch.float32,
-                 gguf_types: dict[str, str] | None = None):
+                 gguf_types: dict[str, str] | None = None, device: str | torch.device = "cpu"):
         """`state` is the span's tensors, or a function reading one layer's (`load`: a
         span is read a layer at a time, so what loading holds beyond the span's kernels
         is one layer's stored bytes, not the span's). `gguf_types`: a gguf model's
-        {matrix name: ggml type} (its manifest's), whose matrices are raw blocks."""
+        {matrix name: ggml type} (its manifest's), whose matrices are raw blocks.
+        `device`: where weights, KV caches and activations live ("cpu", "cuda",
+        "cuda:1"); forward takes and returns CPU tensors whatever it is."""
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end, self.dtype = config, start, end, dtype
+        self.device = span_device(device)
         arch = architecture_of(config)
         self.family, self.layer_types = arch.family, layer_types(config)
-        self.rotary = arch.rotary(config=config)
+        self.rotary = arch.rotary(config=config).to(self.device)
         self.apply_rotary, self.eager_attention = arch.apply_rotary, arch.eager_attention
         self.layers: dict[int, torch.nn.Module] = {}
         self.weight_bytes = 0  # as held in memory, in the model's format (scales included)
         states = layer_states(state) if isinstance(state, dict) else state
-        for index in range(start, end):
-            with torch.device("meta"):
-                layer = arch.decoder_layer(config, layer_idx=index)
-            layer_state = states(index)
-            if index == start:  # what records, proofs and Opened name
-                self.format_label = "gguf" if gguf_types else self._format_label(layer_state, dtype)
-            prefix = f"{LAYER_PREFIX}{index}."
-            self._load_layer(layer, layer_state, dtype, {name[len(prefix):]: kind for name, kind in
-                                                         (gguf_types or {}).items() if name.startswith(prefix)})
-            del layer_state
-            layer.eval()
-            self.layers[index] = layer
-            self.weight_bytes += sum(t.numel() * t.element_size()
-                                     for t in (*layer.parameters(), *layer.buffers()) if t.device.type != "meta")
+        # CUDA kernels are built on the current device (model/kernels.py): this one.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            for index in range(start, end):
+                self._add_layer(arch, index, states(index), gguf_types)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_sizes = (config.num_attention_heads * self.head_dim, kv_heads * self.head_dim,
@@ -98,6 +101,22 @@ class SpanRunner:
         # times as long (emulates slower hardware; seen by the self-benchmark too).
         self.slowdown = 1.0
         self.batchable = True  # decode steps of sessions may share a forward (model/batched.py)
+
+    def _add_layer(self, arch, index: int, layer_state: dict[str, torch.Tensor], gguf_types: dict[str, str] | None
+                   ) -> None:
+        with torch.device("meta"):
+            layer = arch.decoder_layer(self.config, layer_idx=index)
+        if index == self.start:  # what records, proofs and Opened name
+            self.format_label = "gguf" if gguf_types else self._format_label(layer_state, self.dtype)
+        prefix = f"{LAYER_PREFIX}{index}."
+        self._load_layer(layer, layer_state, self.dtype, {name[len(prefix):]: kind for name, kind in
+                                                          (gguf_types or {}).items() if name.startswith(prefix)},
+                         self.device)
+        del layer_state
+        layer.eval()
+        self.layers[index] = layer
+        self.weight_bytes += sum(t.numel() * t.element_size()
+                                 for t in (*layer.parameters(), *layer.buffers()) if t.device.type != "meta")
 
     @staticmethod
     def _format_label(state: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
@@ -112,7 +131,7 @@ class SpanRunner:
 
     @staticmethod
     def _load_layer(layer: torch.nn.Module, layer_state: dict[str, torch.Tensor], dtype: torch.dtype,
-                    types: dict[str, str] | None = None) -> None:
+                    types: dict[str, str] | None = None, device: torch.device = CPU) -> None:
         """Give `layer` (built on the meta device) its weights: each quantized matrix
         becomes its format's kernel module (a GGUF matrix, named in `types`, its ggml
         type's), the rest is assigned as `dtype`."""
@@ -140,12 +159,12 @@ class SpanRunner:
                 if any(name in biases for name in names):
                     bias = torch.cat([biases.pop(name) if name in biases else torch.zeros(parts[name][""].shape[0])
                                       for name in names])
-                layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names]),
+                layer.set_submodule(fused, kernels.linear(stack_rows([parts.pop(name) for name in names]), device,
                                                           bias=bias, gguf_type=types.get(names[0])))
                 for member in members:
                     layer.set_submodule(member, torch.nn.Identity())  # its rows live in the fused module
         for name, matrix in parts.items():
-            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix, bias=biases.pop(name, None),
+            layer.set_submodule(name.removesuffix(".weight"), kernels.linear(matrix, device, bias=biases.pop(name, None),
                                                                              gguf_type=types.get(name)))
         expected = {k for k, v in layer.state_dict().items() if v.device.type == "meta"}
         if set(layer_state) != expected:
@@ -156,9 +175,11 @@ class SpanRunner:
         # resident (an 8B Q4_0 span held its 123 MB a block twice).
         copy = bool(quantized)
         layer.load_state_dict({k: v.to(dtype, copy=copy) for k, v in layer_state.items()}, strict=False, assign=True)
+        layer.to(device)  # the norms and dense matrices (kernel modules are built there)
 
     @classmethod
-    def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32) -> SpanRunner:
+    def load(cls, model_dir: Path, start: int, end: int, dtype=torch.float32, device: str | torch.device = "cpu"
+             ) -> SpanRunner:
         config = load_config(model_dir)
         # One rule for the compute dtype, the manifest's (format_from_manifest): a bf16
         # model (every tensor BF16) computes in bf16; anything else in float32.
@@ -172,20 +193,25 @@ class SpanRunner:
             state = read_tensors(model_dir, lambda names: span_tensor_names(names, start, end))
             if state and all(v.dtype == torch.bfloat16 for v in state.values()):
                 dtype = torch.bfloat16
-            return cls(config, start, end, state, dtype)
+            return cls(config, start, end, state, dtype, device=device)
 
         def one_layer(index: int) -> dict[str, torch.Tensor]:
             return layer_states(read_tensors(model_dir, lambda names: span_tensor_names(names, index, index + 1)))(index)
 
-        return cls(config, start, end, one_layer, dtype, gguf_types)
+        return cls(config, start, end, one_layer, dtype, gguf_types, device)
 
     @classmethod
-    def random(cls, model_dir: Path, start: int, end: int, seed: int = 0) -> SpanRunner:
+    def random(cls, model_dir: Path, start: int, end: int, seed: int = 0, device: str | torch.device = "cpu"
+               ) -> SpanRunner:
         """The span with freshly initialised weights in the model's weight format: as
         fast as the real ones (the kernels do not care about the values), for
         benchmarking blocks not held."""
-        config = load_config(model_dir)
-        fmt = stored_format(model_dir)
+        return cls.random_from_config(load_config(model_dir), stored_format(model_dir), start, end, seed, device)
+
+    @classmethod
+    def random_from_config(cls, config, fmt: WeightFormat, start: int, end: int, seed: int = 0,
+                           device: str | torch.device = "cpu") -> SpanRunner:
+        """`random` for a config and format given (a model not stored: bench/gpu.py's 8B shapes)."""
         arch = architecture_of(config)
         generator = torch.Generator().manual_seed(seed)
 
@@ -209,7 +235,7 @@ class SpanRunner:
 
         types, rng = dict(fmt.types), np.random.default_rng(seed)
         return cls(config, start, end, one_layer, torch.bfloat16 if fmt.name == "bf16" else torch.float32,
-                   types or None)
+                   types or None, device)
 
     @property
     def hidden_size(self) -> int:
@@ -221,7 +247,7 @@ class SpanRunner:
         for layer in self.layers.values():
             for module in layer.modules():
                 if isinstance(module, (kernels.Int8Linear, kernels.Int4CpuLinear, kernels.GroupedInt4Linear,
-                                       kernels.DenseLinear)):
+                                       kernels.DenseLinear, kernels.CudaInt4Linear)):
                     count += module.in_features * module.out_features
                 elif not list(module.children()):
                     count += sum(p.numel() for p in module.parameters(recurse=False))

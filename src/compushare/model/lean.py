@@ -26,6 +26,7 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .device import to_device, to_host
 from .families import FULL, SLIDING
 
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -100,10 +101,13 @@ def attention_inputs(config, family, rotary_embedding, kinds: list[str], hidden:
 def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int], start: int, end: int,
                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
     """Layers start..end-1 of `runner` on `hidden` [N, n, H]: session i's n tokens start
-    at `positions[i]` and are appended to `caches[i]`. Returns [N, n, H]."""
+    at `positions[i]` and are appended to `caches[i]`. Returns [N, n, H], on the host
+    (the span's layers, caches and activations on `runner.device`)."""
     config, family, kinds = runner.config, runner.family, runner.layer_types
     sessions, tokens = hidden.shape[0], hidden.shape[1]
-    position_ids = torch.tensor(positions, dtype=torch.long).view(sessions, 1) + torch.arange(tokens)
+    hidden = to_device(hidden, runner.device)  # a span on CUDA: in through a pinned buffer, out likewise
+    position_ids = (torch.tensor(positions, dtype=torch.long).view(sessions, 1) + torch.arange(tokens)).to(
+        runner.device)
     rotary, masks = attention_inputs(config, family, runner.rotary, kinds, hidden, position_ids, caches, start, end)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, runner.eager_attention)
     rotate, norm = runner.apply_rotary, norm_of(runner)
@@ -143,4 +147,4 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
             hidden = residual + out
             residual = hidden
             hidden = residual + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
-    return hidden
+    return to_host(hidden)
