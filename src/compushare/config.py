@@ -130,6 +130,7 @@ class RelayQuotas:
 
 
 DEFAULT_API_PORT = 8311
+DEVICES = ("auto", "cpu", "cuda")  # --device (hardware.resolve_device turns auto into one of the others)
 PID_FILE = "node.pid"
 LOG_FILE = "node.log"
 
@@ -145,6 +146,9 @@ class NodeConfig:
     record_ttl_s: float = 60.0  # a server record's lifetime, refreshed at a third of it
     max_blocks: int | None = None  # automatic placement: at most this many blocks
     memory_budget_mb: int | None = None  # automatic placement: weights must fit (default: half the free RAM)
+    # Where the span computes: "cuda" (weights, KV cache, activations on the GPU; the
+    # memory budget is the device's), "cpu", or "auto" (CUDA where torch sees one).
+    device: str = "auto"
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
     slowdown: float = 1.0  # fault injection: compute takes this many times as long
     noise: float = 0.0  # fault injection: outputs get Gaussian noise of this relative scale (a lying server)
@@ -168,6 +172,8 @@ class NodeConfig:
             raise UsageError(f"--ad-period must be within 1..20 s, got {self.ad_period_s:g}")
         if self.max_blocks is not None and self.max_blocks < 1:
             raise UsageError("--max-blocks must be at least 1")
+        if self.device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not (1.0 <= self.slowdown <= 10_000):
             raise UsageError("--debug-slowdown must be within 1..10000")
         if not (0.0 <= self.noise <= 10.0):
@@ -186,6 +192,7 @@ class NodeConfig:
             "torch_threads": int(node.get("torch_threads", 1)),
             "max_blocks": node.get("max_blocks"),
             "memory_budget_mb": node.get("memory_budget_mb"),
+            "device": str(node.get("device", "auto")),
             "api_port": int(node.get("api_port", DEFAULT_API_PORT)),
             "private": bool(node.get("private", True)),
             "private_preencode": bool(node.get("private_preencode", True)),

@@ -1,7 +1,11 @@
 """What this machine offers: usable CPU cores, RAM, and a GPU if torch sees one.
 
 `Hardware` is a wire record too (a node may advertise it), so `from_wire` is strict.
-torch is imported only inside `detect_hardware`: importing it costs seconds.
+A CUDA device's name carries its compute capability ("cuda:NVIDIA H100 80GB HBM3
+cc9.0"): the wire record keeps its fields. `Accelerator` is the local view of a
+CUDA device (its memory free now too): a node serving on CUDA sizes its span and
+KV budget by it (`compute_memory`). torch is imported only inside the functions
+that read a device: importing it costs seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 from pathlib import Path
 
 import psutil
+
+from .errors import UsageError
 
 MAX_WIRE_INT = 2**40
 MAX_GPU_NAME = 64
@@ -96,12 +102,65 @@ def usable_cpu_cores() -> int:
     return max(1, min(cores, limit) if limit else cores)
 
 
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """A CUDA device, as this process sees it now."""
+
+    index: int
+    name: str  # torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3"
+    total_mb: int
+    free_mb: int  # free now (cudaMemGetInfo): what other processes hold is not
+    capability: tuple[int, int]  # compute capability (9, 0)
+
+    @property
+    def label(self) -> str:
+        """Hardware.gpu's text: "cuda:<name> cc<major>.<minor>", the name cut to fit MAX_GPU_NAME."""
+        suffix = f" cc{self.capability[0]}.{self.capability[1]}"
+        return f"cuda:{self.name}"[:MAX_GPU_NAME - len(suffix)] + suffix
+
+
+def cuda_accelerator(index: int = 0) -> Accelerator | None:
+    """CUDA device `index` as torch sees it; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return Accelerator(index=index, name=str(torch.cuda.get_device_name(index)), total_mb=int(total) // MB,
+                       free_mb=min(int(free), int(total)) // MB,
+                       capability=(int(properties.major), int(properties.minor)))
+
+
+def resolve_device(requested: str, cuda_available: bool) -> str:
+    """The device a node serves on, from --device: "cuda" or "cpu" ("auto": CUDA where
+    torch sees it). UsageError for CUDA asked of a machine without it."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cuda" and not cuda_available:
+        raise UsageError("--device cuda, but torch sees no CUDA device (a CPU-only torch, or no driver): "
+                         "use --device cpu")
+    if requested == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return requested
+
+
+def compute_memory(device: str, hardware: Hardware, accelerator: Accelerator | None) -> tuple[int, int]:
+    """(total MB, free MB) of the memory a node's span lives in: the CUDA device's for
+    a node serving on CUDA, the RAM's otherwise."""
+    if device == "cuda":
+        if accelerator is None:
+            raise UsageError("serving on CUDA, but no CUDA device was found")
+        return accelerator.total_mb, accelerator.free_mb
+    return hardware.ram_mb, hardware.ram_free_mb
+
+
 def _detect_gpu() -> tuple[str | None, int]:
     import torch
 
-    if torch.cuda.is_available():
-        name = f"cuda:{torch.cuda.get_device_name(0)}"[:MAX_GPU_NAME]
-        return name, torch.cuda.get_device_properties(0).total_memory // MB
+    accelerator = cuda_accelerator()
+    if accelerator is not None:
+        return accelerator.label, accelerator.total_mb
     if torch.backends.mps.is_available():
         # MPS shares system RAM; Metal's recommended working-set size is the share a
         # process should plan on, rather than total RAM counted a second time.

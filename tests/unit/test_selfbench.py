@@ -18,14 +18,16 @@ from compushare.model.store import ModelStore
 
 
 class CountingMeasure:
-    """The real benchmark (kept short), recording each call's thread count."""
+    """The real benchmark (kept short), recording each call's thread count and device."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []
+        self.devices: list[str] = []
 
-    def __call__(self, model_dir, *, threads):
+    def __call__(self, model_dir, *, threads, device):
         self.calls.append(threads)
-        return measure_block_rate(model_dir, steps=2, warmup=1, threads=threads)
+        self.devices.append(device)
+        return measure_block_rate(model_dir, steps=2, warmup=1, threads=threads, device=device)
 
 
 @pytest.fixture
@@ -60,6 +62,17 @@ def test_cached_rate_measures_once(model, tmp_path):
     stored = json.loads((tmp_path / "cache" / CACHE_FILE).read_text())
     assert stored["rates"] == {cache_key(model.model_id, 1): first}
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [CACHE_FILE]  # no temp files left
+
+
+def test_device_is_measured_and_keyed(model, tmp_path):
+    """A rate measured on CPU is not a CUDA node's: the device goes to the benchmark
+    and into the key (a CPU key stays as it was, so earlier caches still hold)."""
+    measure = CountingMeasure()
+    cached_block_rate(model, tmp_path, threads=1, measure=measure, device="cpu")
+    assert measure.devices == ["cpu"]
+    assert cache_key(model.model_id, 1, "cpu") == cache_key(model.model_id, 1)
+    assert cache_key(model.model_id, 1, "cuda").endswith("|device=cuda")
+    assert cache_key(model.model_id, 1, "cuda") != cache_key(model.model_id, 1)
 
 
 def test_other_thread_count_is_another_entry(model, tmp_path):

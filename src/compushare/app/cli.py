@@ -38,6 +38,9 @@ def node(
                                                     "placement takes as many blocks as fit (default: weights and "
                                                     "KV budget in half the RAM free at start); a --blocks span "
                                                     "that does not fit is refused."),
+    device: str = typer.Option(None, help="Where the span computes: cuda (weights, KV cache and activations on "
+                                          "the GPU; the memory budget is its memory), cpu, or auto (CUDA where "
+                                          "torch sees a device; the default)."),
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
     bootstrap: list[str] = BOOTSTRAP,
@@ -83,7 +86,7 @@ def node(
     bound_retention()  # a server's buffers come and go with its peers: give them back when freed
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
                               listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
-                              memory_budget_mb=memory_budget_mb, ad_period_s=ad_period, slowdown=debug_slowdown,
+                              memory_budget_mb=memory_budget_mb, device=device, ad_period_s=ad_period, slowdown=debug_slowdown,
                               noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private,
                               relay=relay, hole_punch=hole_punch, claim_format=debug_claim_format)
     overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}

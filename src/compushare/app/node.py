@@ -19,7 +19,7 @@ from .. import __version__, defences
 from ..config import LISTEN_FILE, PID_FILE, STATE_FILE, NodeConfig, Span
 from ..errors import ModelUnavailable, UsageError
 from ..gc_policy import startup_done
-from ..hardware import available_ram_mb, detect_hardware
+from ..hardware import available_ram_mb, compute_memory, cuda_accelerator, detect_hardware, resolve_device
 from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
@@ -81,6 +81,7 @@ class Node:
         self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._memory: Callable[[], dict] | None = None  # what the span holds against the memory budget
+        self.device = "cpu"  # where the span computes (config.device resolved when the node starts)
         self._state: dict = {}
         self._last_state: dict = {}
 
@@ -118,6 +119,7 @@ class Node:
         model = None if ask_swarm else held or resolve_model(name, config.data_dir)
         self._check_span(model)
         hardware = detect_hardware()
+        device = self.device = resolve_device(config.device, torch.cuda.is_available())
         key_pair = load_or_create_identity(config.data_dir)
         async with open_swarm_host(key_pair, server=True, validators=karma_validators(), listen=config.listen,
                                    bootstrap=config.bootstrap, join=False) as swarm:
@@ -198,19 +200,31 @@ class Node:
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
                                                    block_rate=provider.block_rate, noise=config.noise, karma=karma.receipts),
                     block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
-                    name="" if is_model_id(name) else name, claimed_format=config.claim_format,
+                    name="" if is_model_id(name) else name, claimed_format=config.claim_format, device=device,
                 )
                 await self._self_benchmark(provider)
                 # Measured after the self-benchmark: transformers is imported by then, and
                 # its random blocks are freed (malloc_policy returns large buffers at once).
                 held_mb = round(psutil.Process().memory_info().rss / MB)
+                # A span on CUDA lives in the device's memory: the budget, what is free and
+                # what this process holds there (its allocator's, the benchmark's blocks
+                # given back) are the device's; private mode's pre-encoding stays in RAM.
+                accelerator = None
+                span_free_mb, span_held_mb = hardware.ram_free_mb, held_mb
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    accelerator = cuda_accelerator(torch.cuda.current_device())
+                    span_free_mb = compute_memory(device, hardware, accelerator)[1]
+                    span_held_mb = round(torch.cuda.memory_reserved() / MB)
+                    log.info("serving on %s: %d of %d MB free", accelerator.label, accelerator.free_mb,
+                             accelerator.total_mb)
                 kv_tokens = config.limits.kv_budget_tokens
                 length = blocks_for_budget(model, max_blocks=config.max_blocks,
-                                           memory_budget_mb=config.memory_budget_mb, free_mb=hardware.ram_free_mb,
-                                           kv_tokens=kv_tokens, held_mb=held_mb)
+                                           memory_budget_mb=config.memory_budget_mb, free_mb=span_free_mb,
+                                           kv_tokens=kv_tokens, held_mb=span_held_mb, device=device)
                 span = config.blocks
                 if span is not None:
-                    check_fixed_span(model, span, memory_budget_mb=config.memory_budget_mb, held_mb=held_mb,
+                    check_fixed_span(model, span, memory_budget_mb=config.memory_budget_mb, held_mb=span_held_mb,
                                      kv_tokens=kv_tokens)
                 if span is None:
                     # The random warm-up starts after the benchmark: nodes started together
@@ -228,6 +242,7 @@ class Node:
                     "max_blocks": length,
                     "placement": "fixed" if config.blocks is not None else "automatic",
                     "block_rate": provider.block_rate,
+                    "device": accelerator.label if accelerator is not None else "cpu",
                     "started": time.time(),
                     "api": api_url,
                 }
@@ -243,17 +258,21 @@ class Node:
                 server.enable_push(host, nursery)
                 server.speculation.forge = config.forge_push
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
-                budget_mb = weights_budget_mb(config.memory_budget_mb, hardware.ram_free_mb, held_mb)
+                budget_mb = weights_budget_mb(config.memory_budget_mb, span_free_mb, span_held_mb, device)
                 cost = block_cost(model, config.limits.kv_budget_tokens)
 
                 def private_budget(span: tuple[int, int]) -> int:
                     # What the span's weights (in their format) and KV budget leave of the
                     # node's memory budget: private mode's pre-encoded weights get that.
+                    # A span on CUDA takes none of the RAM: they get the RAM's default share.
+                    if device == "cuda":
+                        return weights_budget_mb(None, hardware.ram_free_mb, held_mb) * MB
                     return max(0, budget_mb * MB - cost * (span[1] - span[0]))
 
+                where = accelerator.label if accelerator is not None else "cpu"
                 self._memory = lambda: memory_state(model, provider.span, budget_mb, config.limits.kv_budget_tokens,
-                                                    private_budget) | {"held_mb": held_mb,
-                                                                       "given_mb": config.memory_budget_mb}
+                                                    private_budget, where) | {"held_mb": span_held_mb,
+                                                                              "given_mb": config.memory_budget_mb}
                 if config.private:
                     worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
                                       budget_bytes=private_budget, noise=config.noise)
@@ -328,9 +347,10 @@ class Node:
         config, model = self.config, provider.model
         if config.slowdown != 1.0:  # an emulated slow node must not poison the cache
             measure = functools.partial(measure_block_rate, model.path, threads=config.torch_threads,
-                                        slowdown=config.slowdown)
+                                        slowdown=config.slowdown, device=self.device)
         else:
-            measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads)
+            measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads,
+                                        device=self.device)
         provider.block_rate = await trio.to_thread.run_sync(measure)
         log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
                  model.model_id[:12])

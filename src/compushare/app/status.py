@@ -154,7 +154,8 @@ def private_line(stats: dict | None) -> str:
 
 def memory_line(memory: dict) -> str:
     """What this node's span holds against its memory budget, in one line."""
-    return (f"memory: {memory['blocks']} blocks in {memory['format']}: weights {memory['weights_mb']:.0f} MB, "
+    on = f" on {memory['device']}" if memory.get("device", "cpu") != "cpu" else ""
+    return (f"memory{on}: {memory['blocks']} blocks in {memory['format']}: weights {memory['weights_mb']:.0f} MB, "
             f"KV up to {memory['kv_mb']:.0f} MB ({memory['kv_tokens']} tokens), private pre-encoding up to "
             f"{memory['private_mb']:.0f} MB, of a {memory['budget_mb']} MB budget")
 

@@ -30,19 +30,21 @@ PREFILL_TOKENS = 16
 
 
 def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warmup: int = 2,
-                       threads: int | None = None, slowdown: float = 1.0) -> float:
+                       threads: int | None = None, slowdown: float = 1.0, device: str = "cpu") -> float:
     """Decode steps per second for ONE block: build `blocks` consecutive blocks (0:blocks,
     or fewer if the model is smaller) with random weights, prefill a short random hidden state (16 tokens),
     then time `steps` single-token decode steps after `warmup` untimed ones; return
     steps_per_second * blocks (the per-block rate). Runs torch in the calling thread:
     callers use trio.to_thread. `threads` sets torch's thread count for the run (it is
-    process-wide, so it is restored afterwards); None keeps the current one."""
+    process-wide, so it is restored afterwards); None keeps the current one. `device`:
+    where the blocks compute, as the node's span will (each step returns to the host,
+    so its time includes the device's)."""
     if blocks < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
     blocks = min(blocks, load_config(model_dir).num_hidden_layers)
     # Random weights of the model's shapes: the node may not hold any block yet (it
     # fetches its span after choosing it), and the values do not change the speed.
-    runner = SpanRunner.random(model_dir, 0, blocks)
+    runner = SpanRunner.random(model_dir, 0, blocks, device=device)
     runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
     if threads is not None:
@@ -69,9 +71,10 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
     return steps / elapsed * blocks
 
 
-def cache_key(model_id: str, threads: int) -> str:
+def cache_key(model_id: str, threads: int, device: str = "cpu") -> str:
     hardware = detect_hardware()
-    return f"{model_id}|threads={threads}|cpu={hardware.cpu_cores}|gpu={hardware.gpu}|torch={torch.__version__}"
+    on = "" if device == "cpu" else f"|device={device}"
+    return f"{model_id}|threads={threads}|cpu={hardware.cpu_cores}|gpu={hardware.gpu}|torch={torch.__version__}{on}"
 
 
 def _read_entries(path: Path) -> dict:
@@ -101,16 +104,17 @@ def _write_entries(path: Path, rates: dict) -> None:
         raise
 
 
-def cached_block_rate(model, cache_dir: Path, *, threads: int, measure=measure_block_rate) -> float:
+def cached_block_rate(model, cache_dir: Path, *, threads: int, measure=measure_block_rate, device: str = "cpu"
+                      ) -> float:
     """Look up `<cache_dir>/selfbench.json` keyed by model.model_id + torch thread count +
     a hardware fingerprint (cpu_cores, gpu, torch version); measure and store on a miss.
     A corrupt or unreadable cache file is ignored (re-measured), never fatal."""
     path = Path(cache_dir) / CACHE_FILE
-    key = cache_key(model.model_id, threads)
+    key = cache_key(model.model_id, threads, device)
     rates = _read_entries(path)
     if key in rates:
         return rates[key]
-    rate = float(measure(model.path, threads=threads))
+    rate = float(measure(model.path, threads=threads, device=device))
     if not _valid_rate(rate):
         raise ValueError(f"self-benchmark of {model.model_id} gave an invalid rate {rate!r}")
     # Re-read just before writing so entries another node added meanwhile survive

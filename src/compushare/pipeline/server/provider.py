@@ -9,6 +9,7 @@ delay and re-checks, so nodes that saw the same hole do not all rush into it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -30,6 +31,11 @@ from .inference import InferenceServer
 log = logging.getLogger(__name__)
 
 MB = 1024 * 1024
+# A node's default budget: this share of the memory free at start. Half of the RAM
+# (the machine's owner keeps working beside it); most of a CUDA device, which holds
+# nothing else of ours (its context is outside the free figure) but the forward's
+# activations and workspace.
+DEFAULT_SHARE = {"cpu": 0.5, "cuda": 0.8}
 
 
 def kv_bytes_per_token(model: StoredModel) -> int:
@@ -49,7 +55,7 @@ def block_cost(model: StoredModel, kv_tokens: int) -> int:
 
 
 def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budget_mb: int | None,
-                      free_mb: int, kv_tokens: int = 0, held_mb: int = 0) -> int:
+                      free_mb: int, kv_tokens: int = 0, held_mb: int = 0, device: str = "cpu") -> int:
     """How many blocks this node may hold: --max-blocks, and what its memory budget
     (default: half the RAM free at start) fits, weights and KV budget together. A
     4-bit model's block costs ~7x less than an fp32 one's, so a node holds more.
@@ -58,16 +64,19 @@ def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budg
     span loads (`held_mb`: interpreter, torch, libp2p, ~0.4 GB) comes off it first, so
     a node told 2 GB stays near 2 GB (bench/big_model.py measures peak RSS against
     it). The default is a share of the RAM still free, so nothing comes off that."""
-    budget_mb = weights_budget_mb(memory_budget_mb, free_mb, held_mb)
+    budget_mb = weights_budget_mb(memory_budget_mb, free_mb, held_mb, device)
     cost = block_cost(model, kv_tokens)
     fit = budget_mb * MB // cost if cost > 0 else model.num_blocks
     limit = model.num_blocks if max_blocks is None else max_blocks
     return span_length(model.num_blocks, min(limit, fit))
 
 
-def weights_budget_mb(memory_budget_mb: int | None, free_mb: int, held_mb: int) -> int:
-    """What a node's budget leaves for its span's weights and KV cache (see blocks_for_budget)."""
-    return max(0, memory_budget_mb - held_mb) if memory_budget_mb is not None else free_mb // 2
+def weights_budget_mb(memory_budget_mb: int | None, free_mb: int, held_mb: int, device: str = "cpu") -> int:
+    """What a node's budget leaves for its span's weights and KV cache (see blocks_for_budget):
+    on a node serving on CUDA, every figure is the device's memory."""
+    if memory_budget_mb is not None:
+        return max(0, memory_budget_mb - held_mb)
+    return int(free_mb * DEFAULT_SHARE[device])
 
 
 def check_fixed_span(model: StoredModel, span: Span, *, memory_budget_mb: int | None, held_mb: int,
@@ -86,10 +95,11 @@ def check_fixed_span(model: StoredModel, span: Span, *, memory_budget_mb: int | 
 
 
 def memory_state(model: StoredModel, span: Span | None, budget_mb: int, kv_tokens: int,
-                 private_budget: Callable[[tuple[int, int]], int]) -> dict:
-    """What this node's span holds against its memory budget (node.json, `status`)."""
+                 private_budget: Callable[[tuple[int, int]], int], device: str = "cpu") -> dict:
+    """What this node's span holds against its memory budget (node.json, `status`);
+    `device`: where it lives ("cpu", or Hardware.gpu's text of its CUDA device)."""
     blocks = len(span) if span is not None else 0
-    return {"budget_mb": budget_mb, "format": model.format.label, "blocks": blocks,
+    return {"budget_mb": budget_mb, "format": model.format.label, "blocks": blocks, "device": device,
             "weights_mb": round(model.block_bytes * blocks / MB, 1),
             "kv_mb": round(kv_tokens * kv_bytes_per_token(model) * blocks / MB, 1), "kv_tokens": kv_tokens,
             "private_mb": round(private_budget((span.start, span.end)) / MB, 1) if span is not None else 0.0}
@@ -99,8 +109,9 @@ class Provider:
     def __init__(self, model: StoredModel, server_factory: Callable[[SpanRunner], InferenceServer], *,
                  block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None,
                  prepare: Callable[[Span], Awaitable[None]] | None = None, name: str = "",
-                 claimed_format: str = "") -> None:
+                 claimed_format: str = "", device: str = "cpu") -> None:
         self.model = model
+        self.device = device  # where spans compute: "cpu" or "cuda" (model/blocks.py)
         self.name = name  # what the node calls the model ("smollm2-135m@q4"): ads carry it for name look-ups
         self.claimed_format = claimed_format  # fault injection (tests): a format other than the model's
         # Runs before a span loads: fetches the span's weights from the swarm if missing.
@@ -180,7 +191,8 @@ class Provider:
         try:
             if self.prepare is not None:
                 await self.prepare(span)
-            runner = await trio.to_thread.run_sync(SpanRunner.load, self.model.path, span.start, span.end)
+            runner = await trio.to_thread.run_sync(functools.partial(SpanRunner.load, self.model.path, span.start,
+                                                                     span.end, device=self.device))
             runner.format_label = self.format_label
         except Exception:
             if self.server is None:
