@@ -56,7 +56,8 @@ def processes(tmp_path):
         procs.close()
 
 
-ORDER = {"slow": 0, "integration": 1, "unit": 2}
+ORDER = {"slow": 0, "integration": 1, "unit": 2, "gpu": 1}
+GPU_TESTS = REPO / "tests" / "gpu"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,6 +71,25 @@ def pytest_collection_modifyitems(config, items):
         if kind in ORDER:
             item.add_marker(getattr(pytest.mark, kind))
     items.sort(key=lambda item: ORDER.get(Path(str(item.fspath)).relative_to(REPO / "tests").parts[0], 1))
+    # tests/gpu need a CUDA device: without one they are left out here, and the summary
+    # says so in one line (pytest_terminal_summary), not a skip per test.
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not _cuda_available():
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line where tests/gpu were in the run's scope but this machine has no CUDA device."""
+    scope = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
+    if any(path == GPU_TESTS or path in GPU_TESTS.parents for path in scope) and not _cuda_available():
+        terminalreporter.write_line("tests/gpu (marked gpu) not run: torch sees no CUDA device")
 
 
 @pytest.fixture(scope="module")

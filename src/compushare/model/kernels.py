@@ -399,16 +399,23 @@ def _int8_cuda(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Per-row int8 (w = q * scale) as 8-bit codes q + 128 in groups sharing the row's
     scale (min = -128 * scale): two int4 planes, 8.5 bits a weight read at group 128."""
     device = cuda_device()
-    q, scale = parts[""], parts[SCALE_SUFFIX].float()
-    out_features, in_features = q.shape
-    group = next((g for g in CUDA_INT4_GROUPS if in_features % g == 0), 0)
+    q = parts[""]
+    group = next((g for g in CUDA_INT4_GROUPS if q.shape[1] % g == 0), 0)
     form = cuda_int4_form(device)
-    if form is None or not cuda_int4_fits(out_features, in_features * 2, group):
+    if form is None or not cuda_int4_fits(q.shape[0], q.shape[1] * 2, group):
         return DequantizedLinear(parts).to(device)
-    codes = (q.to(torch.int16) + 128).to(torch.uint8)
-    scales = scale.unsqueeze(1).expand(out_features, in_features // group)
-    codes, scales_and_zeros = int4_planes(codes, scales, -128.0 * scales.to(ACTIVATION).float(), 2)
+    codes, scales_and_zeros = int8_as_int4_planes(q, parts[SCALE_SUFFIX], group)
     return CudaInt4Linear(codes, scales_and_zeros, group, 2, device, form)
+
+
+def int8_as_int4_planes(q: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 (w = q * scale) as int4_planes' two planes: codes q + 128, every
+    group of a row with the row's scale and min -128 * scale (its zeros 8 * scale and
+    0: exact, so the weights are q * scale with the scale in bfloat16, as Int8Linear's)."""
+    out_features, in_features = q.shape
+    codes = (q.to(torch.int16) + 128).to(torch.uint8)
+    scales = scale.float().unsqueeze(1).expand(out_features, in_features // group)
+    return int4_planes(codes, scales, -128.0 * scales.to(ACTIVATION).float(), 2)
 
 
 def _gguf_affine_cuda(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.nn.Module]:
