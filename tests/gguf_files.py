@@ -39,8 +39,9 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: bool = False,
-                     arch: str = "llama") -> Path:
-    """`arch` "qwen2": Qwen2's layout instead (q / k / v biases, rows not permuted)."""
+                     arch: str = "llama", extra: dict | None = None) -> Path:
+    """`arch` "qwen2": Qwen2's layout instead (q / k / v biases, rows not permuted);
+    `extra`: more F32 tensors {GGUF name: array} written as they are."""
     import gguf
 
     s, rng = SHAPE, np.random.default_rng(seed)
@@ -93,6 +94,8 @@ def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: b
         matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", s["intermediate"], s["hidden"])
         matrix(f"blk.{i}.ffn_up.weight", "ffn_up", s["intermediate"], s["hidden"])
         matrix(f"blk.{i}.ffn_down.weight", "ffn_down", s["hidden"], s["intermediate"])
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

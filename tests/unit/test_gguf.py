@@ -190,3 +190,11 @@ def test_a_manifest_names_gguf_types(mixed_file, tmp_path):
         with pytest.raises(FrameError):
             parse(raw.replace(old, new, 1).encode())
     assert json.loads(raw)["weights"]["types"] == dict(model.format.types)
+
+
+def test_a_tensor_with_no_place_in_the_model_refuses_the_file(tmp_path):
+    """Phi-3-128k's LongRoPE factors, say: served without them, the logits would be wrong."""
+    path = write_tiny_llama(tmp_path / "extra.gguf", Q4_K_M, extra={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(UsageError, match="rope_factors_long.weight"):
+        import_path(path, tmp_path / "store", alias="nope")
+    assert not [p for p in (tmp_path / "store" / "models").iterdir() if p.name != "aliases.json"]

@@ -38,6 +38,9 @@ from .manifest import Manifest
 log = logging.getLogger(__name__)
 
 
+DERIVED_TENSORS = {"rope_freqs.weight"}  # read into the config, not stored
+
+
 class GGUFTensors:
     """layout.lay_out's tensor source for a GGUF file: specs from the metadata, bytes on
     demand. `names` maps GGUF tensor names to stored ones; `heads` gives the head count
@@ -54,7 +57,13 @@ class GGUFTensors:
         for tensor in gguf.GGUFReader(str(path)).tensors:
             stored = names.get(tensor.name)
             if stored is None:
-                self.skipped.append(tensor.name)  # e.g. Llama 3.1's rope_freqs: transformers drops it too
+                # Llama 3.x's rope_freqs is read into the config's rope scaling (gguf_config).
+                # Anything else unmapped (LongRoPE factors, say) would change the
+                # computation: serving without it would be silently wrong.
+                if tensor.name not in DERIVED_TENSORS:
+                    raise UsageError(f"{path.name}: tensor {tensor.name} has no place in the model as CompuShare "
+                                     "runs it; refusing the file rather than serving it without that tensor")
+                self.skipped.append(tensor.name)
                 continue
             kind = tensor.tensor_type.name
             dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
