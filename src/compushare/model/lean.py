@@ -42,8 +42,11 @@ def _fused_norm(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_norm_plus_one(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Gemma's RMSNorm (1 + w) in one call."""
-    return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), 1.0 + module.weight, module.eps)
+    """Gemma's RMSNorm (1 + w) in one call; 1 + w is made once per norm, not per step."""
+    weight = getattr(module, "_weight_plus_one", None)
+    if weight is None:
+        weight = module._weight_plus_one = 1.0 + module.weight
+    return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), weight, module.eps)
 
 
 def norm_of(runner) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
