@@ -23,13 +23,17 @@ from compushare.model.layout import PieceHasher, piece_hashes
 from compushare.proofs import relative_error
 from gguf_files import Q4_K_M, raw_rows, write_tiny_llama
 
-# type -> (kernel class, bound on |served - dequantized| in units of 2^-8 * (|w| + the group's max |w|)):
-# the int4 kernel holds scale and zero in bfloat16 and rounds its bfloat16 output (measured
-# up to 1.5); float16 keeps 11 bits (Q6_K, measured 0.06); F16, BF16 and F32 are exact.
-SERVED = {"Q4_0": ("GroupedInt4Linear", 2.0), "Q4_1": ("GroupedInt4Linear", 2.0), "Q5_0": ("GroupedInt4Linear", 2.0),
-          "Q5_1": ("GroupedInt4Linear", 2.0), "Q8_0": ("GroupedInt4Linear", 2.0), "Q4_K": ("GroupedInt4Linear", 2.0),
-          "Q5_K": ("GroupedInt4Linear", 2.0), "Q6_K": ("DenseLinear", 0.125), "F16": ("DenseLinear", 0.0),
-          "BF16": ("DenseLinear", 0.0), "F32": ("DenseLinear", 0.0)}
+# type -> (kernel class, relative rounding of the served weights). The int4 kernel holds
+# each weight of a symmetric type (Q4_0, Q5_0, Q8_0) as bfloat16 would hold it, within
+# 2^-8 |w|, and of a type with a min within 2^-8 (|w| + 2^(bits - 1) |scale|)
+# (kernels.int4_planes); its product comes out in bfloat16, 2^-8 more. Q6_K is held in
+# float16 (2^-11); F16, BF16 and F32 exactly.
+SERVED = {"Q4_0": ("GroupedInt4Linear", 2.0 ** -8), "Q4_1": ("GroupedInt4Linear", 2.0 ** -8),
+          "Q5_0": ("GroupedInt4Linear", 2.0 ** -8), "Q5_1": ("GroupedInt4Linear", 2.0 ** -8),
+          "Q8_0": ("GroupedInt4Linear", 2.0 ** -8), "Q4_K": ("GroupedInt4Linear", 2.0 ** -8),
+          "Q5_K": ("GroupedInt4Linear", 2.0 ** -8), "Q6_K": ("DenseLinear", 2.0 ** -11),
+          "F16": ("DenseLinear", 0.0), "BF16": ("DenseLinear", 0.0), "F32": ("DenseLinear", 0.0)}
+SYMMETRIC = {"Q4_0", "Q5_0", "Q8_0"}
 ROWS, COLS = 208, 512  # 208 rows: a packed chunk of 128 (the byte shuffle) and one of 80 (torch's converter)
 
 
@@ -54,22 +58,40 @@ def typed_file(tmp_path_factory):
     return path, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
 
 
+def held_weights(module: kernels.GroupedInt4Linear, raw: np.ndarray, kind: str) -> np.ndarray:
+    """The weights a GroupedInt4Linear computes with, decoded from what it holds (its
+    packed codes checked against the codes they came from): float64 [rows, in]."""
+    codes, scale, minimum = (torch.from_numpy(a) for a in gguf_native.affine_groups(raw, kind))
+    codes, scales_and_zeros = kernels.int4_planes(codes, scale, minimum, module.planes)
+    assert torch.equal(module.packed, kernels.pack_int4(codes))
+    assert torch.equal(module.scales_and_zeros, scales_and_zeros)
+    per_group = scales_and_zeros.double().repeat_interleave(32, dim=0).transpose(0, 1)  # [rows, in * planes, 2]
+    values = (codes.double() - 8) * per_group[..., 0] + per_group[..., 1]
+    return values.reshape(raw.shape[0], module.planes, -1).sum(dim=1).numpy()
+
+
 @pytest.mark.parametrize("kind", sorted(SERVED))
 def test_each_type_serves_the_files_dequantized_values(typed_file, kind, monkeypatch):
     monkeypatch.setattr(kernels.GroupedInt4Linear, "ROWS_AT_ONCE", 128)
     path, tensors = typed_file
     tensor = tensors[kind]
     raw = np.asarray(tensor.data).view(np.uint8).reshape(ROWS, -1)  # F16 etc. come typed
-    expected = gguf.quants.dequantize(raw, tensor.tensor_type).astype(np.float32)
+    expected = gguf.quants.dequantize(raw, tensor.tensor_type).astype(np.float64)
     module = kernels.linear({"": torch.from_numpy(raw.copy())}, gguf_type=kind)
-    kernel, bound = SERVED[kind]
+    kernel, rounding = SERVED[kind]
     assert type(module).__name__ == kernel and module.in_features == COLS
-    served = module(torch.eye(COLS)).T.numpy()  # the identity is exact in bfloat16: the weights themselves
-    groups = np.repeat(np.abs(expected).reshape(ROWS, -1, 32).max(axis=2), 32, axis=1)
-    assert np.all(np.abs(served - expected) <= bound * 2.0 ** -8 * (np.abs(expected) + groups) + 1e-30)
+    served = module(torch.eye(COLS)).T.double().numpy()  # the identity is exact in bfloat16: the weights themselves
+    if kernel == "GroupedInt4Linear":
+        held = held_weights(module, raw, kind)
+        scale = np.repeat(np.abs(gguf_native.affine_groups(raw, kind)[1]), 32, axis=1)
+        spread = 0 if kind in SYMMETRIC else 2 ** (gguf_native.AFFINE_BITS[kind] - 1) * scale
+        assert np.all(np.abs(held - expected) <= rounding * (np.abs(expected) + spread))
+        assert np.all(np.abs(served - held) <= rounding * np.abs(held))  # the product's bfloat16 output
+    else:
+        assert np.all(np.abs(served - expected) <= rounding * np.abs(expected))
     # The consumer's embedding: rows read from the mapped file, dequantized exactly.
     rows = gguf_native.MappedRows(path, int(tensor.data_offset), raw.shape, kind)
-    assert np.array_equal(rows([5, 0, ROWS - 1, 5]), expected[[5, 0, ROWS - 1, 5]])
+    assert np.array_equal(rows([5, 0, ROWS - 1, 5]), expected[[5, 0, ROWS - 1, 5]].astype(np.float32))
     # A product of several rows computes with the same weights.
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
     assert relative_error(module(x).numpy(), (x.numpy() @ expected.T)) < 1e-2

@@ -118,9 +118,12 @@ def test_a_q8_0_file_serves_gguf_pys_dequantization(tmp_path):
     logits = head.logits_rows(runner.forward(head.embed_tokens(ids), runner.new_cache(), 0))
     with torch.no_grad():
         dequantized = reference(torch.tensor([ids])).logits[0]
-    # The int4 kernel holds Q8_0's scales in bfloat16 and computes in bfloat16 (test_gguf.py
-    # bounds each weight); the random model's logits come out ~3 % off.
-    assert relative_error(logits.numpy(), dequantized.numpy()) < 5e-2
+        rounded = reference.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    # The int4 kernel holds each Q8_0 weight within bfloat16's rounding (test_gguf.py) and
+    # its products' inputs and outputs in bfloat16: the logits are no further from the
+    # dequantized model's than the same model's in bfloat16 are.
+    # Measured: 1.5e-2 against the bfloat16 model's 1.9e-2.
+    assert relative_error(logits.numpy(), dequantized.numpy()) <= relative_error(rounded.numpy(), dequantized.numpy())
 
 
 def test_an_unsupported_architecture_is_refused_before_conversion(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ mean, in numpy only (no torch): the kernels (kernels.py) and the consumer's head
 
 Types with one scale and one offset per 32 weights are read as "affine groups":
 integer codes c (0..2^bits - 1) with w = scale * c + min per group, which torch's
-4-bit kernel runs exactly (up to rounding the scale and zero to bfloat16):
+4-bit kernel runs holding each weight within bfloat16's rounding (kernels.int4_planes):
 
   Q4_0  18 B / 32: d (f16), 16 B of nibbles        w = d (c - 8)
   Q4_1  20 B / 32: d, m (f16), nibbles             w = d c + m

@@ -24,7 +24,7 @@ GB/s of the file's bytes a token reads; bits: per weight in the file / in the ke
   type  kernel                                           14336x4096     4096x4096    bits
   Q4_0  int4 (`_weight_int4pack_mm_for_cpu`, group 32)    3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
   Q4_1  int4: scale d, zero m + 8d                         3.2 ms 11.4    0.90 ms 11.6   5 / 5
-  Q4_K  int4: scale d*sc, min -dmin*m per 32 (float32)     3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
+  Q4_K  int4: scale d*sc, min -dmin*m per 32             3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
   Q5_K  int4, two planes (low nibble; high, scale x16)     6.4 ms  6.3    1.84 ms  6.3   5.5 / 10
   Q8_0  int4, two planes (Q5_0 / Q5_1 likewise)            6.4 ms  9.7    1.87 ms  9.5   8.5 / 10
   Q6_K  float16 dense (a scale per 16: no int4 group)      5.2 ms  9.3    1.51 ms  9.1   6.6 / 16
@@ -32,11 +32,14 @@ GB/s of the file's bytes a token reads; bits: per weight in the file / in the ke
   BF16  bfloat16 dense (no fast bf16 GEMV on these CPUs)  10.2 ms 11.5    2.60 ms 12.9   16 / 16
   F32   float32 dense                                     10.4 ms 22.7    2.83 ms 23.7   32 / 32
 
-The int4 kernel holds each group's scale and zero in bfloat16, so a 4-bit type's
-served weights are its values up to that rounding (and the product's bfloat16 input
-and output); 5- to 8-bit types keep every bit of their codes (two 4-bit planes, the
-input met twice in one call), so a mixed file keeps its mix: nothing is served at
-fewer bits than stored. Float16 products that overflow are computed again in float32.
+The int4 kernel holds each group's scale and zero in bfloat16 (it has no fast path
+with float32 ones: 30x slower). Held as int4_planes does, a symmetric type's weight
+(Q4_0, Q5_0, Q8_0) is within 2^-8 of its value, relative: what a bfloat16 copy of the
+dequantized matrix would hold; a type with a min (Q4_1, Q5_1, Q4_K, Q5_K) within
+2^-8 (|w| + 2^(bits-1) |scale|) in a group whose range holds 0 (the zero's rounding).
+The product's input and output are bfloat16. 5- to 8-bit types keep every bit of their
+codes (two 4-bit planes, the input met twice in one call), so a mixed file keeps its
+mix: nothing is served at fewer bits than stored. Float16 products that overflow are computed again in float32.
 Any other type gguf-py reads (Q2_K, Q3_K, IQ*) is dequantized to float16.
 """
 
@@ -86,13 +89,12 @@ class Int4CpuLinear(torch.nn.Module):
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         super().__init__()
-        q = unpack_nibbles(packed).to(torch.int32)
-        self.out_features, self.in_features = q.shape
+        codes = unpack_nibbles(packed)
+        self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scale.shape[1]
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        zero = minimum.float() + 8.0 * scale.float()
-        self.register_buffer("scales_and_zeros", torch.stack([scale.float().t(), zero.t()], dim=-1)
-                             .to(ACTIVATION).contiguous())
+        codes, scales_and_zeros = int4_planes(codes, scale.float(), minimum.float(), 1)
+        self.register_buffer("packed", pack_int4(codes))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
@@ -128,8 +130,8 @@ class GroupedInt4Linear(torch.nn.Module):
     (c - 8) * scale + zero with scale and zero held in bfloat16. Codes of 4 bits go in
     as they are. Codes of 5 to 8 bits go in as two 4-bit planes side by side along the
     input, low nibbles with the scale and high nibbles with 16x it, and the input
-    meets both: one kernel call at 8 bits a weight, no value changed but by the
-    scales' bfloat16 rounding (torch has no kernel at 5, 6 or 8 bits with groups).
+    meets both: one kernel call at 8 bits a weight, each value held within the
+    bfloat16 rounding int4_planes states (torch has no kernel at 5, 6 or 8 bits with groups).
     Built ROWS_AT_ONCE rows at a time (the packed layout is separable in tiles of 64
     rows): a 128k-row LM head would take 2 GB of int32 codes at once."""
 
@@ -170,6 +172,12 @@ def int4_planes(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     bfloat16 [groups * planes, N, 2]). Two planes for codes of 5 to 8 bits (see
     GroupedInt4Linear), the input to be met twice."""
     held = scale.to(ACTIVATION).float()  # the scale as the kernel holds it
+    # Each weight held as (c - c0) * held + rest, c0 the code nearest the group's zero:
+    # the scale's rounding then moves a weight by 2^-8 of |w - rest| at most, and
+    # symmetric types (Q4_0, Q5_0, Q8_0, int8: rest = 0) are held as bfloat16 would
+    # hold each weight, whatever the code's distance from the group's minimum.
+    centre = torch.round(-minimum / torch.where(scale == 0, 1.0, scale))
+    minimum = (minimum + centre * scale) - centre * held
     if planes == 1:
         scales, zeros = held, minimum + 8.0 * held
     else:
@@ -415,7 +423,7 @@ def int8_as_int4_planes(q: torch.Tensor, scale: torch.Tensor, group: int) -> tup
     out_features, in_features = q.shape
     codes = (q.to(torch.int16) + 128).to(torch.uint8)
     scales = scale.float().unsqueeze(1).expand(out_features, in_features // group)
-    return int4_planes(codes, scales, -128.0 * scales.to(ACTIVATION).float(), 2)
+    return int4_planes(codes, scales, -128.0 * scales, 2)
 
 
 def _gguf_affine_cuda(kind: str) -> Callable[[dict[str, torch.Tensor]], torch.nn.Module]:
