@@ -29,10 +29,6 @@ F32 = sorted(name for name, entry in INDEX.items() if entry["outtype"] == "f32")
 # What llama.cpp's converter cannot write, and so no file of it holds: Mistral is written
 # as a "llama" file without its sliding window (llama.cpp runs it without one).
 DROPPED = {"mistral": dict(architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=None)}
-# Where the lean forward itself is not bit-identical to transformers at a fixture's shape
-# (the fp32 import of the same checkpoint rounds the same way: not the file's doing).
-ROUNDED = {"gemma2": "the head's final norm and soft-capping round 1 ulp apart from transformers' at 2 layers",
-           "phi3": "the fused products' rounding differs from transformers' separate ones at 2 layers"}
 
 
 @pytest.fixture(autouse=True)
@@ -89,11 +85,6 @@ def test_a_converted_file_serves_what_transformers_computes(name, tmp_path):
     split = Split(model.path, spans)
     got, served = generate(split.step)
     assert served == tokens
-    if family in ROUNDED:  # exactly what the fp32 import of the checkpoint serves, and within rounding of transformers
-        fp32 = import_path(source, tmp_path / "fp32", alias=family).path
-        assert all(torch.equal(a, b) for a, b in zip(got, generate(Split(fp32, spans).step)[0]))
-        assert all((a - b).abs().max() <= 1e-6 * b.abs().max() for a, b in zip(got, expected))
-        return
     for i, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"step {i}: max diff {(a - b).abs().max().item()}"
 

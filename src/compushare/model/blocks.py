@@ -173,8 +173,12 @@ class SpanRunner:
         # Where matrices became kernels, the rest (norms) is copied: a tensor read from the
         # block file keeps the file's whole mapping, and with it the stored matrices' pages,
         # resident (an 8B Q4_0 span held its 123 MB a block twice).
+        # Dense weights in aligned storage: torch's float32 products round differently for
+        # weights that are not 64-byte aligned (seen: 1 ulp off transformers' logits),
+        # and a tensor read from a file sits at the file's offset.
         copy = bool(quantized)
-        layer.load_state_dict({k: v.to(dtype, copy=copy) for k, v in layer_state.items()}, strict=False, assign=True)
+        layer.load_state_dict({k: kernels.aligned(v.to(dtype, copy=copy)) for k, v in layer_state.items()},
+                              strict=False, assign=True)
         layer.to(device)  # the norms and dense matrices (kernel modules are built there)
 
     @classmethod

@@ -64,9 +64,11 @@ class ConsumerHead:
             head_parts = {name[len(LM_HEAD):]: t for name, t in state.items() if base_name(name) == LM_HEAD}
             self.lm_head_module = kernels.linear(head_parts or self.embed_parts)  # tied: SmolLM2
         else:
-            self.embed = state[EMBED].to(dtype)
+            # In storage of their own: torch's float32 products round by the weights'
+            # alignment, and a tensor read from a file sits at the file's offset.
+            self.embed = kernels.aligned(state[EMBED].to(dtype))
             # Tied models (SmolLM2) store no lm_head: the embedding matrix is reused.
-            self.lm_head = state.get(LM_HEAD, self.embed).to(dtype)
+            self.lm_head = kernels.aligned(state.get(LM_HEAD, self.embed).to(dtype))
         self.norm_weight = state["model.norm.weight"].to(dtype)
 
     @classmethod
