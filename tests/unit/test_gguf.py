@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from safetensors.torch import load_file
 from hypothesis import strategies as st
 
 from compushare.errors import UsageError
@@ -158,6 +159,41 @@ def test_a_mixed_file_keeps_its_mix_and_is_what_transformers_loads(mixed_file, t
     assert import_path(mixed_file, tmp_path / "b", alias="tiny").model_id == model.model_id
     assert model.block_bytes == max(sum(t.numel() * t.element_size() for t in layer.buffers()) + sum(
         p.numel() * p.element_size() for p in layer.parameters()) for layer in runner.layers.values())
+
+
+def test_a_gguf_file_converted_to_another_format_streams(mixed_file, tmp_path, monkeypatch):
+    """`--format fp32 | q4` on a GGUF: its tensors dequantized and converted one at a time
+    (no whole-model load): fp32 holds exactly what the kept blocks dequantize to, q4 is
+    our quantizer's conversion of those values, and a rewritten file is converted afresh."""
+    from transformers import AutoModelForCausalLM
+
+    from compushare.model.quantize import quantize
+
+    kept = load_full_model(import_path(mixed_file, tmp_path / "kept", alias="tiny").path).state_dict()
+
+    def whole_model(*_args, **_kwargs):
+        raise AssertionError("the whole model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", whole_model)
+    fp32 = import_path(mixed_file, tmp_path / "fp32", alias="tiny", fmt="fp32")
+    assert fp32.format.label == "fp32" and fp32.manifest.weights is None
+    ours = load_full_model(fp32.path).state_dict()
+    assert ours.keys() == kept.keys() and all(torch.equal(ours[k], kept[k]) for k in kept)
+    q4 = import_path(mixed_file, tmp_path / "q4", alias="tiny", fmt="q4")
+    assert q4.format.label == "q4/g64" and q4.model_id not in (fp32.model_id,)
+    name = "model.layers.2.mlp.gate_proj.weight"
+    stored = load_file(q4.path / "block-0002.safetensors")
+    expected = quantize(q4.format, name, kept[name])
+    assert all(torch.equal(stored[k], expected[k]) for k in expected)
+    runner, head = SpanRunner.load(q4.path, 0, 4), ConsumerHead.load(q4.path)
+    assert runner.format_label == "q4/g64"
+    logits = head.logits_rows(runner.forward(head.embed_tokens([1, 5, 9]), runner.new_cache(), 0))
+    assert torch.isfinite(logits).all()
+    # The cache is keyed by the file's size and mtime: a file rewritten in place is read again.
+    copy = write_tiny_llama(tmp_path / "copy.gguf", Q4_K_M)
+    first = import_path(copy, tmp_path / "first", alias="copy", fmt="fp32")
+    write_tiny_llama(copy, Q4_K_M, seed=1)
+    assert import_path(copy, tmp_path / "again", alias="copy", fmt="fp32").model_id != first.model_id
 
 
 def test_a_tied_qwen2_file_imports_with_its_biases(tmp_path):

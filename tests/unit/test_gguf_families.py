@@ -128,13 +128,12 @@ def test_an_unsupported_architecture_is_refused_before_conversion(tmp_path, monk
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from compushare.model import gguf_import, sources
+    from compushare.model import gguf_import
 
     def never(*_args, **_kwargs):
         raise AssertionError("converted before the architecture was checked")
 
     monkeypatch.setattr(gguf_import, "import_gguf_cached", never)
-    monkeypatch.setattr(sources, "convert_gguf_cached", never)
     for fmt in (None, "fp32"):
         with pytest.raises(UsageError, match="GGUF architecture gpt2") as refused:
             import_path(path, tmp_path / "data", alias="nope", fmt=fmt)

@@ -144,18 +144,15 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
             family_of_gguf(architecture(gguf_file))
         except ModelUnavailable as exc:
             raise UsageError(f"{gguf_file} not imported, as no node could serve it: {exc}") from exc
-    if gguf_file is not None and fmt in (None, KEEP_GGUF):
+    weights: WeightFormat | None = parse_format(fmt) if fmt not in (None, KEEP_GGUF) else None
+    if gguf_file is not None:  # streamed, a tensor at a time: kept as they are, or converted to `fmt`
         from .gguf_import import import_gguf_cached
 
-        laid_out = import_gguf_cached(gguf_file, resolve_cache_dir(), progress=progress,
-                                      on_stage=lambda stage: on_stage(f"{stage}"))
+        laid_out = import_gguf_cached(gguf_file, resolve_cache_dir(), fmt=weights, progress=progress,
+                                      on_stage=on_stage)
         check_servable(laid_out, gguf_file)
         on_stage("linking")
         return store.import_dir(laid_out, alias=alias, laid_out=True)
-    weights: WeightFormat | None = parse_format(fmt) if fmt is not None else None
-    if gguf_file is not None:  # dequantized by transformers (whole model in memory), then converted
-        on_stage("converting")
-        path = sources.convert_gguf_cached(gguf_file, resolve_cache_dir())
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     check_servable(path, gguf_file or path)

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ModelUnavailable, UsageError
 from . import gguf_config, gguf_native
 from .formats import GGUF_TYPES, WeightFormat
-from .layout import StoredSpec, lay_out
+from .layout import ConvertedTensors, StoredSpec, lay_out
 from .manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,19 @@ class GGUFTensors:
         values = self.processor.process(weights=values, name=gguf_name).weights
         return np.ascontiguousarray(values, dtype=np.float32)
 
+    def converted(self, fmt: WeightFormat) -> ConvertedTensors:
+        """These tensors converted to `fmt` (fp32, bf16, int8, q4) as each is read: a
+        matrix's blocks dequantized as gguf-py does, then quantized, one at a time."""
+        import torch
+
+        def value(name: str) -> torch.Tensor:
+            data = self.read(name)
+            kind = self.types.get(name)
+            return torch.from_numpy(gguf_native.dequantize(data, kind) if kind is not None else data)
+
+        shapes = {name: ("F32", self._where[name][4]) for name in self.specs_by_name}
+        return ConvertedTensors(shapes, value, fmt, self.path.name)
+
 
 def read_metadata(path: Path, staging: Path):
     """The file's config (as transformers reads it, checked servable) and tokenizer,
@@ -160,9 +173,11 @@ def tensor_names(config, gguf_architecture: str):
     return names, heads, processor
 
 
-def import_gguf(path: Path, target: Path, *, progress: Callable[[int, int], None] | None = None,
+def import_gguf(path: Path, target: Path, *, fmt: WeightFormat | None = None,
+                progress: Callable[[int, int], None] | None = None,
                 on_stage: Callable[[str], None] = lambda _stage: None) -> Manifest:
-    """Lay the GGUF file `path` out at `target` (a new directory) in the gguf format."""
+    """Lay the GGUF file `path` out at `target` (a new directory) in the gguf format,
+    or converted to `fmt` (still a tensor at a time)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path} is not a file")
@@ -174,32 +189,39 @@ def import_gguf(path: Path, target: Path, *, progress: Callable[[int, int], None
         tensors = GGUFTensors(path, names, heads, processor)
         if tensors.skipped:
             log.info("%s: not used by transformers' model: %s", path.name, ", ".join(tensors.skipped))
-        kinds = sorted(set(tensors.types.values()))
-        log.info("%s: keeping its tensors as they are (%s)", path.name, ", ".join(kinds))
+        kinds = ", ".join(sorted(set(tensors.types.values())))
+        if fmt is not None:
+            log.info("%s: converting its tensors (%s) to %s", path.name, kinds, fmt.label)
+            on_stage("converting")
+            return lay_out(staging, target, progress=progress, fmt=fmt, tensors=tensors.converted(fmt))
+        log.info("%s: keeping its tensors as they are (%s)", path.name, kinds)
         on_stage("writing")
-        fmt = WeightFormat("gguf", types=tuple(sorted(tensors.types.items())))
-        return lay_out(staging, target, progress=progress, fmt=fmt, tensors=tensors)
+        kept = WeightFormat("gguf", types=tuple(sorted(tensors.types.items())))
+        return lay_out(staging, target, progress=progress, fmt=kept, tensors=tensors)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def import_gguf_cached(path: Path, cache_dir: Path, *, progress=None, on_stage=lambda _stage: None) -> Path:
-    """The file laid out once into the shared conversion cache (under a lock: nodes
-    starting together lay it out once), for the store to hard-link."""
+def import_gguf_cached(path: Path, cache_dir: Path, *, fmt: WeightFormat | None = None, progress=None,
+                       on_stage=lambda _stage: None) -> Path:
+    """The file laid out once (per format) into the shared conversion cache (under a
+    lock: nodes starting together lay it out once), for the store to hard-link; a file
+    rewritten in place (another mtime) is laid out afresh."""
     import hashlib
 
     from .sources import file_lock
     from .store import MANIFEST_FILE
 
     stat = Path(path).stat()
+    kept = "kept" if fmt is None else fmt.label.replace("/", "-")
     digest = hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir / "converted" / f"gguf-kept-v1-{digest}"
-    with file_lock(cache_dir / "locks" / f"gguf-kept-{digest}.lock"):
+    target = cache_dir / "converted" / f"gguf-{kept}-v1-{digest}"
+    with file_lock(cache_dir / "locks" / f"gguf-{kept}-{digest}.lock"):
         if not (target / MANIFEST_FILE).exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             laid_out = Path(tempfile.mkdtemp(prefix=".layout-", dir=target.parent))
             try:
-                import_gguf(path, laid_out, progress=progress, on_stage=on_stage)
+                import_gguf(path, laid_out, fmt=fmt, progress=progress, on_stage=on_stage)
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(laid_out, target)
             finally:

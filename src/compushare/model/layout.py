@@ -112,30 +112,21 @@ def piece_hashes(data: bytes, piece_size: int) -> tuple[str, ...]:
     return hasher.finish()
 
 
-class SafetensorsTensors:
-    """lay_out's tensor source for a Hugging Face directory: each tensor as it is, or
-    converted to `fmt` (model/quantize.py) when read; specs come from converting an
-    empty tensor of the same shape on the meta device, so nothing is read up front."""
+class ConvertedTensors:
+    """A tensor source whose tensors are converted to `fmt` (model/quantize.py) as each
+    is read (as they are with `fmt` None). `shapes`: {name: (safetensors dtype, shape)}
+    of the source tensors; `value(name)`: one source tensor, as torch. Specs come from
+    converting an empty tensor of each shape on the meta device: nothing is read up front."""
 
-    def __init__(self, source: Path, fmt: WeightFormat | None) -> None:
-        from safetensors import safe_open
-
-        self.fmt, self._file_of, self._specs = fmt, {}, {}
+    def __init__(self, shapes: dict[str, tuple[str, tuple[int, ...]]], value, fmt: WeightFormat | None,
+                 where: str) -> None:
+        self.fmt, self._value, self._specs = fmt, value, {}
         self._cached: tuple[str | None, dict] = (None, {})
-        files = sorted(source.glob("*.safetensors"))
-        if not files:
-            raise UsageError(f"{source} holds no .safetensors weights")
-        for path in files:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in self._file_of:
-                        raise UsageError(f"tensor {name} appears in two files of {source}")
-                    self._file_of[name] = path
-                    piece = handle.get_slice(name)
-                    for stored, spec in self._convert_spec(name, piece.get_dtype(), tuple(piece.get_shape())).items():
-                        if stored in self._specs:
-                            raise UsageError(f"tensor {name} is already quantized in {source}")
-                        self._specs[stored] = spec
+        for name, (dtype, shape) in shapes.items():
+            for stored, spec in self._convert_spec(name, dtype, shape).items():
+                if stored in self._specs:
+                    raise UsageError(f"tensor {name} is already quantized in {where}")
+                self._specs[stored] = spec
 
     def _convert_spec(self, name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, StoredSpec]:
         if self.fmt is None:
@@ -153,17 +144,41 @@ class SafetensorsTensors:
 
     def read(self, name: str):
         import torch
-        from safetensors import safe_open
 
         from .quantize import quantize
 
         base = base_name(name) if self.fmt is not None else name
         if self._cached[0] != base:  # a matrix's parts (X.weight, X.weight_min, X.weight_scale) come in a row
-            with safe_open(str(self._file_of[base]), framework="pt") as handle:
-                tensor = handle.get_tensor(base)
+            self._cached = (None, {})  # the previous matrix's parts freed before this one is read
+            tensor = self._value(base)
             stored = quantize(self.fmt, base, tensor) if self.fmt is not None else {base: tensor}
+            del tensor
             self._cached = (base, {k: v.contiguous().reshape(-1).view(torch.uint8).numpy() for k, v in stored.items()})
         return self._cached[1][name]
+
+
+def safetensors_source(source: Path, fmt: WeightFormat | None) -> ConvertedTensors:
+    """lay_out's tensor source for a Hugging Face directory's safetensors files."""
+    from safetensors import safe_open
+
+    file_of, shapes = {}, {}
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{source} holds no .safetensors weights")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                if name in file_of:
+                    raise UsageError(f"tensor {name} appears in two files of {source}")
+                file_of[name] = path
+                piece = handle.get_slice(name)
+                shapes[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+
+    def value(name: str):
+        with safe_open(str(file_of[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    return ConvertedTensors(shapes, value, fmt, str(source))
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -191,7 +206,7 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
     if type(num_blocks) is not int or num_blocks < 1:
         raise UsageError(f"{source}/config.json has no valid num_hidden_layers")
     if tensors is None:
-        tensors = SafetensorsTensors(source, fmt)
+        tensors = safetensors_source(source, fmt)
     groups: dict[int | None, dict[str, StoredSpec]] = {None: {}} | {b: {} for b in range(num_blocks)}
     for name, spec in tensors.specs().items():
         block = block_of(base_name(name))

@@ -121,18 +121,6 @@ def fetch_smollm2(cache_dir: Path) -> Path:
     return target
 
 
-def convert_gguf_cached(gguf_path: Path, cache_dir: Path) -> Path:
-    if Path(gguf_path).resolve() == (cache_dir / "gguf" / Path(SMOLLM2_GGUF).name).resolve():
-        return fetch_smollm2(cache_dir)  # the catalog's own file: converted once already
-    digest = hashlib.sha256(f"{Path(gguf_path).resolve()}:{Path(gguf_path).stat().st_size}".encode()).hexdigest()[:16]
-    target = cache_dir / "converted" / f"gguf-v2-{digest}"
-    with file_lock(cache_dir / "locks" / f"gguf-{digest}.lock"):
-        if not (target / MANIFEST_FILE).exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(gguf_path, target)
-    return target
-
-
 TINYLLAMA_REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 
