@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 MIN_DEADLINE_S = 1.0  # no step is given less (scheduling hiccups on a loaded machine)
 DEADLINE_LATENCIES = 5.0  # a step may take this many times the hop's usual latency per chunk...
-DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much (or one usual latency, if more) per token it carries
+DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much (or one usual step's compute, if more) per token it carries
 LATENCY_EWMA = 0.2
 RECEIPT_TIMEOUT_S = 2.0
 
@@ -80,6 +80,8 @@ class RemoteHop:
         self.framed = framed
         self.hidden_size = hidden_size
         self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
+        # Of which the server's compute (as it reports it, within the wall time observed).
+        self.compute = hop.compute_s or self.latency
         self.usage = Usage()  # what the next receipt covers
         # The compute mode its step proofs must sign: the model's weight format. A proof
         # in another mode could never meet an honest witness's in a failure report.
@@ -95,8 +97,9 @@ class RemoteHop:
     def deadline(self, tokens: int, chunks: int = 1) -> float:
         # A prompt's tokens cost compute, not only bytes: through 11 blocks of an 8B-shaped
         # model on one thread each prompt token costs about what a decode step does
-        # (~0.15 s), so a flat 10 ms per token timed out a healthy 31-token prefill.
-        per_token = max(DEADLINE_PER_TOKEN_S, self.latency)
+        # (~0.15 s), so a flat 10 ms per token timed out a healthy 31-token prefill. The
+        # step's compute, not its latency: a slow link's round trip is paid once a step.
+        per_token = max(DEADLINE_PER_TOKEN_S, self.compute)
         return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + per_token * tokens
 
     async def request(self, message: Request, timeout: float,
@@ -181,6 +184,9 @@ class RemoteHop:
         wall = time.perf_counter() - began
         if learn:
             self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
+            # An older server reports no compute time: its whole wall time counts.
+            compute = min(reply.compute_ms / 1000, wall) if reply.compute_ms > 0 else wall
+            self.compute = (1 - LATENCY_EWMA) * self.compute + LATENCY_EWMA * compute
         self.usage.add(message.tokens, reply.compute_ms, wall * 1000)
         sent = b""
         if message.hidden is not None:
