@@ -4,6 +4,7 @@
     ├── UsageError          the user's mistake: a bad flag, a bad path (clear message)
     ├── UnsupportedLibp2p   an installed libp2p other than the one net/libp2p_patches.py patches
     ├── ModelUnavailable    a model that is neither stored nor obtainable here
+    │   └── PrivateModeUnsupported  ... or not in private mode: a projection it cannot encrypt
     ├── SwarmUnreachable    no bootstrap peer answered
     ├── RouteError          the DHT holds no chain of servers covering every block
     ├── RemoteError         a server answered with an error reply (code + message)
@@ -31,6 +32,10 @@ class UnsupportedLibp2p(CompushareError):
 
 class ModelUnavailable(CompushareError):
     """Raised when a model is not stored locally and cannot be obtained here."""
+
+
+class PrivateModeUnsupported(ModelUnavailable):
+    """Raised when a model's layers hold projections private mode cannot encrypt."""
 
 
 class SwarmUnreachable(CompushareError):

@@ -244,7 +244,8 @@ def test_private_mode_refuses_layers_it_cannot_encrypt(tmp_path, monkeypatch):
     """A family whose layers hold a projection no encrypted group covers is refused,
     naming it (here Phi-3, with its fused qkv_proj's group entry taken away)."""
     from compushare.model import private_layers
-    from compushare.model.private_layers import PrivateLayers, PrivateModeUnsupported
+    from compushare.errors import PrivateModeUnsupported
+    from compushare.model.private_layers import PrivateLayers
 
     path = make_tiny_family("phi3", tmp_path / "phi3")
     monkeypatch.delitem(private_layers.GROUP_OF, "qkv_proj")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelUnavailable
+from ..errors import PrivateModeUnsupported
 from .arch import architecture_of, load_config
 from .families import layer_types
 from .kv_cache import new_cache
@@ -36,9 +36,6 @@ GROUP_OF = {
     "qkv_proj": ("qkv", 0), "gate_up_proj": ("gate_up", 0),  # Phi-3's fused matrices: the whole group
 }
 
-
-class PrivateModeUnsupported(ModelUnavailable):
-    """Raised when a model's layers hold projections private mode cannot encrypt."""
 
 Project = Callable[[int, str, torch.Tensor], torch.Tensor]  # (layer, group, x [T, cols]) -> [T, rows]
 
