@@ -2,7 +2,8 @@
 with transformers' own config classes: hidden 64, 4 layers, vocabulary 256, so a
 whole model runs in milliseconds. Each config turns on what makes its family
 differ (rope scaling, QK-norm, a sliding window shorter than the tests' sequences,
-soft-capping, two rope bases, fused projections), and every weight, norms and
+soft-capping, a query scale other than the head size, two rope bases (Gemma 3's
+global one scaled linearly, as its larger models' are), fused projections), and every weight, norms and
 biases included, is random (transformers initialises norms and biases to
 constants, which would hide a missing (1 + w) or bias)."""
 
@@ -31,14 +32,14 @@ def _configs():
         "qwen2": lambda o: Qwen2Config(**COMMON | dict(tie_word_embeddings=True) | o),
         "qwen3": lambda o: Qwen3Config(**COMMON | dict(tie_word_embeddings=True) | o),
         "mistral": lambda o: MistralConfig(**COMMON | dict(sliding_window=WINDOW, tie_word_embeddings=False) | o),
-        "gemma2": lambda o: Gemma2Config(**GEMMA | dict(sliding_window=WINDOW, query_pre_attn_scalar=16,
+        "gemma2": lambda o: Gemma2Config(**GEMMA | dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                                         attn_logit_softcapping=1.5, final_logit_softcapping=0.5) | o),
         "gemma3": lambda o: Gemma3TextConfig(**GEMMA | dict(
             sliding_window=WINDOW, query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}) | o),
-        "phi3": lambda o: Phi3Config(**COMMON | dict(tie_word_embeddings=False) | o),
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}) | o),
+        "phi3": lambda o: Phi3Config(**COMMON | dict(sliding_window=WINDOW, tie_word_embeddings=False) | o),
     }
 
 

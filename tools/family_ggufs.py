@@ -39,9 +39,10 @@ SEED = 0
 SMALL = dict(num_hidden_layers=2)  # tiny_families' configs, 2 layers
 # family -> (the converter's outtypes written for it, tiny_config overrides). Gemma 3 gets
 # its own layer pattern (5 sliding, 1 global), which is what llama.cpp assumes: its converter
-# writes no layer types.
+# writes no layer types. Gemma 2's query scale is the head size: a GGUF file carries none,
+# llama.cpp taking hidden / heads for 46 layers (27B) and the head size otherwise.
 FIXTURES = {"llama": (("f32",), SMALL), "qwen2": (("f32", "q8_0"), SMALL), "qwen3": (("f32",), SMALL),
-            "mistral": (("f32",), SMALL), "gemma2": (("f32",), SMALL),
+            "mistral": (("f32",), SMALL), "gemma2": (("f32",), SMALL | dict(query_pre_attn_scalar=16)),
             "gemma3": (("f32",), SMALL | dict(num_hidden_layers=6, layer_types=None)), "phi3": (("f32",), SMALL)}
 WORDS = ("the quick brown fox jumps over lazy dog pool model share compute node swarm token layer weight "
          "block peer file").split()
