@@ -174,6 +174,7 @@ def span_figures(device, fmt_text: str, blocks: int, steps: int, prefill: int, b
     from compushare.model.batched import decode_batch
     from compushare.model.blocks import SpanRunner
     from compushare.model.formats import parse_format
+    from compushare.model.selfbench import time_decode_steps
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -194,17 +195,8 @@ def span_figures(device, fmt_text: str, blocks: int, steps: int, prefill: int, b
         runner.forward(torch.randn(1, 16, hidden, generator=generator), cache, 0)
         return cache
 
-    cache, position = fresh_session(), 16
-    for _ in range(3):
-        runner.forward(token, cache, position)
-        position += 1
-    began = time.perf_counter()
-    for _ in range(steps):
-        runner.forward(token, cache, position)
-        position += 1
-    step_s = (time.perf_counter() - began) / steps
+    step_s = time_decode_steps(runner, token, fresh_session(), 16, warmup=3, steps=steps)
     out |= {"decode_ms_per_block": round(step_s * 1e3 / blocks, 4), "decode_steps_s": round(1 / step_s, 2)}
-    del cache
     caches = [fresh_session() for _ in range(8)]
     positions = [16] * 8
     tokens = [token] * 8

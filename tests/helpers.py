@@ -61,12 +61,22 @@ def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = TINY_LAYERS, tie
     return path
 
 
-def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """Single-process transformers generation on the same weights and dtype."""
+def reference_model(model_dir: Path, **kwargs):
+    """transformers' float32 model of a checkpoint, its weights in storage of their own:
+    torch's float32 products round by the weights' alignment, and a checkpoint's mapped
+    tensors sit at the file's offsets (8 bytes off: 1 ulp apart), as the span runner's
+    and the head's do not."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kwargs).eval()
+    for tensor in (*model.parameters(), *model.buffers()):
+        tensor.data = tensor.data.clone()
+    return model
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """Single-process transformers generation on the same weights and dtype."""
+    model = reference_model(model_dir, attn_implementation="sdpa")
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)

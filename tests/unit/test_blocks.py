@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from compushare.model.arch import load_config
 from compushare.model.blocks import SpanRunner, read_tensors, span_tensor_names
 from compushare.model.head import HEAD_TENSORS, ConsumerHead
+from helpers import reference_model
 
 PROMPT = [1, 17, 42, 99, 3]
 CHUNKS = [(0, 3), (3, 5)]  # a chunked prefill: 3 tokens, then 2
@@ -17,8 +18,7 @@ DECODE_STEPS = 10
 
 @pytest.fixture(scope="module")
 def full(tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
+    return reference_model(tiny_model, attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_tied_head_reuses_the_embedding(tmp_path):
     tied = make_tiny_llama(tmp_path / "tied", tie=True, layers=1)
     head = ConsumerHead.load(tied)
     assert torch.equal(head.lm_head, head.embed)
-    model = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32).eval()
+    model = reference_model(tied)
     hidden = torch.randn(1, 2, 64)
     with torch.inference_mode():
         expected = model.lm_head(model.model.norm(hidden)[:, -1:])[0, -1]
@@ -318,7 +318,7 @@ def test_head_reads_the_norm_epsilon_from_the_config(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["rms_norm_eps"] = 0.5  # far from the default: a head ignoring it gives other logits
     (path / "config.json").write_text(json.dumps(config))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = reference_model(path)
     hidden = torch.randn(1, 2, 64)
     with torch.inference_mode():
         expected = model.lm_head(model.model.norm(hidden)[:, -1:])[0, -1]
@@ -356,7 +356,7 @@ def test_load_full_model_reads_the_store_layout(tiny_model, tmp_path):
     from compushare.model.store import ModelStore
 
     stored = ModelStore(tmp_path / "data").import_dir(tiny_model)
-    original = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    original = reference_model(tiny_model)
     loaded = load_full_model(stored.path)
     ids = torch.tensor([[1, 5, 9, 200]])
     with torch.inference_mode():

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from compushare.errors import ModelUnavailable
 from compushare.model.batched import decode_batch
@@ -19,6 +19,7 @@ from compushare.model.catalog import import_path
 from compushare.model.families import FAMILIES, SLIDING, family_of, family_of_config, layer_types
 from compushare.model.head import ConsumerHead
 from compushare.model.kernels import Int4CpuLinear, Int8Linear
+from helpers import reference_model
 from tiny_families import FAMILY_NAMES, WINDOW, make_tiny_family
 
 PROMPT = [1, 17, 42, 99, 3, 200, 7]  # longer than the sliding window
@@ -33,15 +34,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def transformers_model(path):
-    """transformers' model of a checkpoint, its weights in storage of their own: torch's
-    float32 products round by the weights' alignment, and a checkpoint's mapped tensors
-    sit at the file's offsets (8 bytes off: 1 ulp apart), as the span runner's do not."""
     family = family_of_config(json.loads((path / "config.json").read_text()))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 attn_implementation=family.attention).eval()
-    for tensor in (*model.parameters(), *model.buffers()):
-        tensor.data = tensor.data.clone()
-    return model
+    return reference_model(path, attn_implementation=family.attention)
 
 
 class Split:

@@ -90,11 +90,10 @@ class GGUFTensors:
 
     def read(self, name: str):
         gguf_name, kind, offset, size, dims = self._where[name]
-        raw = np.empty(size, dtype=np.uint8)
-        with open(self.path, "rb") as handle:
-            handle.seek(offset)
-            if handle.readinto(memoryview(raw)) != size:
-                raise UsageError(f"{self.path.name} ends inside tensor {gguf_name}")
+        try:
+            raw = gguf_native.read_rows(self.path, offset, (size,))
+        except ValueError:
+            raise UsageError(f"{self.path.name} ends inside tensor {gguf_name}") from None
         if len(dims) == 2:
             rows = raw.reshape(dims[0], -1)
             return gguf_native.unpermute(rows, self.heads[name]) if name in self.heads else rows

@@ -27,6 +27,8 @@ no torch kernel takes; Q2_K, Q3_K, IQ*) are read as values, through gguf-py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 GROUP = 32  # the affine groups' width: the int4 kernel's smallest group size
@@ -174,13 +176,14 @@ def random_rows(kind: str, rows: int, in_features: int, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
-def read_rows(path, begin: int, shape: tuple[int, int]) -> np.ndarray:
-    """Raw rows [rows, bytes] at byte `begin` of a file, read into memory of their own."""
+def read_rows(path, begin: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw bytes of `shape` (rows [rows, bytes], say) at byte `begin` of a file, read
+    into memory of their own (plain reads: a mapping would stay in the process's RSS)."""
     out = np.empty(shape, dtype=np.uint8)
     with open(path, "rb") as handle:
         handle.seek(begin)
         if handle.readinto(memoryview(out).cast("B")) != out.nbytes:
-            raise ValueError(f"{path} ends inside the rows at byte {begin}")
+            raise ValueError(f"{Path(path).name} ends inside the {out.nbytes} bytes at byte {begin}")
     return out
 
 

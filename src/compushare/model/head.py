@@ -16,7 +16,7 @@ from . import gguf_native, kernels
 from .families import HeadSpec, head_spec, read_config
 from .formats import base_name
 from .manifest import parse
-from .weights import gguf_types, read_tensors
+from .weights import read_tensors
 
 HEAD_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -40,9 +40,9 @@ def rms_norm_plus_one(hidden: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (normed * (1.0 + weight.float())).type_as(hidden)
 
 
-def stored_range(model_dir: Path, name: str) -> tuple[Path, int, tuple[int, ...]]:
-    """(file, first byte, shape) of tensor `name` of a stored model, from its manifest."""
-    manifest = parse((Path(model_dir) / "manifest.json").read_bytes())
+def stored_range(model_dir: Path, manifest, name: str) -> tuple[Path, int, tuple[int, ...]]:
+    """(file, first byte, shape) of tensor `name` of the model stored in `model_dir`,
+    from its manifest."""
     for entry in manifest.files:
         if name in entry.tensors:
             tensor = entry.tensors[name]
@@ -73,13 +73,15 @@ class ConsumerHead:
 
     @classmethod
     def load(cls, model_dir: Path, dtype=torch.float32) -> ConsumerHead:
-        types = gguf_types(model_dir)
+        path = Path(model_dir) / "manifest.json"
+        manifest = parse(path.read_bytes()) if path.exists() else None
+        types = dict(manifest.format.types) if manifest is not None else {}
         if types:  # the LM head read with plain reads (a mapping would stay resident), the embedding mapped
             state = read_tensors(model_dir, lambda names: [n for n in names if n == "model.norm.weight"])
             head = LM_HEAD if LM_HEAD in types else EMBED
-            state[head] = torch.from_numpy(gguf_native.read_rows(*stored_range(model_dir, head)))
-            rows = gguf_native.MappedRows(*stored_range(model_dir, EMBED), types[EMBED])
-            return cls(state, head_spec(read_config(model_dir)), dtype, gguf_rows=rows, gguf_types=types)
+            state[head] = torch.from_numpy(gguf_native.read_rows(*stored_range(model_dir, manifest, head)))
+            rows = gguf_native.MappedRows(*stored_range(model_dir, manifest, EMBED), types[EMBED])
+            return cls(state, head_spec(manifest.config), dtype, gguf_rows=rows, gguf_types=types)
         state = read_tensors(model_dir, lambda names: [n for n in names if base_name(n) in HEAD_TENSORS])
         return cls(state, head_spec(read_config(model_dir)), dtype)
 

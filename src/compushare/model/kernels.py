@@ -231,7 +231,7 @@ class DenseLinear(torch.nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-GGUF_GROUP = 32
+GGUF_GROUP = gguf_native.GROUP
 
 
 def _gguf_values(kind: str, raw: torch.Tensor) -> torch.Tensor:

@@ -57,18 +57,25 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
             token = torch.randn(1, 1, runner.hidden_size, generator=generator)
             cache = runner.new_cache()
             runner.forward(prompt, cache, 0)
-            position = PREFILL_TOKENS
-            for _ in range(warmup):
-                runner.forward(token, cache, position)
-                position += 1
-            began = time.perf_counter()
-            for _ in range(steps):
-                runner.forward(token, cache, position)
-                position += 1
-            elapsed = time.perf_counter() - began
+            step_s = time_decode_steps(runner, token, cache, PREFILL_TOKENS, warmup=warmup, steps=steps)
     finally:
         torch.set_num_threads(previous_threads)
-    return steps / elapsed * blocks
+    return blocks / step_s
+
+
+def time_decode_steps(runner: SpanRunner, token: torch.Tensor, cache, position: int, *, warmup: int,
+                      steps: int) -> float:
+    """Seconds per single-token decode step of `runner` on `cache` (which holds
+    `position` tokens), over `steps` timed steps after `warmup` untimed ones. Each
+    step's output comes back to the host, so a device's time is in it."""
+    for _ in range(warmup):
+        runner.forward(token, cache, position)
+        position += 1
+    began = time.perf_counter()
+    for _ in range(steps):
+        runner.forward(token, cache, position)
+        position += 1
+    return (time.perf_counter() - began) / steps
 
 
 def cache_key(model_id: str, threads: int, device: str = "cpu") -> str:
