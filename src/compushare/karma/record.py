@@ -15,12 +15,13 @@ import time
 
 from libp2p.crypto.keys import KeyPair
 
+from .. import wire
 from ..errors import PeerMisbehaved
 from ..net.signed import SignedRecordValidator, addrs_field, field, newest_valid, open_sealed, seal
 from .merkle import merkle_root
 from .rules import CLOCK_SKEW_S, Tally, base_score, tally
 
-KARMA_NAMESPACE = "cskarma"
+KARMA_NAMESPACE = wire.KARMA_RECORDS
 KARMA_VERSION = 1
 MAX_KARMA_RECORD_BYTES = 4 * 1024  # far below the DHT's 1 MiB: the receipts stay with the owner
 MAX_ADDRS = 8

@@ -22,6 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 
+from .. import wire
 from ..errors import FrameError, PeerMisbehaved
 from ..net.dht import find_provider_infos_fresh, get_value_fresh
 from ..net.dial import dial
@@ -36,7 +37,7 @@ from .rules import Tally, score, verified_reports
 
 log = logging.getLogger(__name__)
 
-KARMA_PROTOCOL = "/compushare/karma/1.0.0"
+KARMA_PROTOCOL = wire.KARMA
 MAX_FRAME = 1 << 20
 PAGE = 512  # receipts per "receipts" reply at most...
 REPLY_BYTES = 768 * 1024  # ...and items of at most this many bytes in one reply (under MAX_FRAME)
@@ -52,7 +53,7 @@ MAX_STREAMS_PER_PEER = 4  # concurrent karma requests one peer may have served (
 
 def reports_key(peer_id: str) -> str:
     """Provider key: "holds failure reports against this peer"."""
-    return hashlib.sha256(f"compushare/reports/v1/{peer_id}".encode()).hexdigest()
+    return hashlib.sha256(f"{wire.REPORTS_KEY}{peer_id}".encode()).hexdigest()
 
 
 class KarmaService:

@@ -19,13 +19,14 @@ import time
 
 from libp2p.crypto.keys import KeyPair
 
+from .. import wire
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
 from .reachability import REACHABILITIES, UNKNOWN
 from .records import ALLOWED_DTYPES, FORMAT_LABEL, MAX_ADDRS, MAX_BLOCKS, MODEL_NAME
 from .signed import addrs_field, field, open_sealed, seal, signer_of
 
-AD_TOPIC = "/compushare/ads/1"  # the version is part of the topic: v2 ads get a new one
+AD_TOPIC = wire.AD_TOPIC
 AD_VERSION = 1
 AD_PERIOD_S = 5.0
 MIN_AD_PERIOD_S, MAX_AD_PERIOD_S = 1.0, 20.0

@@ -12,6 +12,7 @@ import struct
 import msgpack
 
 from ..errors import FrameError
+from ..wire import BAD_FRAME, FRAME_TOO_LARGE
 
 LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -26,9 +27,9 @@ def decode_payload(payload: bytes) -> dict:
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise FrameError("bad_frame", f"payload is not valid msgpack: {exc}") from None
+        raise FrameError(BAD_FRAME, f"payload is not valid msgpack: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise FrameError("bad_frame", "a frame must be a map with a string 'type'")
+        raise FrameError(BAD_FRAME, "a frame must be a map with a string 'type'")
     return message
 
 
@@ -105,5 +106,5 @@ class FrameDecoder:
     def _check_length(self, length: int) -> None:
         if length > self.max_frame_bytes:
             raise FrameError(
-                "frame_too_large", f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes}"
+                FRAME_TOO_LARGE, f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes}"
             )

@@ -45,7 +45,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
-from .. import defences
+from .. import defences, wire
 from ..errors import PeerMisbehaved, SwarmUnreachable
 from .dial import dial, parse_peer_addr
 from .libp2p_patches import PEER_QUERY_TIMEOUT_S
@@ -68,12 +68,12 @@ ROUTING_SYNC_PERIOD_S = 2.0
 
 def block_key(model_id: str, block: int) -> str:
     """Provider key for one block of a model (hex: py-libp2p uses it as raw bytes)."""
-    return hashlib.sha256(f"compushare/block/v1/{model_id}/{block}".encode()).hexdigest()
+    return hashlib.sha256(f"{wire.BLOCK_KEY}{model_id}/{block}".encode()).hexdigest()
 
 
 def model_key(model_id: str) -> str:
     """Provider key for "serves some block of this model": one look-up finds most servers."""
-    return hashlib.sha256(f"compushare/model/v1/{model_id}".encode()).hexdigest()
+    return hashlib.sha256(f"{wire.MODEL_KEY}{model_id}".encode()).hexdigest()
 
 
 @contextlib.asynccontextmanager
@@ -316,7 +316,7 @@ async def routing_sync_loop(host: IHost, dht: KadDHT) -> None:
 
 def seed_key(model_id: str) -> str:
     """Provider key for "holds pieces of this model" (seeders)."""
-    return hashlib.sha256(f"compushare/seed/v1/{model_id}".encode()).hexdigest()
+    return hashlib.sha256(f"{wire.SEED_KEY}{model_id}".encode()).hexdigest()
 
 
 async def find_providers_fresh(dht: KadDHT, key: str) -> set[ID]:

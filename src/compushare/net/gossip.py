@@ -27,7 +27,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from .. import defences
+from .. import defences, wire
 from ..errors import PeerMisbehaved
 from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
@@ -38,7 +38,7 @@ from .view import MAX_PEERS, PUBLISH_INTERVAL_S, SwarmView
 
 log = logging.getLogger(__name__)
 
-VIEW_PROTOCOL = "/compushare/view/1.0.0"
+VIEW_PROTOCOL = wire.VIEW
 MAX_VIEW_ADS = 1024
 MAX_VIEW_FRAME = MAX_VIEW_ADS * (MAX_AD_BYTES + 16) + 1024
 VIEW_TIMEOUT_S = 5.0

@@ -14,10 +14,11 @@ import time
 
 from libp2p.crypto.keys import KeyPair
 
+from .. import wire
 from ..errors import PeerMisbehaved
 from .signed import addrs_field, field, newest_valid, open_sealed, seal
 
-RECORD_NAMESPACE = "csserver"
+RECORD_NAMESPACE = wire.SERVER_RECORDS
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 8 * 1024
 MAX_ADDRS = 8

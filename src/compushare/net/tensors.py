@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import FrameError
+from ..wire import BAD_DTYPE, BAD_SHAPE, BAD_TENSOR, NON_FINITE
 from .dtypes import WIRE_NUMPY_DTYPES
 
 # name -> (torch dtype, numpy dtype used for the raw bytes)
@@ -36,34 +37,34 @@ def decode_tensor(obj: object, *, hidden_size: int, max_tokens: int) -> torch.Te
     Checks, in order: structure, dtype whitelist, shape, byte length, finiteness.
     """
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-        raise FrameError("bad_tensor", "a tensor is a map of exactly dtype, shape, data")
+        raise FrameError(BAD_TENSOR, "a tensor is a map of exactly dtype, shape, data")
     dtype_name, shape, data = obj["dtype"], obj["shape"], obj["data"]
     if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
-        raise FrameError("bad_dtype", f"dtype {dtype_name!r} is not one of {sorted(WIRE_DTYPES)}")
+        raise FrameError(BAD_DTYPE, f"dtype {dtype_name!r} is not one of {sorted(WIRE_DTYPES)}")
     if (
         not isinstance(shape, list)
         or len(shape) != 3
         or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
     ):
-        raise FrameError("bad_shape", f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
+        raise FrameError(BAD_SHAPE, f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
     batch, tokens, hidden = shape
     if batch != 1 or hidden != hidden_size or not (1 <= tokens <= max_tokens):
         raise FrameError(
-            "bad_shape",
+            BAD_SHAPE,
             f"shape {shape} must be [1, 1..{max_tokens}, {hidden_size}]",
         )
     if not isinstance(data, bytes):
-        raise FrameError("bad_tensor", "tensor data must be bytes")
+        raise FrameError(BAD_TENSOR, "tensor data must be bytes")
     torch_dtype, np_dtype = WIRE_DTYPES[dtype_name]
     expected = math.prod(shape) * np_dtype.itemsize
     if len(data) != expected:
         raise FrameError(
-            "bad_shape", f"shape {shape} of {dtype_name} needs {expected} bytes, frame has {len(data)}"
+            BAD_SHAPE, f"shape {shape} of {dtype_name} needs {expected} bytes, frame has {len(data)}"
         )
     array = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     tensor = torch.from_numpy(array.copy())
     if torch_dtype == torch.bfloat16:
         tensor = tensor.view(torch.bfloat16)
     if not torch.isfinite(tensor).all():
-        raise FrameError("non_finite", "tensor holds NaN or infinity")
+        raise FrameError(NON_FINITE, "tensor holds NaN or infinity")
     return tensor

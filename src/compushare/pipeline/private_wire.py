@@ -1,4 +1,4 @@
-"""/compushare/private/1.0.0: encrypted projections. Messages and their checks. Pure.
+"""The private protocol (wire.PRIVATE): encrypted projections. Messages and their checks. Pure.
 
 One stream is one private session (protocol.md, "Private sessions"):
 
@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from .. import wire
 from ..errors import PeerMisbehaved
 from ..he.groups import GROUPS
 
-PRIVATE_PROTOCOL = "/compushare/private/1.0.0"
+PRIVATE_PROTOCOL = wire.PRIVATE
 KEYS_CHUNK = 1 << 20  # Galois keys travel in chunks of 1 MiB (a frame holds at most 16 MiB)
 MAX_KEYS_BYTES = 128 << 20  # all of a session's Galois keys (SmolLM2 needs ~24 MB)
 MAX_TOKENS_PER_REQUEST = 16  # 16 tokens x 5 output ciphertexts x 128 KiB fit a 16 MiB frame

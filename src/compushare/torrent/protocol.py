@@ -1,4 +1,4 @@
-"""/compushare/pieces/1.0.0 messages: constructors and checks. Pure, no I/O.
+"""The pieces protocol's (wire.PIECES) messages: constructors and checks. Pure, no I/O.
 
 One stream per downloader and seeder pair. The downloader says `hello` with the
 model id; the seeder answers with its `bitfield` (or an error), then sends `have`
@@ -13,20 +13,21 @@ import re
 
 import msgpack
 
+from .. import wire
 from ..errors import FrameError
 from ..net.codec import LENGTH
 from ..model.manifest import MAX_MANIFEST_BYTES, MAX_PIECE_SIZE, MAX_PIECES
 
-PIECES_PROTOCOL = "/compushare/pieces/1.0.0"
+PIECES_PROTOCOL = wire.PIECES
 # Downloaders send only small control messages; seeders send pieces and manifests.
 MAX_CONTROL_FRAME = 64 * 1024
 MAX_DATA_FRAME = max(MAX_PIECE_SIZE, MAX_MANIFEST_BYTES) + 64 * 1024
-REJECT_CODES = ("not_held", "too_many_requests")
+REJECT_CODES = wire.PIECES_REJECTS
 _MODEL_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def _bad(message: str) -> FrameError:
-    return FrameError("bad_message", message)
+    return FrameError(wire.BAD_MESSAGE, message)
 
 
 def _index(message: dict, num_pieces: int) -> int:

@@ -14,6 +14,7 @@ import logging
 import trio
 from libp2p.abc import INetStream
 
+from .. import wire
 from ..errors import FrameError
 from ..net.framing import FramedStream
 from ..net.serve import GuardedHandler, peer_of
@@ -117,7 +118,7 @@ class _Upload:
             kind, model_id = parse_request(message, None)
         pieces = self.pieces = await self.seeder.library.open(model_id)
         if pieces is None:
-            raise FrameError("unknown_model", f"this node holds no pieces of {model_id[:12]}")
+            raise FrameError(wire.UNKNOWN_MODEL, f"this node holds no pieces of {model_id[:12]}")
         pieces.listeners.add(self._on_have)
         try:
             await self.framed.send({"type": "bitfield", "pieces": pieces.num_pieces,
@@ -160,7 +161,7 @@ class _Upload:
                 self.last_request = trio.current_time()
                 length = pieces.manifest.pieces[value].length
                 if len(self.queue) >= MAX_REQUESTS or sum(self.queue.values()) + length > MAX_QUEUED_BYTES:
-                    await self._send({"type": "reject", "index": value, "code": "too_many_requests"})
+                    await self._send({"type": "reject", "index": value, "code": wire.TOO_MANY_REQUESTS})
                 elif value not in pieces.have:
                     await self._send({"type": "reject", "index": value, "code": "not_held"})
                 else:

@@ -17,6 +17,7 @@ from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamError
 
 from ...config import ServerLimits
+from ... import wire
 from ...errors import FrameError
 from ...net.framing import FramedStream
 from ...net.serve import peer_of
@@ -44,7 +45,7 @@ async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimi
                     message = await framed.receive()
             except FrameError as exc:
                 await _reply(framed, protocol.error(exc.code, exc.message))
-                if exc.code == "frame_too_large":
+                if exc.code == wire.FRAME_TOO_LARGE:
                     # The rest of that frame cannot be skipped: end the stream, but give
                     # the error reply a moment to arrive before the reset discards it.
                     await framed.close()

@@ -1,0 +1,57 @@
+"""Every name CompuShare puts on the wire, in one place: stream protocol ids, the gossip
+topic, DHT record namespaces and provider-key prefixes, and the error codes peers
+send each other. protocol.md documents each; tests/unit/test_wire_names.py checks
+that it documents exactly these. Constants only: no imports, the lowest layer.
+"""
+
+# Stream protocols (versioned: a new version is a new id).
+INFER = "/compushare/infer/1.5.0"
+PRIVATE = "/compushare/private/1.0.0"
+PIECES = "/compushare/pieces/1.0.0"
+KARMA = "/compushare/karma/1.0.0"
+VIEW = "/compushare/view/1.0.0"
+PROTOCOLS = (INFER, PRIVATE, PIECES, KARMA, VIEW)
+
+AD_TOPIC = "/compushare/ads/1"  # GossipSub; the version is part of the topic: v2 ads get a new one
+
+# DHT records: keys /<namespace>/...; provider keys: sha256(prefix + ...).
+SERVER_RECORDS = "csserver"  # /csserver/<model_id>/<peer_id>
+KARMA_RECORDS = "cskarma"  # /cskarma/<peer_id>
+MODEL_KEY = "compushare/model/v1/"  # + model_id
+BLOCK_KEY = "compushare/block/v1/"  # + model_id + "/" + block
+SEED_KEY = "compushare/seed/v1/"  # + model_id
+REPORTS_KEY = "compushare/reports/v1/"  # + peer_id
+PROVIDER_KEYS = (MODEL_KEY, BLOCK_KEY, SEED_KEY, REPORTS_KEY)
+
+# Error codes of any framed stream: the frame and the tensors in it.
+BAD_FRAME = "bad_frame"
+FRAME_TOO_LARGE = "frame_too_large"
+BAD_TENSOR = "bad_tensor"
+BAD_DTYPE = "bad_dtype"
+BAD_SHAPE = "bad_shape"
+NON_FINITE = "non_finite"
+FRAME_ERRORS = (BAD_FRAME, FRAME_TOO_LARGE, BAD_TENSOR, BAD_DTYPE, BAD_SHAPE, NON_FINITE)
+
+# Error codes of /compushare/infer ({"type": "error", "code": ...} replies).
+BUSY = "busy"
+UNKNOWN_SESSION = "unknown_session"
+OUT_OF_ORDER = "out_of_order"
+SESSION_EXISTS = "session_exists"
+BAD_REQUEST = "bad_request"
+WRONG_MODEL = "wrong_model"
+BAD_SPAN = "bad_span"
+TOO_LONG = "too_long"
+INTERNAL = "internal"
+RATE_LIMITED = "rate_limited"
+BAD_RECEIPT = "bad_receipt"
+NO_INPUT = "no_input"  # a step from_upstream whose push did not come within its wait
+INFER_ERRORS = (BAD_REQUEST, UNKNOWN_SESSION, OUT_OF_ORDER, SESSION_EXISTS, WRONG_MODEL, BAD_SPAN, TOO_LONG,
+                BUSY, RATE_LIMITED, BAD_RECEIPT, NO_INPUT, INTERNAL)
+
+# Codes of /compushare/pieces: a seeder's `error` (then it closes) and `reject` (one request).
+UNKNOWN_MODEL = "unknown_model"
+BAD_MESSAGE = "bad_message"
+NOT_HELD = "not_held"
+TOO_MANY_REQUESTS = "too_many_requests"
+PIECES_ERRORS = (UNKNOWN_MODEL, BUSY, BAD_MESSAGE, BAD_FRAME, FRAME_TOO_LARGE)
+PIECES_REJECTS = (NOT_HELD, TOO_MANY_REQUESTS)
