@@ -72,7 +72,8 @@ from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.formats import parse_format  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
 from compushare.pipeline.client.chain import open_chain  # noqa: E402
-from compushare.pipeline.client.consumer import RunRequest, find_route, prompt_ids_of  # noqa: E402
+from compushare.pipeline.client.consumer import RunRequest, prompt_ids_of  # noqa: E402
+from compushare.pipeline.client.planner import SwarmPlanner  # noqa: E402
 from compushare.pipeline.client.generate import generate  # noqa: E402
 from compushare.pipeline.client.sampling import Sampler, SamplingParams  # noqa: E402
 from compushare.net.dht import connect_bootstrap, open_dht  # noqa: E402
@@ -187,7 +188,7 @@ class SwarmClient:
                     open_dht(host, server=False) as dht:
                 self.host = host
                 await connect_bootstrap(host, dht, self.bootstrap)
-                self.route = await find_route(host, dht, self.model.model_id, self.model.num_blocks)
+                self.route = await SwarmPlanner(host, dht, self.model.model_id, self.model.num_blocks).first_route()
                 self._token = trio.lowlevel.current_trio_token()
                 self._ready.set()
                 await trio.sleep_forever()

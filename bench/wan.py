@@ -156,7 +156,8 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
     from compushare.net.host import open_host
     from compushare.net.identity import load_or_create_identity
     from compushare.pipeline.client.chain import open_chain
-    from compushare.pipeline.client.consumer import RunRequest, find_route, prompt_ids_of
+    from compushare.pipeline.client.consumer import RunRequest, prompt_ids_of
+    from compushare.pipeline.client.planner import SwarmPlanner
     from compushare.pipeline.client.generate import GenerateStats, generate
     from compushare.pipeline.client.sampling import Sampler, SamplingParams
     from compushare.pipeline.client.speculative import MAX_DRAFT
@@ -291,7 +292,7 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
             async with open_host(load_or_create_identity(data_dir), [listen]) as host, \
                     open_dht(host, server=False) as dht:
                 await connect_bootstrap(host, dht, [bootstrap])
-                route = await find_route(host, dht, model.model_id, model.num_blocks)
+                route = await SwarmPlanner(host, dht, model.model_id, model.num_blocks).first_route()
                 out: dict = {"route": [(h.start, h.end) for h in route], "c_ms": consumer_ms(),
                              "prompt_tokens": {name: len(ids) for name, ids in prompts.items()},
                              "local": out_local, "single": [], "concurrent8": [],

@@ -11,9 +11,11 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   net/         libp2p: patches, host, the swarm seam, dialling, serving, DHT, gossip
   model/       catalog of names, weight sources, the store and its manifests, the
                span runner and the consumer's head
-  he/          CKKS private mode: not built yet
+  he/          CKKS homomorphic encryption for private mode
   runtime.py, gc_policy.py, malloc_policy.py, config.py, hardware.py, defences.py,
-  errors.py: the base modules
+  errors.py    the base modules
+  __main__.py  `python -m compushare`: the command line
+  wire.py      every name on the wire: protocol ids, the ad topic, DHT keys, error codes
 """
 
 __version__ = "0.1.0"

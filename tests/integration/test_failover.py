@@ -46,7 +46,7 @@ def client_dir(tmp_path, tiny_model):
 async def _all_serving(consumer, servers: int) -> None:
     """Until the consumer's view has every server's ad saying it serves (fresh nodes'
     first ads say they are loading)."""
-    from compushare.pipeline.client.consumer import SwarmPlanner
+    from compushare.pipeline.client.planner import SwarmPlanner
 
     planner = SwarmPlanner(consumer.host, consumer.dht, consumer.model.model_id, consumer.model.num_blocks,
                            view=consumer.view)

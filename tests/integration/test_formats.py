@@ -10,7 +10,8 @@ from compushare.karma.record import karma_validators
 from compushare.model.catalog import import_path
 from compushare.net.peer import open_swarm_host
 from compushare.errors import HopUnavailable
-from compushare.pipeline.client.consumer import Consumer, RunRequest, find_route, run_prompt
+from compushare.pipeline.client.consumer import Consumer, RunRequest, run_prompt
+from compushare.pipeline.client.planner import SwarmPlanner
 from compushare.pipeline.client.discovery import discover_servers
 from compushare.pipeline.client.hop import WRONG_FORMAT, open_hop
 from compushare.pipeline.client.routing import Hop
@@ -60,7 +61,7 @@ async def test_a_server_naming_another_format_is_refused(processes, tiny_model, 
         lying = next(r for r in records if r.peer_id == liar["peer_id"])
         assert lying.fmt == "q4/g64" and {r.fmt for r in records if r is not lying} == {""}  # fp32: unsaid
         for _ in range(5):
-            route = await find_route(swarm.host, swarm.dht, first["model_id"], 4, fmt="fp32")
+            route = await SwarmPlanner(swarm.host, swarm.dht, first["model_id"], 4, fmt="fp32").first_route()
             assert liar["peer_id"] not in {h.peer_id for h in route}
         with pytest.raises(HopUnavailable) as refused:
             with trio.fail_after(30):

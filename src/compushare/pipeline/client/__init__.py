@@ -5,28 +5,29 @@
   chain_machine.py  the core's state and request/answer plumbing (pure)
   chain_rebuild.py  replacements for a failed span: plan, open, replay (pure)
   chain_checks.py   spot checks, third opinions, blame (pure)
+  chain_standby.py  standby replicas: a second session per span, fed every step (pure)
   chain_events.py   the actions the core emits and the events it is fed (pure data)
   chain_plan.py     History, replay and catch-up plans, judge, failure reports (pure)
   hop.py            RemoteHop, open_hop: one session's stream, deadlines, retries, receipts
   routing.py        plan_route: the fastest chain of servers through the blocks (pure)
+  planner.py        SwarmPlanner: candidate servers kept fresh (DHT, ads, pings), planned into routes
   spotcheck.py      which steps are checked; penalties for failing peers (pure)
-  discovery.py      the DHT look-ups: the servers of a model
+  names.py          which model ids the swarm serves under a name, and which to use (pure)
+  discovery.py      the look-ups: the servers of a model (DHT), the model served under a name
   measure.py        round trips to candidate servers
-  consumer.py       Consumer: join the swarm, keep candidates fresh, route, generate
+  consumer.py       Consumer: join the swarm for a model (head, tokenizer), generate; run_prompt
   generate.py       the generation loop (embeddings and LM head stay local)
+  speculative.py    lossless speculative decoding: drafts, their verification, draft length (pure)
   sampling.py       greedy / temperature / top-p sampling with a seeded generator
   detokenize.py     streaming text from tokens
   private_chain.py  private mode: every layer here, its products encrypted on the providers
 
-Where later features plug into the core (each a new request, event or state):
-- direct return (server → server → consumer, with a chain of step proofs): a second
-  way through the hops in ChainCore._enter_hop, one request to the first hop and one
-  answer (output and proofs) from the last; replays first fetch a boundary's history
-  from the servers holding it (a new request); `--no-direct` keeps today's relay path.
-- speculative decoding: a `rollback(position)` operation cutting the history (sizes,
-  every boundary's inputs, verifiers' `fed`) and emitting a Truncate per live session.
-- batching: one ChainCore per sequence; a driver groups their SendSteps per server.
-- standby replicas: sessions kept caught up like verifiers (catch_up_plan); a failover
-  takes a caught-up one before `_rebuild`, with no replay.
-- relayed hops (NAT): in hop.py (how a session is reached) and private_chain.py alike.
+What the core does besides stepping through the hops, each feature a request, an
+event or a state of its own: direct return (one request to the first hop, the output
+and the chained step proofs from the last; `--no-direct` relays each step through the
+consumer); speculative decoding (`rewind` cuts the history and rolls each session
+back); spot checks (a verifier per sampled step, an arbiter on a disagreement, a
+failure report); standby replicas (fed like verifiers, taking over a failed span with
+no replay). Batching is the servers' (many sessions' decode steps in one forward);
+relayed hops (NAT) are hop.py's and private_chain.py's (how a session is reached).
 """

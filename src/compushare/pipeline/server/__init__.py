@@ -1,6 +1,8 @@
 """The provider side: serving a span of a model's blocks over /compushare/infer.
 
   session.py      pure core: each session's state machine (one TRANSITIONS table), admission by KV budget
+  kv_share.py     pure: max-min fair shares of the KV budget among peers
+  scheduler.py    pure: who computes next: fair among peers, decode steps first
   receipts.py     pure: the audit a consumer's receipt passes before this server countersigns it
   inference.py    InferenceServer, the thin trio driver: limits, decoded requests to the core, replies
   streams.py      an infer stream: frames in order, one reply each, idle and oversized streams closed
