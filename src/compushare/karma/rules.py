@@ -46,7 +46,7 @@ def tally(wires: list[bytes], owner: str, *, as_of: float) -> Tally:
     """Count `owner`'s receipts (in ledger order) as of unix time `as_of`."""
     result = Tally()
     seen: set[tuple] = set()
-    used: collections.Counter[tuple[str, int]] = collections.Counter()  # (consumer, day) -> ms counted
+    used: collections.defaultdict[tuple[str, int], float] = collections.defaultdict(float)  # (consumer, day) -> ms counted
     latest = -math.inf  # the latest receipt time counted so far
     for wire in wires:
         try:

@@ -25,7 +25,8 @@ def is_circuit(addr: str) -> bool:
 
 def split_addrs(addrs: Iterable[str]) -> tuple[list[str], list[str]]:
     """(direct, relayed) addresses, each in the order given."""
-    direct, relayed = [], []
+    direct: list[str] = []
+    relayed: list[str] = []
     for addr in addrs:
         (relayed if is_circuit(addr) else direct).append(addr)
     return direct, relayed

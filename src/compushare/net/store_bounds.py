@@ -190,11 +190,11 @@ class BoundedStore:
         if need > 0:
             # A newcomer may only even out holders; a refresh or our own record may not wait.
             floor = 0 if own or old is not None else self._count(entry.holder) + 1
-            evicted = self._plan(need, floor)
-            if evicted is None:
-                if not own:
-                    return refuse("store full")
-                evicted = [k for k, e in self._entries.items() if e.holder is not None]
+            planned = self._plan(need, floor)
+            if planned is None and not own:
+                return refuse("store full")
+            evicted = planned if planned is not None else [k for k, e in self._entries.items()
+                                                            if e.holder is not None]
         for victim in evicted:
             self._forget(victim)
         self._record(key, entry)
@@ -221,7 +221,9 @@ class BoundedStore:
     def _plan(self, need: int, floor: int) -> list | None:
         """Keys to evict to free `need`: the oldest entries of the holder holding most,
         again and again, while it holds more than `floor`; None if that is not enough."""
-        plan, freed, taken = [], 0, {}
+        plan: list = []
+        taken: dict[tuple, int] = {}
+        freed = 0
         while freed < need:
             holder = self._largest(taken, floor)
             if holder is None:

@@ -149,7 +149,7 @@ def describe_route(hops: list[Hop]) -> list[str]:
 
 
 def uncovered_blocks(records: list[ServerRecord], num_blocks: int, now: float) -> list[int]:
-    covered = set()
+    covered: set[int] = set()
     for record in records:
         if record.is_live(now):
             covered.update(range(record.start, min(record.end, num_blocks)))

@@ -162,5 +162,5 @@ class FairScheduler:
                 del self._finish[ticket.peer]
             if len(self._finish) > MAX_IDLE_PEERS:  # bounded: forget the smallest debts
                 for peer in sorted((p for p in self._finish if p not in self._busy),
-                                   key=self._finish.get)[:len(self._finish) - MAX_IDLE_PEERS]:
+                                   key=self._finish.__getitem__)[:len(self._finish) - MAX_IDLE_PEERS]:
                     del self._finish[peer]
