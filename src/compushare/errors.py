@@ -14,6 +14,9 @@
     └── PeerMisbehaved      a peer sent something malformed (costs it trust)
         └── FrameError      a frame that fails decoding or validation
 
+Errors one module raises sit beside it, in this tree: net.dht.StoreRefused,
+pipeline.server.session.Rejected, pipeline.server.private_worker.WorkerCrashed,
+pipeline.private_wire.PrivateRemoteError, he.ckks.HEError, torrent.fetch.FetchError.
 "Closed by us" (cancellation, shutdown) never raises one of these.
 """
 
@@ -66,6 +69,18 @@ class HopFailed(RemoteError):
     def __init__(self, peer_id: str, code: str, message: str) -> None:
         super().__init__(code, message)
         self.peer_id = peer_id
+
+
+# A HopFailed's `code` is a server's own error code (wire.py) or one of these, which
+# this side found.
+TIMEOUT = "timeout"  # no answer within the step's deadline
+CONNECTION_LOST = "connection_lost"  # the connection went while waiting
+CLOSED = "closed"  # the server closed the stream or the session
+BAD_REPLY = "bad_reply"  # an answer that is not one to the request
+UNREACHABLE = "unreachable"  # it could not be dialled
+MISMATCH = "mismatch"  # a spot check caught it computing wrongly
+FAILED = "failed"  # it failed and no planner could replace it
+WRONG_FORMAT = "wrong_format"  # it computes in another weight format than the model's
 
 
 class HopUnavailable(HopFailed):

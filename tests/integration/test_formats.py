@@ -13,7 +13,8 @@ from compushare.errors import HopUnavailable
 from compushare.pipeline.client.consumer import Consumer, RunRequest, run_prompt
 from compushare.pipeline.client.planner import SwarmPlanner
 from compushare.pipeline.client.discovery import discover_servers
-from compushare.pipeline.client.hop import WRONG_FORMAT, open_hop
+from compushare.errors import WRONG_FORMAT
+from compushare.pipeline.client.hop import open_hop
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.proofs import TOLERANCES, FailureReport

@@ -46,7 +46,7 @@ from libp2p.records.validator import NamespacedValidator, Validator
 from libp2p.tools.anyio_service import background_trio_service
 
 from .. import defences, wire
-from ..errors import PeerMisbehaved, SwarmUnreachable
+from ..errors import CompushareError, PeerMisbehaved, SwarmUnreachable
 from .dial import dial, parse_peer_addr
 from .libp2p_patches import PEER_QUERY_TIMEOUT_S
 from .records import RECORD_NAMESPACE, ServerRecord, newest_index, parse_record, record_key
@@ -146,7 +146,7 @@ def _guard_inbound_streams(host: IHost, dht: KadDHT) -> None:
 _SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("compushare_dht_sender", default=None)
 
 
-class StoreRefused(Exception):
+class StoreRefused(CompushareError):
     """A put this node will not store (py-libp2p's handler then resets the stream)."""
 
 

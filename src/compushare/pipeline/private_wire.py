@@ -26,7 +26,7 @@ import dataclasses
 import re
 
 from .. import wire
-from ..errors import PeerMisbehaved
+from ..errors import PeerMisbehaved, RemoteError
 from ..he.groups import GROUPS
 
 PRIVATE_PROTOCOL = wire.PRIVATE
@@ -136,9 +136,5 @@ def error(code: str, message: str) -> dict:
     return {"type": "error", "code": code, "message": message}
 
 
-class PrivateRemoteError(Exception):
+class PrivateRemoteError(RemoteError):
     """The provider answered with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code

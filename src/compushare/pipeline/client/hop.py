@@ -20,7 +20,10 @@ import trio
 from libp2p.abc import IHost
 from libp2p.network.stream.exceptions import StreamError
 
-from ...errors import FrameError, HopFailed, HopUnavailable, PeerMisbehaved, RemoteError, ServerBusy
+from ...errors import (
+    BAD_REPLY, CLOSED, CONNECTION_LOST, TIMEOUT, UNREACHABLE, WRONG_FORMAT, FrameError, HopFailed, HopUnavailable,
+    PeerMisbehaved, RemoteError, ServerBusy,
+)
 from ...karma.receipts import Receipt, parse_receipt, sign_receipt
 from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
@@ -34,7 +37,6 @@ from ..messages import (
 )
 from .routing import Hop
 
-WRONG_FORMAT = "wrong_format"  # a HopUnavailable's code: the server computes in another weight format
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +119,13 @@ class RemoteHop:
                 else:
                     reply = await _tightened(scope, tighten, self._exchange(message))
         except trio.TooSlowError:
-            raise HopFailed(self.peer_id, "timeout", f"{self._where()} did not answer within {timeout:.1f}s") \
+            raise HopFailed(self.peer_id, TIMEOUT, f"{self._where()} did not answer within {timeout:.1f}s") \
                 from None
         except (StreamError, FrameError) as exc:
-            raise HopFailed(self.peer_id, "connection_lost",
+            raise HopFailed(self.peer_id, CONNECTION_LOST,
                             f"lost the stream to {self._where()}: {str(exc) or type(exc).__name__}") from None
         except PeerMisbehaved as exc:
-            raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
+            raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: {exc}") from None
         if isinstance(reply, ErrorReply):
             if reply.code == protocol.BUSY:
                 raise ServerBusy(reply.code, f"{self._where()}: {reply.message}")
@@ -136,7 +138,7 @@ class RemoteHop:
             await self.framed.send(message.to_wire())
             raw = await self.framed.receive()
             if raw is None:
-                raise HopFailed(self.peer_id, "closed", f"{self._where()} closed the stream")
+                raise HopFailed(self.peer_id, CLOSED, f"{self._where()} closed the stream")
             reply = decode_reply(raw, message)
             if not (isinstance(reply, ErrorReply) and reply.code == protocol.RATE_LIMITED):
                 return reply
@@ -177,9 +179,9 @@ class RemoteHop:
             output = decode_tensor(reply.hidden.to_wire(), hidden_size=self.hidden_size,
                                    max_tokens=message.reply_tokens)
         except PeerMisbehaved as exc:
-            raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: {exc}") from None
+            raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: {exc}") from None
         if reply.proof is not None and reply.proof.mode != self.mode:
-            raise HopFailed(self.peer_id, "bad_reply", f"{self._where()}: its step proof names compute mode "
+            raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: its step proof names compute mode "
                             f"{reply.proof.mode[:16]!r}, not the model's {self.mode!r}")
         wall = time.perf_counter() - began
         if learn:
@@ -204,7 +206,7 @@ class RemoteHop:
             await self.request(message, self.deadline(1))
         except RemoteError as exc:  # refused (busy, bad request...): the chain works without pushes
             log.debug("%s will not push: %s", self.peer_id, exc)
-            if isinstance(exc, HopFailed) and exc.code in ("timeout", "connection_lost", "closed"):
+            if isinstance(exc, HopFailed) and exc.code in (TIMEOUT, CONNECTION_LOST, CLOSED):
                 await self.abort()  # a late reply would desync the stream: its next step fails over
             return False
         return True
@@ -226,7 +228,7 @@ class RemoteHop:
             reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S)
             parse_receipt(reply.receipt)  # countersigned by the server it names
         except RemoteError as exc:  # HopFailed, or a (misplaced) busy
-            if exc.code == "bad_reply":  # answered, but not with a receipt
+            if exc.code == BAD_REPLY:  # answered, but not with a receipt
                 log.info("%s answered a receipt with a bad countersignature: %s", self._where(), exc)
                 self.usage.seq = usage.seq + 1
                 return
@@ -297,5 +299,5 @@ async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden
     except RemoteError as exc:
         raise HopUnavailable(hop.peer_id, exc.code, exc.message) from None
     except Exception as exc:  # dial and stream failures come in many types
-        raise HopUnavailable(hop.peer_id, "unreachable", f"could not reach {hop.peer_id} (blocks "
+        raise HopUnavailable(hop.peer_id, UNREACHABLE, f"could not reach {hop.peer_id} (blocks "
                              f"{hop.start}:{hop.end}): {str(exc) or type(exc).__name__}") from None

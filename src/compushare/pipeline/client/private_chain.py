@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import trio
 
-from ...errors import HopFailed, RouteError
+from ...errors import CLOSED, FAILED, MISMATCH, HopFailed, RouteError
 from ...he.ckks import HEError, SecretContext, keys_digest
 from ...he.groups import group_shapes
 from ...he.plan import choose
@@ -115,7 +115,7 @@ class PrivateSession:
             await self.framed.send(Project(layer, group, tuple(cts)).to_wire())
             reply = await self.framed.receive()
         if reply is None:
-            raise HopFailed(self.hop.peer_id, "closed", f"{self.hop.peer_id[-8:]} closed the private session")
+            raise HopFailed(self.hop.peer_id, CLOSED, f"{self.hop.peer_id[-8:]} closed the private session")
         return decode_projected(reply, len(cts))
 
     async def close(self) -> None:
@@ -128,7 +128,7 @@ class PrivateSession:
 
 def _check(reply, expected: str, peer_id: str) -> None:
     if reply is None:
-        raise HopFailed(peer_id, "closed", "the provider closed the private session")
+        raise HopFailed(peer_id, CLOSED, "the provider closed the private session")
     if reply.get("type") == "error":
         raise PrivateRemoteError(str(reply.get("code")), str(reply.get("message"))[:500])
     if reply.get("type") != expected:
@@ -193,7 +193,7 @@ class PrivateChain:
                 break
             except _Redo:
                 if attempt == MAX_FAILOVERS:
-                    raise HopFailed("", "mismatch", "private spot checks kept failing") from None
+                    raise HopFailed("", MISMATCH, "private spot checks kept failing") from None
                 self._cut_back()
                 stages = [(0, len(self.layers.layers))]  # the redo runs plainly
         self.position += n
@@ -335,7 +335,7 @@ class PrivateChain:
         if session is not None:
             await session.close()
         if self.planner is None:
-            raise HopFailed(hop.peer_id, "failed", f"private hop {hop.peer_id[-8:]} failed and no planner can "
+            raise HopFailed(hop.peer_id, FAILED, f"private hop {hop.peer_id[-8:]} failed and no planner can "
                                                    f"replace it: {exc}")
         if hop.peer_id not in self.avoid:  # a spot check's mismatch penalised it already
             self.planner.penalties.fault(hop.peer_id, time.monotonic())
@@ -378,7 +378,7 @@ class PrivateChain:
         self.planner.penalties.mismatch(wrong, time.monotonic())
         if wrong != served_by:
             return True
-        await self._fail_over(index, HopFailed(served_by, "mismatch", f"private spot check failed on layer {layer} "
+        await self._fail_over(index, HopFailed(served_by, MISMATCH, f"private spot check failed on layer {layer} "
                                                                       f"{group}"))
         return False
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import msgpack
 import trio
 
+from ...errors import CompushareError
 from ...he.ckks import Context, HEError, keys_digest
 from ...he.groups import GROUPS, group_weight, layer_prefix, preencoded_bytes, required_steps
 from ...he.matvec import EncodedMatrix
@@ -184,7 +185,7 @@ def serve_stdio() -> None:
         stdout.flush()
 
 
-class WorkerCrashed(Exception):
+class WorkerCrashed(CompushareError):
     """The HE worker process died (or broke the framing) during a request."""
 
 
