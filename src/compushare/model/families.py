@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelUnavailable
 
@@ -130,7 +131,9 @@ def layer_types(config) -> list[str]:
     """Each layer's attention, FULL or SLIDING: the config's own "layer_types" (Qwen2,
     Qwen3, Gemma), else every layer sliding if it names a window (Mistral, Phi-3), as
     transformers' caches read it."""
-    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
     types = get("layer_types")
     if types:
         return list(types)

@@ -182,7 +182,7 @@ def read_rows(path, begin: int, shape: tuple[int, ...]) -> np.ndarray:
     out = np.empty(shape, dtype=np.uint8)
     with open(path, "rb") as handle:
         handle.seek(begin)
-        if handle.readinto(memoryview(out).cast("B")) != out.nbytes:
+        if handle.readinto(out.data.cast("B")) != out.nbytes:
             raise ValueError(f"{Path(path).name} ends inside the {out.nbytes} bytes at byte {begin}")
     return out
 
