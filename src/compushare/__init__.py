@@ -15,7 +15,7 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   runtime.py, gc_policy.py, malloc_policy.py, config.py, hardware.py, defences.py,
   errors.py    the base modules
   __main__.py  `python -m compushare`: the command line
-  wire.py      every name on the wire: protocol ids, the ad topic, DHT keys, error codes
+  wire.py      pure: every name on the wire (protocol ids, the ad topic, DHT keys, error codes)
 """
 
 __version__ = "0.1.0"
