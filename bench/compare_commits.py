@@ -1,7 +1,7 @@
 """Two commits side by side: the same benchmarks from two worktrees, interleaved.
 
     .venv/bin/python bench/compare_commits.py --old REF --new REF [--rounds 2]
-        [--bench pipeline_overhead --bench failover] [-- extra args per bench]
+        [--bench pipeline_overhead --bench failover --bench wan] [-- extra args per bench]
 
 For a change meant to leave behaviour and speed alone (a refactor), this is the
 check: each round runs every chosen benchmark once from the old commit's tree and
@@ -37,13 +37,16 @@ FIGURES = {
     "pipeline_overhead": [("swarm_tok_s", "higher"), ("swarm_vs_ring", "higher"), ("ratio", "higher")],
     "failover": [("detect_kill_p95_s", "lower"), ("detect_hang_p95_s", "lower"), ("recovery_p50_s", "lower"),
                  ("recovery_p95_s", "lower"), ("reference_tok_s", "higher")],
+    "wan": [("direct_tok_s", "higher"), ("relay_tok_s", "higher"), ("spec_tok_s", "higher"),
+            ("concurrent8_tok_s", "higher")],
 }
 DEFAULT_ARGS = {
     "pipeline_overhead": ["--trials", "3"],
     "failover": ["--failovers", "10"],
+    "wan": ["--delays", "20", "--trials", "1", "--results", ""],  # one lab: 20 ms each way
 }
 # Must hold in every run, whatever the speed.
-INVARIANTS = {"pipeline_overhead": ["tokens_match"], "failover": ["identical"]}
+INVARIANTS = {"pipeline_overhead": ["tokens_match"], "failover": ["identical"], "wan": ["identical"]}
 BENCH_TIMEOUT_S = 1200
 
 
