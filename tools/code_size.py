@@ -49,7 +49,7 @@ def main() -> None:
         for lines, where in found[:args.top]:
             print(f"  {lines:5d}  {where}")
     print(json.dumps({f"largest_{kind}": found[0][0] for kind, found in sizes.items()}
-                     | {f"{kind}s_over": len(over[kind]) for kind in LIMITS}))
+                     | {f"over_{kind}_limit": len(over[kind]) for kind in LIMITS}))
     if args.check and any(over.values()):
         sys.exit(1)
 

@@ -1,15 +1,11 @@
 """The matrix products of each weight format, behind one interface: `linear(...)`.
 
-Measured on this project's CPUs (AVX-512, torch 2.13, 1 thread; a SmolLM2 576x1536
-matrix-vector product with the weights hot in cache): fp32 45 us, bf16 62 us; torch's
-own weight-only kernels `_weight_int8pack_mm` 24 us and `_weight_int4pack_mm_for_cpu`
-24 us, but only with bfloat16 activations (with float32 ones they fall back to
-reference loops: 575 us and 1,280 us). In a real decode the weights stream from
-memory (30 blocks of fp32 SmolLM2 are 400 MB), where 4-bit reads 6x fewer bytes.
-torchao's CPU int8 / int4 weight-only paths call these same two kernels, so it would
-add a dependency (and a torch-version coupling) without speed; they are called here
-directly. Activations enter the quantized kernels as bfloat16 and leave as float32:
-the residual stream, norms and attention stay float32.
+torch's own weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+are fast only with bfloat16 activations (24 us for a SmolLM2 576x1536 product against
+fp32's 45; with float32 ones, reference loops: 575 and 1,280 us), so activations enter
+them as bfloat16 and leave as float32: the residual stream, norms and attention stay
+float32. torchao's CPU weight-only paths call these same kernels: a dependency (and a
+torch-version coupling) without speed, so they are called here directly.
 
 Each device type registers its kernels in KERNELS under its name: "cuda" runs every
 quantized format through torch's `_weight_int4pack_mm` (see the CUDA section below);
@@ -17,20 +13,10 @@ a device type with none ("mps": `_weight_int4pack_mm_with_scales_and_zeros` woul
 be its) gets DequantizedLinear, which is correct everywhere and fast nowhere.
 
 A gguf model's matrices (raw ggml blocks, model/gguf_native.py) run on the kernel of
-their ggml type, registered below as ("cpu", "gguf:TYPE"). Measured by
-bench/gguf_kernels.py (1 thread, one-token product, this project's CPUs, torch 2.13;
-GB/s of the file's bytes a token reads; bits: per weight in the file / in the kernel):
-
-  type  kernel                                           14336x4096     4096x4096    bits
-  Q4_0  int4 (`_weight_int4pack_mm_for_cpu`, group 32)    3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
-  Q4_1  int4: scale d, zero m + 8d                         3.2 ms 11.4    0.90 ms 11.6   5 / 5
-  Q4_K  int4: scale d*sc, min -dmin*m per 32             3.2 ms 10.3    0.90 ms 10.5   4.5 / 5
-  Q5_K  int4, two planes (low nibble; high, scale x16)     6.4 ms  6.3    1.84 ms  6.3   5.5 / 10
-  Q8_0  int4, two planes (Q5_0 / Q5_1 likewise)            6.4 ms  9.7    1.87 ms  9.5   8.5 / 10
-  Q6_K  float16 dense (a scale per 16: no int4 group)      5.2 ms  9.3    1.51 ms  9.1   6.6 / 16
-  F16   float16 dense                                      5.2 ms 22.8    1.51 ms 22.2   16 / 16
-  BF16  bfloat16 dense (no fast bf16 GEMV on these CPUs)  10.2 ms 11.5    2.60 ms 12.9   16 / 16
-  F32   float32 dense                                     10.4 ms 22.7    2.83 ms 23.7   32 / 32
+their ggml type, registered below as ("cpu", "gguf:TYPE"): Q4_0, Q4_1 and Q4_K on the
+int4 kernel at group 32; Q5_*, Q8_0 as two 4-bit planes; Q6_K (a scale per 16, which no
+int4 group takes) and F16 as float16; BF16 and F32 dense. docs/performance.md has each
+type's speed (bench/gguf_kernels.py) and what bounds it.
 
 The int4 kernel holds each group's scale and zero in bfloat16 (it has no fast path
 with float32 ones: 30x slower). Held as int4_planes does, a symmetric type's weight
@@ -39,7 +25,8 @@ dequantized matrix would hold; a type with a min (Q4_1, Q5_1, Q4_K, Q5_K) within
 2^-8 (|w| + 2^(bits-1) |scale|) in a group whose range holds 0 (the zero's rounding).
 The product's input and output are bfloat16. 5- to 8-bit types keep every bit of their
 codes (two 4-bit planes, the input met twice in one call), so a mixed file keeps its
-mix: nothing is served at fewer bits than stored. Float16 products that overflow are computed again in float32.
+mix: nothing is served at fewer bits than stored. Float16 products that overflow are
+computed again in float32.
 Any other type gguf-py reads (Q2_K, Q3_K, IQ*) is dequantized to float16.
 """
 
