@@ -48,6 +48,15 @@ NO_INPUT = "no_input"  # a step from_upstream whose push did not come within its
 INFER_ERRORS = (BAD_REQUEST, UNKNOWN_SESSION, OUT_OF_ORDER, SESSION_EXISTS, WRONG_MODEL, BAD_SPAN, TOO_LONG,
                 BUSY, RATE_LIMITED, BAD_RECEIPT, NO_INPUT, INTERNAL)
 
+# Error codes of /compushare/private: session errors end the stream, request errors do not.
+MALFORMED = "malformed"
+BAD_PARAMS = "bad_params"
+NOT_SERVED = "not_served"  # the model or span (a session error), or a layer outside it (a request error)
+BAD_KEYS = "bad_keys"
+BAD_CIPHERTEXT = "bad_ciphertext"
+WORKER_CRASHED = "worker_crashed"
+PRIVATE_ERRORS = (MALFORMED, BAD_PARAMS, NOT_SERVED, BAD_KEYS, BAD_CIPHERTEXT, WORKER_CRASHED)
+
 # Codes of /compushare/pieces: a seeder's `error` (then it closes) and `reject` (one request).
 UNKNOWN_MODEL = "unknown_model"
 BAD_MESSAGE = "bad_message"

@@ -59,6 +59,13 @@ def test_the_pieces_error_and_reject_codes():
     assert set(re.findall(r"`(\w+)`", reject_row.split("`code`")[1].split(" | ")[0])) == set(wire.PIECES_REJECTS)
 
 
+def test_the_private_error_codes():
+    private = section("`/compushare/private/")
+    paragraph = private[private.index("Any request may be answered"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    assert set(re.findall(r"`(\w+)`", paragraph)) - {"type", "code", "message"} == set(wire.PRIVATE_ERRORS)
+
+
 def test_no_module_spells_a_wire_name_of_its_own():
     """Protocol ids, the topic and DHT key prefixes are written in wire.py only."""
     spelled = re.compile(r"[\"'](?:/compushare/\w+/\d|compushare/\w+/v\d+/|/?cs(?:server|karma)[\"'/])")

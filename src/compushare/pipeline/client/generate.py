@@ -51,6 +51,21 @@ class _Head:
         return await trio.to_thread.run_sync(timed)
 
 
+class _Output:
+    """The tokens handed out, and whether the generation is over."""
+
+    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], on_token: Callable[[int], None] | None):
+        self.params, self.eos_ids, self.on_token = params, eos_ids, on_token
+        self.produced: list[int] = []
+
+    def emit(self, token: int) -> bool:
+        """Hand `token` out; whether the generation is over."""
+        self.produced.append(token)
+        if self.on_token is not None:
+            self.on_token(token)
+        return (self.params.stop_at_eos and token in self.eos_ids) or len(self.produced) >= self.params.max_new_tokens
+
+
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
                    *, eos_ids: frozenset[int] = frozenset(), max_step_tokens: int = 2048,
                    on_token: Callable[[int], None] | None = None, speculate: bool = False,
@@ -68,32 +83,30 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
     for offset in range(0, len(prompt_ids), max_step_tokens):  # chunked prefill
         chunk = prompt_ids[offset:offset + max_step_tokens]
         hidden = await chain.step(head.embed_tokens(chunk))
-    produced: list[int] = []
-
-    def emit(token: int) -> bool:
-        """Hand `token` out; whether the generation is over."""
-        produced.append(token)
-        if on_token is not None:
-            on_token(token)
-        return (params.stop_at_eos and token in eos_ids) or len(produced) >= params.max_new_tokens
-
+    out = _Output(params, eos_ids, on_token)
     token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
-    if emit(token):
-        return produced
+    if out.emit(token):
+        return out.produced
     if not speculate:
         while True:
             hidden = await chain.step(head.embed_tokens([token]))
             stats.passes += 1
             token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
-            if emit(token):
-                return produced
-
+            if out.emit(token):
+                return out.produced
     drafter = NgramDrafter(prompt_ids) if drafter is None else drafter
+    await _speculate(chain, head, run_head, sampler, drafter, out, token, len(prompt_ids), stats)
+    return out.produced
+
+
+async def _speculate(chain: InferenceChain, head: ConsumerHead, run_head: _Head, sampler: Sampler, drafter,
+                     out: _Output, token: int, position: int, stats: GenerateStats) -> None:
+    """Passes of `token` and its drafts until `out` says the generation is over;
+    `position`: the tokens the chain holds."""
     sizer = DraftLength()
-    position = len(prompt_ids)  # tokens the chain holds
     while True:
         drafter.extend([token])
-        room = params.max_new_tokens - len(produced) - 1  # drafts beyond it would be cut anyway
+        room = out.params.max_new_tokens - len(out.produced) - 1  # drafts beyond it would be cut anyway
         drafts = drafter.draft(sizer.choose(room))
         began = time.perf_counter()
         hidden = await chain.step(head.embed_tokens([token] + drafts))
@@ -110,7 +123,7 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
         if kept < len(drafts):
             await chain.rewind(position)  # the servers drop the rejected drafts with their next step
         for index, token in enumerate(emitted):
-            if emit(token):
-                return produced
+            if out.emit(token):
+                return
             if index < len(emitted) - 1:
                 drafter.extend([token])

@@ -272,12 +272,12 @@ class PrivateChain:
                 outs = trio.from_thread.run(self._roundtrip, layer, group, chunk)
                 began = time.perf_counter()
                 try:
-                    parts += [self._decrypt(plan, per_token) for per_token in outs]
+                    parts += [decrypt_product(self.secret, plan, per_token) for per_token in outs]
                     break
                 except PrivateProtocolError as exc:  # the provider's answer is not a product
                     if attempt == MAX_FAILOVERS:
                         raise
-                    trio.from_thread.run(self._fail_over, self._hop_of(layer), exc)
+                    trio.from_thread.run(self._fail_over, hop_index(self._route, layer), exc)
                 finally:
                     self.stats.decrypt_s += time.perf_counter() - began
         result = np.stack(parts)
@@ -289,23 +289,9 @@ class PrivateChain:
         self.stats.projections += len(cts) * {"qkv": 3, "gate_up": 2}.get(group, 1)
         return torch.from_numpy(result).to(x.dtype)
 
-    def _decrypt(self, plan, per_token: list[bytes]) -> np.ndarray:
-        if len(per_token) != plan.outputs:
-            raise PrivateProtocolError(f"{len(per_token)} output ciphertexts, the plan makes {plan.outputs}")
-        try:
-            return plan.reduce(np.stack([self.secret.decrypt(ct) for ct in per_token]))
-        except HEError as exc:
-            raise PrivateProtocolError(f"a provider's product did not decrypt: {exc}") from None
-
-    def _hop_of(self, layer: int) -> int:
-        for index, hop in enumerate(self._route):
-            if hop.start <= layer < hop.end:
-                return index
-        raise RouteError(f"no hop holds layer {layer}")
-
     async def _roundtrip(self, layer: int, group: str, cts: list[bytes]) -> list[list[bytes]]:
         for attempt in range(MAX_FAILOVERS + 1):
-            index = self._hop_of(layer)
+            index = hop_index(self._route, layer)
             try:
                 if index not in self.sessions:
                     await self._open_hop(index)
@@ -353,18 +339,18 @@ class PrivateChain:
         then replaced)."""
         if self.planner is None:
             return True
-        index = self._hop_of(layer)
+        index = hop_index(self._route, layer)
         served_by = self._route[index].peer_id
         cts = cts[:MAX_TOKENS_PER_REQUEST]
         ours = result[:len(cts)]
-        verifier = self._verifier(layer, {served_by})
+        verifier = random_verifier(self.planner, layer, {served_by} | self.avoid, self.rng)
         if verifier is None:
             return True
         self.checks += 1
         theirs = await self._product_from(verifier, layer, group, cts, plan)
         if theirs is None or _agree(ours, theirs):
             return True
-        third = self._verifier(layer, {served_by, verifier.peer_id})
+        third = random_verifier(self.planner, layer, {served_by, verifier.peer_id} | self.avoid, self.rng)
         decider = await self._product_from(third, layer, group, cts, plan) if third is not None else None
         if decider is not None and _agree(ours, decider) and not _agree(theirs, decider):
             wrong = verifier.peer_id
@@ -382,17 +368,6 @@ class PrivateChain:
                                                                       f"{group}"))
         return False
 
-    def _verifier(self, layer: int, exclude: set[str]) -> Hop | None:
-        """A provider of `layer` to check against, chosen at random among those not
-        avoided: every provider of a layer can be asked, so a liar off the route
-        is found as a verifier too (the nearest one, as plaintext checks choose,
-        would leave the others never asked)."""
-        planner, now = self.planner, time.time()
-        excluded = exclude | self.avoid | planner.penalties.excluded(time.monotonic()) | set(planner.unreachable)
-        holders = sorted((r for r in planner.records if r.start <= layer < r.end and r.is_live(now)
-                          and r.peer_id not in excluded), key=lambda r: r.peer_id)
-        return Hop(self.rng.choice(holders), layer, layer + 1) if holders else None
-
     async def _product_from(self, hop: Hop, layer: int, group: str, cts: list[bytes], plan) -> np.ndarray | None:
         """The same product from another provider, in a session of its own; None if
         it cannot answer (which proves nothing either way)."""
@@ -403,10 +378,39 @@ class PrivateChain:
                 outs, _ = await session.project(layer, group, cts)
             finally:
                 await session.close()
-            return np.stack([self._decrypt(plan, per_token) for per_token in outs])
+            return np.stack([decrypt_product(self.secret, plan, per_token) for per_token in outs])
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
             return None
+
+
+def decrypt_product(secret: SecretContext, plan, per_token: list[bytes]) -> np.ndarray:
+    """A product's values from a provider's output ciphertexts for one token."""
+    if len(per_token) != plan.outputs:
+        raise PrivateProtocolError(f"{len(per_token)} output ciphertexts, the plan makes {plan.outputs}")
+    try:
+        return plan.reduce(np.stack([secret.decrypt(ct) for ct in per_token]))
+    except HEError as exc:
+        raise PrivateProtocolError(f"a provider's product did not decrypt: {exc}") from None
+
+
+def hop_index(route: list[Hop], layer: int) -> int:
+    for index, hop in enumerate(route):
+        if hop.start <= layer < hop.end:
+            return index
+    raise RouteError(f"no hop holds layer {layer}")
+
+
+def random_verifier(planner, layer: int, exclude: set[str], rng: random.Random) -> Hop | None:
+    """A provider of `layer` to check against, chosen at random among those not
+    avoided: every provider of a layer can be asked, so a liar off the route is found
+    as a verifier too (the nearest one, as plaintext checks choose, would leave the
+    others never asked)."""
+    now = time.time()
+    excluded = exclude | planner.penalties.excluded(time.monotonic()) | set(planner.unreachable)
+    holders = sorted((r for r in planner.records if r.start <= layer < r.end and r.is_live(now)
+                      and r.peer_id not in excluded), key=lambda r: r.peer_id)
+    return Hop(rng.choice(holders), layer, layer + 1) if holders else None
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -115,9 +115,14 @@ def plan_route(records: list[ServerRecord], num_blocks: int, *, now: float,
                     heapq.heappush(heap, (new_key, stop))
     if start >= end:
         return []
+    raise _no_route(usable, busy, exclude, start, end, num_blocks, now)
+
+
+def _no_route(usable: list[ServerRecord], busy: set[str], exclude: frozenset[str], start: int, end: int,
+              num_blocks: int, now: float) -> RouteError:
     missing = [b for b in uncovered_blocks(usable, end, now) if b >= start]
     why = f" ({len(busy)} busy: " + ", ".join(sorted(p[-8:] for p in busy)) + ")" if busy else ""
-    raise RouteError(
+    return RouteError(
         f"no live server holds block {missing[0] if missing else '?'} of {num_blocks}{why}; "
         f"{len(exclude)} excluded; {len(usable)} usable servers known: "
         + ", ".join(f"{r.peer_id[-8:]}[{r.start}:{r.end}]" for r in usable)

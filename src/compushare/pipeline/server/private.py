@@ -27,6 +27,7 @@ import time
 
 import trio
 
+from ... import wire
 from ...errors import FrameError, PeerMisbehaved
 from ...he.ckks import HEError, check_header, parameter_set
 from ...he.groups import required_steps
@@ -73,7 +74,7 @@ class PrivateServer:
             await self._session(framed, peer)
         except (PeerMisbehaved, FrameError, PrivateProtocolError) as exc:
             self.refused["malformed"] += 1
-            await self._say(framed, error("malformed", str(exc)))
+            await self._say(framed, error(wire.MALFORMED, str(exc)))
         except trio.TooSlowError:
             self.refused["timeout"] += 1
         except Exception as exc:  # the task boundary: never raise into py-libp2p
@@ -98,51 +99,9 @@ class PrivateServer:
         if message is None:
             return
         opened = decode_open(message)
-        span = self.provider.span
-        model_id = self.provider.model.model_id
-        try:
-            parameter_set(opened.params)
-        except HEError as exc:
-            self.refused["params"] += 1
-            await framed.send(error("bad_params", str(exc)))
+        span_key = await self._open(framed, peer, opened)
+        if span_key is None:
             return
-        if opened.model_id != model_id or span is None or not (span.start <= opened.start < opened.end <= span.end):
-            self.refused["span"] += 1
-            await framed.send(error("not_served", f"this node serves {model_id[:12]} blocks "
-                                                  f"{span.start if span else '-'}:{span.end if span else '-'}"))
-            return
-        span_key = (span.start, span.end)
-        bound = self._max_keys_bytes(opened.params)
-        need = not self.worker.has_keys(opened.keys_digest)
-        if need and opened.keys_size > bound:
-            self.refused["keys"] += 1
-            await framed.send(error("bad_keys", f"{opened.keys_size} bytes of keys announced; this model's "
-                                                f"rotations need at most {bound}"))
-            return
-        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": bound})
-        if need:
-            async with self._uploads:  # the keys are buffered here until the worker holds them
-                data = await self._receive_keys(framed, opened.keys_size)
-                if hashlib.sha256(data).hexdigest() != opened.keys_digest:
-                    self.refused["keys"] += 1
-                    await framed.send(error("bad_keys", "the keys do not match their digest"))
-                    return
-                try:
-                    # SEAL's header first, here: junk costs no worker start nor span encoding.
-                    check_header(data, max_size=bound, what="Galois keys")
-                    await self.worker.add_keys(span_key, opened.keys_digest, data)
-                except (HEError, WorkerCrashed) as exc:
-                    self.refused["keys"] += 1
-                    await framed.send(error("bad_keys", str(exc)))
-                    return
-                del data
-            previous = self._peer_keys.get(peer)
-            if previous is not None and previous != opened.keys_digest:
-                await self.worker.forget_keys(previous)  # one key set per peer
-            self._peer_keys[peer] = opened.keys_digest
-            # Only owners of key sets still held are remembered (at most MAX_KEY_SETS).
-            self._peer_keys = {p: d for p, d in self._peer_keys.items() if self.worker.has_keys(d)}
-            await framed.send({"type": "keys_ok", "bytes": opened.keys_size})
         self.sessions += 1
         while True:
             with trio.fail_after(IDLE_TIMEOUT_S):
@@ -151,10 +110,65 @@ class PrivateServer:
                 return
             request = decode_project(message)
             if not opened.start <= request.layer < opened.end:
-                await framed.send(error("not_served", f"layer {request.layer} is outside the session's "
-                                                      f"{opened.start}:{opened.end}"))
+                await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
+                                                         f"{opened.start}:{opened.end}"))
                 continue
             await framed.send(await self._project(peer, span_key, opened.keys_digest, request))
+
+    async def _open(self, framed: FramedStream, peer: str, opened) -> tuple[int, int] | None:
+        """Answer an `open`: the span's key, or None when it was refused (said on `framed`)."""
+        span = self.provider.span
+        model_id = self.provider.model.model_id
+        try:
+            parameter_set(opened.params)
+        except HEError as exc:
+            self.refused["params"] += 1
+            await framed.send(error(wire.BAD_PARAMS, str(exc)))
+            return None
+        if opened.model_id != model_id or span is None or not (span.start <= opened.start < opened.end <= span.end):
+            self.refused["span"] += 1
+            await framed.send(error(wire.NOT_SERVED, f"this node serves {model_id[:12]} blocks "
+                                                     f"{span.start if span else '-'}:{span.end if span else '-'}"))
+            return None
+        span_key = (span.start, span.end)
+        bound = self._max_keys_bytes(opened.params)
+        need = not self.worker.has_keys(opened.keys_digest)
+        if need and opened.keys_size > bound:
+            self.refused["keys"] += 1
+            await framed.send(error(wire.BAD_KEYS, f"{opened.keys_size} bytes of keys announced; this model's "
+                                                   f"rotations need at most {bound}"))
+            return None
+        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": bound})
+        if need and not await self._take_keys(framed, peer, opened, span_key, bound):
+            return None
+        return span_key
+
+    async def _take_keys(self, framed: FramedStream, peer: str, opened, span_key: tuple[int, int],
+                         bound: int) -> bool:
+        """Receive, check and install the consumer's Galois keys; whether they were taken."""
+        async with self._uploads:  # the keys are buffered here until the worker holds them
+            data = await self._receive_keys(framed, opened.keys_size)
+            if hashlib.sha256(data).hexdigest() != opened.keys_digest:
+                self.refused["keys"] += 1
+                await framed.send(error(wire.BAD_KEYS, "the keys do not match their digest"))
+                return False
+            try:
+                # SEAL's header first, here: junk costs no worker start nor span encoding.
+                check_header(data, max_size=bound, what="Galois keys")
+                await self.worker.add_keys(span_key, opened.keys_digest, data)
+            except (HEError, WorkerCrashed) as exc:
+                self.refused["keys"] += 1
+                await framed.send(error(wire.BAD_KEYS, str(exc)))
+                return False
+            del data
+        previous = self._peer_keys.get(peer)
+        if previous is not None and previous != opened.keys_digest:
+            await self.worker.forget_keys(previous)  # one key set per peer
+        self._peer_keys[peer] = opened.keys_digest
+        # Only owners of key sets still held are remembered (at most MAX_KEY_SETS).
+        self._peer_keys = {p: d for p, d in self._peer_keys.items() if self.worker.has_keys(d)}
+        await framed.send({"type": "keys_ok", "bytes": opened.keys_size})
+        return True
 
     def _max_keys_bytes(self, params: str) -> int:
         """The most Galois-key bytes this model's products can need under `params`."""
@@ -190,11 +204,11 @@ class PrivateServer:
                                                           list(request.cts))
         except HEError as exc:
             self.refused["ciphertext"] += 1
-            return error("bad_ciphertext", str(exc))
+            return error(wire.BAD_CIPHERTEXT, str(exc))
         except WorkerCrashed as exc:
             self.refused["worker"] += 1
             log.warning("HE worker crashed on a request of %s (restarted on the next one): %s", peer[-8:], exc)
-            return error("worker_crashed", "the request crashed the HE worker; it is restarted")
+            return error(wire.WORKER_CRASHED, "the request crashed the HE worker; it is restarted")
         self.compute_s += seconds
         self.products += len(request.cts)
         log.debug("private %s layer %d x%d: %.3fs compute, %.3fs in all", request.group, request.layer,
