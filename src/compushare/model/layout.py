@@ -198,24 +198,12 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
     weights (a GGUF's own, model/gguf_import.py), `fmt` then only naming their format.
     Streams: one tensor's bytes in memory at a time, piece hashes computed as written."""
     source = Path(source)
-    if not (source / "config.json").exists():
-        raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
-    config = json.loads((source / "config.json").read_text())
-    config = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
-    num_blocks = config.get("num_hidden_layers")
-    if type(num_blocks) is not int or num_blocks < 1:
-        raise UsageError(f"{source}/config.json has no valid num_hidden_layers")
+    config = _source_config(source)
     if tensors is None:
         tensors = safetensors_source(source, fmt)
-    groups: dict[int | None, dict[str, StoredSpec]] = {None: {}} | {b: {} for b in range(num_blocks)}
-    for name, spec in tensors.specs().items():
-        block = block_of(base_name(name))
-        if block not in groups:
-            raise UsageError(f"tensor {name} belongs to no block of a {num_blocks}-block model")
-        groups[block][name] = spec
     # (name, role, block, header, entries, tensor specs) of the weight files, then the meta files' bytes
     weight_files = []
-    for block, group in groups.items():
+    for block, group in _group_by_block(tensors, config["num_hidden_layers"]).items():
         header, entries = safetensors_header(group)
         name, role = (HEAD_FILE, "head") if block is None else (block_file_name(block), "block")
         weight_files.append((name, role, block, header, entries, group))
@@ -223,38 +211,72 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
             if path.is_file() and path.name.endswith(META_SUFFIXES) and path.name not in NOT_META]
     total = sum(len(w[3]) + sum(s.nbytes for s in w[5].values()) for w in weight_files) + sum(len(m[1]) for m in meta)
     piece_size = piece_size or auto_piece_size(total)
-    files, written = [], 0
+    written = 0
+
+    def wrote(size: int) -> None:
+        nonlocal written
+        written += size
+        if progress is not None:
+            progress(written, total)
+
+    files = []
     target.mkdir(parents=True, exist_ok=True)
     for name, role, block, header, entries, group in weight_files:
-        hasher = PieceHasher(piece_size)
-        with open(target / name, "wb") as handle:
-            for chunk_name, chunk in [("", header)] + [(n, None) for n in sorted(group)]:
-                data = chunk if chunk is not None else tensors.read(chunk_name)
-                size = memoryview(data).nbytes
-                if chunk_name and size != group[chunk_name].nbytes:
-                    raise UsageError(f"tensor {chunk_name} holds {size} bytes, not the "
-                                     f"{group[chunk_name].nbytes} of {group[chunk_name]}")
-                handle.write(data)
-                hasher.update(data)
-                written += size
-                del data
-                if progress is not None:
-                    progress(written, total)
-            handle.flush()
-            os.fsync(handle.fileno())
+        pieces = _write_weight_file(target / name, header, group, tensors, piece_size, wrote)
         size = len(header) + sum(s.nbytes for s in group.values())
-        files.append(FileEntry(name, role, block, size, hasher.finish(), entries))
+        files.append(FileEntry(name, role, block, size, pieces, entries))
     for name, data in meta:
         files.append(FileEntry(name, "meta", None, len(data), piece_hashes(data, piece_size), {}))
         _write_file(target / name, data)
-        written += len(data)
-        if progress is not None:
-            progress(written, total)
+        wrote(len(data))
     weights = fmt.spec() if fmt is not None and fmt.quantized else None
     manifest = Manifest(config, piece_size, files, weights=weights)
     _write_file(target / "manifest.json", manifest.raw)
     write_config(target, manifest)
     return manifest
+
+
+def _source_config(source: Path) -> dict:
+    """The source's config.json, less its volatile keys; it must say how many blocks."""
+    if not (source / "config.json").exists():
+        raise UsageError(f"{source} has no config.json: not a Hugging Face model directory")
+    config = json.loads((source / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    num_blocks = config.get("num_hidden_layers")
+    if type(num_blocks) is not int or num_blocks < 1:
+        raise UsageError(f"{source}/config.json has no valid num_hidden_layers")
+    return config
+
+
+def _group_by_block(tensors: TensorSource, num_blocks: int) -> dict[int | None, dict[str, StoredSpec]]:
+    """{block (None: the head file): {tensor name: spec}}, every block present."""
+    groups: dict[int | None, dict[str, StoredSpec]] = {None: {}} | {b: {} for b in range(num_blocks)}
+    for name, spec in tensors.specs().items():
+        block = block_of(base_name(name))
+        if block not in groups:
+            raise UsageError(f"tensor {name} belongs to no block of a {num_blocks}-block model")
+        groups[block][name] = spec
+    return groups
+
+
+def _write_weight_file(path: Path, header: bytes, group: dict[str, StoredSpec], tensors: TensorSource,
+                       piece_size: int, wrote: Callable[[int], None]) -> tuple[str, ...]:
+    """Write the header, then each tensor (one in memory at a time); return the piece hashes."""
+    hasher = PieceHasher(piece_size)
+    with open(path, "wb") as handle:
+        for chunk_name, chunk in [("", header)] + [(n, None) for n in sorted(group)]:
+            data = chunk if chunk is not None else tensors.read(chunk_name)
+            size = memoryview(data).nbytes
+            if chunk_name and size != group[chunk_name].nbytes:
+                raise UsageError(f"tensor {chunk_name} holds {size} bytes, not the "
+                                 f"{group[chunk_name].nbytes} of {group[chunk_name]}")
+            handle.write(data)
+            hasher.update(data)
+            del data
+            wrote(size)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return hasher.finish()
 
 
 def write_config(target: Path, manifest: Manifest) -> None:

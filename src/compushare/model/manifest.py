@@ -191,15 +191,7 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
     doc = _map(doc, {"format", "config", "piece_size", "files"}, "the manifest", optional={"weights"})
     if doc["format"] != FORMAT:
         raise _fail(f"unknown manifest format {doc['format']!r}")
-    weights = doc.get("weights")
-    if weights is not None:
-        weights = _map(weights, {"format"}, "weights", optional={"group_size", "int8", "types"})
-        try:
-            if not format_from_manifest(weights, set()).quantized or \
-                    any(type(v) not in (str, int, list, dict) for v in weights.values()):
-                raise _fail("weights names a quantized format (int8, q4, gguf)")
-        except UsageError as exc:
-            raise _fail(f"weights: {exc}") from None
+    weights = _parse_weights(doc.get("weights"))
     config = doc["config"]
     if not isinstance(config, dict):
         raise _fail("config must be a map")
@@ -207,45 +199,71 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
     piece_size = _int(doc["piece_size"], "piece_size", MIN_PIECE_SIZE, MAX_PIECE_SIZE)
     if piece_size & (piece_size - 1):
         raise _fail("piece_size must be a power of two")
-    if not isinstance(doc["files"], list) or not 0 < len(doc["files"]) <= MAX_FILES:
-        raise _fail(f"files must be a list of 1..{MAX_FILES} entries")
-    files, names, blocks, total_pieces = [], set(), set(), 0
-    for item in doc["files"]:
-        f = _map(item, {"name", "role", "size", "pieces", "tensors"}, "a file entry", optional={"block"})
-        name = f["name"]
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names or name in RESERVED_NAMES:
-            raise _fail(f"bad or repeated file name {name!r}")
-        names.add(name)
-        if f["role"] not in ROLES:
-            raise _fail(f"{name}: role must be one of {ROLES}")
-        block = None
-        if f["role"] == "block":
-            block = _int(f.get("block"), f"{name}: block", 0, num_blocks - 1)
-            if block in blocks:
-                raise _fail(f"block {block} has two files")
-            blocks.add(block)
-        elif "block" in f:
-            raise _fail(f"{name}: only block files have a block")
-        size = _int(f["size"], f"{name}: size")
-        pieces = f["pieces"]
-        if not isinstance(pieces, list) or len(pieces) != math.ceil(size / piece_size):
-            raise _fail(f"{name}: {size} bytes need {math.ceil(size / piece_size)} pieces")
-        if not all(isinstance(p, str) and _SHA256.fullmatch(p) for p in pieces):
-            raise _fail(f"{name}: pieces must be lowercase hex SHA-256 digests")
-        total_pieces += len(pieces)
-        if total_pieces > MAX_PIECES:
-            raise _fail(f"more than {MAX_PIECES} pieces")
-        files.append(FileEntry(name, f["role"], block, size, tuple(pieces), _parse_tensors(f["tensors"], name, size)))
-    if blocks != set(range(num_blocks)):
-        raise _fail(f"blocks without a file: {sorted(set(range(num_blocks)) - blocks)[:8]}")
-    if sum(f.role == "head" for f in files) != 1:
-        raise _fail("exactly one head file is required")
+    files = _parse_files(doc["files"], num_blocks, piece_size)
     if weights is not None and weights.get("types"):  # gguf: each type names a stored byte matrix
         stored = {name: t for f in files for name, t in f.tensors.items()}
         if not all(name in stored and stored[name].dtype == "U8" and len(stored[name].shape) == 2
                    for name in weights["types"]):
             raise _fail("weights.types names a tensor that is not a stored U8 matrix")
     return Manifest(config, piece_size, files, raw, weights=weights)
+
+
+def _parse_weights(weights) -> dict | None:
+    """The manifest's `weights`: absent (the source's dtype) or a quantized format."""
+    if weights is None:
+        return None
+    weights = _map(weights, {"format"}, "weights", optional={"group_size", "int8", "types"})
+    try:
+        if not format_from_manifest(weights, set()).quantized or \
+                any(type(v) not in (str, int, list, dict) for v in weights.values()):
+            raise _fail("weights names a quantized format (int8, q4, gguf)")
+    except UsageError as exc:
+        raise _fail(f"weights: {exc}") from None
+    return weights
+
+
+def _parse_files(value, num_blocks: int, piece_size: int) -> list[FileEntry]:
+    """The file entries: one per block, exactly one head, at most MAX_PIECES pieces in all."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_FILES:
+        raise _fail(f"files must be a list of 1..{MAX_FILES} entries")
+    files, names, blocks, total_pieces = [], set(), set(), 0
+    for item in value:
+        entry = _parse_file(item, names, blocks, num_blocks, piece_size)
+        total_pieces += len(entry.pieces)
+        if total_pieces > MAX_PIECES:
+            raise _fail(f"more than {MAX_PIECES} pieces")
+        files.append(entry)
+    if blocks != set(range(num_blocks)):
+        raise _fail(f"blocks without a file: {sorted(set(range(num_blocks)) - blocks)[:8]}")
+    if sum(f.role == "head" for f in files) != 1:
+        raise _fail("exactly one head file is required")
+    return files
+
+
+def _parse_file(item, names: set[str], blocks: set[int], num_blocks: int, piece_size: int) -> FileEntry:
+    """One file entry; its name and block must be new to `names` and `blocks` (added to them)."""
+    f = _map(item, {"name", "role", "size", "pieces", "tensors"}, "a file entry", optional={"block"})
+    name = f["name"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names or name in RESERVED_NAMES:
+        raise _fail(f"bad or repeated file name {name!r}")
+    names.add(name)
+    if f["role"] not in ROLES:
+        raise _fail(f"{name}: role must be one of {ROLES}")
+    block = None
+    if f["role"] == "block":
+        block = _int(f.get("block"), f"{name}: block", 0, num_blocks - 1)
+        if block in blocks:
+            raise _fail(f"block {block} has two files")
+        blocks.add(block)
+    elif "block" in f:
+        raise _fail(f"{name}: only block files have a block")
+    size = _int(f["size"], f"{name}: size")
+    pieces = f["pieces"]
+    if not isinstance(pieces, list) or len(pieces) != math.ceil(size / piece_size):
+        raise _fail(f"{name}: {size} bytes need {math.ceil(size / piece_size)} pieces")
+    if not all(isinstance(p, str) and _SHA256.fullmatch(p) for p in pieces):
+        raise _fail(f"{name}: pieces must be lowercase hex SHA-256 digests")
+    return FileEntry(name, f["role"], block, size, tuple(pieces), _parse_tensors(f["tensors"], name, size))
 
 
 def _parse_tensors(value, name: str, size: int) -> dict[str, TensorEntry]:

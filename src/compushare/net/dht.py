@@ -167,13 +167,15 @@ def _bound_stores(dht: KadDHT) -> tuple[BoundedStore, BoundedStore]:
     on read, removal) is told to it. Returns both (for tests)."""
     me = dht.local_peer_id.to_base58()
     values, providers = BoundedStore(VALUE_BOUNDS, own=me), BoundedStore(PROVIDER_BOUNDS, own=me)
-    value_store, provider_store = dht.value_store, dht.provider_store
+    _bound_value_store(dht.value_store, values)
+    _bound_provider_store(dht.provider_store, providers, me)
+    return values, providers
+
+
+def _bound_value_store(value_store, values: BoundedStore) -> None:
     # key -> (Record, validity): private in the pinned 0.8.1
     stored = value_store.store
-    # key -> {peer id str: ProviderRecord}: private in the pinned 0.8.1
-    provided = provider_store.providers
     put, put_record, remove = value_store.put, value_store.put_record, value_store.remove
-    add_provider, get_providers = provider_store.add_provider, provider_store.get_providers
 
     def admit_value(key: bytes, value: bytes, sender: str | None):
         decision = values.admit(key, publisher=publisher_of(key), sender=sender, size=value_size(key, value),
@@ -203,6 +205,14 @@ def _bound_stores(dht: KadDHT) -> tuple[BoundedStore, BoundedStore]:
         values.remove(key)
         return remove(key)
 
+    value_store.put, value_store.put_record, value_store.remove = bounded_put, bounded_put_record, bounded_remove
+
+
+def _bound_provider_store(provider_store, providers: BoundedStore, me: str) -> None:
+    # key -> {peer id str: ProviderRecord}: private in the pinned 0.8.1
+    provided = provider_store.providers
+    add_provider, get_providers = provider_store.add_provider, provider_store.get_providers
+
     def drop_providers(victims) -> None:
         for content_key, peer in victims:
             entries = provided.get(content_key)
@@ -229,9 +239,7 @@ def _bound_stores(dht: KadDHT) -> tuple[BoundedStore, BoundedStore]:
         drop_providers(providers.expire(time.time()))  # the TTL cap (py-libp2p keeps them 48 h)
         return get_providers(key)
 
-    value_store.put, value_store.put_record, value_store.remove = bounded_put, bounded_put_record, bounded_remove
     provider_store.add_provider, provider_store.get_providers = bounded_add_provider, bounded_get_providers
-    return values, providers
 
 
 async def connect_bootstrap(host: IHost, dht: KadDHT, addrs: Iterable[str]) -> int:

@@ -107,16 +107,20 @@ def check_version(found: str | None = None) -> None:
 
 def apply() -> None:
     """Check the libp2p version, then patch it (once per process)."""
-    global _applied, _unbuffered_read, _accept_stream, _close_stream, _read_line, _handle_inbound, _upgrade_inbound
+    global _applied
     if _applied:
         return
     check_version()
+    _patch_throughput()
+    _patch_stream_bounds()
+    _patch_swarm_connections()
+    _applied = True
+
+
+def _patch_throughput() -> None:
+    global _unbuffered_read
     from libp2p.io.trio import TrioTCPStream
     from libp2p.kad_dht import kad_dht, peer_routing, provider_store
-    from libp2p.network.swarm import Swarm
-    from libp2p.protocol_muxer.exceptions import MultiselectError
-    from libp2p.protocol_muxer.multiselect import Multiselect
-    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
     from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH
     from libp2p.stream_muxer.yamux import yamux
 
@@ -152,6 +156,12 @@ def apply() -> None:
     for module in (kad_dht, peer_routing, provider_store):
         module.QUERY_TIMEOUT = PEER_QUERY_TIMEOUT_S
 
+
+def _patch_stream_bounds() -> None:
+    global _accept_stream, _close_stream, _read_line
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+    from libp2p.stream_muxer.yamux import yamux
+
     # py-libp2p buffers every DATA frame of a known stream, past the credit it granted
     # too (it logs a warning and sets the credit to 0): a peer could park any amount
     # of memory on a stream nobody reads. Every receive path subtracts a frame from
@@ -175,6 +185,13 @@ def apply() -> None:
     # until the negotiation deadline (10 s), whatever the caps above.
     _read_line = MultiselectCommunicator.read
     MultiselectCommunicator.read = _read_bounded_line
+
+
+def _patch_swarm_connections() -> None:
+    global _handle_inbound, _upgrade_inbound
+    from libp2p.network.swarm import Swarm
+    from libp2p.protocol_muxer.exceptions import MultiselectError
+    from libp2p.protocol_muxer.multiselect import Multiselect
 
     # py-libp2p keeps each inbound connection's handler, which holds one of the swarm's
     # 296 inbound slots and the connection's objects, waiting until the node stops,
@@ -205,7 +222,6 @@ def apply() -> None:
             raise MultiselectError(f"handler of {exc} removed during negotiation") from None
 
     Multiselect.negotiate = negotiate
-    _applied = True
 
 
 def _trim_idle_connections(self, peer_id) -> None:
