@@ -18,6 +18,7 @@ from compushare.errors import FrameError, PeerMisbehaved
 from compushare.net.codec import decode_payload, encode_frame
 from compushare.net.tensors import WIRE_DTYPES, decode_tensor, encode_tensor
 from compushare.pipeline import messages as m
+from compushare.pipeline.message_parts import MAX_ADDRS
 
 SESSION = os.urandom(16)
 PEER = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
@@ -46,7 +47,7 @@ def steps(draw) -> m.StepRequest:
     return m.StepRequest(draw(sessions), draw(naturals), hidden, chunks, draw(st.booleans()))
 
 
-downstreams = st.builds(m.Downstream, peers, st.lists(st.text(max_size=40), max_size=m.MAX_ADDRS).map(tuple),
+downstreams = st.builds(m.Downstream, peers, st.lists(st.text(max_size=40), max_size=MAX_ADDRS).map(tuple),
                         sessions)
 requests = st.one_of(
     st.builds(m.OpenRequest, sessions, st.one_of(st.none(), st.text(max_size=70)), naturals, naturals, naturals),
