@@ -1,5 +1,6 @@
 """The server's request handler answers any decoded frame with a reply, never raises."""
 
+import dataclasses
 import os
 import threading
 
@@ -13,6 +14,8 @@ from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
 from compushare.proofs import DEFAULT_MODE, InputChain, Statement, step_digest, token_digests
+from compushare.pipeline import protocol
+from compushare.pipeline.server import inference
 from compushare.pipeline.server.inference import InferenceServer
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
@@ -92,6 +95,18 @@ def test_valid_sequence_still_works_after_garbage(server):
         assert (await server.handle({"type": "close", "session": SESSION}))["type"] == "closed"
 
     trio.run(drive)
+
+
+def test_a_request_kind_the_dispatch_forgets_is_refused_not_left_unanswered(server, monkeypatch):
+    """A kind decode_request knows but _dispatch does not gets bad_request: no reply
+    (None) would read as a push taken, and its sender would wait out its deadline."""
+    @dataclasses.dataclass(frozen=True)
+    class NewKind:
+        session: bytes
+
+    monkeypatch.setattr(inference, "decode_request", lambda message: NewKind(SESSION))
+    reply = trio.run(server.handle, {"type": "new", "session": SESSION})
+    assert reply["type"] == "error" and reply["code"] == protocol.BAD_REQUEST and reply["session"] == SESSION
 
 
 # ---------------------------------------------------------------- chunks, last_only, proofs, limits

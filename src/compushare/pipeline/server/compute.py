@@ -55,7 +55,39 @@ class _Decode:
     error: BaseException | None = None
 
 
-class Compute:
+class ComputeMeter:
+    """What this server measures of its compute: the load and throughput it
+    advertises, and its decode rate, which predicts how long the next step takes."""
+
+    def __init__(self, block_rate: float) -> None:
+        self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
+        self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
+
+    def observe(self, tokens: int, blocks: int, seconds: float) -> None:
+        self.busy.append((time.monotonic(), seconds, tokens))
+        if tokens == 1 and seconds > 0:  # decode steps are what the rate predicts
+            sample = blocks / seconds
+            self.block_rate = sample if self.block_rate <= 0 else (1 - RATE_EWMA) * self.block_rate + RATE_EWMA * sample
+
+    def load(self, now: float | None = None) -> float:
+        """Share of the last LOAD_WINDOW_S this server spent computing, 0..1."""
+        now = self._trim(now)
+        busy = sum(min(seconds, end - (now - LOAD_WINDOW_S)) for end, seconds, _ in self.busy)
+        return min(1.0, max(0.0, busy / LOAD_WINDOW_S))
+
+    def throughput(self, now: float | None = None) -> float:
+        """Tokens/s this server computed over the last LOAD_WINDOW_S."""
+        now = self._trim(now)
+        return sum(tokens for _, _, tokens in self.busy) / LOAD_WINDOW_S
+
+    def _trim(self, now: float | None) -> float:
+        now = time.monotonic() if now is None else now
+        while self.busy and self.busy[0][0] < now - LOAD_WINDOW_S:
+            self.busy.popleft()
+        return now
+
+
+class Compute(ComputeMeter):
     def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
         self.scheduler = FairScheduler(threads, fair=fair)
         self._threads = trio.CapacityLimiter(2 * threads)  # long pieces, and short ones preempting them
@@ -63,9 +95,8 @@ class Compute:
         self._in_long = 0  # long forwards running (in worker threads)
         self._paused = 0  # ... of which waiting at a pause point
         self._granted: dict[Ticket, trio.Event] = {}
-        self.block_rate = block_rate  # decode steps/s through one block: self-benchmark, then served steps
+        super().__init__(block_rate)
         self.noise = noise  # fault injection only: a lying server (tests, benchmarks)
-        self.busy: collections.deque[tuple[float, float, int]] = collections.deque()  # (end, seconds, tokens)
         # Batching: one-token steps of one span waiting at once run as one forward.
         self._waiting: dict[tuple, list[_Decode]] = {}
         self.batches = 0  # forwards of more than one step
@@ -291,29 +322,6 @@ class Compute:
         if chunks != [1] or self.scheduler.slots != 1 or runner.slowdown > 1.0:
             return False
         return self.block_rate > 0 and blocks / self.block_rate <= INLINE_MAX_S
-
-    def observe(self, tokens: int, blocks: int, seconds: float) -> None:
-        self.busy.append((time.monotonic(), seconds, tokens))
-        if tokens == 1 and seconds > 0:  # decode steps are what the rate predicts
-            sample = blocks / seconds
-            self.block_rate = sample if self.block_rate <= 0 else (1 - RATE_EWMA) * self.block_rate + RATE_EWMA * sample
-
-    def load(self, now: float | None = None) -> float:
-        """Share of the last LOAD_WINDOW_S this server spent computing, 0..1."""
-        now = self._trim(now)
-        busy = sum(min(seconds, end - (now - LOAD_WINDOW_S)) for end, seconds, _ in self.busy)
-        return min(1.0, max(0.0, busy / LOAD_WINDOW_S))
-
-    def throughput(self, now: float | None = None) -> float:
-        """Tokens/s this server computed over the last LOAD_WINDOW_S."""
-        now = self._trim(now)
-        return sum(tokens for _, _, tokens in self.busy) / LOAD_WINDOW_S
-
-    def _trim(self, now: float | None) -> float:
-        now = time.monotonic() if now is None else now
-        while self.busy and self.busy[0][0] < now - LOAD_WINDOW_S:
-            self.busy.popleft()
-        return now
 
 
 def _timed(forward, *args) -> tuple[torch.Tensor, float]:

@@ -160,6 +160,8 @@ class InferenceServer:
             case CloseRequest(session=sid):
                 table.close(sid)
                 return Closed(sid)
+            case _:  # a kind decode_request knows and this match forgot: refused, not left unanswered
+                raise Rejected(protocol.BAD_REQUEST, f"this server does not handle {type(request).__name__}")
 
     def _open(self, request: OpenRequest, peer: str, table: SessionTable, runner: SpanRunner) -> Opened:
         if self.moving:
@@ -254,27 +256,8 @@ class InferenceServer:
             raise Rejected(protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens")
         if tokens > self.limits.max_step_tokens:
             raise Rejected(protocol.TOO_LONG, f"a step carries 1..{self.limits.max_step_tokens} tokens")
-        deadline = trio.current_time() + request.from_upstream.wait_ms / 1000
-        while True:
-            session = table.get(request.session)  # closed meanwhile: unknown_session
-            decision = table.take_pushed(session, position, tokens, time.monotonic())
-            if isinstance(decision, UsePushed):
-                step = decision.step
-                return step.output, step.seconds, step.encoded
-            if isinstance(decision, RollBack):  # a stale push: rolled back, the right one may follow
-                runner.truncate(session.cache, decision.position)
-            elif isinstance(decision, Wait):
-                await self.speculation.settled(session, decision.step)
-            else:
-                with trio.move_on_at(min(deadline, trio.current_time() + UPSTREAM_CHECK_S)):
-                    await self.speculation.changed()
-                # Gone: an upstream that pushed to this session before has no connection
-                # now (one not yet connected after a relink may still be dialling).
-                gone = session.pushed_by == session.upstream and not self.speculation.connected(session.upstream)
-                if gone or trio.current_time() >= deadline:  # a killed upstream is seen at once
-                    why = "the upstream server's connection is gone" if gone else \
-                        f"no push within {request.from_upstream.wait_ms} ms"
-                    raise Rejected(protocol.NO_INPUT, f"no input for position {position}: {why}")
+        step = await wait_for_push(self.speculation, request, table, runner)
+        return step.output, step.seconds, step.encoded
 
     async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanRunner) -> Session:
         """Cut a session back to `position` tokens (a truncate, or a step's rollback),
@@ -326,6 +309,34 @@ class InferenceServer:
             runner.truncate(session.cache, step.position)  # a failed forward may have half-appended
             self.sessions.failed(session, step, time.monotonic())
             raise
+
+
+async def wait_for_push(speculation: Speculation, request: StepRequest, table: SessionTable,
+                        runner: SpanRunner) -> Step:
+    """The pushed step for the request's position, once the session's upstream has
+    pushed it; Rejected(NO_INPUT) after the request's wait_ms, or at once when that
+    upstream's connection is gone."""
+    position, tokens = request.position, request.tokens
+    deadline = trio.current_time() + request.from_upstream.wait_ms / 1000
+    while True:
+        session = table.get(request.session)  # closed meanwhile: unknown_session
+        decision = table.take_pushed(session, position, tokens, time.monotonic())
+        if isinstance(decision, UsePushed):
+            return decision.step
+        if isinstance(decision, RollBack):  # a stale push: rolled back, the right one may follow
+            runner.truncate(session.cache, decision.position)
+        elif isinstance(decision, Wait):
+            await speculation.settled(session, decision.step)
+        else:
+            with trio.move_on_at(min(deadline, trio.current_time() + UPSTREAM_CHECK_S)):
+                await speculation.changed()
+            # Gone: an upstream that pushed to this session before has no connection
+            # now (one not yet connected after a relink may still be dialling).
+            gone = session.pushed_by == session.upstream and not speculation.connected(session.upstream)
+            if gone or trio.current_time() >= deadline:  # a killed upstream is seen at once
+                why = "the upstream server's connection is gone" if gone else \
+                    f"no push within {request.from_upstream.wait_ms} ms"
+                raise Rejected(protocol.NO_INPUT, f"no input for position {position}: {why}")
 
 
 def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tokens: int, encoded: WireTensor,

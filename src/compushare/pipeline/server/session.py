@@ -184,43 +184,22 @@ class RollBack:
     position: int
 
 
-class SessionTable:
-    """Every session of a server, and the KV budget they share max-min fairly
-    (kv_share.py): a session of a peer over its share is reclaimed, however busily
-    it is kept, when another peer within its share needs the room."""
+class SessionStates:
+    """Every open session of a server and the events that move it (one TRANSITIONS
+    table): steps, pushes, truncates, links, receipts, closes, expiry."""
 
-    def __init__(self, *, budget_tokens: int, max_session_tokens: int, max_step_tokens: int,
-                 idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32,
-                 fair: bool = True) -> None:
-        self.budget_tokens, self.fair, self.idle_timeout_s = budget_tokens, fair, idle_timeout_s
-        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
-        self.max_session_tokens, self.max_step_tokens = max_session_tokens, max_step_tokens
+    def __init__(self, *, max_step_tokens: int, idle_timeout_s: float) -> None:
+        self.max_step_tokens, self.idle_timeout_s = max_step_tokens, idle_timeout_s
         self._sessions: dict[bytes, Session] = {}
         self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
         self.speculation_hits = 0  # pushed steps the consumer confirmed
         self.speculation_misses = 0  # pushed steps rolled back for the consumer's other input
-        self.reclaimed: list[Session] = []  # sessions reclaimed for fair shares, until the driver takes them
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def __contains__(self, session_id: bytes) -> bool:
         return session_id in self._sessions
-
-    @property
-    def reserved_tokens(self) -> int:
-        return sum(s.reserved for s in self._sessions.values())
-
-    @property
-    def min_reserved(self) -> int:
-        """What any session holds of the budget at least: so many sessions fill the budget
-        as fill the table, and a crowd of tiny sessions is reclaimed like a big one
-        (else 8 identities' 32 one-token sessions each left every newcomer `busy`)."""
-        return -(-self.budget_tokens // self.max_sessions) if self.fair else 1
-
-    @property
-    def free_tokens(self) -> int:
-        return self.budget_tokens - self.reserved_tokens
 
     # -- transitions ---------------------------------------------------------------------
 
@@ -239,53 +218,6 @@ class SessionTable:
 
     def _fire(self, session: Session, event: Event) -> None:
         session.state = self._check(session, event)
-
-    # -- requests --------------------------------------------------------------------------
-
-    def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float,
-             owner: str = "") -> Session:
-        if session_id in self._sessions:
-            raise Rejected(protocol.SESSION_EXISTS, "a session with this id is already open")
-        if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_sessions_per_peer:
-            raise Rejected(protocol.BUSY, f"{self.max_sessions_per_peer} sessions of this peer are open already")
-        if not (1 <= max_tokens <= self.max_session_tokens):
-            raise Rejected(protocol.TOO_LONG, f"max_tokens must be 1..{self.max_session_tokens}")
-        reserved = max(max_tokens, self.min_reserved)
-        if reserved > self.free_tokens:
-            self._reclaim_for(owner, reserved)
-        if len(self._sessions) >= self.max_sessions:  # with fair shares the reserve above bounds it first
-            raise Rejected(protocol.BUSY, f"{len(self._sessions)} sessions open, the most this server holds")
-        session = Session(session_id, start, end, max_tokens, last_used=now, reserved=reserved, owner=owner)
-        self._sessions[session_id] = session
-        return session
-
-    def fair_share(self, owner: str) -> int:  # what `owner` may hold when the budget is contended
-        return kv_share.fair_share(self.budget_tokens, self._sessions.values(), owner)
-
-    def available_to_newcomer(self) -> int:
-        """The KV tokens a peer holding no session could reserve now (advertised)."""
-        if not self.fair:
-            return self.free_tokens
-        return kv_share.available(self.budget_tokens, self._sessions.values())
-
-    def _reclaim_for(self, owner: str, max_tokens: int) -> None:
-        """Make room for `owner`'s ask by reclaiming sessions of peers over their fair
-        share (see the class docstring), or raise Rejected(busy) and change nothing."""
-        full = f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked"
-        if not self.fair:
-            raise Rejected(protocol.BUSY, full)
-        plan = kv_share.plan_reclaim(self.budget_tokens, self._sessions.values(), owner, max_tokens)
-        if isinstance(plan, str):
-            raise Rejected(protocol.BUSY, f"{full}; {plan}")
-        for session in plan:
-            del self._sessions[session.session_id]
-            self._fire(session, Event.RECLAIM)
-            session.reclaimed = True
-            self.reclaimed.append(session)
-
-    def take_reclaimed(self) -> list[Session]:  # reclaimed since the last call (the driver logs them)
-        taken, self.reclaimed = self.reclaimed, []
-        return taken
 
     def get(self, session_id: bytes) -> Session:
         session = self._sessions.get(session_id)
@@ -479,3 +411,81 @@ class SessionTable:
         session.step = None
         session.last_used = now
         return RollBack(step.position)
+
+
+class SessionTable(SessionStates):
+    """Every session of a server (SessionStates) and their admission: caps on sessions
+    and the KV budget they share max-min fairly (kv_share.py): a session of a peer
+    over its share is reclaimed, however busily it is kept, when another peer within
+    its share needs the room."""
+
+    def __init__(self, *, budget_tokens: int, max_session_tokens: int, max_step_tokens: int,
+                 idle_timeout_s: float, max_sessions: int = 256, max_sessions_per_peer: int = 32,
+                 fair: bool = True) -> None:
+        super().__init__(max_step_tokens=max_step_tokens, idle_timeout_s=idle_timeout_s)
+        self.budget_tokens, self.fair = budget_tokens, fair
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.max_session_tokens = max_session_tokens
+        self.reclaimed: list[Session] = []  # sessions reclaimed for fair shares, until the driver takes them
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(s.reserved for s in self._sessions.values())
+
+    @property
+    def min_reserved(self) -> int:
+        """What any session holds of the budget at least: so many sessions fill the budget
+        as fill the table, and a crowd of tiny sessions is reclaimed like a big one
+        (else 8 identities' 32 one-token sessions each left every newcomer `busy`)."""
+        return -(-self.budget_tokens // self.max_sessions) if self.fair else 1
+
+    @property
+    def free_tokens(self) -> int:
+        return self.budget_tokens - self.reserved_tokens
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float,
+             owner: str = "") -> Session:
+        if session_id in self._sessions:
+            raise Rejected(protocol.SESSION_EXISTS, "a session with this id is already open")
+        if sum(1 for s in self._sessions.values() if s.owner == owner) >= self.max_sessions_per_peer:
+            raise Rejected(protocol.BUSY, f"{self.max_sessions_per_peer} sessions of this peer are open already")
+        if not (1 <= max_tokens <= self.max_session_tokens):
+            raise Rejected(protocol.TOO_LONG, f"max_tokens must be 1..{self.max_session_tokens}")
+        reserved = max(max_tokens, self.min_reserved)
+        if reserved > self.free_tokens:
+            self._reclaim_for(owner, reserved)
+        if len(self._sessions) >= self.max_sessions:  # with fair shares the reserve above bounds it first
+            raise Rejected(protocol.BUSY, f"{len(self._sessions)} sessions open, the most this server holds")
+        session = Session(session_id, start, end, max_tokens, last_used=now, reserved=reserved, owner=owner)
+        self._sessions[session_id] = session
+        return session
+
+    def fair_share(self, owner: str) -> int:  # what `owner` may hold when the budget is contended
+        return kv_share.fair_share(self.budget_tokens, self._sessions.values(), owner)
+
+    def available_to_newcomer(self) -> int:
+        """The KV tokens a peer holding no session could reserve now (advertised)."""
+        if not self.fair:
+            return self.free_tokens
+        return kv_share.available(self.budget_tokens, self._sessions.values())
+
+    def _reclaim_for(self, owner: str, max_tokens: int) -> None:
+        """Make room for `owner`'s ask by reclaiming sessions of peers over their fair
+        share (see the class docstring), or raise Rejected(busy) and change nothing."""
+        full = f"KV budget full: {self.free_tokens} of {self.budget_tokens} tokens free, {max_tokens} asked"
+        if not self.fair:
+            raise Rejected(protocol.BUSY, full)
+        plan = kv_share.plan_reclaim(self.budget_tokens, self._sessions.values(), owner, max_tokens)
+        if isinstance(plan, str):
+            raise Rejected(protocol.BUSY, f"{full}; {plan}")
+        for session in plan:
+            del self._sessions[session.session_id]
+            self._fire(session, Event.RECLAIM)
+            session.reclaimed = True
+            self.reclaimed.append(session)
+
+    def take_reclaimed(self) -> list[Session]:  # reclaimed since the last call (the driver logs them)
+        taken, self.reclaimed = self.reclaimed, []
+        return taken
