@@ -17,6 +17,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -137,146 +138,157 @@ async def until_disconnect(receive, work):
     return result
 
 
-def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
-    def authorized(request: Request) -> JSONResponse | None:
-        if bearer_ok(request.headers.get("authorization"), token):
-            return None
-        return error(401, "missing or wrong API key: use the token in the node's data dir (api.token)",
-                     code="invalid_api_key")
+async def _read_json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise UsageError(f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise UsageError("the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise UsageError("the request body must be a JSON object")
+    return body
 
-    async def read_json(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise UsageError(f"request body over {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise UsageError("the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise UsageError("the request body must be a JSON object")
-        return body
+
+class _Completion:
+    """One chat completion, prepared (its model found, its prompt tokenized): run to
+    one JSON reply or streamed as server-sent events."""
+
+    def __init__(self, engine: ChatEngine, consumer, prompt: list[int], model: str, params: SamplingParams,
+                 private: bool, created: int) -> None:
+        self.engine, self.consumer, self.prompt, self.model = engine, consumer, prompt, model
+        self.params, self.private, self.created = params, private, created
+        self.ident = f"chatcmpl-{secrets.token_hex(12)}"
+
+    def run(self, on_text: Callable[[str], None] = lambda _t: None):
+        return self.engine.run(self.consumer, self.model, self.prompt, self.params, on_text, private=self.private)
+
+    def finish(self, outcome) -> str:
+        return "length" if len(outcome.tokens) >= self.params.max_new_tokens else "stop"
+
+    def extension(self, outcome) -> dict:  # CompuShare's own fields of a reply: only for private requests
+        return {"compushare": private_report(outcome, self.consumer.model.num_blocks)} if self.private else {}
+
+    def reply(self, outcome) -> dict:
+        return {
+            "id": self.ident, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                         "finish_reason": self.finish(outcome)}],
+            "usage": {"prompt_tokens": len(self.prompt), "completion_tokens": len(outcome.tokens),
+                      "total_tokens": len(self.prompt) + len(outcome.tokens)},
+            **self.extension(outcome),
+        }
+
+    def chunk(self, delta: dict, reason: str | None = None, extra: dict | None = None) -> bytes:
+        return ("data: " + json.dumps({"id": self.ident, "object": "chat.completion.chunk", "created": self.created,
+                                       "model": self.model, "choices": [{"index": 0, "delta": delta,
+                                                                         "finish_reason": reason}],
+                                       **(extra or {})}) + "\n\n").encode()
+
+    async def _produce(self, to_client: trio.MemorySendChannel[bytes]) -> None:
+        async with to_client:
+            to_client.send_nowait(self.chunk({"role": "assistant", "content": ""}))
+            try:
+                outcome = await self.run(on_text=lambda text: to_client.send_nowait(self.chunk({"content": text})))
+                to_client.send_nowait(self.chunk({}, self.finish(outcome), self.extension(outcome)))
+            except Exception as exc:  # the status line is sent already: the error goes in the stream
+                to_client.send_nowait(("data: " + _failure(exc).body.decode() + "\n\n").encode())
+            to_client.send_nowait(b"data: [DONE]\n\n")
+
+    async def stream(self, scope, receive, send) -> None:
+        """Server-sent events as the tokens come. The generation, the sender and a
+        watcher for the client's disconnect share one nursery: a client that leaves
+        ends the generation (and closes its sessions), never the other way round."""
+        # Room for every token: a slow reader must not make the generation's callback block.
+        to_client, pending = trio.open_memory_channel[bytes](MAX_NEW_TOKENS + 4)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            nursery.start_soon(self._produce, to_client)
+            try:
+                async with pending:
+                    async for data in pending:
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception as exc:  # the client went away mid-send (Hypercorn's error types vary)
+                log.debug("stream ended early: %r", exc)
+            nursery.cancel_scope.cancel()  # the watcher
+
+
+async def chat_completions(engine: ChatEngine, request: Request) -> Response:
+    try:
+        body = await _read_json(request)
+        model = body.get("model") or engine.default_model
+        if not isinstance(model, str):
+            raise UsageError("'model' must be a string")
+        params = _params(body)
+        private = _private(body)
+        messages = body.get("messages")
+    except UsageError as exc:
+        return error(400, str(exc), param=getattr(exc, "param", None))
+    created = int(time.time())
+    try:  # before any reply: a bad model or bad messages get their proper status, streaming or not
+        consumer, prompt = await engine.prepare(model, messages)
+    except Exception as exc:
+        return _failure(exc)
+    completion = _Completion(engine, consumer, prompt, model, params, private, created)
+    if body.get("stream"):
+        return _Raw(completion.stream)
+    try:
+        outcome = await until_disconnect(request.receive, completion.run())
+    except Exception as exc:
+        return _failure(exc)
+    if outcome is None:  # the client left: nothing to answer
+        return Response(status_code=499)
+    return JSONResponse(completion.reply(outcome))
+
+
+def build_app(engine: ChatEngine, token: str, control: Control) -> Starlette:
+    def guarded(handler):
+        """`handler` for requests with the node's token; a 401 for others."""
+        async def route(request: Request):
+            if not bearer_ok(request.headers.get("authorization"), token):
+                return error(401, "missing or wrong API key: use the token in the node's data dir (api.token)",
+                             code="invalid_api_key")
+            return await handler(request)
+
+        return route
 
     async def models(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "compushare", "model_id": model_id}
                 for name, model_id in engine.models()]
         return JSONResponse({"object": "list", "data": data})
 
     async def control_status(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
         return JSONResponse(control.status())
 
     async def control_dashboard(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
         return JSONResponse(control.dashboard())
 
     async def control_pause(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
         changed = control.pause() if request.url.path.endswith("/pause") else control.resume()
         return JSONResponse({"changed": changed, "state": control.status().get("state")})
+
+    async def completions(request: Request):
+        return await chat_completions(engine, request)
 
     async def dashboard_page(request: Request):
         # The page itself holds no data; its script asks /control/dashboard with the
         # token from the URL's fragment (never sent to a server, never in a log).
         return HTMLResponse(DASHBOARD_HTML)
 
-    async def chat_completions(request: Request):
-        if (denied := authorized(request)) is not None:
-            return denied
-        try:
-            body = await read_json(request)
-            model = body.get("model") or engine.default_model
-            if not isinstance(model, str):
-                raise UsageError("'model' must be a string")
-            params = _params(body)
-            private = _private(body)
-            messages = body.get("messages")
-        except UsageError as exc:
-            return error(400, str(exc), param=getattr(exc, "param", None))
-        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        try:  # before any reply: a bad model or bad messages get their proper status, streaming or not
-            consumer, prompt = await engine.prepare(model, messages)
-        except Exception as exc:
-            return _failure(exc)
-
-        def finish(outcome) -> str:
-            return "length" if len(outcome.tokens) >= params.max_new_tokens else "stop"
-
-        def extension(outcome) -> dict:  # CompuShare's own fields of a reply: only for private requests
-            return {"compushare": private_report(outcome, consumer.model.num_blocks)} if private else {}
-
-        if not body.get("stream"):
-            try:
-                outcome = await until_disconnect(request.receive, engine.run(consumer, model, prompt, params,
-                                                                             private=private))
-            except Exception as exc:
-                return _failure(exc)
-            if outcome is None:  # the client left: nothing to answer
-                return Response(status_code=499)
-            return JSONResponse({
-                "id": ident, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                             "finish_reason": finish(outcome)}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(outcome.tokens),
-                          "total_tokens": len(prompt) + len(outcome.tokens)},
-                **extension(outcome),
-            })
-
-        def chunk(delta: dict, reason: str | None = None, extra: dict | None = None) -> bytes:
-            return ("data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
-                                           "model": model, "choices": [{"index": 0, "delta": delta,
-                                                                        "finish_reason": reason}],
-                                           **(extra or {})}) + "\n\n").encode()
-
-        async def stream(scope, receive, send) -> None:
-            """Server-sent events as the tokens come. The generation, the sender and a
-            watcher for the client's disconnect share one nursery: a client that leaves
-            ends the generation (and closes its sessions), never the other way round."""
-            # Room for every token: a slow reader must not make the generation's callback block.
-            to_client, pending = trio.open_memory_channel[bytes](MAX_NEW_TOKENS + 4)
-
-            async def produce() -> None:
-                async with to_client:
-                    to_client.send_nowait(chunk({"role": "assistant", "content": ""}))
-                    try:
-                        outcome = await engine.run(consumer, model, prompt, params,
-                                                   on_text=lambda text: to_client.send_nowait(chunk({"content": text})),
-                                                   private=private)
-                        to_client.send_nowait(chunk({}, finish(outcome), extension(outcome)))
-                    except Exception as exc:  # the status line is sent already: the error goes in the stream
-                        to_client.send_nowait(("data: " + _failure(exc).body.decode() + "\n\n").encode())
-                    to_client.send_nowait(b"data: [DONE]\n\n")
-
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                    (b"cache-control", b"no-cache")]})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                nursery.start_soon(produce)
-                try:
-                    async with pending:
-                        async for data in pending:
-                            await send({"type": "http.response.body", "body": data, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except Exception as exc:  # the client went away mid-send (Hypercorn's error types vary)
-                    log.debug("stream ended early: %r", exc)
-                nursery.cancel_scope.cancel()  # the watcher
-
-        return _Raw(stream)
-
     async def not_found(request: Request, exc):
         return error(404, f"no route {request.url.path}", code="not_found")
 
     return Starlette(routes=[
-        Route("/v1/models", models),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/control/status", control_status),
-        Route("/control/dashboard", control_dashboard),
-        Route("/control/pause", control_pause, methods=["POST"]),
-        Route("/control/resume", control_pause, methods=["POST"]),
+        Route("/v1/models", guarded(models)),
+        Route("/v1/chat/completions", guarded(completions), methods=["POST"]),
+        Route("/control/status", guarded(control_status)),
+        Route("/control/dashboard", guarded(control_dashboard)),
+        Route("/control/pause", guarded(control_pause), methods=["POST"]),
+        Route("/control/resume", guarded(control_pause), methods=["POST"]),
         Route("/dashboard", dashboard_page),
     ], exception_handlers={404: not_found})
