@@ -262,49 +262,62 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
             if not line.strip():
                 continue
             if line.startswith("/"):
-                try:
-                    shown = conversation.command(line)
-                except UsageError as exc:
-                    print(f"error: {exc}", file=err, flush=True)
-                    continue
-                if shown is None:
+                if not _command(conversation, line, out, err):
                     return 0
-                print(shown, file=out, flush=True)
                 continue
-            conversation.messages.append({"role": "user", "content": line})
-            stopped = threading.Event()  # Ctrl-C: not a character more of this reply
-
-            def show(text: str) -> None:  # called in the swarm thread
-                if not stopped.is_set():
-                    out.write(text)
-                    out.flush()
-
-            private = conversation.private
-            if private:  # before the first turn's keys are made (seconds), not only once the route is known
-                print(f"[private turn: {PRIVATE_SLOW}]", file=err, flush=True)
-
-            routes: list[list[Hop]] = []
-
-            def show_route(route: list[Hop]) -> None:
-                routes.append(route)
-                if private and len(routes) == 1:  # as the turn starts (a failover's new route: /stats)
-                    err.write("".join(line + "\n" for line in private_route_lines(route)))
-                    err.flush()
-
-            try:
-                conversation.last = swarm.generate(conversation, show, show_route)
-                conversation.messages.append({"role": "assistant", "content": conversation.last.text})
-                print(file=out, flush=True)
-            except KeyboardInterrupt:
-                stopped.set()
-                swarm.cancel()
-                conversation.messages.pop()  # the unanswered question leaves the context too
-                print("\n[reply cancelled]", file=err, flush=True)
-            except CompushareError as exc:
-                conversation.messages.pop()
-                hint = " (private turns need providers that serve encrypted sessions; /private off to go " \
-                       "back)" if private and isinstance(exc, RouteError) else ""
-                print(f"\nerror: {exc}{hint}", file=err, flush=True)
+            _turn(conversation, swarm, line, out, err)
     finally:
         save_history()
         swarm.close()
+
+
+def _command(conversation: Conversation, line: str, out, err) -> bool:
+    """Run one /command and show what it says; False when it leaves the chat."""
+    try:
+        shown = conversation.command(line)
+    except UsageError as exc:
+        print(f"error: {exc}", file=err, flush=True)
+        return True
+    if shown is None:
+        return False
+    print(shown, file=out, flush=True)
+    return True
+
+
+def _turn(conversation: Conversation, swarm: SwarmThread, line: str, out, err) -> None:
+    """One question and its reply, streamed; a reply cancelled (Ctrl-C) or failed takes
+    its question out of the context."""
+    conversation.messages.append({"role": "user", "content": line})
+    stopped = threading.Event()  # Ctrl-C: not a character more of this reply
+
+    def show(text: str) -> None:  # called in the swarm thread
+        if not stopped.is_set():
+            out.write(text)
+            out.flush()
+
+    private = conversation.private
+    if private:  # before the first turn's keys are made (seconds), not only once the route is known
+        print(f"[private turn: {PRIVATE_SLOW}]", file=err, flush=True)
+
+    routes: list[list[Hop]] = []
+
+    def show_route(route: list[Hop]) -> None:
+        routes.append(route)
+        if private and len(routes) == 1:  # as the turn starts (a failover's new route: /stats)
+            err.write("".join(line + "\n" for line in private_route_lines(route)))
+            err.flush()
+
+    try:
+        conversation.last = swarm.generate(conversation, show, show_route)
+        conversation.messages.append({"role": "assistant", "content": conversation.last.text})
+        print(file=out, flush=True)
+    except KeyboardInterrupt:
+        stopped.set()
+        swarm.cancel()
+        conversation.messages.pop()  # the unanswered question leaves the context too
+        print("\n[reply cancelled]", file=err, flush=True)
+    except CompushareError as exc:
+        conversation.messages.pop()
+        hint = " (private turns need providers that serve encrypted sessions; /private off to go " \
+               "back)" if private and isinstance(exc, RouteError) else ""
+        print(f"\nerror: {exc}{hint}", file=err, flush=True)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import sys
 from pathlib import Path
@@ -26,6 +27,17 @@ from .cli_swarm import karma, show_id, status, swarm_app
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
+
+
+# Fault injection, for tests: hidden from --help.
+DEBUG_SLOWDOWN = typer.Option(None, hidden=True, help="Fault injection: make compute this many times slower.")
+DEBUG_NOISE = typer.Option(None, hidden=True, help="Fault injection: add Gaussian noise of this relative scale to "
+                                                   "every output (a lying server, for tests).")
+DEBUG_FORGE_PUSH = typer.Option(None, "--debug-forge-push", hidden=True,
+                                help="Fault injection: push the next server other bytes than the output this "
+                                     "server signs (for tests).")
+DEBUG_CLAIM_FORMAT = typer.Option(None, hidden=True, help="Fault injection: claim this weight format (records, ads, "
+                                                          "sessions) instead of the model's (for tests).")
 
 
 @app.command()
@@ -58,17 +70,10 @@ def node(
     hole_punch: bool = typer.Option(None, "--hole-punch/--no-hole-punch",
                                     help="Upgrade relayed connections to direct ones by hole punching (DCUtR) where "
                                          "the NATs allow (default on; off: connections through relays stay relayed)."),
-    debug_slowdown: float = typer.Option(None, hidden=True,
-                                         help="Fault injection: make compute this many times slower."),
-    debug_noise: float = typer.Option(None, hidden=True,
-                                      help="Fault injection: add Gaussian noise of this relative scale to "
-                                           "every output (a lying server, for tests)."),
-    debug_forge_push: bool = typer.Option(None, "--debug-forge-push", hidden=True,
-                                          help="Fault injection: push the next server other bytes than the "
-                                               "output this server signs (for tests)."),
-    debug_claim_format: str = typer.Option(None, hidden=True,
-                                           help="Fault injection: claim this weight format (records, ads, "
-                                                "sessions) instead of the model's (for tests)."),
+    debug_slowdown: float = DEBUG_SLOWDOWN,
+    debug_noise: float = DEBUG_NOISE,
+    debug_forge_push: bool = DEBUG_FORGE_PUSH,
+    debug_claim_format: str = DEBUG_CLAIM_FORMAT,
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background: pid in node.pid, "
                                                              "log in node.log (data dir); `compushare stop` ends it."),
     log_level: str = typer.Option("info"),
@@ -84,14 +89,15 @@ def node(
         return
     setup_logging(log_level)
     bound_retention()  # a server's buffers come and go with its peers: give them back when freed
-    config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None,
-                              listen=listen, bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
-                              memory_budget_mb=memory_budget_mb, device=device, ad_period_s=ad_period, slowdown=debug_slowdown,
-                              noise=debug_noise, forge_push=debug_forge_push, api_port=api_port, private=private,
-                              relay=relay, hole_punch=hole_punch, claim_format=debug_claim_format)
-    overrides = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
+    limits = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
+    config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None, listen=listen,
+                              bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
+                              memory_budget_mb=memory_budget_mb, device=device, ad_period_s=ad_period,
+                              slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
+                              api_port=api_port, private=private, relay=relay, hole_punch=hole_punch,
+                              claim_format=debug_claim_format)
     config = dataclasses.replace(config, limits=dataclasses.replace(
-        config.limits, **{k: v for k, v in overrides.items() if v is not None}))
+        config.limits, **{k: v for k, v in limits.items() if v is not None}))
     run_or_exit(lambda: trio.run(Node(config).run))
 
 
@@ -183,50 +189,59 @@ def run(
     setup_logging(log_level)
     home = resolve_data_dir(data_dir)
 
-    def show_route(route) -> None:
-        if private:
-            from ..pipeline.client.private_chain import describe_private_route
-
-            for line in describe_private_route(route, route[-1].end if route else 0):
-                err.print(line, highlight=False, markup=False)
-        if verbose:
-            from ..pipeline.client.routing import describe_route
-
-            err.print(f"[bold]route[/bold] ({len(route)} hops, chosen for the least expected latency):")
-            for line in describe_route(route):
-                err.print(f"  {line}", highlight=False, markup=False)
-
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
                              direct=direct, speculate=speculate, standby=standby,
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
-        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=show_route,
+        on_route = functools.partial(_show_route, private=private, verbose=verbose)
+        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=on_route,
                                               spot_check_rate=spot_check, listen=tuple(listen or ())))
         sys.stdout.write("\n")
-        for failover in outcome.failovers:
-            err.print(f"failover: blocks {failover.start}:{failover.end} moved from {failover.peer_id[-8:]} "
-                      f"({failover.reason}) to {', '.join(p[-8:] for p in failover.replacements)} in "
-                      f"{failover.recovered - failover.noticed:.2f}s", highlight=False)
-        for report in outcome.reports:
-            err.print(f"[red]spot check failed[/red]: {report.accused.peer_id} excluded; failure report "
-                      f"{report.digest[:12]} kept")
-        if verbose:
-            err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
-                      f"{outcome.decode_tok_s:.1f} tok/s in {outcome.passes} passes ({outcome.accepted} of "
-                      f"{outcome.drafted} drafted tokens kept); {outcome.direct_steps} steps direct; "
-                      f"{outcome.checks} spot checks", highlight=False)
-            if outcome.private:
-                p = outcome.private
-                err.print(f"private: {p['projections']} encrypted projections; keys {p['keys_bytes'] / 1e6:.1f} MB "
-                          f"(sent to {p['keys_sent']} providers, cached by the others); "
-                          f"{p['bytes_sent'] / 1e6:.0f} MB sent, {p['bytes_received'] / 1e6:.0f} MB received; "
-                          f"encrypt {p['encrypt_s']:.1f}s, decrypt {p['decrypt_s']:.1f}s, providers "
-                          f"{p['provider_s']:.1f}s, round trips {p['roundtrip_s']:.1f}s, local layers "
-                          f"{p['local_s']:.1f}s", highlight=False)
+        _report(outcome, verbose)
 
     run_or_exit(main_run)
+
+
+def _show_route(route, *, private: bool, verbose: bool) -> None:
+    """`run`'s stderr, once the route is chosen: a private run's stages, the hops with -v."""
+    if private:
+        from ..pipeline.client.private_chain import describe_private_route
+
+        for line in describe_private_route(route, route[-1].end if route else 0):
+            err.print(line, highlight=False, markup=False)
+    if verbose:
+        from ..pipeline.client.routing import describe_route
+
+        err.print(f"[bold]route[/bold] ({len(route)} hops, chosen for the least expected latency):")
+        for line in describe_route(route):
+            err.print(f"  {line}", highlight=False, markup=False)
+
+
+def _report(outcome, verbose: bool) -> None:
+    """`run`'s stderr, once the answer is out: failovers and failed spot checks; timings with -v."""
+    for failover in outcome.failovers:
+        err.print(f"failover: blocks {failover.start}:{failover.end} moved from {failover.peer_id[-8:]} "
+                  f"({failover.reason}) to {', '.join(p[-8:] for p in failover.replacements)} in "
+                  f"{failover.recovered - failover.noticed:.2f}s", highlight=False)
+    for report in outcome.reports:
+        err.print(f"[red]spot check failed[/red]: {report.accused.peer_id} excluded; failure report "
+                  f"{report.digest[:12]} kept")
+    if not verbose:
+        return
+    err.print(f"first token after {outcome.first_token_s:.2f}s; {len(outcome.tokens)} tokens at "
+              f"{outcome.decode_tok_s:.1f} tok/s in {outcome.passes} passes ({outcome.accepted} of "
+              f"{outcome.drafted} drafted tokens kept); {outcome.direct_steps} steps direct; "
+              f"{outcome.checks} spot checks", highlight=False)
+    if outcome.private:
+        p = outcome.private
+        err.print(f"private: {p['projections']} encrypted projections; keys {p['keys_bytes'] / 1e6:.1f} MB "
+                  f"(sent to {p['keys_sent']} providers, cached by the others); "
+                  f"{p['bytes_sent'] / 1e6:.0f} MB sent, {p['bytes_received'] / 1e6:.0f} MB received; "
+                  f"encrypt {p['encrypt_s']:.1f}s, decrypt {p['decrypt_s']:.1f}s, providers "
+                  f"{p['provider_s']:.1f}s, round trips {p['roundtrip_s']:.1f}s, local layers "
+                  f"{p['local_s']:.1f}s", highlight=False)
 
 
 @app.command()
