@@ -150,10 +150,6 @@ class NodeConfig:
     # memory budget is the device's), "cpu", or "auto" (CUDA where torch sees one).
     device: str = "auto"
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
-    slowdown: float = 1.0  # fault injection: compute takes this many times as long
-    noise: float = 0.0  # fault injection: outputs get Gaussian noise of this relative scale (a lying server)
-    forge_push: bool = False  # fault injection: pushes carry other bytes than the signed output
-    claim_format: str = ""  # fault injection: name this weight format in records, ads and sessions, not the model's
     api_port: int = DEFAULT_API_PORT  # local HTTP API on 127.0.0.1 (0: a free port, negative: none)
     # Private mode (/compushare/private): serve encrypted products; keep the span's
     # weights pre-encoded as CKKS plaintexts (~126 MB a SmolLM2 block, ~2x faster)
@@ -174,10 +170,6 @@ class NodeConfig:
             raise UsageError("--max-blocks must be at least 1")
         if self.device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if not (1.0 <= self.slowdown <= 10_000):
-            raise UsageError("--debug-slowdown must be within 1..10000")
-        if not (0.0 <= self.noise <= 10.0):
-            raise UsageError("--debug-noise must be within 0..10")
 
     @classmethod
     def build(cls, data_dir: Path, **flags) -> NodeConfig:

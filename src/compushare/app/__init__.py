@@ -6,6 +6,7 @@ knows nothing of them.
   chat.py      `compushare chat`: the interactive consumer REPL
   node.py      the daemon: one trio nursery owning every task of a node
                (provider, seeder, karma, gossip, the HTTP API)
+  debug.py     fault injection for tests (a slow, lying or forging node): the --debug-* flags
   seed.py      the torrent role on its own: `models fetch`, `models seed`
   status.py    `compushare status` and `compushare karma`
   swarm.py     a local swarm of node processes on 127.0.0.1

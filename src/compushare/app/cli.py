@@ -22,6 +22,7 @@ from ..gc_policy import pause_during_startup
 from ..malloc_policy import bound_retention
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
+from .debug import FaultInjection
 from .cli_swarm import karma, show_id, status, swarm_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
@@ -29,7 +30,7 @@ app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
 
 
-# Fault injection, for tests: hidden from --help.
+# Fault injection (debug.py), for tests: hidden from --help.
 DEBUG_SLOWDOWN = typer.Option(None, hidden=True, help="Fault injection: make compute this many times slower.")
 DEBUG_NOISE = typer.Option(None, hidden=True, help="Fault injection: add Gaussian noise of this relative scale to "
                                                    "every output (a lying server, for tests).")
@@ -93,12 +94,12 @@ def node(
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None, listen=listen,
                               bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
                               memory_budget_mb=memory_budget_mb, device=device, ad_period_s=ad_period,
-                              slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
-                              api_port=api_port, private=private, relay=relay, hole_punch=hole_punch,
-                              claim_format=debug_claim_format)
+                              api_port=api_port, private=private, relay=relay, hole_punch=hole_punch)
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))
-    run_or_exit(lambda: trio.run(Node(config).run))
+    faults = FaultInjection.from_flags(slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
+                                       claim_format=debug_claim_format)
+    run_or_exit(lambda: trio.run(Node(config, faults).run))
 
 
 def _detach(home: Path) -> None:

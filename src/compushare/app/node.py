@@ -24,6 +24,7 @@ from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
 from .api.server import serve_api
+from .debug import FaultInjection
 from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
@@ -69,8 +70,9 @@ NAME_RETRY_S = 0.5
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, faults: FaultInjection = FaultInjection()) -> None:
         self.config = config
+        self.faults = faults  # tests' misbehaving nodes only (debug.py)
         self.view = SwarmView()
         self.provider: Provider | None = None
         self.private: PrivateServer | None = None  # /compushare/private, when config.private
@@ -148,7 +150,7 @@ class Node:
                 # (ad at once, server record at once), not at their next refresh.
                 gossip.publish_soon()
                 if self.provider is not None:
-                    self.provider._changed()
+                    self.provider.notify_change()
 
             traversal = self.traversal = Traversal(
                 host, serve=True, relay=config.relay, quotas=config.relay_quotas,
@@ -198,9 +200,11 @@ class Node:
                 provider = self.provider = Provider(
                     model,
                     lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
-                                                   block_rate=provider.block_rate, noise=config.noise, karma=karma.receipts),
-                    block_rate=0.0, slowdown=config.slowdown, prepare=self._fetch_span,
-                    name="" if is_model_id(name) else name, claimed_format=config.claim_format, device=device,
+                                                   block_rate=provider.block_rate, noise=self.faults.noise,
+                                                   karma=karma.receipts),
+                    block_rate=0.0, slowdown=self.faults.slowdown, prepare=self._fetch_span,
+                    name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format,
+                    device=device,
                 )
                 await self._self_benchmark(provider)
                 # Measured after the self-benchmark: transformers is imported by then, and
@@ -255,8 +259,7 @@ class Node:
                 provider.on_change = on_change
                 await provider.serve(span)
                 server = provider.server
-                server.enable_push(host, nursery)
-                server.speculation.forge = config.forge_push
+                server.enable_push(host, nursery, forge=self.faults.forge_push)
                 host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
                 budget_mb = weights_budget_mb(config.memory_budget_mb, span_free_mb, span_held_mb, device)
                 cost = block_cost(model, config.limits.kv_budget_tokens)
@@ -275,7 +278,7 @@ class Node:
                                                                               "given_mb": config.memory_budget_mb}
                 if config.private:
                     worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
-                                      budget_bytes=private_budget, noise=config.noise)
+                                      budget_bytes=private_budget, noise=self.faults.noise)
                     self.private = PrivateServer(provider, worker)
                     provider.private_rate = self.private.rate
                     host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
@@ -344,10 +347,10 @@ class Node:
                  result.seconds, len(result.bytes_from))
 
     async def _self_benchmark(self, provider: Provider) -> None:
-        config, model = self.config, provider.model
-        if config.slowdown != 1.0:  # an emulated slow node must not poison the cache
+        config, model, slowdown = self.config, provider.model, self.faults.slowdown
+        if slowdown != 1.0:  # an emulated slow node must not poison the cache
             measure = functools.partial(measure_block_rate, model.path, threads=config.torch_threads,
-                                        slowdown=config.slowdown, device=self.device)
+                                        slowdown=slowdown, device=self.device)
         else:
             measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads,
                                         device=self.device)

@@ -84,10 +84,11 @@ class InferenceServer:
                                         per_peer=limits.max_streams_per_peer,
                                         refuse=functools.partial(refuse_stream, limits=limits))
 
-    def enable_push(self, host, nursery: trio.Nursery) -> None:
+    def enable_push(self, host, nursery: trio.Nursery, *, forge: bool = False) -> None:
         """Let consumers link this server's sessions to their neighbours in a chain
-        (push.py); pushes and the steps they start run in `nursery`."""
-        self.speculation = Speculation(PushLinks(host, nursery), nursery)
+        (push.py); pushes and the steps they start run in `nursery`. `forge`: fault
+        injection (app/debug.py), pushes differ from the signed outputs."""
+        self.speculation = Speculation(PushLinks(host, nursery), nursery, forge=forge)
 
     @property
     def pushes(self) -> PushLinks | None:

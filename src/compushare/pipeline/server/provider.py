@@ -132,7 +132,8 @@ class Provider:
         # node sets it when it serves /compushare/private.
         self.private_rate: Callable[[], float] = lambda: 0.0
 
-    def _changed(self) -> None:
+    def notify_change(self) -> None:
+        """Span, state or addresses changed: wake the waiters, tell the node (ad, state file)."""
         self.changed.set()
         self.changed = trio.Event()
         self.on_change()
@@ -186,7 +187,7 @@ class Provider:
         self.span, self.state = span, "loading"
         if self.server is not None:
             self.server.moving = True  # no new sessions on a span about to go
-        self._changed()
+        self.notify_change()
         log.info("loading blocks %s of %s", span, self.model.model_id[:12])
         try:
             if self.prepare is not None:
@@ -200,7 +201,7 @@ class Provider:
             log.exception("loading blocks %s failed; staying on %s", span, previous)
             self.span, self.state = previous, previous_state
             self.server.moving = False
-            self._changed()
+            self.notify_change()
             return
         runner.slowdown = self.slowdown
         if self.server is None:
@@ -210,7 +211,7 @@ class Provider:
             self.moves += 1
             log.info("moved from blocks %s to %s (%d open sessions dropped)", previous, span, dropped)
         self.state = "paused" if self.server.paused else "serving"  # a pause asked for during the load holds
-        self._changed()
+        self.notify_change()
 
     def pause(self) -> bool:
         """Stop contributing: no new sessions (open ones go on), the ad says "paused",
@@ -227,7 +228,7 @@ class Provider:
         self.server.paused = paused
         if self.state in ("serving", "paused"):  # loading: serve() applies it at the end
             self.state = "paused" if paused else "serving"
-            self._changed()
+            self.notify_change()
         return True
 
     def _strength_without_me(self, view: SwarmView, me: str) -> list[float]:

@@ -28,11 +28,11 @@ PUSH_FIRST_MAX_S = 0.01  # a reply waits this long at most for its step's push t
 
 
 class Speculation:
-    def __init__(self, links: PushLinks, nursery: trio.Nursery) -> None:
+    def __init__(self, links: PushLinks, nursery: trio.Nursery, *, forge: bool = False) -> None:
         self.links = links
         self.nursery = nursery  # pushed steps compute here
         self._changed = trio.Event()  # set (and replaced) whenever a push begins a step, or it ends
-        self.forge = False  # fault injection (tests): push bytes that differ from the signed output
+        self.forge = forge  # fault injection (tests): push bytes that differ from the signed output
 
     def start(self, table: SessionTable, session: Session, step: Step,
               compute: Callable[[], Awaitable[tuple[torch.Tensor, float]]], dtype: torch.dtype) -> None:
