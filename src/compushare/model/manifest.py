@@ -113,7 +113,8 @@ class Manifest:
         meta files (tokenizer) for a consumer."""
         out = []
         for i, entry in enumerate(self.files):
-            if entry.role == "block" and blocks is not None and blocks[0] <= entry.block < blocks[1]:
+            if entry.role == "block" and blocks is not None and entry.block is not None \
+                    and blocks[0] <= entry.block < blocks[1]:
                 out.append(i)
             elif entry.role in ("head", "meta") and head:
                 out.append(i)
@@ -132,7 +133,8 @@ class Manifest:
                       if t.begin < end and t.end > piece.offset)
 
     def block_bytes(self) -> dict[int, int]:
-        return {f.block: sum(t.end - t.begin for t in f.tensors.values()) for f in self.files if f.role == "block"}
+        return {f.block: sum(t.end - t.begin for t in f.tensors.values()) for f in self.files
+                if f.role == "block" and f.block is not None}
 
     def tensors(self) -> dict[str, TensorEntry]:
         return {name: t for f in self.files for name, t in f.tensors.items()}
@@ -170,7 +172,7 @@ def _int(value, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _map(value, keys: set[str], what: str, optional: set[str] = frozenset()) -> dict:
+def _map(value, keys: set[str], what: str, optional: frozenset[str] | set[str] = frozenset()) -> dict:
     if not isinstance(value, dict) or not keys <= set(value) or set(value) - keys - optional:
         raise _fail(f"{what} must be a map with keys {sorted(keys | optional)}")
     return value
@@ -226,7 +228,10 @@ def _parse_files(value, num_blocks: int, piece_size: int) -> list[FileEntry]:
     """The file entries: one per block, exactly one head, at most MAX_PIECES pieces in all."""
     if not isinstance(value, list) or not 0 < len(value) <= MAX_FILES:
         raise _fail(f"files must be a list of 1..{MAX_FILES} entries")
-    files, names, blocks, total_pieces = [], set(), set(), 0
+    files: list[FileEntry] = []
+    names: set[str] = set()
+    blocks: set[int] = set()
+    total_pieces = 0
     for item in value:
         entry = _parse_file(item, names, blocks, num_blocks, piece_size)
         total_pieces += len(entry.pieces)

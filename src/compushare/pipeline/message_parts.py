@@ -6,7 +6,9 @@ messages.py, which builds its requests and replies from them."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeGuard
 
+from .. import wire
 from ..errors import FrameError
 from ..net.dtypes import WIRE_NUMPY_DTYPES
 from .protocol import BAD_REQUEST, SESSION_ID_BYTES
@@ -37,15 +39,15 @@ class WireTensor:
         """The structure checks of net.tensors.decode_tensor, with its codes and messages:
         a map of exactly dtype (on the whitelist), shape (3 integers), data (bytes)."""
         if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
-            raise FrameError("bad_tensor", "a tensor is a map of exactly dtype, shape, data")
+            raise FrameError(wire.BAD_TENSOR, "a tensor is a map of exactly dtype, shape, data")
         dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
         if not isinstance(dtype, str) or dtype not in WIRE_NUMPY_DTYPES:
-            raise FrameError("bad_dtype", f"dtype {dtype!r} is not one of {sorted(WIRE_NUMPY_DTYPES)}")
+            raise FrameError(wire.BAD_DTYPE, f"dtype {dtype!r} is not one of {sorted(WIRE_NUMPY_DTYPES)}")
         if (not isinstance(shape, list) or len(shape) != 3
                 or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
-            raise FrameError("bad_shape", f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
+            raise FrameError(wire.BAD_SHAPE, f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
         if not isinstance(data, bytes):
-            raise FrameError("bad_tensor", "tensor data must be bytes")
+            raise FrameError(wire.BAD_TENSOR, "tensor data must be bytes")
         return cls(dtype, tuple(shape), data)
 
 
@@ -101,7 +103,8 @@ class Proof:
         position, tokens, mode, prefix, digest, output, sig = (
             value.get(k) for k in ("position", "tokens", "mode", "prefix", "input", "output", "sig"))
         if not (is_int(position) and is_int(tokens) and isinstance(mode, str) and len(mode) <= 16
-                and all(isinstance(d, bytes) and len(d) == 32 for d in (prefix, digest, output))
+                and isinstance(prefix, bytes) and isinstance(digest, bytes) and isinstance(output, bytes)
+                and all(len(d) == 32 for d in (prefix, digest, output))
                 and isinstance(sig, bytes) and len(sig) <= 128):
             return None
         return cls(position, tokens, mode, prefix, digest, output, sig)
@@ -117,5 +120,5 @@ def parse_peer(value: object, name: str) -> str:
     return value
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -18,8 +18,10 @@ tensor, after the session it belongs to has been found.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Union
 
+from .. import wire
 from ..errors import FrameError, PeerMisbehaved
 from ..karma.receipts import MAX_RECEIPT_BYTES
 from . import protocol
@@ -78,7 +80,10 @@ class StepRequest:
 
     @property
     def tokens(self) -> int:
-        return self.hidden.tokens if self.hidden is not None else self.from_upstream.tokens
+        if self.hidden is not None:
+            return self.hidden.tokens
+        assert self.from_upstream is not None  # one of the two, always (decode_request, the constructors)
+        return self.from_upstream.tokens
 
     @property
     def sizes(self) -> list[int]:
@@ -94,7 +99,7 @@ class StepRequest:
         wire = {"type": "step", "session": self.session, "position": self.position}
         if self.hidden is not None:
             wire["hidden"] = self.hidden.to_wire()
-        else:
+        elif self.from_upstream is not None:
             wire["from_upstream"] = self.from_upstream.to_wire()
         if self.chunks is not None:
             wire["chunks"] = list(self.chunks)
@@ -162,7 +167,7 @@ def decode_request(message: object) -> Request:
     Checked in order: the session id, the type, then the type's fields in the order
     protocol.md lists them."""
     if not isinstance(message, dict):
-        raise FrameError("bad_frame", "a frame must be a map with a string 'type'")
+        raise FrameError(wire.BAD_FRAME, "a frame must be a map with a string 'type'")
     session = message.get("session")
     if not isinstance(session, bytes) or len(session) != SESSION_ID_BYTES:
         raise FrameError(BAD_REQUEST, f"'session' must be {SESSION_ID_BYTES} bytes")
@@ -228,7 +233,7 @@ def _close(m: dict, session: bytes) -> CloseRequest:
     return CloseRequest(session)
 
 
-_REQUESTS = {"open": _open, "step": _step, "push": _push, "link": _link, "truncate": _truncate,
+_REQUESTS: dict[str, Callable[[dict, bytes], Request]] = {"open": _open, "step": _step, "push": _push, "link": _link, "truncate": _truncate,
              "receipt": _receipt, "close": _close}
 
 
@@ -335,8 +340,9 @@ def decode_reply(message: object, request: Request | None = None) -> Reply:
                           float(wait) if isinstance(wait, float | int) else None)
     if request is not None:
         name, answer = _ANSWERS[type(request)]
-        if kind != answer or (answer == "result" and message.get("position") != request.position):
-            raise PeerMisbehaved(f"answered {name} {request.position} with {kind}" if answer == "result"
+        position = request.position if isinstance(request, StepRequest) else None  # a result names its step
+        if kind != answer or (position is not None and message.get("position") != position):
+            raise PeerMisbehaved(f"answered {name} {position} with {kind}" if position is not None
                                  else f"answered {name} with {kind}")
     decode = _REPLIES.get(kind)
     if decode is None:
@@ -345,7 +351,7 @@ def decode_reply(message: object, request: Request | None = None) -> Reply:
     if not isinstance(session, bytes) or len(session) != SESSION_ID_BYTES:
         raise PeerMisbehaved(f"a reply's 'session' must be {SESSION_ID_BYTES} bytes")
     reply = decode(message, session)
-    if isinstance(request, StepRequest) and reply.hidden.tokens != request.reply_tokens:
+    if isinstance(request, StepRequest) and isinstance(reply, Result) and reply.hidden.tokens != request.reply_tokens:
         raise PeerMisbehaved(f"returned {reply.hidden.tokens} tokens for {request.reply_tokens}")
     return reply
 
@@ -378,7 +384,7 @@ def _opened(m: dict, session: bytes) -> Opened:
     return Opened(session, _reply_int(m, "free_tokens"), fmt)
 
 
-_REPLIES = {"opened": _opened, "result": _result,
+_REPLIES: dict[str, Callable[[dict, bytes], Reply]] = {"opened": _opened, "result": _result,
             "linked": lambda m, s: Linked(s), "truncated": lambda m, s: Truncated(s, _reply_int(m, "position")),
             "receipted": _receipted, "closed": lambda m, s: Closed(s)}
 

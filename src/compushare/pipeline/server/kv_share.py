@@ -11,14 +11,23 @@ only while that peer is still over its share.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class Held(Protocol):
-    owner: str
-    reserved: int  # KV tokens held of the budget
-    last_used: float
-    in_step: bool
+    """What a share needs of a session (read-only)."""
+
+    @property
+    def owner(self) -> str: ...
+    @property
+    def reserved(self) -> int: ...  # KV tokens held of the budget
+    @property
+    def last_used(self) -> float: ...
+    @property
+    def in_step(self) -> bool: ...
+
+
+H = TypeVar("H", bound=Held)
 
 
 def held_by(sessions: Iterable[Held]) -> dict[str, int]:
@@ -33,7 +42,7 @@ def fair_share(budget: int, sessions: Iterable[Held], owner: str) -> int:
     return budget // len(held_by(sessions).keys() | {owner})
 
 
-def plan_reclaim(budget: int, sessions: Iterable[Held], owner: str, max_tokens: int) -> list[Held] | str:
+def plan_reclaim(budget: int, sessions: Iterable[H], owner: str, max_tokens: int) -> list[H] | str:
     """The sessions to reclaim so that `owner`'s ask of `max_tokens` fits, or why it
     cannot."""
     sessions = list(sessions)
@@ -59,8 +68,8 @@ def available(budget: int, sessions: Iterable[Held], owner: str = "") -> int:
     return max(budget - sum(held.values()), min(room, free))
 
 
-def _reclaim(budget: int, sessions: list[Held], held: dict[str, int], share: int, owner: str,
-             wanted: int) -> tuple[list[Held], int]:
+def _reclaim(budget: int, sessions: list[H], held: dict[str, int], share: int, owner: str,
+             wanted: int) -> tuple[list[H], int]:
     """Sessions of peers over their share to reclaim until `wanted` tokens are free
     (or none are left to take), and the free tokens then."""
     held = dict(held)

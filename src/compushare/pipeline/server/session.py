@@ -336,7 +336,9 @@ class SessionStates:
     def push(self, session_id: bytes, position: int, tokens: int, data: bytes, dtype: str, now: float) -> Step:
         """PUSH: a step begins from the upstream server's output, before the consumer's
         copy of it arrives."""
-        return self._begin(session_id, Event.PUSH, position, tokens, now, pushed=data, dtype=dtype).step
+        step = self._begin(session_id, Event.PUSH, position, tokens, now, pushed=data, dtype=dtype).step
+        assert step is not None  # _begin's session is in its step
+        return step
 
     def computed(self, session: Session, step: Step, output: object, encoded: object, seconds: float) -> None:
         """COMPUTED: the pushed step's output waits for the consumer's step (the
@@ -361,11 +363,11 @@ class SessionStates:
         pushed step: Wait for one being computed; CONFIRM one computed from the very
         same input (UsePushed: it is the reply, and the step has ended); otherwise
         MISMATCH (RollBack its cache). None: no pushed step, begin the consumer's."""
-        step = session.step
+        step = _pushed_step(session)
+        if step is None:
+            return None
         if session.state is State.SPECULATING:
             return Wait(step)
-        if session.state is not State.SPECULATED:
-            return None
         if step.matches(position, data, dtype, chunks):
             self._fire(session, Event.CONFIRM)
             session.step = None
@@ -386,13 +388,13 @@ class SessionStates:
         these many tokens (UsePushed: its input was whatever the upstream sent, which
         the server's proof names); MISMATCH any other (RollBack: a stale push). None:
         nothing pushed yet, the driver waits for it."""
-        step = session.step
+        step = _pushed_step(session)
+        if step is None:
+            return None
         if session.state is State.SPECULATING:
             return Wait(step)
-        if session.state is not State.SPECULATED:
-            return None
-        if step.position == position and step.tokens == tokens:
-            return self.settle(session, position, step.pushed, step.dtype, 1, now)
+        if step.position == position and step.tokens == tokens and step.pushed is not None:
+            return self.settle(session, position, step.pushed, step.dtype or "", 1, now)
         self._fire(session, Event.MISMATCH)
         session.step = None
         session.last_used = now
@@ -402,11 +404,11 @@ class SessionStates:
     def discard(self, session: Session, now: float) -> Wait | RollBack | None:
         """DISCARD a computed pushed step before a truncate (RollBack its cache); Wait
         for one being computed; None if there is none."""
-        step = session.step
+        step = _pushed_step(session)
+        if step is None:
+            return None
         if session.state is State.SPECULATING:
             return Wait(step)
-        if session.state is not State.SPECULATED:
-            return None
         self._fire(session, Event.DISCARD)
         session.step = None
         session.last_used = now
@@ -489,3 +491,11 @@ class SessionTable(SessionStates):
     def take_reclaimed(self) -> list[Session]:  # reclaimed since the last call (the driver logs them)
         taken, self.reclaimed = self.reclaimed, []
         return taken
+
+
+def _pushed_step(session: Session) -> Step | None:
+    """The pushed step a speculating or speculated session holds; None in any other state."""
+    if session.state not in (State.SPECULATING, State.SPECULATED):
+        return None
+    assert session.step is not None  # the PUSH that entered these states set it
+    return session.step
