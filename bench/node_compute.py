@@ -577,7 +577,7 @@ def run(args: argparse.Namespace, cleanup: Cleanup) -> dict:
     result |= {"decode_tokens": args.tokens, "trials": args.trials, "prompt_tokens": len(chat_ids),
                "prefill_tokens": len(prefill_ids), "ppl_tokens": len(ppl_ids),
                "ppl_predicted": ppl["fp32"]["predicted"], "ppl_window": PPL_WINDOW, "quality_prompts": len(prompts),
-               "machine": machine, "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(
+               "machine": machine, "timestamp": datetime.datetime.now(datetime.UTC).isoformat(
                    timespec="seconds"), "commit": git_commit(), "wall_s": round(time.perf_counter() - began, 1)}
     log("targets: " + ", ".join(f"{name} {TARGETS[name][0]} {TARGETS[name][1]}: {values[name]} "
                                 f"{'met' if ok else 'NOT met'}" for name, ok in result["targets_met"].items()))

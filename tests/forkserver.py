@@ -107,7 +107,7 @@ def _child(cli, request: dict) -> None:
 class Forked:
     """A node forked by the server: the parts of subprocess.Popen that tests use."""
 
-    def __init__(self, server: "_Server", pid: int, args: list[str]) -> None:
+    def __init__(self, server: _Server, pid: int, args: list[str]) -> None:
         self._server, self.pid, self.args, self.returncode = server, pid, args, None
 
     def poll(self) -> int | None:

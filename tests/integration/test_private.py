@@ -191,9 +191,11 @@ async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_
         # Kill the honest provider of 2:4 the route uses, after a few tokens.
         by_peer = {s["peer_id"]: p for s, p in zip(honest_states, honest)}
 
-        def kill_route_provider(token: int, count=[0]) -> None:
-            count[0] += 1
-            if count[0] == 3 and not killed:
+        tokens_seen = []
+
+        def kill_route_provider(token: int) -> None:
+            tokens_seen.append(token)
+            if len(tokens_seen) == 3 and not killed:
                 peer = next(h.peer_id for h in chain_route[0] if h.start >= 2)
                 killed.append(peer)
                 by_peer[peer].send_signal(signal.SIGKILL)

@@ -86,7 +86,7 @@ async def check_quotas(relay_host, target_host, c1_host, target, second, c1, c2,
 
     # bytes: 256 KiB through one circuit; more resets it
     stream = await c1_host.new_stream(target_host.get_id(), [ECHO])
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (py-libp2p's stream errors share no base class)
         with trio.fail_after(20):
             for _ in range(16):
                 await stream.write(b"x" * 32768)

@@ -138,7 +138,7 @@ class Swarm:
         if isinstance(request, FindRoute):
             self.routes_found = 0 if request.fresh else self.routes_found + 1
             if self.routes_found > 30:
-                raise RouteError("blocks %d:%d stayed uncovered" % (request.start, request.end))
+                raise RouteError(f"blocks {request.start}:{request.end} stayed uncovered")
             return RouteFound(tuple(self.plan(request.start, request.end)))
         if isinstance(request, FindVerifier):
             fits = sorted((s for s in self.servers.values() if s.start <= request.start and request.end <= s.end

@@ -193,7 +193,7 @@ def _cheapest(records, n, measures, start: int = 0) -> float | None:
     estimates (the property checks the search, not the cost model)."""
     live = [r for r in records if r.is_live(NOW)]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def from_(p: int) -> float | None:
         if p == n:
             return 0.0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Union
 
 from .. import wire
 from ..errors import FrameError, PeerMisbehaved
@@ -159,7 +158,7 @@ class CloseRequest:
         return {"type": "close", "session": self.session}
 
 
-Request = Union[OpenRequest, StepRequest, PushRequest, LinkRequest, TruncateRequest, ReceiptRequest, CloseRequest]
+Request = OpenRequest | StepRequest | PushRequest | LinkRequest | TruncateRequest | ReceiptRequest | CloseRequest
 
 
 def decode_request(message: object) -> Request:
@@ -315,7 +314,7 @@ class ErrorReply:
         return wire
 
 
-Reply = Union[Opened, Result, Linked, Truncated, Receipted, Closed, ErrorReply]
+Reply = Opened | Result | Linked | Truncated | Receipted | Closed | ErrorReply
 
 _ANSWERS = {OpenRequest: ("open", "opened"), StepRequest: ("step", "result"), PushRequest: ("push", None),
             LinkRequest: ("link", "linked"), TruncateRequest: ("truncate", "truncated"),
