@@ -5,7 +5,9 @@ knows nothing of them.
                the typer command line: run, chat, node, status, karma, id, swarm, models
   chat.py      `compushare chat`: the interactive consumer REPL
   node.py      the daemon: one trio nursery owning every task of a node
-               (provider, seeder, karma, gossip, the HTTP API)
+               (provider, seeder, karma, gossip, the HTTP API), started in phases
+  startup.py   the parts of a node's start-up that need no Node: the model asked
+               for, its ad, the self-benchmark, the span's memory, the first span
   debug.py     fault injection for tests (a slow, lying or forging node): the --debug-* flags
   seed.py      the torrent role on its own: `models fetch`, `models seed`
   status.py    `compushare status` and `compushare karma`

@@ -1,25 +1,27 @@
-"""Node.run(): the one nursery that owns every task of a provider node."""
+"""Node.run(): the one nursery that owns every task of a provider node.
+
+Start-up runs in phases, each a method of Node: identity (hardware, device, key),
+store (the model asked for), host (seeding, karma, gossip, reachability), DHT (join
+and the loops that keep it fresh), services (the HTTP API, the span, private mode)
+and announce (the records that bring consumers); startup.py holds their parts that
+need no Node."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable
 
-import psutil
 import torch
 import trio
 
-from .. import __version__, defences
+from .. import defences
 from ..config import LISTEN_FILE, PID_FILE, STATE_FILE, NodeConfig, Span
-from ..errors import ModelUnavailable, UsageError
 from ..gc_policy import startup_done
-from ..hardware import available_ram_mb, compute_memory, cuda_accelerator, detect_hardware, resolve_device
+from ..hardware import detect_hardware, resolve_device
 from .api.app import build_app
 from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
@@ -28,10 +30,8 @@ from .debug import FaultInjection
 from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
-from ..model.catalog import CATALOG, DEFAULT_MODEL, resolve_model, split_name
-from ..model.store import ModelStore, is_model_id
-from ..model.selfbench import cached_block_rate, measure_block_rate
-from ..net.ads import ad_ttl, make_ad
+from ..model.catalog import DEFAULT_MODEL
+from ..model.store import ModelStore, StoredModel, is_model_id
 from ..net.dht import routing_sync_loop
 from ..net.gossip import Gossip, learn_views
 from ..net.host import advertised_addrs, full_addrs
@@ -40,23 +40,21 @@ from ..net.peer import open_swarm_host
 from ..net.records import MAX_ADDRS
 from ..net.traversal import Traversal
 from ..net.view import MAX_PEERS, SwarmView, relay_candidates
-from ..pipeline.client.consumer import name_from_swarm, peer_ids_of
 from ..pipeline.server.announce import announce_loop
 from ..he.ckks import DEFAULT_PARAMETERS
 from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.private import PrivateServer
 from ..pipeline.server.private_worker import HEWorker
-from ..pipeline.server.provider import (Provider, block_cost, blocks_for_budget, check_fixed_span, memory_state,
-                                        weights_budget_mb)
+from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..runtime import stop_on_signal, write_json, write_state
+from .startup import (SpanMemory, ad_maker, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
+                      span_memory)
 from .status import summarize
 from ..torrent.service import Torrent
 
 log = logging.getLogger(__name__)
-
-MB = 1024 * 1024
 
 COMPUTE_SWITCH_INTERVAL_S = 50e-6  # CPython's default is 5 ms
 # The dashboard's karma of peers: a peer new in view is checked within KARMA_TICK_S
@@ -65,8 +63,19 @@ KARMA_TICK_S = 5.0
 KARMA_ROUND_S = 30.0
 KARMA_NEWCOMERS = 32  # newcomers (no evidence yet) checked per round
 NET_STATE_PERIOD_S = 2.0
-NAME_WAIT_S = 15.0  # for a server in the swarm to name the model this node was asked for
-NAME_RETRY_S = 0.5
+
+
+def tune_process(config: NodeConfig) -> None:
+    if defences.disabled_now():
+        log.warning("DEFENCES SWITCHED OFF (tests only): %s", ", ".join(defences.disabled_now()))
+    torch.set_num_threads(config.torch_threads)
+    # Prefills and long steps run in worker threads beside this loop (short decode
+    # steps run on it: pipeline/server/compute.Compute.runs_inline). Every torch op lets go of the
+    # GIL; at CPython's default 5 ms switch interval the loop, once it has the GIL,
+    # keeps it for its whole burst of network work (py-libp2p is pure Python) while
+    # the forward waits. A short interval interleaves the two: the loop runs while
+    # the forward is inside an op (bench/compute_beside_loop.py).
+    sys.setswitchinterval(COMPUTE_SWITCH_INTERVAL_S)
 
 
 class Node:
@@ -74,6 +83,10 @@ class Node:
         self.config = config
         self.faults = faults  # tests' misbehaving nodes only (debug.py)
         self.view = SwarmView()
+        self.swarm = None  # the libp2p host and its DHT (net/peer.py), once open
+        self.key_pair = None
+        self.me = ""  # this node's peer id
+        self.gossip: Gossip | None = None
         self.provider: Provider | None = None
         self.private: PrivateServer | None = None  # /compushare/private, when config.private
         self.torrent: Torrent | None = None
@@ -83,9 +96,10 @@ class Node:
         self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._memory: Callable[[], dict] | None = None  # what the span holds against the memory budget
+        self.hardware = None
         self.device = "cpu"  # where the span computes (config.device resolved when the node starts)
         self._state: dict = {}
-        self._last_state: dict = {}
+        self.last_state: dict = {}  # node.json as last written
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         pid_file = self.config.data_dir / PID_FILE
@@ -100,209 +114,169 @@ class Node:
 
     async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
-        if defences.disabled_now():
-            log.warning("DEFENCES SWITCHED OFF (tests only): %s", ", ".join(defences.disabled_now()))
-        torch.set_num_threads(config.torch_threads)
-        # Prefills and long steps run in worker threads beside this loop (short decode
-        # steps run on it: pipeline/server/compute.Compute.runs_inline). Every torch op lets go of the
-        # GIL; at CPython's default 5 ms switch interval the loop, once it has the GIL,
-        # keeps it for its whole burst of network work (py-libp2p is pure Python) while
-        # the forward waits. A short interval interleaves the two: the loop runs while
-        # the forward is inside an op (bench/compute_beside_loop.py).
-        sys.setswitchinterval(COMPUTE_SWITCH_INTERVAL_S)
+        tune_process(config)
         name = config.model or DEFAULT_MODEL
-        # A model id this node has never seen comes from the swarm: first its manifest,
-        # then the pieces of whatever span the node takes. So does a name neither held
-        # here nor in the catalog: the swarm says which id it names (pipeline/client/names.py).
-        held = ModelStore(config.data_dir).get(name)
-        # (With no bootstrap peer there is no swarm to ask: the catalog's error says what to do.)
-        ask_swarm = held is None and (is_model_id(name) or (split_name(name)[0] not in CATALOG
-                                                            and bool(config.bootstrap)))
-        model = None if ask_swarm else held or resolve_model(name, config.data_dir)
-        self._check_span(model)
-        hardware = detect_hardware()
-        device = self.device = resolve_device(config.device, torch.cuda.is_available())
-        key_pair = load_or_create_identity(config.data_dir)
-        async with open_swarm_host(key_pair, server=True, validators=karma_validators(), listen=config.listen,
+        model = held_model(config, name)  # store (None: the swarm says, once joined)
+        check_span(config.blocks, model)
+        self._identify()
+        async with open_swarm_host(self.key_pair, server=True, validators=karma_validators(), listen=config.listen,
                                    bootstrap=config.bootstrap, join=False) as swarm:
-            host, dht = swarm.host, swarm.dht
-            me = host.get_id().to_string()
-            torrent = self.torrent = Torrent(host, dht, config.data_dir, self.view)
-            torrent.start_seeding()
-            karma = self.karma = KarmaService(host, dht, key_pair, config.data_dir)
-            host.set_stream_handler(KARMA_PROTOCOL, karma.handle)
-
-            last_seq = 0
-
-            def make_our_ad():
-                nonlocal last_seq
-                last_seq = max(last_seq + 1, time.time_ns())
-                now_hardware = dataclasses.replace(hardware, ram_free_mb=available_ram_mb(hardware))
-                serving = self.provider.serving() if self.provider is not None else []
-                return make_ad(key_pair, me, advertised_addrs(host), now_hardware, serving, __version__,
-                               ttl_s=ad_ttl(config.ad_period_s), seq=last_seq, reach=self.traversal.status,
-                               relay=self.traversal.offers_relay())
-
-            gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
-
-            def net_changed() -> None:
-                # Reachability or relays changed: peers must learn the new addresses now
-                # (ad at once, server record at once), not at their next refresh.
-                gossip.publish_soon()
-                if self.provider is not None:
-                    self.provider.notify_change()
-
-            traversal = self.traversal = Traversal(
-                host, serve=True, relay=config.relay, quotas=config.relay_quotas,
-                relay_candidates=lambda: relay_candidates(self.view, me, time.time()),
-                own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=net_changed, dht=dht,
-                punch=config.hole_punch)
+            self._open_host(swarm)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stop_on_signal, nursery.cancel_scope)
-                await nursery.start(traversal.run)
-                await nursery.start(gossip.run)  # before dialling: pubsub learns peers from connections
-                await swarm.join(retry=True)
-                # Dialable and seeding from here on: `swarm up` starts the other nodes now,
-                # so they fetch their spans while this one loads its own.
-                write_json(config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": me,
-                                                           "addrs": advertised_addrs(host)})
-                nursery.start_soon(routing_sync_loop, host, dht)
-                nursery.start_soon(karma.publish_loop)
-                nursery.start_soon(karma.provide_reports_loop)
-                nursery.start_soon(self._karma_watch_loop, host, dht)
-                api_url = None
-                if config.api_port >= 0:
-                    engine = ChatEngine(host, dht, config.data_dir, torrent=torrent, default_model=name)
-                    app = build_app(engine, load_or_create_token(config.data_dir), self)
-                    api_url = await nursery.start(serve_api, app, config.api_port)
-                    log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE,
-                             api_url)
+                await self._join_dht(nursery)
+                api_url = await self._serve_api(nursery, name)
                 if model is None:
-                    await learn_views(host, self.view)  # a newcomer sees the swarm at once
-                    model_id = name
-                    if not is_model_id(name):
-                        # Nodes started together: the server that names it may not have
-                        # sent its first ad yet. Ask again for a while before giving up.
-                        chosen = None
-                        with trio.move_on_after(NAME_WAIT_S):
-                            while (chosen := await name_from_swarm(host, dht, name,
-                                                                   trusted=peer_ids_of(config.bootstrap))) is None:
-                                await trio.sleep(NAME_RETRY_S)
-                        if chosen is None:
-                            raise ModelUnavailable(f"unknown model {name!r}: not held here, not in the catalog, and "
-                                                   f"served by no server in the swarm within {NAME_WAIT_S:.0f} s; "
-                                                   "import it with `compushare models import PATH --name NAME`")
-                        model_id = chosen.model_id
-                    model = await torrent.obtain_manifest(model_id)
-                    if model_id != name:
-                        ModelStore(config.data_dir).set_alias(name, model_id)
-                    self._check_span(model)
-                provider = self.provider = Provider(
-                    model,
-                    lambda runner: InferenceServer(runner, model.model_id, config.limits, key_pair=key_pair,
-                                                   block_rate=provider.block_rate, noise=self.faults.noise,
-                                                   karma=karma.receipts),
-                    block_rate=0.0, slowdown=self.faults.slowdown, prepare=self._fetch_span,
-                    name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format,
-                    device=device,
-                )
-                await self._self_benchmark(provider)
-                # Measured after the self-benchmark: transformers is imported by then, and
-                # its random blocks are freed (malloc_policy returns large buffers at once).
-                held_mb = round(psutil.Process().memory_info().rss / MB)
-                # A span on CUDA lives in the device's memory: the budget, what is free and
-                # what this process holds there (its allocator's, the benchmark's blocks
-                # given back) are the device's; private mode's pre-encoding stays in RAM.
-                accelerator = None
-                span_free_mb, span_held_mb = hardware.ram_free_mb, held_mb
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                    accelerator = cuda_accelerator(torch.cuda.current_device())
-                    span_free_mb = compute_memory(device, hardware, accelerator)[1]
-                    span_held_mb = round(torch.cuda.memory_reserved() / MB)
-                    log.info("serving on %s: %d of %d MB free", accelerator.label, accelerator.free_mb,
-                             accelerator.total_mb)
-                kv_tokens = config.limits.kv_budget_tokens
-                length = blocks_for_budget(model, max_blocks=config.max_blocks,
-                                           memory_budget_mb=config.memory_budget_mb, free_mb=span_free_mb,
-                                           kv_tokens=kv_tokens, held_mb=span_held_mb, device=device)
-                span = config.blocks
-                if span is not None:
-                    check_fixed_span(model, span, memory_budget_mb=config.memory_budget_mb, held_mb=span_held_mb,
-                                     kv_tokens=kv_tokens)
-                if span is None:
-                    # The random warm-up starts after the benchmark: nodes started together
-                    # (and slowed alike) then choose one after another, each seeing the
-                    # claims published before it.
-                    await learn_views(host, self.view)  # a newcomer sees the swarm at once
-                    span = await provider.choose_first_span(
-                        self.view, me, length, config.ad_period_s if config.bootstrap else 0.0)
-                self._state = {
-                    "pid": os.getpid(),
-                    "peer_id": me,
-                    "addrs": advertised_addrs(host),
-                    "model_id": model.model_id,
-                    "num_blocks": model.num_blocks,
-                    "max_blocks": length,
-                    "placement": "fixed" if config.blocks is not None else "automatic",
-                    "block_rate": provider.block_rate,
-                    "device": accelerator.label if accelerator is not None else "cpu",
-                    "started": time.time(),
-                    "api": api_url,
-                }
-
-                def on_change() -> None:
-                    gossip.publish_soon()
-                    if provider.server is not None:
-                        self._write_state(provider)
-
-                provider.on_change = on_change
-                await provider.serve(span)
-                server = provider.server
-                server.enable_push(host, nursery, forge=self.faults.forge_push)
-                host.set_stream_handler(INFER_PROTOCOL, server.rpc_infer)
-                budget_mb = weights_budget_mb(config.memory_budget_mb, span_free_mb, span_held_mb, device)
-                cost = block_cost(model, config.limits.kv_budget_tokens)
-
-                def private_budget(span: tuple[int, int]) -> int:
-                    # What the span's weights (in their format) and KV budget leave of the
-                    # node's memory budget: private mode's pre-encoded weights get that.
-                    # A span on CUDA takes none of the RAM: they get the RAM's default share.
-                    if device == "cuda":
-                        return weights_budget_mb(None, hardware.ram_free_mb, held_mb) * MB
-                    return max(0, budget_mb * MB - cost * (span[1] - span[0]))
-
-                where = accelerator.label if accelerator is not None else "cpu"
-                self._memory = lambda: memory_state(model, provider.span, budget_mb, config.limits.kv_budget_tokens,
-                                                    private_budget, where) | {"held_mb": span_held_mb,
-                                                                              "given_mb": config.memory_budget_mb}
-                if config.private:
-                    worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
-                                      budget_bytes=private_budget, noise=self.faults.noise)
-                    self.private = PrivateServer(provider, worker)
-                    provider.private_rate = self.private.rate
-                    host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
-                nursery.start_soon(server.expire_loop)
-                await nursery.start(announce_loop, host, dht, key_pair, provider, config.record_ttl_s)
-                # Seed records after the serving records: py-libp2p serves at most 12
-                # inbound DHT streams per node, and a burst of both at start-up can
-                # have some ADD_PROVIDERs silently dropped.
-                nursery.start_soon(torrent.announce_loop)
-                if config.blocks is None:
-                    nursery.start_soon(provider.rebalance_loop, self.view, me, config.ad_period_s)
-                state = self._write_state(provider)
-                nursery.start_soon(self._net_state_loop, provider)
-                startup_done()  # the span's weights and modules live as long as the node
-                log.info("serving blocks %s of %s as %s on %s", span, model.model_id[:12], me,
-                         ", ".join(state["addrs"]))
+                    model = await self._model_from_swarm(name)
+                provider = await self._serve_span(nursery, model, name, api_url)
+                state = await self._announce(nursery, provider)
                 task_status.started(state)
                 try:
                     await trio.sleep_forever()
                 finally:
-                    (config.data_dir / STATE_FILE).unlink(missing_ok=True)
-                    if self.private is not None:
-                        with trio.CancelScope(shield=True):
-                            await self.private.worker.aclose()
+                    await self._stopped()
+
+    # -- the phases of start-up -----------------------------------------------------------
+
+    def _identify(self) -> None:
+        """Identity: the hardware, where the span computes, and the node's key."""
+        self.hardware = detect_hardware()
+        self.device = resolve_device(self.config.device, torch.cuda.is_available())
+        self.key_pair = load_or_create_identity(self.config.data_dir)
+
+    def _open_host(self, swarm) -> None:
+        """Host: the services on it before it joins: seeding, karma, ads, reachability."""
+        config, host, dht = self.config, swarm.host, swarm.dht
+        self.swarm, self.me = swarm, host.get_id().to_string()
+        self.torrent = Torrent(host, dht, config.data_dir, self.view)
+        self.torrent.start_seeding()
+        self.karma = KarmaService(host, dht, self.key_pair, config.data_dir)
+        host.set_stream_handler(KARMA_PROTOCOL, self.karma.handle)
+        make_our_ad = ad_maker(self.key_pair, self.me, host, self.hardware, config, self)
+        self.gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
+        self.traversal = Traversal(
+            host, serve=True, relay=config.relay, quotas=config.relay_quotas,
+            relay_candidates=lambda: relay_candidates(self.view, self.me, time.time()),
+            own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=self._net_changed, dht=dht,
+            punch=config.hole_punch)
+
+    def _net_changed(self) -> None:
+        # Reachability or relays changed: peers must learn the new addresses now
+        # (ad at once, server record at once), not at their next refresh.
+        self.gossip.publish_soon()
+        if self.provider is not None:
+            self.provider.notify_change()
+
+    async def _join_dht(self, nursery: trio.Nursery) -> None:
+        """DHT: reachable, gossiping and joined; the loops that keep routing and karma fresh."""
+        host, dht = self.swarm.host, self.swarm.dht
+        await nursery.start(self.traversal.run)
+        await nursery.start(self.gossip.run)  # before dialling: pubsub learns peers from connections
+        await self.swarm.join(retry=True)
+        # Dialable and seeding from here on: `swarm up` starts the other nodes now,
+        # so they fetch their spans while this one loads its own.
+        write_json(self.config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": self.me,
+                                                        "addrs": advertised_addrs(host)})
+        nursery.start_soon(routing_sync_loop, host, dht)
+        nursery.start_soon(self.karma.publish_loop)
+        nursery.start_soon(self.karma.provide_reports_loop)
+        nursery.start_soon(karma_watch_loop, self.view, self.karma_book, host, dht)
+
+    async def _serve_api(self, nursery: trio.Nursery, name: str) -> str | None:
+        """Services: the local HTTP API (None: switched off)."""
+        config = self.config
+        if config.api_port < 0:
+            return None
+        engine = ChatEngine(self.swarm.host, self.swarm.dht, config.data_dir, torrent=self.torrent,
+                            default_model=name)
+        app = build_app(engine, load_or_create_token(config.data_dir), NodeControl(self))
+        api_url = await nursery.start(serve_api, app, config.api_port)
+        log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE, api_url)
+        return api_url
+
+    async def _model_from_swarm(self, name: str) -> StoredModel:
+        """Store: the manifest of the model `name` stands for, from the swarm."""
+        await learn_views(self.swarm.host, self.view)  # a newcomer sees the swarm at once
+        model_id = await model_id_from_swarm(self.swarm.host, self.swarm.dht, self.config, name)
+        model = await self.torrent.obtain_manifest(model_id)
+        if model_id != name:
+            ModelStore(self.config.data_dir).set_alias(name, model_id)
+        check_span(self.config.blocks, model)
+        return model
+
+    async def _serve_span(self, nursery: trio.Nursery, model: StoredModel, name: str,
+                          api_url: str | None) -> Provider:
+        """Services: benchmark, then load and serve the first span the memory allows."""
+        config, host = self.config, self.swarm.host
+        provider = self.provider = Provider(
+            model, self._inference_server, block_rate=0.0, slowdown=self.faults.slowdown, prepare=self._fetch_span,
+            name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format, device=self.device)
+        await self_benchmark(provider, config, self.faults.slowdown, self.device)
+        memory = span_memory(self.device, self.hardware)
+        span, length = await first_span(provider, config, memory, host, self.view, self.me)
+        self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
+                       "model_id": model.model_id, "num_blocks": model.num_blocks, "max_blocks": length,
+                       "placement": "fixed" if config.blocks is not None else "automatic",
+                       "block_rate": provider.block_rate, "device": memory.where, "started": time.time(),
+                       "api": api_url}
+        provider.on_change = self._provider_changed
+        await provider.serve(span)
+        provider.server.enable_push(host, nursery, forge=self.faults.forge_push)
+        host.set_stream_handler(INFER_PROTOCOL, provider.server.rpc_infer)
+        self._serve_private(provider, memory)
+        return provider
+
+    def _inference_server(self, runner) -> InferenceServer:
+        provider = self.provider
+        return InferenceServer(runner, provider.model.model_id, self.config.limits, key_pair=self.key_pair,
+                               block_rate=provider.block_rate, noise=self.faults.noise, karma=self.karma.receipts)
+
+    def _provider_changed(self) -> None:
+        self.gossip.publish_soon()
+        if self.provider.server is not None:
+            self._write_state(self.provider)
+
+    def _serve_private(self, provider: Provider, memory: SpanMemory) -> None:
+        """Services: private mode, its pre-encoded weights in what the span leaves of the budget."""
+        config, model, kv_tokens = self.config, provider.model, self.config.limits.kv_budget_tokens
+        private_budget = memory.private_budget(config.memory_budget_mb, block_cost(model, kv_tokens))
+        budget_mb = memory.weights_budget_mb(config.memory_budget_mb)
+        self._memory = lambda: memory_state(model, provider.span, budget_mb, kv_tokens, private_budget,
+                                            memory.where) | {"held_mb": memory.held_mb,
+                                                             "given_mb": config.memory_budget_mb}
+        if not config.private:
+            return
+        worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
+                          budget_bytes=private_budget, noise=self.faults.noise)
+        self.private = PrivateServer(provider, worker)
+        provider.private_rate = self.private.rate
+        self.swarm.host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
+
+    async def _announce(self, nursery: trio.Nursery, provider: Provider) -> dict:
+        """Announce: the span's server and seed records, rebalancing, node.json."""
+        config, host, dht = self.config, self.swarm.host, self.swarm.dht
+        nursery.start_soon(provider.server.expire_loop)
+        await nursery.start(announce_loop, host, dht, self.key_pair, provider, config.record_ttl_s)
+        # Seed records after the serving records: py-libp2p serves at most 12
+        # inbound DHT streams per node, and a burst of both at start-up can
+        # have some ADD_PROVIDERs silently dropped.
+        nursery.start_soon(self.torrent.announce_loop)
+        if config.blocks is None:
+            nursery.start_soon(provider.rebalance_loop, self.view, self.me, config.ad_period_s)
+        state = self._write_state(provider)
+        nursery.start_soon(self._net_state_loop, provider)
+        startup_done()  # the span's weights and modules live as long as the node
+        log.info("serving blocks %s of %s as %s on %s", provider.span, provider.model.model_id[:12], self.me,
+                 ", ".join(state["addrs"]))
+        return state
+
+    async def _stopped(self) -> None:
+        (self.config.data_dir / STATE_FILE).unlink(missing_ok=True)
+        if self.private is not None:
+            with trio.CancelScope(shield=True):
+                await self.private.worker.aclose()
+
+    # -- while it runs ------------------------------------------------------------------------
 
     async def _net_state_loop(self, provider: Provider) -> None:
         """node.json follows the node's reachability, relays and relaying (tests and
@@ -314,11 +288,6 @@ class Node:
             if now != last and provider.server is not None:
                 self._write_state(provider)
                 last = now
-
-    def _check_span(self, model) -> None:
-        span = self.config.blocks
-        if model is not None and span is not None and span.end > model.num_blocks:
-            raise UsageError(f"--blocks {span} exceeds the model's {model.num_blocks} blocks")
 
     async def _fetch_span(self, span: Span) -> None:
         """Fetch the weights of `span` from the swarm's seeders if this node lacks them."""
@@ -346,74 +315,6 @@ class Node:
         log.info("fetched blocks %s: %.1f MB in %.1fs from %d seeders", span, result.bytes / 1e6,
                  result.seconds, len(result.bytes_from))
 
-    async def _self_benchmark(self, provider: Provider) -> None:
-        config, model, slowdown = self.config, provider.model, self.faults.slowdown
-        if slowdown != 1.0:  # an emulated slow node must not poison the cache
-            measure = functools.partial(measure_block_rate, model.path, threads=config.torch_threads,
-                                        slowdown=slowdown, device=self.device)
-        else:
-            measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads,
-                                        device=self.device)
-        provider.block_rate = await trio.to_thread.run_sync(measure)
-        log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
-                 model.model_id[:12])
-
-    # -- the control API (api/app.Control) ----------------------------------------------
-
-    def status(self) -> dict:
-        """The node's state and its own ledger's karma (before any failure reports
-        against it, which others hold)."""
-        status = dict(self._last_state)
-        if self.karma is not None:
-            tally = self.karma.receipts.tally()
-            status["karma"] = {"score": base_score(tally.compute_ms), "compute_ms": tally.compute_ms,
-                               "receipts": len(self.karma.receipts.ledger), "counted": tally.counted}
-        server = self.provider.server if self.provider is not None else None
-        status["tokens_served"] = server.tokens_served if server is not None else 0
-        status["sessions"] = len(server.sessions) if server is not None else 0  # open now
-        status["throughput"] = server.throughput() if server is not None else 0.0
-        status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
-        # Decode steps of several sessions computed as one forward (and how many forwards).
-        status["batched_steps"] = server.compute.batched_steps if server is not None else 0
-        status["batches"] = server.compute.batches if server is not None else 0
-        if self.provider is not None:
-            status["state"] = self.provider.state
-        status["private"] = self.private.stats() if self.private is not None else None
-        if self.traversal is not None:
-            status["net"] = self.traversal.stats()
-            status["addrs"] = self.traversal.addrs()
-        return status
-
-    def dashboard(self) -> dict:
-        """Everything the dashboard shows: this node, the swarm as its ads tell it
-        (with each peer's karma as checked in the background), downloads."""
-        summary = summarize(self.view, self.config.data_dir, self._last_state or None, now=time.time(), asked=0)
-        for peer in summary["peers"]:
-            peer["karma"] = self.karma_book.known(peer["peer_id"])
-        downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in self.fetched]
-        return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
-                "downloads": downloads + list(self.downloads.values())}
-
-    def pause(self) -> bool:
-        return self.provider is not None and self.provider.pause()
-
-    def resume(self) -> bool:
-        return self.provider is not None and self.provider.resume()
-
-    async def _karma_watch_loop(self, host, dht) -> None:
-        """Check the karma of the peers in view, for the dashboard (and `status`), and
-        tell the view who has verified karma (evidence: net/view.py). Each round checks
-        the peers with evidence and a few newcomers: every newcomer of a Sybil flood
-        would cost a DHT look-up."""
-        while True:
-            view = self.view
-            limit = view.counts()["evidenced"] + KARMA_NEWCOMERS if view.policy else MAX_PEERS
-            peers = [ad.peer_id for ad in view.ranked(time.time(), limit)]
-            await self.karma_book.refresh(host, dht, peers, timeout_s=KARMA_ROUND_S)
-            # Above a newcomer's 1.0: verified compute served, not yet outweighed by reports.
-            view.note_karma([p for p in peers if (self.karma_book.known(p) or 0.0) > 1.0], time.time())
-            await trio.sleep(KARMA_TICK_S)
-
     def _write_state(self, provider: Provider) -> dict:
         span = provider.span
         state = dict(self._state, start=span.start, end=span.end, state=provider.state, moves=provider.moves,
@@ -423,5 +324,69 @@ class Node:
         if self.traversal is not None:  # reachability and relays change while it runs
             state.update(addrs=self.traversal.addrs(), net=self.traversal.stats())
         write_state(self.config.data_dir, state)
-        self._last_state = state
+        self.last_state = state
         return state
+
+
+class NodeControl:
+    """The control API (api/app.Control) of a running node: its state, the dashboard's
+    view of the swarm, pause and resume."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def status(self) -> dict:
+        """The node's state and its own ledger's karma (before any failure reports
+        against it, which others hold)."""
+        node = self.node
+        status = dict(node.last_state)
+        if node.karma is not None:
+            tally = node.karma.receipts.tally()
+            status["karma"] = {"score": base_score(tally.compute_ms), "compute_ms": tally.compute_ms,
+                               "receipts": len(node.karma.receipts.ledger), "counted": tally.counted}
+        server = node.provider.server if node.provider is not None else None
+        status["tokens_served"] = server.tokens_served if server is not None else 0
+        status["sessions"] = len(server.sessions) if server is not None else 0  # open now
+        status["throughput"] = server.throughput() if server is not None else 0.0
+        status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
+        # Decode steps of several sessions computed as one forward (and how many forwards).
+        status["batched_steps"] = server.compute.batched_steps if server is not None else 0
+        status["batches"] = server.compute.batches if server is not None else 0
+        if node.provider is not None:
+            status["state"] = node.provider.state
+        status["private"] = node.private.stats() if node.private is not None else None
+        if node.traversal is not None:
+            status["net"] = node.traversal.stats()
+            status["addrs"] = node.traversal.addrs()
+        return status
+
+    def dashboard(self) -> dict:
+        """Everything the dashboard shows: this node, the swarm as its ads tell it
+        (with each peer's karma as checked in the background), downloads."""
+        node = self.node
+        summary = summarize(node.view, node.config.data_dir, node.last_state or None, now=time.time(), asked=0)
+        for peer in summary["peers"]:
+            peer["karma"] = node.karma_book.known(peer["peer_id"])
+        downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in node.fetched]
+        return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
+                "downloads": downloads + list(node.downloads.values())}
+
+    def pause(self) -> bool:
+        return self.node.provider is not None and self.node.provider.pause()
+
+    def resume(self) -> bool:
+        return self.node.provider is not None and self.node.provider.resume()
+
+
+async def karma_watch_loop(view: SwarmView, karma_book: KarmaBook, host, dht) -> None:
+    """Check the karma of the peers in view, for the dashboard (and `status`), and
+    tell the view who has verified karma (evidence: net/view.py). Each round checks
+    the peers with evidence and a few newcomers: every newcomer of a Sybil flood
+    would cost a DHT look-up."""
+    while True:
+        limit = view.counts()["evidenced"] + KARMA_NEWCOMERS if view.policy else MAX_PEERS
+        peers = [ad.peer_id for ad in view.ranked(time.time(), limit)]
+        await karma_book.refresh(host, dht, peers, timeout_s=KARMA_ROUND_S)
+        # Above a newcomer's 1.0: verified compute served, not yet outweighed by reports.
+        view.note_karma([p for p in peers if (karma_book.known(p) or 0.0) > 1.0], time.time())
+        await trio.sleep(KARMA_TICK_S)
