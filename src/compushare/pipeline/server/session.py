@@ -445,8 +445,6 @@ class SessionTable(SessionStates):
     def free_tokens(self) -> int:
         return self.budget_tokens - self.reserved_tokens
 
-    # -- admission ---------------------------------------------------------------------------
-
     def open(self, session_id: bytes, start: int, end: int, max_tokens: int, now: float,
              owner: str = "") -> Session:
         if session_id in self._sessions:
