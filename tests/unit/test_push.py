@@ -84,7 +84,7 @@ def test_a_push_never_changes_an_answer(make_server, lying):
                 assert await push(server, pushed, position) is None  # taken: no reply
                 assert torch.equal(await step(server, hidden, position), want)
                 position += hidden.shape[1]
-        assert (server.speculation_hits, server.speculation_misses) == ((2, 2) if lying else (len(steps), 0))
+        assert (server.push_hits, server.push_misses) == ((2, 2) if lying else (len(steps), 0))
         assert server.tokens_served == position  # counted once, not once per copy
         assert server.runner.cached_length(server.sessions.get(SESSION).cache) == position
 
@@ -114,7 +114,7 @@ def test_pushes_refused_get_an_error_and_change_nothing(make_server):
                                          "downstream": {"peer": UPSTREAM, "addrs": "x", "session": SESSION}}, OWNER)
             assert reply["code"] == "bad_request"
             assert torch.equal(await step(server, steps[0], 0), expected[0])
-        assert server.speculation_hits == server.speculation_misses == 0
+        assert server.push_hits == server.push_misses == 0
 
     trio.run(main)
 
@@ -149,7 +149,7 @@ def test_a_pushed_step_never_confirmed_lets_its_session_expire(make_server):
             await open_session(server)
             await push(server, inputs()[0], 0)
             with trio.fail_after(10):
-                while server.sessions.get(SESSION).state is not State.SPECULATED:
+                while server.sessions.get(SESSION).state is not State.PUSH_COMPUTED:
                     await trio.sleep(0.01)
         table = server.sessions
         expired = table.expire(table.get(SESSION).last_used + table.idle_timeout_s + 1)
@@ -183,7 +183,7 @@ def test_a_pushed_step_that_fails_leaves_the_consumers_step_to_compute(make_serv
                 assert torch.equal(await step(server, steps[1], 3), expected[1])
         finally:
             del runner.forward  # the fixture's runner is shared
-        assert failures and (server.speculation_hits, server.speculation_misses) == (1, 0)
+        assert failures and (server.push_hits, server.push_misses) == (1, 0)
 
     trio.run(main)
 
@@ -240,7 +240,7 @@ async def test_a_step_is_pushed_on_before_its_reply_goes_back(make_server):
 
 
 async def test_a_stalled_push_holds_a_reply_back_only_briefly(make_server):
-    from compushare.pipeline.server.speculation import PUSH_FIRST_MAX_S
+    from compushare.pipeline.server.pushed import PUSH_FIRST_MAX_S
 
     server = make_server()
     stream = PushStream(None)

@@ -75,7 +75,7 @@ def test_a_server_taking_pushes_answers_anything_or_takes_the_push(server, messa
                     assert reply["type"] in {"opened", "result", "truncated", "closed", "linked", "error"}
             finally:
                 server.sessions.close(SESSION)
-                server.speculation = None
+                server.pushed = None
 
     trio.run(drive)
 

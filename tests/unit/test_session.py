@@ -332,7 +332,7 @@ def test_the_transition_table_is_the_only_way_a_state_changes():
             assert TRANSITIONS[state, Event.CLOSE] is State.CLOSED
             assert TRANSITIONS[state, Event.RECEIPT] is state and TRANSITIONS[state, Event.LINK] is state
     assert {after for (before, _), after in TRANSITIONS.items() if before is State.CLOSED} == {State.CLOSED}
-    assert {state for state, event in TRANSITIONS if event is Event.EXPIRE} == {State.READY, State.SPECULATED}
+    assert {state for state, event in TRANSITIONS if event is Event.EXPIRE} == {State.READY, State.PUSH_COMPUTED}
 
 
 def test_a_pushed_step_confirmed_mismatched_or_discarded():
@@ -347,21 +347,21 @@ def test_a_pushed_step_confirmed_mismatched_or_discarded():
     t.link(s, "consumer", "upstream", None, pushes=True)
     t.check_pusher(s, "upstream")
     step = t.push(IDS[0], 0, 2, b"ab", "float32", now=1)
-    assert s.state is State.SPECULATING and s.step is step and s.in_step
+    assert s.state is State.COMPUTING_PUSH and s.step is step and s.in_step
     assert t.settle(s, 0, b"ab", "float32", 1, now=2) == Wait(step)
     assert t.expire(now=1e9) == []  # being computed: never expires
     t.computed(s, step, "output", "encoded", 0.5)
-    assert s.state is State.SPECULATED and s.last_used == 1  # idle since the push
+    assert s.state is State.PUSH_COMPUTED and s.last_used == 1  # idle since the push
     decision = t.settle(s, 0, b"ab", "float32", 1, now=3)
     assert decision == UsePushed(step) and decision.step.output == "output"
-    assert (s.state, s.length, s.step, t.tokens_served, t.speculation_hits) == (State.READY, 2, None, 2, 1)
+    assert (s.state, s.length, s.step, t.tokens_served, t.push_hits) == (State.READY, 2, None, 2, 1)
     assert (s.unreceipted_tokens, s.unreceipted_ms) == (2, 500.0)
     # another input, dtype or chunking: rolled back, counted as a miss, the length unchanged
     for data, dtype, chunks in [(b"xx", "float32", 1), (b"cd", "float16", 1), (b"cd", "float32", 2)]:
         t.computed(s, t.push(IDS[0], 2, 2, b"cd", "float32", now=4), None, None, 0.1)
         assert t.settle(s, 2, data, dtype, chunks, now=5) == RollBack(2)
         assert (s.state, s.length, s.step) == (State.READY, 2, None)
-    assert (t.speculation_hits, t.speculation_misses, t.tokens_served) == (1, 3, 2)
+    assert (t.push_hits, t.push_misses, t.tokens_served) == (1, 3, 2)
     # a truncate discards a computed one first (not a miss), and waits for one being computed
     pending = t.push(IDS[0], 2, 1, b"e", "float32", now=6)
     assert t.discard(s, now=6) == Wait(pending)
@@ -371,7 +371,7 @@ def test_a_pushed_step_confirmed_mismatched_or_discarded():
     t.computed(s, t.push(IDS[0], 2, 1, b"e", "float32", now=8), None, None, 0.1)
     assert code_of(t.truncate, IDS[0], 1, 8) == "out_of_order"  # not past a step waiting to be confirmed
     assert t.discard(s, now=9) == RollBack(2) and s.state is State.READY
-    assert t.truncate(IDS[0], 1, now=9).length == 1 and t.speculation_misses == 3
+    assert t.truncate(IDS[0], 1, now=9).length == 1 and t.push_misses == 3
 
 
 def test_work_begun_before_a_close_still_ends():
@@ -498,7 +498,7 @@ class CoreMachine(RuleBasedStateMachine):
         for sid in gone:
             lost = self.model.pop(sid)
             assert lost.owner != owner and held[lost.owner] > share and reclaimed[sid].reclaimed
-            if lost.state in ("stepping", "speculating"):
+            if lost.state in ("stepping", "computing_push"):
                 self.closed_in_flight.append((reclaimed[sid], reclaimed[sid].step))
         return None
 
@@ -528,11 +528,11 @@ class CoreMachine(RuleBasedStateMachine):
     def consumer_step(self, pick, tokens, offset, same, data, dtype, chunks):
         self.step_on(pick.draw(st.sampled_from(sorted(self.model))), tokens, offset, same, data, dtype, chunks)
 
-    @precondition(lambda self: any(h.state == "speculated" for h in self.model.values()))
+    @precondition(lambda self: any(h.state == "push_computed" for h in self.model.values()))
     @rule(pick=st.data(), same=st.booleans(), data=st.sampled_from(DATA), dtype=st.sampled_from(["float32", "float16"]),
           chunks=st.sampled_from([1, 1, 2]))
     def consumer_step_after_a_push(self, pick, same, data, dtype, chunks):
-        sid = pick.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "speculated")))
+        sid = pick.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "push_computed")))
         self.step_on(sid, self.model[sid].step[1], 0, same, data, dtype, chunks)
 
     def step_on(self, sid, tokens, offset, same, data, dtype, chunks):
@@ -546,10 +546,10 @@ class CoreMachine(RuleBasedStateMachine):
         before = held.length
         decision = self.table.settle(session, position, data, dtype, chunks, self.now)
         kind = type(decision).__name__ if decision is not None else None
-        if held.state == "speculating":
+        if held.state == "computing_push":
             assert kind == "Wait" and decision.step is session.step
             return
-        if held.state == "speculated":
+        if held.state == "push_computed":
             pos, n, pushed, pushed_dtype = held.step
             if (position, data, dtype, chunks) == (pos, pushed, pushed_dtype, 1):
                 assert kind == "UsePushed" and decision.step.tokens == n
@@ -604,16 +604,16 @@ class CoreMachine(RuleBasedStateMachine):
         expected = self.begin_expected(held, position, tokens)
         assert code_of(self.table.push, sid, position, tokens, data, dtype, self.now) == expected
         if expected is None:
-            held.state, held.step, held.last_used = "speculating", (position, tokens, data, dtype), self.now
+            held.state, held.step, held.last_used = "computing_push", (position, tokens, data, dtype), self.now
 
-    @precondition(lambda self: any(h.state == "speculating" for h in self.model.values()))
+    @precondition(lambda self: any(h.state == "computing_push" for h in self.model.values()))
     @rule(data=st.data(), ok=st.booleans())
     def pushed_step_ends(self, data, ok):
-        sid = data.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "speculating")))
+        sid = data.draw(st.sampled_from(sorted(s for s, h in self.model.items() if h.state == "computing_push")))
         held, session = self.model[sid], self.session(sid)
         if ok:
             self.table.computed(session, session.step, "out", "wire", 0.25)
-            held.state = "speculated"  # idle time runs from the push
+            held.state = "push_computed"  # idle time runs from the push
         else:
             self.table.failed(session, session.step, self.now)
             held.state, held.step, held.last_used = "ready", None, self.now
@@ -627,10 +627,10 @@ class CoreMachine(RuleBasedStateMachine):
             return
         session = self.session(sid)
         decision = self.table.discard(session, self.now)
-        if held.state == "speculating":
+        if held.state == "computing_push":
             assert type(decision).__name__ == "Wait"
             return
-        if held.state == "speculated":
+        if held.state == "push_computed":
             assert type(decision).__name__ == "RollBack" and decision.position == held.step[0]
             held.state, held.step, held.last_used = "ready", None, self.now
         else:
@@ -656,7 +656,7 @@ class CoreMachine(RuleBasedStateMachine):
         held = self.model.pop(sid, None)
         session = self.table.get(sid) if held is not None else None
         assert (self.table.close(sid) is session) and (session is None) == (held is None)
-        if held is not None and held.state in ("stepping", "speculating"):
+        if held is not None and held.state in ("stepping", "computing_push"):
             self.closed_in_flight.append((session, session.step))
 
     @precondition(lambda self: self.closed_in_flight)
@@ -674,7 +674,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     def expire(self):
         expected = {s for s, h in self.model.items()
-                    if h.state in ("ready", "speculated") and self.now - h.last_used > IDLE}
+                    if h.state in ("ready", "push_computed") and self.now - h.last_used > IDLE}
         assert {s.session_id for s in self.table.expire(self.now)} == expected
         for sid in expected:
             del self.model[sid]
@@ -683,7 +683,7 @@ class CoreMachine(RuleBasedStateMachine):
     def matches_model(self):
         assert len(self.table) == len(self.model)
         assert self.table.reserved_tokens == sum(reserve(h.max_tokens) for h in self.model.values()) <= BUDGET
-        assert (self.table.tokens_served, self.table.speculation_hits, self.table.speculation_misses) == (
+        assert (self.table.tokens_served, self.table.push_hits, self.table.push_misses) == (
             self.served, self.hits, self.misses)
         for sid, held in self.model.items():
             s = self.table.get(sid)

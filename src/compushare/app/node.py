@@ -348,7 +348,7 @@ class NodeControl:
         status["tokens_served"] = server.tokens_served if server is not None else 0
         status["sessions"] = len(server.sessions) if server is not None else 0  # open now
         status["throughput"] = server.throughput() if server is not None else 0.0
-        status["pushed_steps"] = server.speculation_hits if server is not None else 0  # started by a push
+        status["pushed_steps"] = server.push_hits if server is not None else 0  # started by a push
         # Decode steps of several sessions computed as one forward (and how many forwards).
         status["batched_steps"] = server.compute.batched_steps if server is not None else 0
         status["batches"] = server.compute.batches if server is not None else 0

@@ -7,7 +7,7 @@
   inference.py    InferenceServer, the thin trio driver: limits, decoded requests to the core, replies
   streams.py      an infer stream: frames in order, one reply each, idle and oversized streams closed
   compute.py      where a step's forward runs (worker thread or event loop) and the load it measures
-  speculation.py  trio glue of pushes: pushed steps computed in the background, outputs pushed on
+  pushed.py       trio glue of pushes: pushed steps computed in the background, outputs pushed on
   push.py         the outbound push streams to downstream servers (one per server, dialled lazily)
   provider.py     the node's provider: which span it serves, loading and moving between spans
   placement.py    pure: which span of blocks the swarm needs this server to hold
@@ -15,14 +15,13 @@
   private.py      /compushare/private: a peer's encrypted products, within fair shares
   private_worker.py  the HE worker process (CKKS parsing and products) and the node's handle on it
 
-Where what comes next plugs in (each a new state, event or module, not a rewrite):
-- Per-peer fair shares of KV and compute: admission stays in SessionTable.open (a share
-  per owner beside the per-peer caps); a scheduler takes the place of the direct call
-  to Compute.run in InferenceServer._run, ordering begun steps decode-first and
-  splitting a prefill's chunks (`StepRequest.sizes`) into slices the core sees as one step.
-- Direct return and speculative decoding: a consumer's rollback to a position is
-  TRUNCATE (READY only, after DISCARD); drafting several positions is a pushed step of
-  many tokens settled against the consumer's, as CONFIRM / MISMATCH do now.
+How the features sit in the core (each a state, an event or a module of its own):
+- Fair shares: admission by KV budget and per-peer shares in SessionTable.open
+  (kv_share.py); the scheduler orders begun steps decode-first and fair among peers,
+  slicing a prefill's chunks (`StepRequest.sizes`) the core still sees as one step.
+- Direct return: a pushed step (COMPUTING_PUSH, then PUSH_COMPUTED) settled against
+  the consumer's by CONFIRM or MISMATCH; a consumer's rollback for rejected drafts is
+  TRUNCATE (READY only, after DISCARD).
 - Relayed hops: a transport matter (push.py dials, streams.py serves); the core sees
   the same events whoever carried them.
 - Weight formats: SpanRunner's business (model/); the driver only swaps runners

@@ -4,7 +4,7 @@ A thin trio driver. One handler task per stream reads frames in order (a stream
 may carry several sessions); each frame is rate-limited per peer, decoded once
 (messages.py), and handed to the session core (session.py), which checks it
 against the session's state and keeps the books; the forward runs where compute.py
-puts it; pushes go through speculation.py. Bad input gets an error reply and costs
+puts it; pushes go through pushed.py. Bad input gets an error reply and costs
 nothing else: the stream stays usable, except after an oversized frame, whose
 remaining bytes cannot be skipped safely.
 """
@@ -38,7 +38,7 @@ from .compute import Compute, wire
 from .push import PushLinks
 from .receipts import check_receipt
 from .session import RollBack, Rejected, Session, SessionTable, State, Step, UsePushed, Wait
-from .speculation import Speculation
+from .pushed import PushedSteps
 from .streams import refuse_stream, serve_stream
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class InferenceServer:
                                fair=not defences.disabled("fair_compute"))
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
-        self.speculation: Speculation | None = None  # set by enable_push: this server pushes and takes pushes
+        self.pushed: PushedSteps | None = None  # set by enable_push: this server pushes and takes pushes
         # The stream handler: at most max_streams_per_peer infer streams of one peer at once.
         self.rpc_infer = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits,
                                                           ended=functools.partial(close_all, self.sessions)),
@@ -88,11 +88,11 @@ class InferenceServer:
         """Let consumers link this server's sessions to their neighbours in a chain
         (push.py); pushes and the steps they start run in `nursery`. `forge`: fault
         injection (app/debug.py), pushes differ from the signed outputs."""
-        self.speculation = Speculation(PushLinks(host, nursery), nursery, forge=forge)
+        self.pushed = PushedSteps(PushLinks(host, nursery), nursery, forge=forge)
 
     @property
     def pushes(self) -> PushLinks | None:
-        return None if self.speculation is None else self.speculation.links
+        return None if self.pushed is None else self.pushed.links
 
     def replace_runner(self, runner: SpanRunner) -> int:
         """Serve another span. Open sessions cannot follow (their caches belong to the
@@ -104,8 +104,8 @@ class InferenceServer:
     # What the node and its ads read.
     block_rate = property(lambda self: self.compute.block_rate)
     tokens_served = property(lambda self: self.sessions.tokens_served)
-    speculation_hits = property(lambda self: self.sessions.speculation_hits)  # steps a push started
-    speculation_misses = property(lambda self: self.sessions.speculation_misses)
+    push_hits = property(lambda self: self.sessions.push_hits)  # steps a push started
+    push_misses = property(lambda self: self.sessions.push_misses)
 
     def load(self, now: float | None = None) -> float:
         return self.compute.load(now)
@@ -144,9 +144,9 @@ class InferenceServer:
             case PushRequest():
                 return self._push(request, peer, table, runner)
             case LinkRequest(session=sid, upstream=upstream, downstream=downstream):
-                table.link(table.get(sid), peer, upstream, downstream, pushes=self.speculation is not None)
+                table.link(table.get(sid), peer, upstream, downstream, pushes=self.pushed is not None)
                 if downstream is not None:
-                    self.speculation.links.ensure(downstream)  # dialled in the background
+                    self.pushed.links.ensure(downstream)  # dialled in the background
                 return Linked(sid)
             case OpenRequest():
                 reply = self._open(request, peer, table, runner)
@@ -216,8 +216,8 @@ class InferenceServer:
         if session.chain is not None:
             proof = prove(self.key_pair, self.model_id, session, position + tokens - chunks[-1], chunks[-1],
                           encoded, output.shape[1], mode=runner.format_label)
-        if self.speculation is not None:
-            await self.speculation.flushed(session.downstream)  # this step's push goes first
+        if self.pushed is not None:
+            await self.pushed.flushed(session.downstream)  # this step's push goes first
         return Result(request.session, position, encoded, seconds * 1000, proof)
 
     async def _own_input(self, request: StepRequest, session: Session, table: SessionTable, runner: SpanRunner):
@@ -228,7 +228,7 @@ class InferenceServer:
         position, chunks, data, tokens = request.position, request.sizes, request.hidden.data, hidden.shape[1]
         while isinstance(decision := table.settle(session, position, data, request.hidden.dtype, len(chunks),
                                                   time.monotonic()), Wait):
-            await self.speculation.settled(session, decision.step)  # a pushed step ends first
+            await self.pushed.settled(session, decision.step)  # a pushed step ends first
         if isinstance(decision, UsePushed):  # computed (and pushed on) from the upstream server's push
             return decision.step.output, decision.step.seconds, decision.step.encoded, chunks
         if isinstance(decision, RollBack):  # pushed another input: rolled back
@@ -236,9 +236,9 @@ class InferenceServer:
         session = table.begin_step(request.session, position, tokens, time.monotonic())
         output, seconds = await self._run(runner, session, session.step, hidden, chunks)
         encoded = wire(output.to(hidden.dtype))  # reply in the request's dtype
-        if len(chunks) == 1 and self.speculation is not None:  # a replay (chunks) is not worth pushing
+        if len(chunks) == 1 and self.pushed is not None:  # a replay (chunks) is not worth pushing
             # Queued before the reply: the next hop starts before the consumer's copy arrives.
-            self.speculation.push_on(session.downstream, position, encoded)
+            self.pushed.push_on(session.downstream, position, encoded)
         table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data,
                        dtype=request.hidden.dtype)
         return output, seconds, encoded, chunks
@@ -250,14 +250,14 @@ class InferenceServer:
         `no_input`, the session unchanged) and answers with the step computed from it;
         the proof signs the pushed bytes as the input, so the consumer can check that
         they are the upstream's signed output."""
-        if self.speculation is None:
+        if self.pushed is None:
             raise Rejected(protocol.BAD_REQUEST, "this server does not take pushes")
         position, tokens = request.position, request.tokens
         if position != session.length:
             raise Rejected(protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens")
         if tokens > self.limits.max_step_tokens:
             raise Rejected(protocol.TOO_LONG, f"a step carries 1..{self.limits.max_step_tokens} tokens")
-        step = await wait_for_push(self.speculation, request, table, runner)
+        step = await wait_for_push(self.pushed, request, table, runner)
         return step.output, step.seconds, step.encoded
 
     async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanRunner) -> Session:
@@ -266,7 +266,7 @@ class InferenceServer:
         session = table.get(session_id)
         decision = table.discard(session, time.monotonic())
         if isinstance(decision, Wait):  # a pushed step is being computed: it ends first
-            await self.speculation.settled(session, decision.step)
+            await self.pushed.settled(session, decision.step)
             decision = table.discard(session, time.monotonic())
         if isinstance(decision, RollBack):
             runner.truncate(session.cache, decision.position)
@@ -281,7 +281,7 @@ class InferenceServer:
     def _push(self, request: PushRequest, peer: str, table: SessionTable, runner: SpanRunner) -> None:
         """Start computing a step from the upstream server's output; the consumer's own
         step for that position then finds it done (or computing)."""
-        if self.speculation is None:
+        if self.pushed is None:
             raise Rejected(protocol.BAD_REQUEST, "this server does not take pushes")
         session = table.get(request.session)
         table.check_pusher(session, peer)
@@ -290,13 +290,13 @@ class InferenceServer:
         session.pushed_by = peer
         behind = request.position < session.length and session.state is State.READY
         if behind and hidden.shape[1] <= PARK_MAX_TOKENS:
-            # Before the consumer's step that rolls the session back to it (speculation
-            # dropped drafts; the push can overtake that step): kept until then.
+            # Before the consumer's step that rolls the session back to it (speculative
+            # decoding dropped drafts; the push can overtake that step): kept until then.
             session.parked = request
             return
         step = table.push(request.session, request.position, hidden.shape[1], request.hidden.data,
                           request.hidden.dtype, time.monotonic())
-        self.speculation.start(table, session, step, lambda: self._run(runner, session, step, hidden, [step.tokens]),
+        self.pushed.start(table, session, step, lambda: self._run(runner, session, step, hidden, [step.tokens]),
                                hidden.dtype)
 
     async def _run(self, runner: SpanRunner, session: Session, step: Step, hidden: torch.Tensor,
@@ -312,7 +312,7 @@ class InferenceServer:
             raise
 
 
-async def wait_for_push(speculation: Speculation, request: StepRequest, table: SessionTable,
+async def wait_for_push(pushed: PushedSteps, request: StepRequest, table: SessionTable,
                         runner: SpanRunner) -> Step:
     """The pushed step for the request's position, once the session's upstream has
     pushed it; Rejected(NO_INPUT) after the request's wait_ms, or at once when that
@@ -327,13 +327,13 @@ async def wait_for_push(speculation: Speculation, request: StepRequest, table: S
         if isinstance(decision, RollBack):  # a stale push: rolled back, the right one may follow
             runner.truncate(session.cache, decision.position)
         elif isinstance(decision, Wait):
-            await speculation.settled(session, decision.step)
+            await pushed.settled(session, decision.step)
         else:
             with trio.move_on_at(min(deadline, trio.current_time() + UPSTREAM_CHECK_S)):
-                await speculation.changed()
+                await pushed.changed()
             # Gone: an upstream that pushed to this session before has no connection
             # now (one not yet connected after a relink may still be dialling).
-            gone = session.pushed_by == session.upstream and not speculation.connected(session.upstream)
+            gone = session.pushed_by == session.upstream and not pushed.connected(session.upstream)
             if gone or trio.current_time() >= deadline:  # a killed upstream is seen at once
                 why = "the upstream server's connection is gone" if gone else \
                     f"no push within {request.from_upstream.wait_ms} ms"

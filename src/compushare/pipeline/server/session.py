@@ -42,8 +42,8 @@ class InvalidTransition(RuntimeError):
 class State(enum.Enum):
     READY = "ready"  # open, no step in flight
     STEPPING = "stepping"  # a consumer's step is being computed
-    SPECULATING = "speculating"  # a step begun from the upstream server's push is being computed
-    SPECULATED = "speculated"  # that step is computed; it waits for the consumer's copy of its input
+    COMPUTING_PUSH = "computing_push"  # a step begun from the upstream server's push is being computed
+    PUSH_COMPUTED = "push_computed"  # that step is computed; it waits for the consumer's copy of its input
     CLOSED = "closed"  # closed, expired or dropped with its span; work begun before still ends here
 
 
@@ -67,7 +67,7 @@ class Event(enum.Enum):
 S, E = State, Event
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.READY, E.STEP): S.STEPPING,
-    (S.READY, E.PUSH): S.SPECULATING,
+    (S.READY, E.PUSH): S.COMPUTING_PUSH,
     (S.READY, E.TRUNCATE): S.READY,
     (S.READY, E.RECEIPT): S.READY,
     (S.READY, E.LINK): S.READY,
@@ -82,21 +82,21 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STEPPING, E.CLOSE): S.CLOSED,
     (S.STEPPING, E.RECLAIM): S.CLOSED,  # its step stops at its next piece (compute.py)
 
-    (S.SPECULATING, E.COMPUTED): S.SPECULATED,
-    (S.SPECULATING, E.FAILED): S.READY,
-    (S.SPECULATING, E.RECEIPT): S.SPECULATING,
-    (S.SPECULATING, E.LINK): S.SPECULATING,
-    (S.SPECULATING, E.CLOSE): S.CLOSED,
-    (S.SPECULATING, E.RECLAIM): S.CLOSED,
+    (S.COMPUTING_PUSH, E.COMPUTED): S.PUSH_COMPUTED,
+    (S.COMPUTING_PUSH, E.FAILED): S.READY,
+    (S.COMPUTING_PUSH, E.RECEIPT): S.COMPUTING_PUSH,
+    (S.COMPUTING_PUSH, E.LINK): S.COMPUTING_PUSH,
+    (S.COMPUTING_PUSH, E.CLOSE): S.CLOSED,
+    (S.COMPUTING_PUSH, E.RECLAIM): S.CLOSED,
 
-    (S.SPECULATED, E.CONFIRM): S.READY,
-    (S.SPECULATED, E.MISMATCH): S.READY,
-    (S.SPECULATED, E.DISCARD): S.READY,
-    (S.SPECULATED, E.RECEIPT): S.SPECULATED,
-    (S.SPECULATED, E.LINK): S.SPECULATED,
-    (S.SPECULATED, E.CLOSE): S.CLOSED,
-    (S.SPECULATED, E.EXPIRE): S.CLOSED,  # a pushed step its consumer never confirmed does not hold a session
-    (S.SPECULATED, E.RECLAIM): S.CLOSED,
+    (S.PUSH_COMPUTED, E.CONFIRM): S.READY,
+    (S.PUSH_COMPUTED, E.MISMATCH): S.READY,
+    (S.PUSH_COMPUTED, E.DISCARD): S.READY,
+    (S.PUSH_COMPUTED, E.RECEIPT): S.PUSH_COMPUTED,
+    (S.PUSH_COMPUTED, E.LINK): S.PUSH_COMPUTED,
+    (S.PUSH_COMPUTED, E.CLOSE): S.CLOSED,
+    (S.PUSH_COMPUTED, E.EXPIRE): S.CLOSED,  # a pushed step its consumer never confirmed does not hold a session
+    (S.PUSH_COMPUTED, E.RECLAIM): S.CLOSED,
 
     # Work begun before its session closed still ends (its reply still goes out).
     (S.CLOSED, E.DONE): S.CLOSED,
@@ -192,8 +192,8 @@ class SessionStates:
         self.max_step_tokens, self.idle_timeout_s = max_step_tokens, idle_timeout_s
         self._sessions: dict[bytes, Session] = {}
         self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
-        self.speculation_hits = 0  # pushed steps the consumer confirmed
-        self.speculation_misses = 0  # pushed steps rolled back for the consumer's other input
+        self.push_hits = 0  # pushed steps the consumer confirmed
+        self.push_misses = 0  # pushed steps rolled back for the consumer's other input
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -366,19 +366,19 @@ class SessionStates:
         step = _pushed_step(session)
         if step is None:
             return None
-        if session.state is State.SPECULATING:
+        if session.state is State.COMPUTING_PUSH:
             return Wait(step)
         if step.matches(position, data, dtype, chunks):
             self._fire(session, Event.CONFIRM)
             session.step = None
             session.last_used = now
-            self.speculation_hits += 1
+            self.push_hits += 1
             self._ran(session, step.tokens, step.seconds, data, dtype)
             return UsePushed(step)
         self._fire(session, Event.MISMATCH)
         session.step = None
         session.last_used = now
-        self.speculation_misses += 1
+        self.push_misses += 1
         return RollBack(step.position)
 
     def take_pushed(self, session: Session, position: int, tokens: int,
@@ -391,14 +391,14 @@ class SessionStates:
         step = _pushed_step(session)
         if step is None:
             return None
-        if session.state is State.SPECULATING:
+        if session.state is State.COMPUTING_PUSH:
             return Wait(step)
         if step.position == position and step.tokens == tokens and step.pushed is not None:
             return self.settle(session, position, step.pushed, step.dtype or "", 1, now)
         self._fire(session, Event.MISMATCH)
         session.step = None
         session.last_used = now
-        self.speculation_misses += 1
+        self.push_misses += 1
         return RollBack(step.position)
 
     def discard(self, session: Session, now: float) -> Wait | RollBack | None:
@@ -407,7 +407,7 @@ class SessionStates:
         step = _pushed_step(session)
         if step is None:
             return None
-        if session.state is State.SPECULATING:
+        if session.state is State.COMPUTING_PUSH:
             return Wait(step)
         self._fire(session, Event.DISCARD)
         session.step = None
@@ -492,8 +492,8 @@ class SessionTable(SessionStates):
 
 
 def _pushed_step(session: Session) -> Step | None:
-    """The pushed step a speculating or speculated session holds; None in any other state."""
-    if session.state not in (State.SPECULATING, State.SPECULATED):
+    """The pushed step a session computing or holding one has; None in any other state."""
+    if session.state not in (State.COMPUTING_PUSH, State.PUSH_COMPUTED):
         return None
     assert session.step is not None  # the PUSH that entered these states set it
     return session.step

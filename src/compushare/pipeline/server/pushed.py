@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 PUSH_FIRST_MAX_S = 0.01  # a reply waits this long at most for its step's push to be written
 
 
-class Speculation:
+class PushedSteps:
     def __init__(self, links: PushLinks, nursery: trio.Nursery, *, forge: bool = False) -> None:
         self.links = links
         self.nursery = nursery  # pushed steps compute here
@@ -74,7 +74,7 @@ class Speculation:
 
     async def settled(self, session: Session, step: Step) -> None:
         """Return once `step` is no longer being computed (computed, or failed)."""
-        while session.step is step and session.state is State.SPECULATING:
+        while session.step is step and session.state is State.COMPUTING_PUSH:
             await self._changed.wait()
 
     def push_on(self, downstream: Downstream | None, position: int, encoded: WireTensor) -> None:
