@@ -25,8 +25,8 @@ from compushare.net.records import ServerRecord
 from compushare.pipeline.client import chain_rebuild
 from compushare.pipeline.client.chain_core import ChainCore
 from compushare.pipeline.client.chain_events import (
-    EFFECTS, REQUESTS, Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, Link,
-    OpenSession, Opened, Penalise, Reply, RouteFound, SendReceipt, SendSteps, StepRequest, VerifierFound,
+    EFFECTS, REQUESTS, Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, HopReply,
+    HopStepRequest, Link, OpenSession, Penalise, RouteFound, SendReceipt, SendSteps, SessionOpened, VerifierFound,
 )
 from compushare.pipeline.client.chain_plan import catch_up_plan, group_steps, replay_plan
 from compushare.pipeline.client.routing import Hop
@@ -91,8 +91,8 @@ class Swarm:
     def __init__(self, rng: random.Random, servers: list[Server]) -> None:
         self.rng = rng
         self.servers = {s.peer_id: s for s in servers}
-        self.caches: dict = {}  # Session -> Cache
-        self.fail_next: dict = {}  # Session -> error code for its next request
+        self.caches: dict = {}  # HopSession -> Cache
+        self.fail_next: dict = {}  # HopSession -> error code for its next request
         self.open_failures = 0  # the next this many opens fail
         self.replay_failure: int | None = None  # the next replay fails after this many requests
         self.penalties: list[Penalise] = []
@@ -132,7 +132,7 @@ class Swarm:
                 self.open_failures = max(0, self.open_failures - 1)
                 return Failed(HopUnavailable(server.peer_id, "busy", "no room"))
             self.caches[request.session] = Cache(*request.session.span)
-            return Opened()
+            return SessionOpened()
         if isinstance(request, SendSteps):
             return self.send(request)
         if isinstance(request, FindRoute):
@@ -167,7 +167,7 @@ class Swarm:
             assert sum(step.chunks) == len(values)
             chunks = [[v * (1 + server.liar) for v in c] for c in cache.run(values, step.chunks, step.last_only)]
             output = tensor([v for c in chunks for v in c])
-            replies.append(Reply(output))
+            replies.append(HopReply(output))
             if not step.last_only:
                 parts.extend(tensor(c) for c in chunks)
         return Answered(tuple(replies), tuple(parts))
@@ -191,7 +191,7 @@ def test_group_steps_packs_up_to_the_limit_and_a_long_step_alone():
 def test_replay_plan_keeps_each_step_a_chunk_from_position_zero():
     steps = ["s0", "s1", "s2", "s3"]
     plan = replay_plan(steps, [5, 1, 1, 1], limit=6)
-    assert plan == (StepRequest(0, ("s0", "s1"), (5, 1)), StepRequest(6, ("s2", "s3"), (1, 1)))
+    assert plan == (HopStepRequest(0, ("s0", "s1"), (5, 1)), HopStepRequest(6, ("s2", "s3"), (1, 1)))
     assert replay_plan([], []) == ()
 
 
@@ -199,12 +199,12 @@ def test_catch_up_plan_batches_the_missed_steps_and_ends_with_this_one():
     seen = ["s0", "s1", "s2", "s3"]
     # fed 1 of 4 steps (sizes 5, 1, 1, 1): from position 5, the missed steps then this one
     assert catch_up_plan(seen, [5, 1, 1, 1], 1, "now", 2) == (
-        StepRequest(5, ("s1", "s2", "s3", "now"), (3, 2), last_only=True),)
+        HopStepRequest(5, ("s1", "s2", "s3", "now"), (3, 2), last_only=True),)
     # a small limit: the first groups whole, the last one split off
     assert catch_up_plan(seen, [5, 1, 1, 1], 1, "now", 2, limit=2) == (
-        StepRequest(5, ("s1", "s2"), (2,), last_only=True), StepRequest(7, ("s3",), (1,), last_only=True),
-        StepRequest(8, ("now",), (2,), last_only=True))
-    assert catch_up_plan(seen, [5, 1, 1, 1], 4, "now", 1) == (StepRequest(8, ("now",), (1,), last_only=True),)
+        HopStepRequest(5, ("s1", "s2"), (2,), last_only=True), HopStepRequest(7, ("s3",), (1,), last_only=True),
+        HopStepRequest(8, ("now",), (2,), last_only=True))
+    assert catch_up_plan(seen, [5, 1, 1, 1], 4, "now", 1) == (HopStepRequest(8, ("now",), (1,), last_only=True),)
 
 
 # -- the core, event by event ----------------------------------------------------------
@@ -222,13 +222,13 @@ def opened_core(hops: list[Hop], **options) -> ChainCore:
                      clock=lambda: 1000.0, **options)
     actions = core.open(hops)
     assert [a.session.hop for a in actions if isinstance(a, OpenSession)] == hops
-    assert requests_of(core.feed([Opened()] * len(hops))) == []
+    assert requests_of(core.feed([SessionOpened()] * len(hops))) == []
     assert core.idle and [s.hop for s in core.hops] == hops
     return core
 
 
 def answer(*outputs, parts=None) -> Answered:
-    return Answered(tuple(Reply(o) for o in outputs), tuple(parts if parts is not None else outputs))
+    return Answered(tuple(HopReply(o) for o in outputs), tuple(parts if parts is not None else outputs))
 
 
 def run_step(core: ChainCore, hidden, outputs: list) -> list:
@@ -274,15 +274,15 @@ def test_a_failed_hop_is_replaced_by_a_split_route_with_its_history_replayed():
     # c covers 2:3, d 3:4: each is opened and replayed in turn
     actions = core.feed([RouteFound((make_hop("c", 2, 3), make_hop("d", 3, 4)))])
     [open_c] = requests_of(actions)
-    actions = core.feed([Opened()])
+    actions = core.feed([SessionOpened()])
     assert effects_of(actions) == [Forgive("c")]
     [replay] = requests_of(actions)
     assert replay.session is open_c.session
-    assert replay.requests == (StepRequest(0, (mids[0], mids[1]), (2, 1)), StepRequest(3, (mids[2],), (1,)))
+    assert replay.requests == (HopStepRequest(0, (mids[0], mids[1]), (2, 1)), HopStepRequest(3, (mids[2],), (1,)))
     c_out = [tensor([7.0, 7.0]), tensor([8.0]), tensor([9.0])]
     actions = core.feed([answer(torch.cat(c_out[:2], 1), c_out[2], parts=c_out)])
     [open_d] = requests_of(actions)
-    [replay] = requests_of(core.feed([Opened()]))
+    [replay] = requests_of(core.feed([SessionOpened()]))
     assert replay.session is open_d.session and replay.requests[0].inputs == (c_out[0], c_out[1])
     final = [tensor([1.5, 1.5]), tensor([2.5]), tensor([3.5])]
     actions = core.feed([answer(torch.cat(final[:2], 1), final[2], parts=final)])
@@ -299,7 +299,7 @@ def test_a_replacement_failing_mid_replay_is_dropped_and_the_rest_replanned():
     core.start_step(tensor([3.0]), 1)
     core.feed([Failed(HopFailed("a", "closed", "gone"))])
     core.feed([RouteFound((make_hop("c", 0, 4),))])
-    actions = core.feed([Opened()])
+    actions = core.feed([SessionOpened()])
     [replay] = requests_of(actions)
     actions = core.feed([Failed(HopFailed("c", "timeout", "slow"), answered=0)])
     assert effects_of(actions) == [Penalise("c", "fault"), Abort(replay.session)]
@@ -311,11 +311,11 @@ def test_a_hop_that_cannot_be_opened_is_rebuilt_with_an_empty_history():
     hops = [make_hop("a", 0, 2), make_hop("b", 2, 4)]
     core = ChainCore(can_fail_over=True, push=False)
     core.open(hops)
-    actions = core.feed([Opened(), Failed(HopUnavailable("b", "busy", "full"))])
+    actions = core.feed([SessionOpened(), Failed(HopUnavailable("b", "busy", "full"))])
     assert effects_of(actions) == [Forgive("a"), Penalise("b", "fault")]
     assert requests_of(actions) == [FindRoute(2, 4, fresh=True)]
     core.feed([RouteFound((make_hop("c", 2, 4),))])
-    assert requests_of(core.feed([Opened()])) == [] and core.idle  # nothing to replay
+    assert requests_of(core.feed([SessionOpened()])) == [] and core.idle  # nothing to replay
     assert [s.peer_id for s in core.hops] == ["a", "c"]
 
 
@@ -352,7 +352,7 @@ def checked_step(core: ChainCore, primary, check, arbiter):
     actions = core.start_step(tensor([0.0, 0.0]), 2)
     assert requests_of(actions) == [FindVerifier(0, 4, frozenset({"a"}))]
     [opening] = requests_of(core.feed([VerifierFound(make_hop("v", 0, 4))]))
-    [step, check_request] = requests_of(core.feed([Opened()]))
+    [step, check_request] = requests_of(core.feed([SessionOpened()]))
     assert check_request.session is opening.session and check_request.requests[-1].last_only
     actions = core.feed([answer(primary), answer(check)])
     if not requests_of(actions) or not isinstance(requests_of(actions)[0], FindVerifier):
@@ -361,7 +361,7 @@ def checked_step(core: ChainCore, primary, check, arbiter):
     if arbiter is None:
         return core.feed([VerifierFound(None)])
     [opened] = requests_of(core.feed([VerifierFound(make_hop("w", 0, 4))]))
-    [third] = requests_of(core.feed([Opened()]))
+    [third] = requests_of(core.feed([SessionOpened()]))
     assert third.session is opened.session and third.requests[0].position == 0  # the whole history
     return core.feed([answer(arbiter)])
 
@@ -407,7 +407,7 @@ def test_a_verifier_is_caught_up_on_the_steps_it_missed():
     assert check.session is verifier.session
     # from position 2 (it saw the first step, 2 tokens): the two missed steps as one
     # chunk, this one as the last, only its output returned
-    assert check.requests == (StepRequest(2, (missed[0], missed[1], now), (2, 1), last_only=True),)
+    assert check.requests == (HopStepRequest(2, (missed[0], missed[1], now), (2, 1), last_only=True),)
     core.feed([answer(tensor([6.0])), answer(tensor([6.0]))])
     assert verifier.fed == 4 and core.checks == 2 and core.idle
 

@@ -15,8 +15,8 @@ from compushare.errors import HopFailed
 from compushare.net.records import ServerRecord
 from compushare.pipeline.client.chain_core import ChainCore
 from compushare.pipeline.client.chain_events import (
-    EFFECTS, REQUESTS, Answered, Close, Done, Failed, FindRoute, FindVerifier, Link, OpenSession, Opened, Reply,
-    RouteFound, SendSteps, StepRequest, VerifierFound,
+    EFFECTS, REQUESTS, Answered, Close, Done, Failed, FindRoute, FindVerifier, HopReply, HopStepRequest, Link,
+    OpenSession, RouteFound, SendSteps, SessionOpened, VerifierFound,
 )
 from compushare.pipeline.client.chain_plan import Verifier, replay_plan
 from compushare.pipeline.client.routing import Hop
@@ -55,14 +55,14 @@ def reply(index: int, position: int, inp: torch.Tensor, out: torch.Tensor, *, se
     out_digest = signed_output if signed_output is not None else digest(out)
     statement = Statement(DEFAULT_MODE, MODEL, start, end, position, tokens, GENESIS, in_digest, out_digest)
     proof = Proof(position, tokens, DEFAULT_MODE, GENESIS, in_digest, out_digest, statement.sign(KEYS[index]))
-    return Answered((Reply(out, data(out), "float32", proof, digest(inp) if sent else b""),), (out,))
+    return Answered((HopReply(out, data(out), "float32", proof, digest(inp) if sent else b""),), (out,))
 
 
 def linked_core(**options) -> ChainCore:
     core = ChainCore(can_fail_over=True, push=True, direct=True, model_id=MODEL, direct_max_tokens=64,
                      clock=lambda: 1000.0, **options)
     core.open([hop(i) for i in range(3)])
-    core.feed([Opened()] * 3)
+    core.feed([SessionOpened()] * 3)
     return core
 
 
@@ -85,8 +85,8 @@ def test_a_direct_step_is_one_batch_and_its_linked_proofs_are_taken():
     y, z, w = x + 1, x + 2, x + 3
     batch = start_direct(core, x)
     first, second, third = (r.requests[0] for r in batch)
-    assert first == StepRequest(0, (x,), (2,))
-    assert second == third == StepRequest(0, (), (2,), from_upstream=True)
+    assert first == HopStepRequest(0, (x,), (2,))
+    assert second == third == HopStepRequest(0, (), (2,), from_upstream=True)
     actions = core.feed([reply(0, 0, x, y, sent=True), reply(1, 0, y, z), reply(2, 0, z, w)])
     assert requests_of(actions) == [] and core.idle
     assert core.output is not None and torch.equal(core.output, w) and core.position == 2
@@ -109,9 +109,9 @@ def test_a_server_whose_signed_input_is_not_the_previous_signed_output_breaks_th
     assert core.chain_breaks == 1
     [relay] = requests_of(actions)
     b, c = core.hops[1], core.hops[2]
-    assert relay.session is b and relay.requests[0] == StepRequest(0, (y,), (1,), rollback=True)
+    assert relay.session is b and relay.requests[0] == HopStepRequest(0, (y,), (1,), rollback=True)
     [relay] = requests_of(core.feed([reply(1, 0, y, z, sent=True)]))
-    assert relay.session is c and relay.requests[0] == StepRequest(0, (z,), (1,), rollback=True)
+    assert relay.session is c and relay.requests[0] == HopStepRequest(0, (z,), (1,), rollback=True)
     core.feed([reply(2, 0, z, w, sent=True)])
     assert core.idle and torch.equal(core.output, w) and not core.rollback
     # the next step goes hop by hop
@@ -138,7 +138,7 @@ def test_a_hop_without_its_push_is_relayed_and_a_dead_one_failed_over():
     no_input = Failed(HopFailed(PEERS[1], "no_input", "no push"))
     actions = core.feed([reply(0, 0, x, y, sent=True), no_input, no_input])
     [relay] = requests_of(actions)
-    assert relay.session is core.hops[1] and relay.requests[0] == StepRequest(0, (y,), (1,))
+    assert relay.session is core.hops[1] and relay.requests[0] == HopStepRequest(0, (y,), (1,))
     [relay] = requests_of(core.feed([reply(1, 0, y, z, sent=True)]))
     assert relay.session is core.hops[2] and not relay.requests[0].rollback  # its cache never moved
 
@@ -152,10 +152,10 @@ def test_a_hop_without_its_push_is_relayed_and_a_dead_one_failed_over():
     actions = core.feed([RouteFound((hop(3, (1, 3)),))])
     [opening] = requests_of(actions)
     assert isinstance(opening, OpenSession)
-    [replay] = requests_of(core.feed([Opened()]))
-    assert replay.requests == (StepRequest(0, (y,), (1,)),)
-    [relay] = requests_of(core.feed([Answered((Reply(z),), (z,))]))
-    assert relay.session is c and relay.requests[0] == StepRequest(0, (z,), (1,), rollback=True)
+    [replay] = requests_of(core.feed([SessionOpened()]))
+    assert replay.requests == (HopStepRequest(0, (y,), (1,)),)
+    [relay] = requests_of(core.feed([Answered((HopReply(z),), (z,))]))
+    assert relay.session is c and relay.requests[0] == HopStepRequest(0, (z,), (1,), rollback=True)
     core.feed([reply(2, 0, z, z + 3, sent=True)])
     assert core.idle and torch.equal(core.output, z + 3) and core.failovers[0].peer_id == PEERS[1]
 
@@ -178,11 +178,11 @@ def test_a_refused_link_keeps_the_chain_hop_by_hop():
 def test_rewind_cuts_the_history_and_every_session_back():
     core = ChainCore(can_fail_over=True, push=False, clock=lambda: 1000.0)
     core.open([hop(0, (0, 4))])
-    core.feed([Opened()])
+    core.feed([SessionOpened()])
     steps = [tensor([1.0, 2.0, 3.0]), tensor([4.0]), tensor([5.0, 6.0, 7.0, 8.0])]
     for x in steps:
         core.start_step(x, x.shape[1])
-        core.feed([Answered((Reply(x),), (x,))])
+        core.feed([Answered((HopReply(x),), (x,))])
     session = core.hops[0]
     core.verifiers[(0, 4)] = Verifier(session=type(session)(hop(1, (0, 4))), fed=3)
     actions = core.rewind(5)  # keeps 1 of the last step's 4 tokens
@@ -196,8 +196,8 @@ def test_rewind_cuts_the_history_and_every_session_back():
     actions = core.rewind(3)  # whole steps dropped
     assert core.history.sizes == core.history.computed == [3] and len(core.history.at(0)) == 1
     [request] = requests_of(core.start_step(tensor([9.0]), 1))
-    assert request.requests[0] == StepRequest(3, (tensor([9.0]),), (1,), rollback=True)
-    core.feed([Answered((Reply(tensor([9.0])),), (tensor([9.0]),))])
+    assert request.requests[0] == HopStepRequest(3, (tensor([9.0]),), (1,), rollback=True)
+    core.feed([Answered((HopReply(tensor([9.0])),), (tensor([9.0]),))])
     assert not core.rollback and core.position == 4
     np.testing.assert_array_equal(core.output.numpy(), tensor([9.0]).numpy())
 
@@ -208,10 +208,10 @@ def test_a_replay_computes_cut_steps_as_they_were_then_rolls_back():
     kept position first; the same for a standby's feed from a later step."""
     a, b, c = tensor([1.0] * 3), tensor([2.0] * 4), tensor([3.0])
     plan = replay_plan([a, b, c], [3, 2, 1], computed=[3, 4, 1])
-    assert plan == (StepRequest(0, (a, b), (3, 4)), StepRequest(5, (c,), (1,), rollback=True))
+    assert plan == (HopStepRequest(0, (a, b), (3, 4)), HopStepRequest(5, (c,), (1,), rollback=True))
     assert replay_plan([b, c], [2, 1], computed=[4, 1], position=3, rollback=True, last_only=True) == (
-        StepRequest(3, (b,), (4,), last_only=True, rollback=True),
-        StepRequest(5, (c,), (1,), last_only=True, rollback=True))
+        HopStepRequest(3, (b,), (4,), last_only=True, rollback=True),
+        HopStepRequest(5, (c,), (1,), last_only=True, rollback=True))
 
 
 def test_a_standby_is_fed_each_step_beside_the_hop_and_dropped_when_it_fails():
@@ -220,21 +220,21 @@ def test_a_standby_is_fed_each_step_beside_the_hop_and_dropped_when_it_fails():
     fails is dropped, and the failover replays on a replacement."""
     core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
     core.open([hop(0, (0, 4))])
-    core.feed([Opened()])
+    core.feed([SessionOpened()])
     x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0]), tensor([4.0])
     actions = core.start_step(x1, 2)
     [find] = requests_of(actions)
     assert isinstance(find, FindVerifier) and find.exclude == frozenset({PEERS[0]})
     [opening] = requests_of(core.feed([VerifierFound(hop(1, (0, 4)))]))
     standby = opening.session
-    step, feed = requests_of(core.feed([Opened()]))
+    step, feed = requests_of(core.feed([SessionOpened()]))
     assert step.session is core.hops[0] and feed.session is standby
-    assert feed.requests == (StepRequest(0, (x1,), (2,), last_only=True, rollback=True),)
-    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    assert feed.requests == (HopStepRequest(0, (x1,), (2,), last_only=True, rollback=True),)
+    core.feed([Answered((HopReply(x1 + 1),), (x1 + 1,)), Answered((HopReply(x1[:, -1:]),), ())])
     assert core.standbys[(0, 4)].fed == 1
     step, feed = requests_of(core.start_step(x2, 1))
-    assert feed.requests == (StepRequest(2, (x2,), (1,), last_only=True, rollback=True),)
-    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x2 + 1),), ())])
+    assert feed.requests == (HopStepRequest(2, (x2,), (1,), last_only=True, rollback=True),)
+    core.feed([Answered((HopReply(x2 + 1),), (x2 + 1,)), Answered((HopReply(x2 + 1),), ())])
     core.start_step(x3, 1)  # the hop dies, and the standby's feed fails too
     actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")),
                          Failed(HopFailed(PEERS[1], "timeout", "slow"))])
@@ -247,21 +247,21 @@ def test_a_standby_that_kept_up_takes_over():
     back to the step's position and computes it again, the only request."""
     core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
     core.open([hop(0, (0, 4))])
-    core.feed([Opened()])
+    core.feed([SessionOpened()])
     x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0]), tensor([4.0])
     core.start_step(x1, 2)
     core.feed([VerifierFound(hop(1, (0, 4)))])
-    core.feed([Opened()])
-    core.feed([Answered((Reply(x1 + 1),), (x1 + 1,)), Answered((Reply(x1[:, -1:]),), ())])
+    core.feed([SessionOpened()])
+    core.feed([Answered((HopReply(x1 + 1),), (x1 + 1,)), Answered((HopReply(x1[:, -1:]),), ())])
     core.start_step(x2, 1)
-    core.feed([Answered((Reply(x2 + 1),), (x2 + 1,)), Answered((Reply(x2 + 1),), ())])
+    core.feed([Answered((HopReply(x2 + 1),), (x2 + 1,)), Answered((HopReply(x2 + 1),), ())])
     standby = core.standbys[(0, 4)].session
     core.start_step(x3, 1)
-    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")), Answered((Reply(x3 + 1),), ())])
+    actions = core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")), Answered((HopReply(x3 + 1),), ())])
     [takeover] = requests_of(actions)
     assert takeover.session is standby
-    assert takeover.requests == (StepRequest(3, (x3,), (1,), rollback=True),)
-    core.feed([Answered((Reply(x3 + 1),), (x3 + 1,))])
+    assert takeover.requests == (HopStepRequest(3, (x3,), (1,), rollback=True),)
+    core.feed([Answered((HopReply(x3 + 1),), (x3 + 1,))])
     assert core.idle and core.hops == [standby] and core.standby_takeovers == 1
     assert torch.equal(core.output, x3 + 1) and core.failovers[0].replacements == (PEERS[1],)
     assert core.history.sizes == [2, 1, 1]
@@ -278,6 +278,6 @@ def test_a_proof_in_another_compute_mode_does_not_link():
     assert proof_links(honest, digest(x), MODEL, hop(0), 0, 1, DEFAULT_MODE) is None
     assert "compute mode 'fp32', not the model's 'int8'" in proof_links(honest, digest(x), MODEL, hop(0), 0, 1, "int8")
     statement = Statement("int8", MODEL, 0, 1, 0, 1, GENESIS, digest(x), digest(out))
-    lax = Reply(out, data(out), "float32", Proof(0, 1, "int8", GENESIS, digest(x), digest(out),
+    lax = HopReply(out, data(out), "float32", Proof(0, 1, "int8", GENESIS, digest(x), digest(out),
                                                  statement.sign(KEYS[0])), b"")
     assert "not the model's 'fp32'" in proof_links(lax, digest(x), MODEL, hop(0), 0, 1, DEFAULT_MODE)

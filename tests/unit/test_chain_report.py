@@ -12,7 +12,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from compushare.net.records import ServerRecord
-from compushare.pipeline.client.chain_events import FileReport, Reply, Session
+from compushare.pipeline.client.chain_events import FileReport, HopReply, HopSession
 from compushare.pipeline.client.chain_plan import build_report
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.messages import Proof
@@ -26,11 +26,11 @@ INPUT = hashlib.sha256(b"every input of the session").digest()
 TRUE = np.random.default_rng(1).standard_normal(8).astype(np.float32)
 
 
-def session(index: int) -> Session:
-    return Session(Hop(ServerRecord(PEERS[index], MODEL, START, END, "float32", (), math.inf, 0), START, END))
+def session(index: int) -> HopSession:
+    return HopSession(Hop(ServerRecord(PEERS[index], MODEL, START, END, "float32", (), math.inf, 0), START, END))
 
 
-def reply(index: int, output: np.ndarray, *, input_digest: bytes = INPUT, signed: bool = True) -> Reply:
+def reply(index: int, output: np.ndarray, *, input_digest: bytes = INPUT, signed: bool = True) -> HopReply:
     data = output.astype("<f4").tobytes()
     proof = None
     if signed:
@@ -38,10 +38,10 @@ def reply(index: int, output: np.ndarray, *, input_digest: bytes = INPUT, signed
                              tokens=TOKENS, input_digest=input_digest)
         proof = Proof(POSITION, TOKENS, DEFAULT_MODE, GENESIS, input_digest, step_digest("float32", data, TOKENS),
                       claim.signature)
-    return Reply(output, data, "float32", proof)
+    return HopReply(output, data, "float32", proof)
 
 
-def filed(accused: Reply, witness: Reply) -> FileReport:
+def filed(accused: HopReply, witness: HopReply) -> FileReport:
     return FileReport(session(0), session(1), POSITION, TOKENS, accused, witness)
 
 

@@ -1,12 +1,13 @@
 """compushare.pipeline.client: the consumer's side of /compushare/infer.
 
   chain.py          InferenceChain, open_chain: the trio driver performing the core's actions
-  chain_core.py     ChainCore: the chain's pure state machine (open, steps, failover); its summary
-  chain_machine.py  the core's state and request/answer plumbing (pure)
-  chain_rebuild.py  replacements for a failed span: plan, open, replay (pure)
+  chain_core.py     ChainCore: the chain's pure state machine, its (phase, event kind) table; its summary
+  chain_steps.py    a step hop by hop: links, each hop's request and answer, receipts (pure)
+  chain_direct.py   direct steps: every hop at once, answers taken while proofs link (pure)
+  chain_rebuild.py  opening a route; failover: a standby takes over, or plan, open, replay (pure)
   chain_checks.py   spot checks, third opinions, blame (pure)
   chain_standby.py  standby replicas: a second session per span, fed every step (pure)
-  chain_events.py   the actions the core emits and the events it is fed (pure data)
+  chain_events.py   the actions the core emits, the events it is fed, its phases (pure data)
   chain_plan.py     History, replay and catch-up plans, judge, failure reports (pure)
   hop.py            RemoteHop, open_hop: one session's stream, deadlines, retries, receipts
   routing.py        plan_route: the fastest chain of servers through the blocks (pure)

@@ -32,8 +32,8 @@ from ...proofs import DEFAULT_MODE, FailureReport
 from .. import protocol
 from .chain_core import ChainCore
 from .chain_events import (
-    Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, Link, OpenSession, Opened,
-    Penalise, Reply, RouteFound, SendReceipt, SendSteps, Session, VerifierFound,
+    Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, HopReply, HopSession, Link,
+    OpenSession, Penalise, RouteFound, SendReceipt, SendSteps, SessionOpened, VerifierFound,
 )
 from .chain_plan import Failover, History, build_report, judge
 from .hop import RECEIPT_TIMEOUT_S, RemoteHop, StepResult, open_hop
@@ -85,9 +85,9 @@ class InferenceChain:
                               standby=standby,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
-        self._remotes: dict[Session, RemoteHop] = {}
+        self._remotes: dict[HopSession, RemoteHop] = {}
         self._deadline = 0.0  # trio time: the current failover's
-        self._answered: dict[Session, trio.Event] = {}
+        self._answered: dict[HopSession, trio.Event] = {}
 
     @property
     def hops(self) -> list[RemoteHop]:
@@ -194,7 +194,7 @@ class InferenceChain:
                                                                 self.max_tokens, self.hidden_size, fmt=self.fmt)
             except HopFailed as exc:
                 return Failed(exc)
-            return Opened()
+            return SessionOpened()
         if isinstance(request, FindRoute):
             if request.fresh:
                 self._deadline = trio.current_time() + FAILOVER_TIMEOUT_S
@@ -212,7 +212,7 @@ class InferenceChain:
     async def _send(self, request: SendSteps) -> Answered | Failed:
         """The requests one after another on one session; a failure ends them."""
         remote = self._remotes[request.session]
-        replies: list[Reply] = []
+        replies: list[HopReply] = []
         parts: list[torch.Tensor] = []
         for step in request.requests:
             try:
@@ -231,7 +231,7 @@ class InferenceChain:
                                                last_only=step.last_only, rollback=step.rollback)
             except HopFailed as exc:
                 return Failed(exc, answered=len(replies))
-            replies.append(Reply(result.output, result.data, result.dtype, result.proof, result.input_digest))
+            replies.append(HopReply(result.output, result.data, result.dtype, result.proof, result.input_digest))
             if not step.last_only:
                 parts.extend(torch.split(result.output, list(step.chunks), dim=1))
         if request.session in self._answered:  # a direct step's next hop has its own deadline from now
@@ -239,11 +239,11 @@ class InferenceChain:
         return Answered(tuple(replies), tuple(parts))
 
 
-    def _upstream_of(self, session: Session) -> Session | None:
+    def _upstream_of(self, session: HopSession) -> HopSession | None:
         index = self.core.hops.index(session)
         return self.core.hops[index - 1] if index > 0 else None
 
-    def _upstream_wait(self, session: Session, tokens: int) -> float:
+    def _upstream_wait(self, session: HopSession, tokens: int) -> float:
         """How long a hop's server waits for its upstream's push: the deadlines of
         every hop before it (a hop that misses its own is failed over anyway)."""
         index = self.core.hops.index(session)

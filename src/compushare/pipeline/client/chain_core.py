@@ -1,39 +1,46 @@
 """The consumer's chain of sessions, sans I/O: a state machine that says which
 requests to send and what to make of their answers (chain.py does the sending).
 
-State (chain_machine.Machine, which ChainCore extends):
-  hops        the route: one Session per hop, in block order (each knows its Hop span)
+State (ChainCore):
+  hops        the route: one HopSession per hop, in block order (each knows its Hop span)
   position    tokens every hop's session holds
   history     every step's input at every block boundary, and the steps' sizes
   verifiers   per span, the session recomputing its sampled steps and how many
               steps it has seen (`fed`); schedules: per span, which steps are checked
+  standbys    per span, a session fed every step (chain_standby.py)
   failovers, checks, retired (sessions given up, aborted again at close)
 
 Operations: `open(route)` and `start_step(payload, tokens)` begin one; `feed(events)`
 answers the requests of the last batch of actions (chain_events.py) and returns the
 next batch; the operation is over when a batch holds no request (`idle`, and
-`output` holds a step's result). Transitions (phase names in brackets):
+`output` holds a step's result). A batch of requests waits in a `Phase`; the
+TRANSITIONS table below names, per phase and kind of answer, the handler taking
+the answers and the operation's state (a small dataclass); any other answer raises
+UnexpectedEvents. Transitions (phases in brackets):
 
-  open:  [opening] OpenSession for every hop at once → a hop that failed is penalised
+  open:  [OPENING] OpenSession for every hop at once → a hop that failed is penalised
          and rebuilt in place with an empty history (rebuild, below) → idle
-  step:  [linking] Link the hops whose neighbours changed (push on) → for each hop:
-         sampled for a check? → [finding a verifier] FindVerifier → [opening a
-         verifier] OpenSession (failed: penalised, no check) → [stepping] SendSteps on
-         the hop (position, one chunk), with a check also on the verifier at once (its
+  step:  standbys looked for ([FINDING_STANDBYS], [OPENING_STANDBYS]) → [LINKING] Link
+         the hops whose neighbours changed (push on) → for each hop: sampled for a
+         check? → [FINDING_VERIFIER] FindVerifier → [OPENING_VERIFIER] OpenSession
+         (failed: penalised, no check) → [STEPPING] SendSteps on the hop (position, one
+         chunk), [STEPPING_CHECKED] with a check also on the verifier at once (its
          missed steps batched, last_only) → answers within the tolerance: the hop is
          done, its input kept in the history; a failed verifier is dropped (no check);
-         a disagreement → [finding/opening an arbiter] → [arbitrating] SendSteps of the
-         whole history on a third session, then Close → judge → FileReport against the
-         blamed one, Penalise "mismatch"; the verifier blamed: it is dropped and the
-         hop is done; the hop blamed ("primary" or "both"): fail over. The hop failed
-         (any code): fail over. After the last hop: position += tokens, then
-         [receipts] SendReceipt to every live session answered RECEIPT_STEPS times
+         a disagreement → [FINDING_ARBITER] → [OPENING_ARBITER] → [ARBITRATING]
+         SendSteps of the whole history on a third session, then Close → judge →
+         FileReport against the blamed one, Penalise "mismatch"; the verifier blamed:
+         it is dropped and the hop is done; the hop blamed ("primary" or "both"):
+         fail over. The hop failed (any code): fail over. [STEPPING_DIRECTLY]: every
+         hop at once (chain_direct.py). After the last hop: position += tokens, then
+         [RECEIPTS] SendReceipt to every live session answered RECEIPT_STEPS times
          since its last one → idle.
-  fail over: Failover recorded, Penalise (fault, or mismatch), Abort the hop → rebuild
-         its span with its history plus this step's input → the new hops replace it,
+  fail over: Failover recorded, Penalise (fault, or mismatch), Abort the hop → its
+         standby, if any, [TAKING_OVER] with the steps it missed; else rebuild its
+         span with its history plus this step's input → the new hops replace it,
          the last one's output goes on to the next hop.
-  rebuild: [replanning] FindRoute(position, end) → per hop of the route: [opening a
-         replacement] OpenSession → [replaying] SendSteps of replay_plan (the history
+  rebuild: [REPLANNING] FindRoute(position, end) → per hop of the route: [OPENING_
+         REPLACEMENT] OpenSession → [REPLAYING] SendSteps of replay_plan (the history
          from position 0, each step a chunk of its original size, at most
          REPLAY_MAX_TOKENS per request) → its outputs are the next hop's steps and,
          inside the span, a new boundary's history. An open or replay that fails:
@@ -42,56 +49,124 @@ next batch; the operation is over when a batch holds no request (`idle`, and
 A chain without a planner (`can_fail_over=False`) raises the first HopFailed instead
 of failing over and runs no spot checks.
 
-Where the transitions are: open, steps and failover here; rebuild in
-chain_rebuild.py; spot checks, arbitration and blame in chain_checks.py; the plans
-(replay, catch-up) and `judge` in chain_plan.py. Each transition either ends with
-requests pending (`_request` names the method that takes their answers) or idle.
+Where the transitions are: a step hop by hop in chain_steps.py; direct steps in
+chain_direct.py; opening, failover and rebuild in chain_rebuild.py; spot checks,
+arbitration and blame in chain_checks.py; standbys in chain_standby.py; the plans
+(replay, catch-up) and `judge` in chain_plan.py. All are functions of the core.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import HopFailed
-from .chain_checks import SpotChecking
-from .. import protocol
+from ...karma.receipts import RECEIPT_STEPS
+from ...proofs import DEFAULT_MODE, tolerance as protocol_tolerance
+from . import chain_checks, chain_direct, chain_rebuild, chain_standby, chain_steps
 from .chain_events import (
-    Abort, Answered, Close, Failed, Link, OpenSession, Opened, SendReceipt, SendSteps, Session, StepRequest,
+    EFFECTS, REQUESTS, Close, Forgive, HopSession, Kind, OpenSession, Penalise, Phase, kind_of,
 )
-from .chain_machine import Step
-from .chain_plan import Failover, Verifier, proof_links
-from .chain_rebuild import Rebuilding
-from .chain_standby import Standbys
+from .chain_plan import REPLAY_MAX_TOKENS, Failover, History, Verifier
+from .chain_standby import StandbyFeed
 from .routing import Hop
+from .spotcheck import SpotCheckSchedule
 
-log = logging.getLogger(__name__)
+Span = tuple[int, int]
 
 
-class ChainCore(SpotChecking, Rebuilding, Standbys):
-    """The consumer's chain, sans I/O (state and plumbing: chain_machine.Machine)."""
+class UnexpectedEvents(RuntimeError):
+    """The driver fed events that do not answer what the core waits for: a bug, not a peer's doing."""
+
+
+@dataclasses.dataclass
+class ChainStep:
+    """The step under way: at hop `index`, with that hop's input `hidden`."""
+
+    hidden: Any
+    tokens: int
+    index: int = 0
+    due: list[bool] | None = None  # per hop, whether it is spot-checked (drawn for a direct step)
+    failed: dict = dataclasses.field(default_factory=dict)  # HopSession -> HopFailed, in a direct step
+    last_reply: Any = None  # the previous hop's HopReply in a direct step (its proof links to the next)
+
+
+@dataclasses.dataclass
+class Waiting:
+    """A batch of requests out: the phase it waits in, the state of the operation its
+    answers go on with, and the standby feeds sent along (answered last)."""
+
+    phase: Phase
+    operation: Any
+    requests: list
+    feeds: list[StandbyFeed]
+
+
+class ChainCore:
+    """The consumer's chain, sans I/O: one state machine driven by TRANSITIONS."""
+
+    def __init__(self, *, can_fail_over: bool, spot_check_rate: float = 0.0,
+                 tolerance: float | None = None, rng: random.Random | None = None, push: bool = True,
+                 clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
+                 replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
+                 mode: str = DEFAULT_MODE,
+                 direct_max_tokens: int = 0, standby: bool = False) -> None:
+        self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
+        self.spot_check_rate = spot_check_rate
+        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
+        self.rng = rng or random.Random()
+        self.push = push
+        self.clock = clock  # wall time, for the failover records
+        self.receipt_steps = receipt_steps
+        self.replay_max_tokens = replay_max_tokens
+        # Direct return (needs push): each server's output goes to the next server, the
+        # last one's to the consumer; steps of at most direct_max_tokens tokens.
+        self.direct = direct and push
+        self.model_id = model_id  # what step proofs name (direct steps check them)
+        self.mode = mode  # the compute mode they must sign: the model's weight format
+        self.direct_max_tokens = direct_max_tokens
+        self.direct_steps = 0  # steps that went straight through the chain
+        self.checked_relays = 0  # steps relayed instead because a hop's spot check was due
+        self.chain_breaks = 0  # direct steps whose proofs did not link up (then relayed)
+        self.rollback: set[HopSession] = set()  # sessions that may hold more than `position` tokens
+        # Standby replicas (chain_standby.py): per span, a session fed the same steps.
+        self.standby = standby
+        self.standbys: dict[Span, Verifier] = {}
+        self.standby_takeovers = 0
+        self.standby_tried: dict[Span, int] = {}  # span -> history length when last looked for
+        self.side_feeds: list[StandbyFeed] = []  # sent beside the step's next requests
+        self.hops: list[HopSession] = []
+        self.position = 0
+        self.history = History()
+        self.failovers: list[Failover] = []
+        self.checks = 0
+        self.schedules: dict[Span, SpotCheckSchedule] = {}
+        self.verifiers: dict[Span, Verifier] = {}
+        self.retired: list[HopSession] = []  # given up (aborted again at close)
+        self.output: Any = None  # the last step's output at the end of the chain
+        self.step: ChainStep | None = None
+        self._waiting: Waiting | None = None
+        self._outbox: list = []
+
+    # -- operations ----------------------------------------------------------------------
 
     def open(self, route: list[Hop]) -> list:
         """Open a session on every hop at once; the first batch of actions."""
         assert self.idle
-        sessions = [Session(hop) for hop in route]
-        self._request([OpenSession(s) for s in sessions], lambda events: self._opened(sessions, events),
-                      "opening")
+        sessions = [HopSession(hop) for hop in route]
+        self.request([OpenSession(s) for s in sessions], Phase.OPENING, chain_rebuild.Opening(sessions))
         return self._flush()
 
     def start_step(self, hidden: Any, tokens: int) -> list:
         """Run `hidden` (`tokens` tokens) through every hop; the first batch of actions."""
         assert self.idle
-        self._step = Step(hidden, tokens)
-        self._prepare_standbys(self._link_then_step)
+        self.step = ChainStep(hidden, tokens)
+        if not chain_standby.look_for_standbys(self):
+            self.link_and_step()
         return self._flush()
-
-    def _link_then_step(self) -> None:
-        links = self._links() if self.push else []
-        if links:
-            self._request(links, lambda events: self._linked(links, events), "linking")
-        else:
-            self._enter_hop()
 
     def rewind(self, position: int) -> list:
         """Forget every token from `position` on (speculative decoding's rejected
@@ -105,213 +180,124 @@ class ChainCore(SpotChecking, Rebuilding, Standbys):
         for span, verifier in list(self.verifiers.items()):
             if verifier.fed >= len(sizes):  # it holds tokens past the cut: not worth a rollback
                 del self.verifiers[span]
-                self._effect(Close(verifier.session))
+                self.effect(Close(verifier.session))
         for standby in self.standbys.values():  # its next feed rolls it back (replay_plan)
             standby.fed = min(standby.fed, len(sizes))
         return self._flush()
 
-    def _linked(self, links: list[Link], events: list) -> None:
-        for link, event in zip(links, events):
-            link.session.link_ok = event.ok
-        self._enter_hop()
+    def feed(self, events: list) -> list:
+        """The events answering the last batch's requests, in their order; the next batch."""
+        waiting, events = self._waiting, list(events)
+        handle = self._handler(waiting, events)
+        self._waiting = None
+        try:
+            own = len(waiting.requests) - len(waiting.feeds)
+            for feed, event in zip(waiting.feeds, events[own:]):
+                chain_standby.fed(self, feed, event)
+            handle(self, waiting.operation, events[:own])
+        except BaseException:  # a HopFailed without a planner: the chain is done for
+            self._outbox.clear()
+            raise
+        return self._flush()
 
-    def _links(self) -> list[Link]:
-        """The hops whose neighbours changed since they were last told (opened, failed over)."""
-        links = []
-        for index, session in enumerate(self.hops):
-            upstream = self.hops[index - 1].peer_id if index > 0 else None
-            downstream = self.hops[index + 1] if index + 1 < len(self.hops) else None
-            if session.linked != (upstream, downstream):
-                session.linked = (upstream, downstream)  # also when refused: pushes only save time
-                links.append(Link(session, upstream, downstream))
-        return links
+    @staticmethod
+    def _handler(waiting: Waiting | None, events: list) -> Callable[[ChainCore, Any, list], None]:
+        """The handler TRANSITIONS names for the phase and the events' kind."""
+        if waiting is None:
+            raise UnexpectedEvents("events fed to a chain core with no request pending")
+        kind = kind_of(waiting.requests, events)
+        handle = None if kind is None else TRANSITIONS.get((waiting.phase, kind))
+        if handle is None:
+            fed = ", ".join(type(e).__name__ for e in events)
+            asked = ", ".join(type(r).__name__ for r in waiting.requests)
+            raise UnexpectedEvents(f"[{fed}] fed in phase {waiting.phase.value!r} "
+                                   f"({'unknown kind' if kind is None else kind.value}), asking [{asked}]")
+        return handle
 
-    # -- open --------------------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------
 
-    def _opened(self, sessions: list[Session], events: list) -> None:
-        self.hops = []
-        for session, event in zip(sessions, events):
-            if isinstance(event, Opened):
-                self._opened_ok(session)
-        self._keep_opened(sessions, events, 0)
+    @property
+    def idle(self) -> bool:
+        return self._waiting is None
 
-    def _keep_opened(self, sessions: list[Session], events: list, index: int) -> None:
-        while index < len(sessions):
-            session, event = sessions[index], events[index]
-            index += 1
-            if isinstance(event, Opened):
-                self.hops.append(session)
-                continue
-            if not self.can_fail_over:
-                raise event.error
-            self._penalise(event.error)
-            log.warning("%s; choosing another server for blocks %d:%d", event.error, *session.span)
+    @property
+    def phase(self) -> Phase:
+        return Phase.IDLE if self._waiting is None else self._waiting.phase
 
-            def rebuilt(new: list[Session], _outputs: list, index: int = index) -> None:
-                self.hops.extend(new)
-                self._keep_opened(sessions, events, index)
+    def live(self) -> list[HopSession]:
+        """Sessions the chain keeps (receipts, close): its hops, verifiers and standbys."""
+        return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
 
-            return self._rebuild(session.hop.start, session.hop.end, [], [], [], rebuilt)
-        self._idle()
+    def tolerance_for(self, span: tuple[int, int]) -> float:
+        """How far two honest answers for `span` may differ: the protocol's tolerance for
+        the chain's compute mode and the span's length, unless the chain was given one."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return protocol_tolerance(self.mode, span[1] - span[0])
 
-    # -- a step, hop by hop ------------------------------------------------------------
+    # -- what the transitions do -------------------------------------------------------------
 
-    def _enter_hop(self) -> None:
-        step = self._step
-        if step.index >= len(self.hops):
-            return self._finish_step()
-        session = self.hops[step.index]
-        if session in step.failed:  # it failed in this step's direct attempt
-            return self._fail_over(step.failed.pop(session))
-        if step.index == 0 and self._direct_ok(step):
-            return self._send_direct()
-        due = step.due[step.index] if step.due is not None else self._check_due(session)
-        if due:
-            self._start_check(session)
-        else:
-            self._send_hop(None)
+    def request(self, requests: list, phase: Phase, operation: Any = None, *, side: bool = False) -> None:
+        """Queue `requests`, to be answered in `phase`, the handler going on with
+        `operation`; with `side`, the standby feeds waiting go along."""
+        feeds: list[StandbyFeed] = []
+        if side:
+            feeds, self.side_feeds = self.side_feeds, []
+        batch = list(requests) + [feed.request for feed in feeds]
+        self._outbox.extend(batch)
+        self._waiting = Waiting(phase, operation, batch, feeds)
 
-    def _send_hop(self, verifier: Verifier | None) -> None:
-        step = self._step
-        session = self.hops[step.index]
-        self._feed_current(session)
-        primary = SendSteps(session, (StepRequest(self.position, (step.hidden,), (step.tokens,),
-                                                  rollback=session in self.rollback),))
-        if verifier is None:
-            return self._request([primary], lambda events: self._hop_answered(session, events[0]), "stepping",
-                                 side=True)
-        self.checks += 1
-        check = SendSteps(verifier.session, self._catch_up(session.span, verifier.fed))
-        self._request([primary, check], lambda events: self._checked(session, verifier, *events),
-                      "stepping with a spot check", side=True)
+    def effect(self, action) -> None:
+        self._outbox.append(action)
 
-    def _hop_answered(self, session: Session, event) -> None:
-        self._count(session, event)
-        if isinstance(event, Failed):
-            return self._fail_over(event.error)
-        self._hop_done(event.replies[0].output)
+    def penalise(self, error: HopFailed) -> None:
+        if self.can_fail_over:
+            self.effect(Penalise(error.peer_id, "mismatch" if error.code == "mismatch" else "fault"))
 
-    def _hop_done(self, output: Any) -> None:
-        step = self._step
-        session = self.hops[step.index]
-        self.rollback.discard(session)
-        self.history.at(session.hop.start).append(step.hidden)
-        step.index += 1
-        step.hidden = output
-        self._enter_hop()
+    def forgive(self, session: HopSession) -> None:
+        if self.can_fail_over:
+            self.effect(Forgive(session.peer_id))  # it answers again: forgive its faults
 
-    # -- direct return -------------------------------------------------------------------
+    def link_and_step(self) -> None:
+        chain_steps.link_then_step(self)
 
-    def _direct_ok(self, step: Step) -> bool:
-        """Whether this step goes straight through the chain: every hop took its link,
-        the step is small enough to push, and no hop is spot-checked this step (a
-        checked step is relayed, its check beside it)."""
-        if not (self.direct and len(self.hops) > 1 and step.tokens <= self.direct_max_tokens
-                and all(session.link_ok for session in self.hops)):
-            return False
-        step.due = [self._check_due(session) for session in self.hops]
-        if any(step.due):
-            self.checked_relays += 1
-            return False
-        return True
+    def enter_hop(self) -> None:
+        chain_steps.enter_hop(self)
 
-    def _send_direct(self) -> None:
-        """Every hop's request at once: the first carries the input, the others take
-        theirs from their upstream's push; each answers with its output and proof."""
-        step = self._step
-        self.direct_steps += 1
-        self._feed_current(self.hops[0])
-        first = StepRequest(self.position, (step.hidden,), (step.tokens,), rollback=self.hops[0] in self.rollback)
-        requests = [SendSteps(self.hops[0], (first,))]
-        requests += [SendSteps(session, (StepRequest(self.position, (), (step.tokens,),
-                                                     rollback=session in self.rollback, from_upstream=True),))
-                     for session in self.hops[1:]]
-        hops = list(self.hops)
-        self._request(requests, lambda events: self._direct_answered(hops, events), "stepping directly", side=True)
+    def send_hop(self, verifier: Verifier | None) -> None:
+        chain_steps.send_hop(self, verifier)
 
-    def _direct_answered(self, hops: list[Session], events: list) -> None:
-        """Take the hops' answers in chain order while each one's proof links to the
-        previous one's (chain_plan.proof_links); from the first that failed, did not
-        get its push or does not link, the step goes on hop by hop from the
-        consumer's copy (a failed hop is failed over). Hops after that point that
-        answered anyway computed from an input not taken: they are cut back."""
-        step = self._step
-        for session, event in zip(hops, events):
-            self._count(session, event)
-        stop = len(hops)
-        for index, (session, event) in enumerate(zip(hops, events)):
-            if isinstance(event, Failed):
-                stop = index
-                break
-            reply = event.replies[0]
-            expected = reply.input_digest if index == 0 else step.last_reply.proof.output_digest
-            problem = proof_links(reply, expected, self.model_id, session.hop, self.position, step.tokens,
-                                  self.mode)
-            if problem is not None:
-                self.chain_breaks += 1
-                log.warning("direct step %d: %s; relaying it from the previous server's signed output, and "
-                            "this chain's steps from now on", self.position, problem)
-                self.rollback.add(session)
-                session.link_ok = False  # who of the two lied is not known: neither link is trusted again
-                stop = index
-                break
-            step.last_reply = reply
-            self.rollback.discard(session)
-            self.history.at(session.hop.start).append(step.hidden)
-            step.index += 1
-            step.hidden = reply.output
-        for session, event in zip(hops[stop:], events[stop:]):
-            if isinstance(event, Answered):
-                self.rollback.add(session)
-            elif event.error.code != protocol.NO_INPUT:
-                step.failed[session] = event.error  # fails over when the step reaches it
-        step.due = None
-        self._enter_hop()
+    def hop_done(self, output: Any) -> None:
+        chain_steps.hop_done(self, output)
 
-    def _finish_step(self) -> None:
-        step = self._step
-        self.history.append(step.tokens)
-        self.position += step.tokens
-        self.output = step.hidden
-        due = [session for session in self.live() if session.answered >= self.receipt_steps]
-        if not due:
-            return self._idle()
-        for session in due:
-            session.answered = 0
-        self._request([SendReceipt(session) for session in due], lambda _events: self._idle(), "receipts")
+    def _flush(self) -> list:
+        actions, self._outbox = self._outbox, []
+        assert all(isinstance(a, REQUESTS + EFFECTS) for a in actions)
+        assert self.idle == (not any(isinstance(a, REQUESTS) for a in actions))
+        return actions
 
-    # -- failover ----------------------------------------------------------------------
 
-    def _fail_over(self, error: HopFailed) -> None:
-        if not self.can_fail_over:
-            raise error
-        step = self._step
-        index = step.index
-        failed = self.hops[index]
-        start, end = failed.span
-        event = Failover(failed.peer_id, start, end, error.code, self.clock())
-        self.failovers.append(event)
-        log.warning("%s; failing over blocks %d:%d at position %d", error, start, end, self.position)
-        self._penalise(error)
-        self.retired.append(failed)
-        self._effect(Abort(failed))
+# Per phase and kind of answer, the function taking the answers: handler(core, operation, events).
+P, K = Phase, Kind
+TRANSITIONS: dict[tuple[Phase, Kind], Callable[[ChainCore, Any, list], None]] = {
+    (P.OPENING, K.OPENED): chain_rebuild.opened,
 
-        self.rollback.discard(failed)
+    (P.FINDING_STANDBYS, K.VERIFIER_FOUND): chain_standby.standbys_found,
+    (P.OPENING_STANDBYS, K.OPENED): chain_standby.standbys_opened,
+    (P.LINKING, K.DONE): chain_steps.linked,
+    (P.FINDING_VERIFIER, K.VERIFIER_FOUND): chain_checks.verifier_found,
+    (P.OPENING_VERIFIER, K.OPENED): chain_checks.verifier_opened,
+    (P.STEPPING, K.ANSWERED): chain_steps.hop_answered,
+    (P.STEPPING_CHECKED, K.ANSWERED): chain_checks.checked,
+    (P.STEPPING_DIRECTLY, K.ANSWERED): chain_direct.direct_answered,
+    (P.RECEIPTS, K.DONE): chain_steps.receipted,
 
-        def rebuilt(new: list[Session], outputs: list) -> None:
-            step.due = None  # drawn per hop of the old route
-            self.hops[index:index + 1] = new
-            self.history.at(start).append(step.hidden)
-            event.recovered = self.clock()
-            event.replacements = tuple(s.peer_id for s in new)
-            step.index += len(new)
-            step.hidden = outputs[-1]
-            self._enter_hop()
+    (P.FINDING_ARBITER, K.VERIFIER_FOUND): chain_checks.arbiter_found,
+    (P.OPENING_ARBITER, K.OPENED): chain_checks.arbiter_opened,
+    (P.ARBITRATING, K.ANSWERED): chain_checks.arbitrated,
 
-        def rebuild() -> None:
-            history = self.history
-            self._rebuild(start, end, history.at(start) + [step.hidden], history.sizes + [step.tokens],
-                          history.computed + [step.tokens], rebuilt)
-
-        if not self._take_over(index, failed, event, rebuild):
-            rebuild()
+    (P.REPLANNING, K.ROUTE_FOUND): chain_rebuild.route_found,
+    (P.OPENING_REPLACEMENT, K.OPENED): chain_rebuild.replacement_opened,
+    (P.REPLAYING, K.ANSWERED): chain_rebuild.replay_answered,
+    (P.TAKING_OVER, K.ANSWERED): chain_rebuild.taken_over,
+}

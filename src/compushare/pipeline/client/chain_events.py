@@ -2,7 +2,7 @@
 each other. Pure data: no I/O, no tensors looked into.
 
 The core emits *actions*. Requests are answered by exactly one event each, fed back
-in the order of the requests: `OpenSession` → `Opened` | `Failed`; `SendSteps` →
+in the order of the requests: `OpenSession` → `SessionOpened` | `Failed`; `SendSteps` →
 `Answered` | `Failed`; `FindRoute` → `RouteFound` (or the planner's RouteError
 propagates); `FindVerifier` → `VerifierFound`; `Link`, `SendReceipt` → `Done`.
 Effects (`Penalise`, `Forgive`, `Abort`, `Close`, `FileReport`) are answered by
@@ -12,11 +12,15 @@ check, receipts, links, the first sessions of a chain).
 
 Payloads (`inputs`, outputs) are whatever the driver hands in (torch tensors): the
 core stores and forwards them and only compares outputs (judging a spot check).
+
+Also here: the `Phase` a batch of requests waits in and the `Kind` of the events
+answering it, the two keys of the core's transition table (chain_core.TRANSITIONS).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from ...errors import HopFailed
@@ -24,13 +28,13 @@ from .routing import Hop
 
 
 @dataclasses.dataclass(eq=False)
-class Session:
+class HopSession:
     """One session the core asked for (a hop, a replacement, a verifier, an arbiter);
     the driver maps it to its stream. Compared by identity."""
 
     hop: Hop
     answered: int = 0  # requests answered since its last receipt
-    linked: tuple = (None, None)  # (upstream peer, downstream Session) as last sent
+    linked: tuple = (None, None)  # (upstream peer, downstream HopSession) as last sent
     link_ok: bool = False  # the server took that link: it pushes, and takes steps from_upstream
 
     @property
@@ -43,7 +47,7 @@ class Session:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepRequest:
+class HopStepRequest:
     """One `step` request: `inputs` (one payload per original step, concatenated on
     the wire) at `position`, run as `chunks` (token counts, summing to the inputs')."""
 
@@ -56,7 +60,7 @@ class StepRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Reply:
+class HopReply:
     """A server's answer to one step request, as the driver decoded it."""
 
     output: Any  # [1, n, H]: every chunk's, or the last one's with last_only
@@ -70,15 +74,15 @@ class Reply:
 
 @dataclasses.dataclass(frozen=True)
 class OpenSession:
-    session: Session
+    session: HopSession
 
 
 @dataclasses.dataclass(frozen=True)
 class SendSteps:
     """Requests on one session, one after another; the first failure ends them."""
 
-    session: Session
-    requests: tuple[StepRequest, ...]
+    session: HopSession
+    requests: tuple[HopStepRequest, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +109,14 @@ class FindVerifier:
 class Link:
     """Tell `session` its neighbours, so it pushes its output straight to the next."""
 
-    session: Session
+    session: HopSession
     upstream: str | None
-    downstream: Session | None
+    downstream: HopSession | None
 
 
 @dataclasses.dataclass(frozen=True)
 class SendReceipt:
-    session: Session
+    session: HopSession
 
 
 # -- effects -----------------------------------------------------------------------
@@ -132,12 +136,12 @@ class Forgive:
 
 @dataclasses.dataclass(frozen=True)
 class Abort:
-    session: Session
+    session: HopSession
 
 
 @dataclasses.dataclass(frozen=True)
 class Close:
-    session: Session
+    session: HopSession
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +149,12 @@ class FileReport:
     """Two servers disagree on a step: keep a failure report naming `accused`, if
     both replies carry matching signed proofs."""
 
-    accused: Session
-    witness: Session
+    accused: HopSession
+    witness: HopSession
     position: int
     tokens: int
-    accused_reply: Reply
-    witness_reply: Reply
+    accused_reply: HopReply
+    witness_reply: HopReply
 
 
 REQUESTS = (OpenSession, SendSteps, FindRoute, FindVerifier, Link, SendReceipt)
@@ -160,13 +164,13 @@ EFFECTS = (Penalise, Forgive, Abort, Close, FileReport)
 # -- events ------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Opened:
+class SessionOpened:
     pass
 
 
 @dataclasses.dataclass(frozen=True)
 class Answered:
-    replies: tuple[Reply, ...]  # one per request
+    replies: tuple[HopReply, ...]  # one per request
     parts: tuple[Any, ...] = ()  # every chunk's output, in order (requests without last_only)
 
 
@@ -189,3 +193,70 @@ class VerifierFound:
 @dataclasses.dataclass(frozen=True)
 class Done:
     ok: bool = True  # a Link: whether the server took it
+
+
+# -- the keys of the core's transition table ---------------------------------------
+
+class Phase(enum.Enum):
+    """What the core's pending requests are for."""
+
+    IDLE = "idle"  # nothing pending
+    OPENING = "opening"  # the route's sessions
+    FINDING_STANDBYS = "finding standbys"
+    OPENING_STANDBYS = "opening standbys"
+    LINKING = "linking"  # hops told their neighbours
+    FINDING_VERIFIER = "finding a verifier"
+    OPENING_VERIFIER = "opening a verifier"
+    STEPPING = "stepping"  # one hop
+    STEPPING_CHECKED = "stepping with a spot check"  # one hop, and its verifier
+    STEPPING_DIRECTLY = "stepping directly"  # every hop at once
+    FINDING_ARBITER = "finding an arbiter"
+    OPENING_ARBITER = "opening an arbiter"
+    ARBITRATING = "arbitrating"
+    RECEIPTS = "receipts"
+    REPLANNING = "replanning"  # a route through a failed span
+    OPENING_REPLACEMENT = "opening a replacement"
+    REPLAYING = "replaying"  # the history through a replacement
+    TAKING_OVER = "taking over"  # a standby replaces a failed hop
+
+
+class Kind(enum.Enum):
+    """What a batch of events answers."""
+
+    OPENED = "opened"  # OpenSession: SessionOpened | Failed
+    ANSWERED = "answered"  # SendSteps: Answered | Failed
+    ROUTE_FOUND = "route found"  # FindRoute
+    VERIFIER_FOUND = "verifier found"  # FindVerifier
+    DONE = "done"  # Link, SendReceipt
+
+
+ANSWERS: dict[type, tuple[Kind, tuple[type, ...]]] = {
+    OpenSession: (Kind.OPENED, (SessionOpened, Failed)),
+    SendSteps: (Kind.ANSWERED, (Answered, Failed)),
+    FindRoute: (Kind.ROUTE_FOUND, (RouteFound,)),
+    FindVerifier: (Kind.VERIFIER_FOUND, (VerifierFound,)),
+    Link: (Kind.DONE, (Done,)),
+    SendReceipt: (Kind.DONE, (Done,)),
+}
+
+
+def kind_of(requests: list, events: list) -> Kind | None:
+    """The kind of `events`, if they answer `requests` one each, in order, and are
+    all of one kind; None if they do not."""
+    if len(events) != len(requests):
+        return None
+    kinds = set()
+    for request, event in zip(requests, events):
+        kind, answers = ANSWERS[type(request)]
+        if not isinstance(event, answers):
+            return None
+        kinds.add(kind)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def count_answered(session: HopSession, event) -> None:
+    """Requests answered, towards the session's next receipt."""
+    if isinstance(event, Answered):
+        session.answered += len(event.replies)
+    elif isinstance(event, Failed):
+        session.answered += event.answered

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import PeerMisbehaved
 from ...proofs import DEFAULT_MODE, TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
-from .chain_events import FileReport, Session, StepRequest
+from .chain_events import FileReport, HopSession, HopStepRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Failover:
 class Verifier:
     """A session recomputing sampled steps of one span."""
 
-    session: Session
+    session: HopSession
     fed: int = 0  # steps of the history it has seen
 
 
@@ -96,7 +96,7 @@ def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
 
 def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
                 computed: list[int] | None = None, *, position: int = 0, rollback: bool = False,
-                last_only: bool = False) -> tuple[StepRequest, ...]:
+                last_only: bool = False) -> tuple[HopStepRequest, ...]:
     """A session fed `steps` (one payload per step, `sizes` tokens each kept) from
     `position`, each step a chunk of its original size (`computed`, if drafts were
     rejected since): its KV cache and outputs are then bit-identical to the first
@@ -106,7 +106,7 @@ def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKE
     trimmed = frozenset(i for i, (s, c) in enumerate(zip(sizes, computed)) if c > s)
     requests = []
     for i, j in group_steps(computed, limit, trimmed):
-        requests.append(StepRequest(position, tuple(steps[i:j]), tuple(computed[i:j]), last_only=last_only,
+        requests.append(HopStepRequest(position, tuple(steps[i:j]), tuple(computed[i:j]), last_only=last_only,
                                     rollback=rollback))
         position += sum(sizes[i:j])
         rollback = j - 1 in trimmed
@@ -114,7 +114,7 @@ def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKE
 
 
 def catch_up_plan(seen: list[Any], sizes: list[int], fed: int, hidden: Any, tokens: int,
-                  limit: int = REPLAY_MAX_TOKENS) -> tuple[StepRequest, ...]:
+                  limit: int = REPLAY_MAX_TOKENS) -> tuple[HopStepRequest, ...]:
     """Bring a verifier that has seen `fed` steps of `seen` (a span's inputs, `sizes`
     tokens each) up to this step, then compute it (`hidden`, `tokens`): the missed
     steps batched (costs little, stays within the tolerance), every request with
@@ -128,7 +128,7 @@ def catch_up_plan(seen: list[Any], sizes: list[int], fed: int, hidden: Any, toke
         group = missed_sizes[i:j]
         last = index == len(groups) - 1
         chunks = (sum(group[:-1]), group[-1]) if last and len(group) > 1 else (sum(group),)
-        requests.append(StepRequest(position, tuple(missed[i:j]), chunks, last_only=True))
+        requests.append(HopStepRequest(position, tuple(missed[i:j]), chunks, last_only=True))
         position += sum(group)
     return tuple(requests)
 

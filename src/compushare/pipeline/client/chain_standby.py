@@ -11,137 +11,148 @@ path: a standby's feed goes beside the step's first requests, one step behind
 (its input is the hop's input, known once the step is through), with its replies
 cut to the last token. Opening one costs one round trip before a step, and its
 first feed replays the whole history beside that step. A per-session choice
-(RunRequest.standby)."""
+(RunRequest.standby). Functions of the chain core (chain_core.py); the takeover
+itself is a failover's (chain_rebuild.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from typing import TYPE_CHECKING
 
-from .chain_events import Abort, Close, Failed, FindVerifier, OpenSession, SendSteps, Session, StepRequest
-from .chain_machine import Machine, Span
-from .chain_plan import Failover, Verifier, replay_plan
+from .chain_events import (
+    Abort, Close, Failed, FindVerifier, HopSession, HopStepRequest, OpenSession, Phase, SendSteps, count_answered,
+)
+from .chain_plan import Verifier, replay_plan
+
+if TYPE_CHECKING:
+    from .chain_core import ChainCore
 
 log = logging.getLogger(__name__)
 
 STANDBY_RETRY_STEPS = 8  # a span without a standby looks for one again after this many steps
 
+Span = tuple[int, int]
 
-class Standbys(Machine):
-    def _prepare_standbys(self, then) -> None:
-        """Before a step: open standbys for spans without one (looked for again every
-        STANDBY_RETRY_STEPS steps), queue every standby's feed; then `then()`."""
-        if not (self.standby and self.can_fail_over):
-            return then()
-        steps = len(self.history.sizes)
-        spans = {s.span for s in self.hops}
-        for span in [span for span in self.standbys if span not in spans]:  # the route changed
-            self._effect(Close(self.standbys.pop(span).session))
-        missing = [span for span in dict.fromkeys(s.span for s in self.hops)
-                   if span not in self.standbys and steps - self._standby_tried.get(span, -math.inf)
-                   >= STANDBY_RETRY_STEPS]
-        if not missing:
-            self._queue_feeds()
-            return then()
-        for span in missing:
-            self._standby_tried[span] = steps
-        exclude = frozenset(s.peer_id for s in self.hops) | {v.session.peer_id for v in self.standbys.values()}
-        self._request([FindVerifier(*span, exclude) for span in missing],
-                      lambda events: self._standbys_found(missing, events, then), "finding standbys")
 
-    def _standbys_found(self, spans: list[Span], events: list, then) -> None:
-        found = [(span, Session(event.hop)) for span, event in zip(spans, events) if event.hop is not None]
-        if not found:
-            self._queue_feeds()
-            return then()
-        self._request([OpenSession(session) for _, session in found],
-                      lambda events: self._standbys_opened(found, events, then), "opening standbys")
+@dataclasses.dataclass
+class StandbySearch:
+    """Standbys being found for `spans`, then opened (`found`)."""
 
-    def _standbys_opened(self, found: list[tuple[Span, Session]], events: list, then) -> None:
-        for (span, session), event in zip(found, events):
-            if isinstance(event, Failed):
-                log.info("no standby for blocks %d:%d now: %s", *span, event.error)
-                self._penalise(event.error)
-                continue
-            self._opened_ok(session)
-            self.standbys[span] = Verifier(session)
-            log.info("standby for blocks %d:%d: %s", *span, session.peer_id)
-        self._queue_feeds()
-        then()
+    spans: list[Span]
+    found: list[tuple[Span, HopSession]] = dataclasses.field(default_factory=list)
 
-    def _feed_plan(self, span: Span, fed: int) -> tuple[StepRequest, ...]:
-        """The requests bringing a standby that has seen `fed` steps up to the history."""
-        history = self.history
-        return replay_plan(history.at(span[0])[fed:], history.sizes[fed:], self.replay_max_tokens,
-                           history.computed[fed:], position=sum(history.sizes[:fed]), rollback=True,
-                           last_only=True)
 
-    def _queue_feeds(self) -> None:
-        """Every standby's missed steps, sent beside the step's first requests."""
-        steps = len(self.history.sizes)
-        for span, standby in self.standbys.items():
-            if standby.fed < steps:
-                self._side.append((SendSteps(standby.session, self._feed_plan(span, standby.fed)),
-                                   lambda event, span=span, standby=standby: self._fed(span, standby, steps, event)))
+@dataclasses.dataclass
+class StandbyFeed:
+    """A standby's feed, sent beside a step's requests: once answered, it has seen
+    `steps` steps of the history."""
 
-    def _feed_current(self, session: Session) -> None:
-        """The step's input to `session`'s standby beside the hop's own request, when
-        it is known before the hop answers (a relayed hop, the first hop): no lag."""
-        standby = self.standbys.get(session.span)
-        steps = len(self.history.sizes)
-        if standby is None or standby.fed != steps or any(r.session is standby.session for r, _ in self._side):
-            return
-        step = self._step
-        request = StepRequest(self.position, (step.hidden,), (step.tokens,), last_only=True, rollback=True)
-        self._side.append((SendSteps(standby.session, (request,)),
-                           lambda event: self._fed(session.span, standby, steps + 1, event)))
+    span: Span
+    standby: Verifier
+    steps: int
+    request: SendSteps
 
-    def _fed(self, span: Span, standby: Verifier, steps: int, event) -> None:
-        self._count(standby.session, event)
+
+def look_for_standbys(core: ChainCore) -> bool:
+    """Before a step: close the standbys of spans gone from the route, look for
+    standbys for spans without one (again every STANDBY_RETRY_STEPS steps); whether
+    that is under way (else every standby's feed is queued)."""
+    if not (core.standby and core.can_fail_over):
+        return False
+    steps = len(core.history.sizes)
+    spans = {s.span for s in core.hops}
+    for span in [span for span in core.standbys if span not in spans]:  # the route changed
+        core.effect(Close(core.standbys.pop(span).session))
+    missing = [span for span in dict.fromkeys(s.span for s in core.hops)
+               if span not in core.standbys and steps - core.standby_tried.get(span, -math.inf)
+               >= STANDBY_RETRY_STEPS]
+    if not missing:
+        queue_feeds(core)
+        return False
+    for span in missing:
+        core.standby_tried[span] = steps
+    exclude = frozenset(s.peer_id for s in core.hops) | {v.session.peer_id for v in core.standbys.values()}
+    core.request([FindVerifier(*span, exclude) for span in missing], Phase.FINDING_STANDBYS,
+                 StandbySearch(missing))
+    return True
+
+
+def standbys_found(core: ChainCore, search: StandbySearch, events: list) -> None:
+    search.found = [(span, HopSession(event.hop)) for span, event in zip(search.spans, events)
+                    if event.hop is not None]
+    if not search.found:
+        queue_feeds(core)
+        return core.link_and_step()
+    core.request([OpenSession(session) for _, session in search.found], Phase.OPENING_STANDBYS, search)
+
+
+def standbys_opened(core: ChainCore, search: StandbySearch, events: list) -> None:
+    for (span, session), event in zip(search.found, events):
         if isinstance(event, Failed):
-            log.info("dropping the standby of blocks %d:%d: %s", *span, event.error)
-            self._drop_standby(span, standby)
-            self._penalise(event.error)
-            return
-        standby.fed = steps
+            log.info("no standby for blocks %d:%d now: %s", *span, event.error)
+            core.penalise(event.error)
+            continue
+        core.forgive(session)
+        core.standbys[span] = Verifier(session)
+        log.info("standby for blocks %d:%d: %s", *span, session.peer_id)
+    queue_feeds(core)
+    core.link_and_step()
 
-    def _drop_standby(self, span: Span, standby: Verifier) -> None:
-        if self.standbys.get(span) is standby:
-            del self.standbys[span]
-        self.retired.append(standby.session)
-        self._effect(Abort(standby.session))
 
-    def _take_over(self, index: int, failed: Session, record: Failover, otherwise) -> bool:
-        """Replace the failed hop by its span's standby, if it has one: the steps it
-        missed and this one, as first computed. Whether one was there (else the
-        caller's `otherwise()` replays the history on a replacement)."""
-        standby = self.standbys.pop(failed.span, None)
-        if standby is None:
-            log.info("no standby for blocks %d:%d (standbys: %s)", *failed.span, sorted(self.standbys))
-            return False
-        step = self._step
-        # It may have this step already (fed beside the hop): the rollback drops it, and
-        # it computes the step again, the same way.
-        current = StepRequest(self.position, (step.hidden,), (step.tokens,), rollback=True)
-        plan = self._feed_plan(failed.span, min(standby.fed, len(self.history.sizes))) + (current,)
+def feed_plan(core: ChainCore, span: Span, fed: int) -> tuple[HopStepRequest, ...]:
+    """The requests bringing a standby that has seen `fed` steps up to the history."""
+    history = core.history
+    return replay_plan(history.at(span[0])[fed:], history.sizes[fed:], core.replay_max_tokens,
+                       history.computed[fed:], position=sum(history.sizes[:fed]), rollback=True,
+                       last_only=True)
 
-        def answered(events: list) -> None:
-            event = events[0]
-            self._count(standby.session, event)
-            if isinstance(event, Failed):
-                log.warning("the standby of blocks %d:%d failed too: %s", *failed.span, event.error)
-                self._drop_standby(failed.span, standby)
-                self._penalise(event.error)
-                return otherwise()
-            self.hops[index] = standby.session
-            self.history.at(failed.span[0]).append(step.hidden)
-            record.recovered = self.clock()
-            record.replacements = (standby.session.peer_id,)
-            self.standby_takeovers += 1
-            self._standby_tried.pop(failed.span, None)  # a new standby for it, at the next step
-            step.index += 1
-            step.hidden = event.replies[-1].output
-            self._enter_hop()
 
-        self._request([SendSteps(standby.session, plan)], answered, "taking over")
-        return True
+def queue_feeds(core: ChainCore) -> None:
+    """Every standby's missed steps, sent beside the step's first requests."""
+    steps = len(core.history.sizes)
+    for span, standby in core.standbys.items():
+        if standby.fed < steps:
+            request = SendSteps(standby.session, feed_plan(core, span, standby.fed))
+            core.side_feeds.append(StandbyFeed(span, standby, steps, request))
+
+
+def feed_current(core: ChainCore, session: HopSession) -> None:
+    """The step's input to `session`'s standby beside the hop's own request, when
+    it is known before the hop answers (a relayed hop, the first hop): no lag."""
+    standby = core.standbys.get(session.span)
+    steps = len(core.history.sizes)
+    if standby is None or standby.fed != steps or any(f.request.session is standby.session
+                                                      for f in core.side_feeds):
+        return
+    step = core.step
+    request = HopStepRequest(core.position, (step.hidden,), (step.tokens,), last_only=True, rollback=True)
+    core.side_feeds.append(StandbyFeed(session.span, standby, steps + 1, SendSteps(standby.session, (request,))))
+
+
+def fed(core: ChainCore, feed: StandbyFeed, event) -> None:
+    """A feed's answer: the standby has seen its steps, or is dropped."""
+    count_answered(feed.standby.session, event)
+    if isinstance(event, Failed):
+        log.info("dropping the standby of blocks %d:%d: %s", *feed.span, event.error)
+        drop_standby(core, feed.span, feed.standby)
+        core.penalise(event.error)
+        return
+    feed.standby.fed = feed.steps
+
+
+def drop_standby(core: ChainCore, span: Span, standby: Verifier) -> None:
+    if core.standbys.get(span) is standby:
+        del core.standbys[span]
+    core.retired.append(standby.session)
+    core.effect(Abort(standby.session))
+
+
+def takeover_plan(core: ChainCore, span: Span, standby: Verifier) -> tuple[HopStepRequest, ...]:
+    """What a standby taking over `span` computes: the steps it missed and this one,
+    as first computed. It may have this step already (fed beside the hop): the
+    rollback drops it, and it computes the step again, the same way."""
+    step = core.step
+    current = HopStepRequest(core.position, (step.hidden,), (step.tokens,), rollback=True)
+    return feed_plan(core, span, min(standby.fed, len(core.history.sizes))) + (current,)
