@@ -123,7 +123,11 @@ class Swarm:
                     self.caches.pop(action.session, None)
             if not requests:
                 return
-            actions = core.feed([self.perform(r) for r in requests])
+            actions = self.answer(core, requests)
+
+    def answer(self, core: ChainCore, requests: list) -> list:
+        """Perform `requests` and feed the core their answers: its next actions."""
+        return core.feed([self.perform(r) for r in requests])
 
     def perform(self, request):
         if isinstance(request, OpenSession):

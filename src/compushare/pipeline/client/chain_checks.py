@@ -13,7 +13,7 @@ from ...errors import HopFailed
 from ...proofs import relative_error
 from . import chain_rebuild
 from .chain_events import (
-    Answered, Close, Failed, FileReport, FindVerifier, HopReply, HopSession, OpenSession, Phase, SendSteps,
+    Answered, Close, Failed, FileReport, FindVerifier, HopReply, HopSession, OpenSession, Phase, SendSteps, Span,
     count_answered,
 )
 from .chain_plan import Verifier, catch_up_plan, judge
@@ -24,15 +24,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Span = tuple[int, int]
-
 
 @dataclasses.dataclass
 class VerifierSearch:
-    """A verifier being found for `hop`'s step, then opened (`candidate`)."""
+    """A verifier being found for `hop`'s step."""
 
     hop: HopSession
-    candidate: HopSession | None = None
+
+
+@dataclasses.dataclass
+class VerifierOpening:
+    """`session` being opened to verify `hop`'s step."""
+
+    hop: HopSession
+    session: HopSession
 
 
 @dataclasses.dataclass
@@ -45,7 +50,7 @@ class CheckedStep:
 
 @dataclasses.dataclass
 class Dispute:
-    """A spot check that disagreed, awaiting a third opinion (`arbiter`, once found)."""
+    """A spot check that disagreed, awaiting a third opinion."""
 
     span: Span
     hop: HopSession
@@ -53,7 +58,14 @@ class Dispute:
     primary: HopReply
     check: HopReply
     error: float
-    arbiter: HopSession | None = None
+
+
+@dataclasses.dataclass
+class Arbitration:
+    """`session` being opened for a third opinion on the dispute, then asked for it."""
+
+    dispute: Dispute
+    session: HopSession
 
 
 def check_due(core: ChainCore, session: HopSession) -> bool:
@@ -83,13 +95,13 @@ def verifier_found(core: ChainCore, search: VerifierSearch, events: list) -> Non
     [event] = events
     if event.hop is None:
         return core.send_hop(None)
-    search.candidate = HopSession(event.hop)
-    core.request([OpenSession(search.candidate)], Phase.OPENING_VERIFIER, search)
+    session = HopSession(event.hop)
+    core.request([OpenSession(session)], Phase.OPENING_VERIFIER, VerifierOpening(search.hop, session))
 
 
-def verifier_opened(core: ChainCore, search: VerifierSearch, events: list) -> None:
+def verifier_opened(core: ChainCore, opening: VerifierOpening, events: list) -> None:
     [event] = events
-    span, session = search.hop.span, search.candidate
+    span, session = opening.hop.span, opening.session
     if isinstance(event, Failed):
         log.info("no spot check for blocks %d:%d now: %s", *span, event.error)
         core.penalise(event.error)
@@ -139,22 +151,24 @@ def arbiter_found(core: ChainCore, dispute: Dispute, events: list) -> None:
     [event] = events
     if event.hop is None:
         return verdict(core, dispute, None)
-    dispute.arbiter = HopSession(event.hop)
-    core.request([OpenSession(dispute.arbiter)], Phase.OPENING_ARBITER, dispute)
+    session = HopSession(event.hop)
+    core.request([OpenSession(session)], Phase.OPENING_ARBITER, Arbitration(dispute, session))
 
 
-def arbiter_opened(core: ChainCore, dispute: Dispute, events: list) -> None:
+def arbiter_opened(core: ChainCore, arbitration: Arbitration, events: list) -> None:
     [event] = events
+    dispute, session = arbitration.dispute, arbitration.session
     if isinstance(event, Failed):
         log.info("no third opinion on blocks %d:%d: %s", *dispute.span, event.error)
         return verdict(core, dispute, None)
-    core.forgive(dispute.arbiter)
-    core.request([SendSteps(dispute.arbiter, catch_up(core, dispute.span, 0))], Phase.ARBITRATING, dispute)
+    core.forgive(session)
+    core.request([SendSteps(session, catch_up(core, dispute.span, 0))], Phase.ARBITRATING, arbitration)
 
 
-def arbitrated(core: ChainCore, dispute: Dispute, events: list) -> None:
+def arbitrated(core: ChainCore, arbitration: Arbitration, events: list) -> None:
     [event] = events
-    core.effect(Close(dispute.arbiter))
+    dispute = arbitration.dispute
+    core.effect(Close(arbitration.session))
     if isinstance(event, Failed):
         log.info("no third opinion on blocks %d:%d: %s", *dispute.span, event.error)
         return verdict(core, dispute, None)

@@ -68,14 +68,12 @@ from ...karma.receipts import RECEIPT_STEPS
 from ...proofs import DEFAULT_MODE, tolerance as protocol_tolerance
 from . import chain_checks, chain_direct, chain_rebuild, chain_standby, chain_steps
 from .chain_events import (
-    EFFECTS, REQUESTS, Close, Forgive, HopSession, Kind, OpenSession, Penalise, Phase, kind_of,
+    EFFECTS, REQUESTS, Close, Forgive, HopSession, Kind, OpenSession, Penalise, Phase, Span, kind_of,
 )
 from .chain_plan import REPLAY_MAX_TOKENS, Failover, History, Verifier
 from .chain_standby import StandbyFeed
 from .routing import Hop
 from .spotcheck import SpotCheckSchedule
-
-Span = tuple[int, int]
 
 
 class UnexpectedEvents(RuntimeError):
@@ -147,7 +145,7 @@ class ChainCore:
         self.verifiers: dict[Span, Verifier] = {}
         self.retired: list[HopSession] = []  # given up (aborted again at close)
         self.output: Any = None  # the last step's output at the end of the chain
-        self.step: ChainStep | None = None
+        self._step: ChainStep | None = None
         self._waiting: Waiting | None = None
         self._outbox: list = []
 
@@ -163,7 +161,7 @@ class ChainCore:
     def start_step(self, hidden: Any, tokens: int) -> list:
         """Run `hidden` (`tokens` tokens) through every hop; the first batch of actions."""
         assert self.idle
-        self.step = ChainStep(hidden, tokens)
+        self._step = ChainStep(hidden, tokens)
         if not chain_standby.look_for_standbys(self):
             self.link_and_step()
         return self._flush()
@@ -188,6 +186,8 @@ class ChainCore:
     def feed(self, events: list) -> list:
         """The events answering the last batch's requests, in their order; the next batch."""
         waiting, events = self._waiting, list(events)
+        if waiting is None:
+            raise UnexpectedEvents("events fed to a chain core with no request pending")
         handle = self._handler(waiting, events)
         self._waiting = None
         try:
@@ -201,10 +201,8 @@ class ChainCore:
         return self._flush()
 
     @staticmethod
-    def _handler(waiting: Waiting | None, events: list) -> Callable[[ChainCore, Any, list], None]:
+    def _handler(waiting: Waiting, events: list) -> Callable[[ChainCore, Any, list], None]:
         """The handler TRANSITIONS names for the phase and the events' kind."""
-        if waiting is None:
-            raise UnexpectedEvents("events fed to a chain core with no request pending")
         kind = kind_of(waiting.requests, events)
         handle = None if kind is None else TRANSITIONS.get((waiting.phase, kind))
         if handle is None:
@@ -221,6 +219,12 @@ class ChainCore:
         return self._waiting is None
 
     @property
+    def step(self) -> ChainStep:
+        """The step under way (what a step's transitions work on)."""
+        assert self._step is not None, "no step has started"
+        return self._step
+
+    @property
     def phase(self) -> Phase:
         return Phase.IDLE if self._waiting is None else self._waiting.phase
 
@@ -228,7 +232,7 @@ class ChainCore:
         """Sessions the chain keeps (receipts, close): its hops, verifiers and standbys."""
         return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
 
-    def tolerance_for(self, span: tuple[int, int]) -> float:
+    def tolerance_for(self, span: Span) -> float:
         """How far two honest answers for `span` may differ: the protocol's tolerance for
         the chain's compute mode and the span's length, unless the chain was given one."""
         if self.tolerance is not None:

@@ -26,6 +26,8 @@ from typing import Any
 from ...errors import HopFailed
 from .routing import Hop
 
+Span = tuple[int, int]  # blocks start..end-1
+
 
 @dataclasses.dataclass(eq=False)
 class HopSession:
@@ -42,7 +44,7 @@ class HopSession:
         return self.hop.peer_id
 
     @property
-    def span(self) -> tuple[int, int]:
+    def span(self) -> Span:
         return self.hop.start, self.hop.end
 
 

@@ -67,7 +67,14 @@ class Rebuild:
     route: list[Hop] = dataclasses.field(default_factory=list)  # planned, not yet opened
     new: list[HopSession] = dataclasses.field(default_factory=list)
     boundaries: dict[int, list[Any]] = dataclasses.field(default_factory=dict)  # new ones inside the span
-    session: HopSession | None = None  # being opened, or replayed
+
+
+@dataclasses.dataclass
+class Replacement:
+    """`session`, a hop of the rebuild's route, being opened, then replayed."""
+
+    rebuild: Rebuild
+    session: HopSession
 
 
 # -- opening -------------------------------------------------------------------------------
@@ -197,31 +204,32 @@ def next_replacement(core: ChainCore, rebuild: Rebuild) -> None:
         return rebuilt(core, rebuild)
     if not rebuild.route:
         return find_route(core, rebuild, fresh=False)
-    rebuild.session = HopSession(rebuild.route.pop(0))
-    core.request([OpenSession(rebuild.session)], Phase.OPENING_REPLACEMENT, rebuild)
+    replacement = Replacement(rebuild, HopSession(rebuild.route.pop(0)))
+    core.request([OpenSession(replacement.session)], Phase.OPENING_REPLACEMENT, replacement)
 
 
-def replacement_opened(core: ChainCore, rebuild: Rebuild, events: list) -> None:
+def replacement_opened(core: ChainCore, replacement: Replacement, events: list) -> None:
     [event] = events
+    rebuild, session = replacement.rebuild, replacement.session
     if isinstance(event, Failed):
         return replacement_failed(core, rebuild, None, event.error)
-    core.forgive(rebuild.session)
+    core.forgive(session)
     plan = replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed)
     if not plan:
-        return replayed(core, rebuild, [])
-    core.request([SendSteps(rebuild.session, plan)], Phase.REPLAYING, rebuild)
+        return replayed(core, replacement, [])
+    core.request([SendSteps(session, plan)], Phase.REPLAYING, replacement)
 
 
-def replay_answered(core: ChainCore, rebuild: Rebuild, events: list) -> None:
+def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> None:
     [event] = events
-    count_answered(rebuild.session, event)
+    count_answered(replacement.session, event)
     if isinstance(event, Failed):
-        return replacement_failed(core, rebuild, rebuild.session, event.error)
-    replayed(core, rebuild, list(event.parts))
+        return replacement_failed(core, replacement.rebuild, replacement.session, event.error)
+    replayed(core, replacement, list(event.parts))
 
 
-def replayed(core: ChainCore, rebuild: Rebuild, outputs: list[Any]) -> None:
-    session = rebuild.session
+def replayed(core: ChainCore, replacement: Replacement, outputs: list[Any]) -> None:
+    rebuild, session = replacement.rebuild, replacement.session
     rebuild.new.append(session)
     rebuild.position = session.hop.end
     if rebuild.position < rebuild.end:

@@ -22,7 +22,8 @@ import math
 from typing import TYPE_CHECKING
 
 from .chain_events import (
-    Abort, Close, Failed, FindVerifier, HopSession, HopStepRequest, OpenSession, Phase, SendSteps, count_answered,
+    Abort, Close, Failed, FindVerifier, HopSession, HopStepRequest, OpenSession, Phase, SendSteps, Span,
+    count_answered,
 )
 from .chain_plan import Verifier, replay_plan
 
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STANDBY_RETRY_STEPS = 8  # a span without a standby looks for one again after this many steps
-
-Span = tuple[int, int]
 
 
 @dataclasses.dataclass
