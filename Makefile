@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
 DEMO_HOME := $(CURDIR)/demo-swarm
 
-.PHONY: demo test test-fast bench sysdeps testsysdeps netlabdeps clean
+.PHONY: demo test test-fast lint bench sysdeps testsysdeps netlabdeps clean
 
 sysdeps:
 	@# libp2p builds fastecdsa from source: it needs a compiler and GMP headers.
@@ -45,9 +45,7 @@ $(STAMP): pyproject.toml | sysdeps
 # an integration test spends much of its time waiting on node processes. Both parts
 # always run; either failing fails the target. docs/testing.md: the rules.
 TEST_WORKERS ?= 3
-test: $(STAMP) testsysdeps netlabdeps
-	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check
+test: $(STAMP) testsysdeps netlabdeps lint
 	status=0; \
 	$(PY) -m pytest -q -ra --durations=5 -m serial || status=$$?; \
 	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadgroup -m "not serial" || status=$$?; \
@@ -55,10 +53,16 @@ test: $(STAMP) testsysdeps netlabdeps
 
 # The developer loop: the import contracts and the unit tests (pure cores, codecs,
 # in-memory drivers; no node processes, no network namespaces), about a minute.
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q -ra -m unit
+
+# The code's habits (docs/testing.md): import contracts, ruff, mypy on the pure cores
+# (pyproject.toml lists them once), and the size limits.
+lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check
-	$(PY) -m pytest -q -ra -m unit
+	$(VENV)/bin/mypy $$($(PY) tools/pure_cores.py)
+	$(PY) tools/code_size.py --check --top 1
 
 demo: $(STAMP)
 	$(VENV)/bin/compushare swarm up --nodes 3 --model smollm2-135m --home $(DEMO_HOME)
