@@ -16,7 +16,8 @@ next batch; the operation is over when a batch holds no request (`idle`, and
 `output` holds a step's result). A batch of requests waits in a `Phase`; the
 TRANSITIONS table below names, per phase and kind of answer, the handler taking
 the answers and the operation's state (a small dataclass); any other answer raises
-UnexpectedEvents. Transitions (phases in brackets):
+UnexpectedEvents. The standbys' feeds go along with a step's requests (STEPPING*),
+their answers to chain_standby.fed. Transitions (phases in brackets):
 
   open:  [OPENING] OpenSession for every hop at once → a hop that failed is penalised
          and rebuilt in place with an empty history (rebuild, below) → idle
@@ -39,9 +40,9 @@ UnexpectedEvents. Transitions (phases in brackets):
          standby, if any, [TAKING_OVER] with the steps it missed; else rebuild its
          span with its history plus this step's input → the new hops replace it,
          the last one's output goes on to the next hop.
-  rebuild: [REPLANNING] FindRoute(position, end) → per hop of the route: [OPENING_
-         REPLACEMENT] OpenSession → [REPLAYING] SendSteps of replay_plan (the history
-         from position 0, each step a chunk of its original size, at most
+  rebuild: [REPLANNING] FindRoute(position, end) → per hop of the route:
+         [OPENING_REPLACEMENT] OpenSession → [REPLAYING] SendSteps of replay_plan (the
+         history from position 0, each step a chunk of its original size, at most
          REPLAY_MAX_TOKENS per request) → its outputs are the next hop's steps and,
          inside the span, a new boundary's history. An open or replay that fails:
          Penalise, Abort, FindRoute again from where it stopped (same deadline).
