@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 
 from .. import protocol
 from . import kv_share
+from ...errors import CompushareError
 from ...proofs import InputChain, token_digests
 
 if TYPE_CHECKING:
     from ..messages import Downstream
 
 
-class Rejected(Exception):
+class Rejected(CompushareError):
     """A request the table refuses; `code` goes into the error reply."""
 
     def __init__(self, code: str, message: str) -> None:
