@@ -20,6 +20,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.peerinfo import PeerInfo
 
+from .. import wire
 from ..errors import CompushareError, FrameError
 from ..net.dial import dial
 from ..net.framing import FramedStream
@@ -298,7 +299,7 @@ class Download:
             elif kind == "reject":
                 index, code = value
                 self.sent_at.pop((peer, index), None)
-                self.picker.rejected(peer, index, not_held=code == "not_held")
+                self.picker.rejected(peer, index, not_held=code == wire.NOT_HELD)
             elif kind == "error":
                 raise FrameError("seeder_error", str(value))
             else:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ...errors import HopFailed
+from ...errors import MISMATCH, HopFailed
 from ...proofs import relative_error
 from . import chain_rebuild
 from .chain_events import (
@@ -184,7 +184,7 @@ def verdict(core: ChainCore, dispute: Dispute, arbiter: Any) -> None:
     if blamed == "neither":
         return core.hop_done(dispute.primary.output)
     tokens = core.step.tokens
-    outvoted = HopFailed(verifier.session.peer_id, "mismatch", "outvoted")
+    outvoted = HopFailed(verifier.session.peer_id, MISMATCH, "outvoted")
     if blamed == "verifier":
         core.effect(FileReport(verifier.session, hop, core.position, tokens, dispute.check, dispute.primary))
         drop_verifier(core, span, outvoted)
@@ -195,7 +195,7 @@ def verdict(core: ChainCore, dispute: Dispute, arbiter: Any) -> None:
     if blamed == "both":
         drop_verifier(core, span, outvoted)
     chain_rebuild.fail_over(core, HopFailed(
-        hop.peer_id, "mismatch",
+        hop.peer_id, MISMATCH,
         f"{hop.peer_id} (blocks {span[0]}:{span[1]}) answered step {core.position} {dispute.error:.2g} away "
         f"from {verifier.session.peer_id}'s answer (tolerance {tolerance:g}"
         f"{'' if arbiter is None else ', a third server agreeing'})"))

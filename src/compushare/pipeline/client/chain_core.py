@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import HopFailed
+from ...errors import MISMATCH, HopFailed
 from ...karma.receipts import RECEIPT_STEPS
 from ...proofs import DEFAULT_MODE, tolerance as protocol_tolerance
 from . import chain_checks, chain_direct, chain_rebuild, chain_standby, chain_steps
@@ -257,7 +257,7 @@ class ChainCore:
 
     def penalise(self, error: HopFailed) -> None:
         if self.can_fail_over:
-            self.effect(Penalise(error.peer_id, "mismatch" if error.code == "mismatch" else "fault"))
+            self.effect(Penalise(error.peer_id, "mismatch" if error.code == MISMATCH else "fault"))
 
     def forgive(self, session: HopSession) -> None:
         if self.can_fail_over:
