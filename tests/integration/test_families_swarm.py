@@ -18,6 +18,11 @@ from tiny_families import FAMILY_NAMES, make_tiny_family
 
 PROMPT = [1, 17, 42, 99, 3, 200, 7]  # longer than the sliding windows
 TOKENS = 12
+# A span checks one step in each window of 1 / rate steps (spotcheck.SpotCheckSchedule):
+# at a quarter, two hops leave at least two steps of every four unchecked (direct), and
+# every four steps check each span once, whatever the draws (at a half, the two hops
+# could check alternate steps all the way: no direct step, 1 run in ~40).
+CHECK_RATE = 0.25
 SPANS = (("0:2", "a"), ("2:4", "b"), ("2:4", "c"))  # c: a replica of b's span (spot checks, standby)
 
 
@@ -51,9 +56,9 @@ async def test_three_processes_equal_one_process_in_fp32_and_q4(processes, tmp_p
         with trio.fail_after(120):
             outcome = await run_prompt(client, tuple(boots[label]), RunRequest(
                 model=family if label == "fp32" else f"{family}@q4", prompt=PROMPT, standby=True,
-                params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)), spot_check_rate=0.5)
+                params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)), spot_check_rate=CHECK_RATE)
         assert outcome.tokens == local_greedy(model.path, PROMPT, TOKENS), label
         assert [(h.start, h.end) for h in outcome.route] == [(0, 2), (2, 4)]
         assert {h.record.fmt for h in outcome.route} == ({""} if label == "fp32" else {model.format.label})
         assert outcome.checks > 0 and not outcome.failovers  # the replica agreed with every checked step
-        assert outcome.direct_steps > 0  # the steps not checked went straight through the chain
+        assert outcome.direct_steps > 0  # the steps no hop checked went straight through the chain
