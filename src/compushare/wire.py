@@ -6,11 +6,12 @@ that it documents exactly these. Constants only: no imports, the lowest layer.
 
 # Stream protocols (versioned: a new version is a new id).
 INFER = "/compushare/infer/1.5.0"
+TRAIN = "/compushare/train/1.0.0"
 PRIVATE = "/compushare/private/1.0.0"
 PIECES = "/compushare/pieces/1.0.0"
 KARMA = "/compushare/karma/1.0.0"
 VIEW = "/compushare/view/1.0.0"
-PROTOCOLS = (INFER, PRIVATE, PIECES, KARMA, VIEW)
+PROTOCOLS = (INFER, TRAIN, PRIVATE, PIECES, KARMA, VIEW)
 
 AD_TOPIC = "/compushare/ads/1"  # GossipSub; the version is part of the topic: v2 ads get a new one
 
@@ -47,6 +48,11 @@ BAD_RECEIPT = "bad_receipt"
 NO_INPUT = "no_input"  # a step from_upstream whose push did not come within its wait
 INFER_ERRORS = (BAD_REQUEST, UNKNOWN_SESSION, OUT_OF_ORDER, SESSION_EXISTS, WRONG_MODEL, BAD_SPAN, TOO_LONG,
                 BUSY, RATE_LIMITED, BAD_RECEIPT, NO_INPUT, INTERNAL)
+
+# Error codes about LoRA adapters (/compushare/infer's open, /compushare/train's requests).
+BAD_ADAPTER = "bad_adapter"  # malformed, not fitting the model or span, or not hashing to its digest
+UNKNOWN_ADAPTER = "unknown_adapter"  # named by a digest this server does not hold: send the tensors
+ADAPTER_ERRORS = (BAD_ADAPTER, UNKNOWN_ADAPTER)
 
 # Error codes of /compushare/private: session errors end the stream, request errors do not.
 MALFORMED = "malformed"

@@ -29,6 +29,7 @@ from .device import CPU
 from .kv_cache import new_cache
 from .families import layer_types
 from .lean import run_layers
+from .lora import Adapter
 from .manifest import parse as parse_manifest
 from .store import MANIFEST_FILE
 from .quantize import matrix_parts, random_parts, stack_rows
@@ -114,6 +115,7 @@ class SpanRunner:
                          self.device)
         del layer_state
         layer.eval()
+        layer.requires_grad_(False)  # frozen: training computes gradients for inputs and adapters only
         self.layers[index] = layer
         self.weight_bytes += sum(t.numel() * t.element_size()
                                  for t in (*layer.parameters(), *layer.buffers()) if t.device.type != "meta")
@@ -262,26 +264,32 @@ class SpanRunner:
 
     def forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int,
                 start: int | None = None, end: int | None = None, *,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                between_layers: Callable[[], None] | None = None, adapter: Adapter | None = None) -> torch.Tensor:
         """Run layers start..end-1 (default: the whole span) on `hidden` [1, n, H],
         whose first token sits at `position`; appends to `cache`. `between_layers`
         is called before every layer (it may block: the server pauses a long forward
-        there while a decode step runs)."""
+        there while a decode step runs). `adapter`: a LoRA adapter's updates apply."""
+        return self.slowed(self._forward, hidden, cache, position, start, end, between_layers, adapter)
+
+    def slowed(self, compute: Callable, *args, **kwargs):
+        """`compute(*args, **kwargs)`, taking `slowdown` times as long (fault injection)."""
         if self.slowdown <= 1.0:
-            return self._forward(hidden, cache, position, start, end, between_layers)
+            return compute(*args, **kwargs)
         began = time.perf_counter()
-        out = self._forward(hidden, cache, position, start, end, between_layers)
+        out = compute(*args, **kwargs)
         time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
         return out
 
     @torch.inference_mode()
     def _forward(self, hidden: torch.Tensor, cache: DynamicCache, position: int, start: int | None,
-                 end: int | None, between_layers: Callable[[], None] | None) -> torch.Tensor:
+                 end: int | None, between_layers: Callable[[], None] | None, adapter: Adapter | None = None
+                 ) -> torch.Tensor:
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not (self.start <= start < end <= self.end):
             raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
-        return run_layers(self, hidden.to(self.dtype), [cache], [position], start, end, between_layers)
+        return run_layers(self, hidden.to(self.dtype), [cache], [position], start, end, between_layers,
+                          None if adapter is None else [adapter])
 
     def cached_length(self, cache: DynamicCache) -> int:
         """Tokens held. A session may run only a suffix of the span, leaving the

@@ -28,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .device import to_device, to_host
 from .families import FULL, SLIDING
+from .lora import Adapter, LayerLora, layer_lora
 
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 
@@ -58,26 +59,47 @@ def norm_of(runner) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
     return _fused_norm_plus_one if runner.family.norm_plus_one else _fused_norm
 
 
-def _projections(attn, normed: torch.Tensor, shape: tuple, sizes: tuple[int, int, int]):
+def _projections(attn, normed: torch.Tensor, shape: tuple, sizes: tuple[int, int, int],
+                 lora: LayerLora | None = None):
     """Query, key and value [N, n, heads, D] (not yet transposed), from whichever
-    modules the attention holds."""
+    modules the attention holds, each with its LoRA update where an adapter has one."""
     qkv, kv = getattr(attn, "qkv_proj", None), getattr(attn, "kv_proj", None)
     if qkv is not None:  # quantized layers' stacked rows, or Phi-3's own fused matrix
-        return tuple(part.reshape(shape) for part in qkv(normed).split(sizes, dim=-1))
-    query = attn.q_proj(normed).view(shape)
-    if kv is not None:
-        key, value = (part.reshape(shape) for part in kv(normed).split(sizes[1:], dim=-1))
-        return query, key, value
-    return query, attn.k_proj(normed).view(shape), attn.v_proj(normed).view(shape)
+        fused = qkv(normed)
+        if lora is not None:
+            fused = lora.add("self_attn.qkv_proj", normed, fused)  # Phi-3's own matrix, adapted whole
+        query, key, value = fused.split(sizes, dim=-1)
+    elif kv is not None:
+        query, (key, value) = attn.q_proj(normed), kv(normed).split(sizes[1:], dim=-1)
+    else:
+        query, key, value = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+    if lora is not None:  # q, k, v adapted one by one, even where their rows are stacked here
+        query = lora.add("self_attn.q_proj", normed, query)
+        key = lora.add("self_attn.k_proj", normed, key)
+        value = lora.add("self_attn.v_proj", normed, value)
+    return query.reshape(shape), key.reshape(shape), value.reshape(shape)
 
 
-def _mlp(mlp, normed: torch.Tensor) -> torch.Tensor:
+def _adapted(module, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    y = module(x)
+    return y if lora is None else lora.add(name, x, y)
+
+
+def _mlp(mlp, normed: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
     gate_up = getattr(mlp, "gate_up_proj", None)
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3 names it activation_fn
     if gate_up is None:
-        return mlp(normed)
-    gate, up = gate_up(normed).chunk(2, dim=-1)  # quantized layers' stacked rows, or Phi-3's own
-    act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
-    return mlp.down_proj(act(gate) * up)
+        if lora is None:
+            return mlp(normed)
+        # The family's MLP, step by step (the same operations as its module's forward).
+        gate = _adapted(mlp.gate_proj, "mlp.gate_proj", normed, lora)
+        up = _adapted(mlp.up_proj, "mlp.up_proj", normed, lora)
+    else:  # quantized layers' stacked rows, or Phi-3's own
+        fused = _adapted(gate_up, "mlp.gate_up_proj", normed, lora)
+        gate, up = fused.chunk(2, dim=-1)
+        if lora is not None:
+            gate, up = lora.add("mlp.gate_proj", normed, gate), lora.add("mlp.up_proj", normed, up)
+    return _adapted(mlp.down_proj, "mlp.down_proj", act(gate) * up, lora)
 
 
 def attention_inputs(config, family, rotary_embedding, kinds: list[str], hidden: torch.Tensor,
@@ -102,10 +124,19 @@ def attention_inputs(config, family, rotary_embedding, kinds: list[str], hidden:
 
 @torch.inference_mode()
 def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int], start: int, end: int,
-               between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+               between_layers: Callable[[], None] | None = None,
+               adapters: list[Adapter | None] | None = None) -> torch.Tensor:
     """Layers start..end-1 of `runner` on `hidden` [N, n, H]: session i's n tokens start
-    at `positions[i]` and are appended to `caches[i]`. Returns [N, n, H], on the host
-    (the span's layers, caches and activations on `runner.device`)."""
+    at `positions[i]` and are appended to `caches[i]`, with `adapters[i]`'s LoRA
+    updates (model/lora.py) where given. Returns [N, n, H], on the host (the span's
+    layers, caches and activations on `runner.device`)."""
+    return layers_forward(runner, hidden, caches, positions, start, end, between_layers, adapters)
+
+
+def layers_forward(runner, hidden: torch.Tensor, caches: list, positions: list[int], start: int, end: int,
+                   between_layers: Callable[[], None] | None = None,
+                   adapters: list[Adapter | None] | None = None) -> torch.Tensor:
+    """run_layers under whatever grad mode the caller chose (training records the graph)."""
     config, family, kinds = runner.config, runner.family, runner.layer_types
     sessions, tokens = hidden.shape[0], hidden.shape[1]
     hidden = to_device(hidden, runner.device)  # a span on CUDA: in through a pinned buffer, out likewise
@@ -119,9 +150,9 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
         if between_layers is not None:
             between_layers()
         layer, kind = runner.layers[index], kinds[index]
-        attn = layer.self_attn
+        attn, lora = layer.self_attn, layer_lora(adapters, index)
         residual = hidden
-        query, key, value = _projections(attn, norm(layer.input_layernorm, hidden), shape, runner.qkv_sizes)
+        query, key, value = _projections(attn, norm(layer.input_layernorm, hidden), shape, runner.qkv_sizes, lora)
         if family.qk_norm == "before_transpose":
             query, key = norm(attn.q_norm, query), norm(attn.k_norm, key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -139,15 +170,15 @@ def run_layers(runner, hidden: torch.Tensor, caches: list, positions: list[int],
             keys, values = caches[i].update(key[one], value[one], index)
             outputs.append(attention(attn, query[one], keys, values, masks[kind][i], **options)[0])
         attended = outputs[0] if sessions == 1 else torch.cat(outputs, dim=0)
-        out = attn.o_proj(attended.reshape(sessions, tokens, -1).contiguous())
+        out = _adapted(attn.o_proj, "self_attn.o_proj", attended.reshape(sessions, tokens, -1).contiguous(), lora)
         if family.sandwich_norms:
             out = norm(layer.post_attention_layernorm, out)
             hidden = residual + out
             residual = hidden
-            out = _mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, hidden))
+            out = _mlp(layer.mlp, norm(layer.pre_feedforward_layernorm, hidden), lora)
             hidden = residual + norm(layer.post_feedforward_layernorm, out)
         else:
             hidden = residual + out
             residual = hidden
-            hidden = residual + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden))
+            hidden = residual + _mlp(layer.mlp, norm(layer.post_attention_layernorm, hidden), lora)
     return to_host(hidden)

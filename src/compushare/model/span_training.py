@@ -1,0 +1,61 @@
+"""A span's training passes: stateless forward and backward for a microbatch.
+
+A server keeps nothing between a microbatch's forward and its backward: the
+backward recomputes the span's forward from the span's input (as Petals'
+rpc_backward does), recording the graph this time, and returns the gradient for
+that input and for the adapter's factors it was given. The span's own weights are
+frozen (their modules never require grad) and no optimizer runs here: the consumer
+holds the trainable parameters.
+
+Sequences of a microbatch are independent (each its own empty KV cache, position
+0): a padded row's padding comes after its tokens and, attention being causal,
+changes none of them. Synchronous: callers put it in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .lean import layers_forward
+from .lora import Adapter
+
+
+def _layers(runner, hidden: torch.Tensor, adapter: Adapter | None, start: int, end: int,
+            between_layers: Callable[[], None] | None) -> torch.Tensor:
+    if not (runner.start <= start < end <= runner.end):
+        raise ValueError(f"sub-span {start}:{end} outside served span {runner.start}:{runner.end}")
+    rows = hidden.shape[0]
+    caches = [runner.new_cache() for _ in range(rows)]
+    return layers_forward(runner, hidden.to(runner.dtype), caches, [0] * rows, start, end, between_layers,
+                          [adapter] * rows if adapter is not None else None)
+
+
+def span_forward(runner, hidden: torch.Tensor, adapter: Adapter | None, start: int, end: int, *,
+                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+    """Layers start..end-1 on `hidden` [B, T, H] (B independent sequences), with
+    `adapter`'s updates; float32 out."""
+    with torch.inference_mode():
+        return _layers(runner, hidden, adapter, start, end, between_layers).float()
+
+
+def span_backward(runner, hidden: torch.Tensor, grad_output: torch.Tensor, adapter: Adapter | None, start: int,
+                  end: int, *, between_layers: Callable[[], None] | None = None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(d loss / d hidden, {adapter tensor name: d loss / d it}) for layers start..end-1,
+    given d loss / d output: the forward recomputed with its graph, then backward."""
+    with torch.enable_grad():
+        leaf = hidden.detach().to(runner.dtype).requires_grad_(True)
+        params: dict[str, torch.Tensor] = {}
+        trained = None
+        if adapter is not None:
+            params = {name: t.detach().clone().requires_grad_(True) for name, t in adapter.tensors.items()}
+            trained = Adapter(adapter.spec, params, adapter.model_id)
+        output = _layers(runner, leaf, trained, start, end, between_layers)
+        names = [name for name in params if params[name] is not None]
+        grads = torch.autograd.grad(output, [leaf, *(params[n] for n in names)],
+                                    grad_outputs=grad_output.to(output.dtype), allow_unused=True)
+    grad_input = grads[0].float()
+    return grad_input, {name: (g if g is not None else torch.zeros_like(params[name])).float()
+                        for name, g in zip(names, grads[1:])}
