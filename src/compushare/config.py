@@ -94,6 +94,9 @@ class ServerLimits:
     stream_idle_timeout_s: float = 60.0  # a stream that sends no frame for this long is closed
     peer_requests_per_s: float = 1000.0  # token buckets per peer, with a 2 s burst
     peer_bytes_per_s: float = 256 * 1024 * 1024
+    # Activations of training backwards running at once (/compushare/train), at most what
+    # the memory budget leaves beside the span's weights and KV budget.
+    train_memory_mb: int = 1024
 
     def __post_init__(self) -> None:
         # A frame must fit in one peer's byte burst (2 s of its rate), or it could never

@@ -282,3 +282,159 @@ def _typed(value, kind):
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ValueError(f"{value!r:.40} has the wrong type")
     return value
+
+
+# ---------------------------------------------------------------- training (/compushare/train)
+#
+# A server signs every backward it answers:
+#
+#     ["compushare/train-proof/v1", mode, model, start, end, input, output]
+#
+# "computing in `mode`, blocks start:end of model M, for the input digest `input`
+# (train_input_digest: the span's input, the output's gradient and the adapter's
+# digest) gives the gradients whose digest is `output`" (train_output_digest, over
+# the parts in order: "input" (the input's gradient) then each adapter tensor's by
+# name). Two such claims for one input whose parts differ beyond the mode's
+# tolerance, any part, make a TrainFailureReport.
+
+TRAIN_DOMAIN = "compushare/train-proof/v1"
+TRAIN_REPORT_FORMAT = "compushare/train-failure-report/v1"
+INPUT_PART = "input"
+
+
+def train_input_digest(hidden: bytes, grad: bytes, adapter_digest: bytes) -> bytes:
+    """Over the request's float32 bytes (the span's input and the output's gradient) and
+    its adapter's digest (model/lora.py; empty without one)."""
+    h = hashlib.sha256(b"compushare/train-input/v1\x00")
+    for part in (hidden, grad, adapter_digest):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def train_output_digest(parts: list[tuple[str, bytes]]) -> bytes:
+    """Over a backward's gradients: (name, float32 bytes) in the reply's order."""
+    h = hashlib.sha256(b"compushare/train-output/v1\x00")
+    for name, data in parts:
+        h.update(name.encode() + b"\x00" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStatement:
+    mode: str
+    model_id: str
+    start: int
+    end: int
+    input_digest: bytes
+    output_digest: bytes
+
+    def encode(self) -> bytes:
+        return msgpack.packb([TRAIN_DOMAIN, self.mode, self.model_id, self.start, self.end, self.input_digest,
+                              self.output_digest], use_bin_type=True)
+
+    sign = Statement.sign
+    verify = Statement.verify
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainClaim:
+    peer_id: str
+    output: bytes  # every part's float32 bytes, in the report's order
+    signature: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFailureReport:
+    """Two signed backwards of the same span and input whose gradients conflict."""
+
+    mode: str
+    model_id: str
+    start: int
+    end: int
+    input_digest: bytes
+    parts: tuple[tuple[str, int], ...]  # (name, float32 count) of each gradient, in order
+    accused: TrainClaim
+    witness: TrainClaim
+
+    @property
+    def tolerance(self) -> float:
+        return tolerance(self.mode, self.end - self.start)
+
+    def split(self, claim: TrainClaim) -> list[tuple[str, bytes]]:
+        out, offset = [], 0
+        for name, count in self.parts:
+            out.append((name, claim.output[offset:offset + 4 * count]))
+            offset += 4 * count
+        return out
+
+    def error(self) -> float:
+        """The largest relative error of any one part (a lie in a small gradient is
+        not hidden by a large one)."""
+        return max(relative_error(np.frombuffer(a, "<f4"), np.frombuffer(b, "<f4"))
+                   for (_, a), (_, b) in zip(self.split(self.accused), self.split(self.witness)))
+
+    def check(self) -> None:
+        if self.accused.peer_id == self.witness.peer_id:
+            raise PeerMisbehaved("a failure report needs two different servers")
+        if self.mode not in TOLERANCES:
+            raise PeerMisbehaved(f"compute mode {self.mode!r} has no tolerance in the protocol")
+        size = 4 * sum(count for _, count in self.parts)
+        for claim in (self.accused, self.witness):
+            if len(claim.output) != size:
+                raise PeerMisbehaved("a claim's gradients are not the report's parts")
+            statement = TrainStatement(self.mode, self.model_id, self.start, self.end, self.input_digest,
+                                       train_output_digest(self.split(claim)))
+            if not statement.verify(claim.peer_id, claim.signature):
+                raise PeerMisbehaved(f"the claim of {claim.peer_id} is not signed by it")
+        if not self.error() > self.tolerance:
+            raise PeerMisbehaved("the two gradients agree within the tolerance: nothing to report")
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb({
+            "format": TRAIN_REPORT_FORMAT, "mode": self.mode, "model": self.model_id, "start": self.start,
+            "end": self.end, "input_digest": self.input_digest, "parts": [list(p) for p in self.parts],
+            "accused": _train_claim_wire(self.accused), "witness": _train_claim_wire(self.witness)},
+            use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, body: dict) -> TrainFailureReport:
+        try:
+            if set(body) != {"format", "mode", "model", "start", "end", "input_digest", "parts", "accused",
+                             "witness"}:
+                raise ValueError(f"fields {sorted(body)}")
+            parts = tuple((_typed(p[0], str), _typed(p[1], int)) for p in body["parts"])
+            claims = [TrainClaim(_typed(c["peer"], str), _typed(c["output"], bytes), _typed(c["sig"], bytes))
+                      for c in (body["accused"], body["witness"])]
+            report = cls(_typed(body["mode"], str), _typed(body["model"], str), _typed(body["start"], int),
+                         _typed(body["end"], int), _typed(body["input_digest"], bytes), parts, *claims)
+        except Exception as exc:
+            raise PeerMisbehaved(f"malformed training failure report: {exc}") from None
+        if not (0 <= report.start < report.end and parts and all(n >= 1 for _, n in parts)
+                and len(report.input_digest) == DIGEST_BYTES):
+            raise PeerMisbehaved("training failure report fields out of range")
+        return report
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_wire()).hexdigest()
+
+
+def _train_claim_wire(claim: TrainClaim) -> dict:
+    return {"peer": claim.peer_id, "output": claim.output, "sig": claim.signature}
+
+
+def parse_report(data: bytes) -> FailureReport | TrainFailureReport:
+    """Either kind of failure report, parsed (not checked: call check())."""
+    if isinstance(data, bytes | bytearray) and len(data) <= MAX_REPORT_BYTES:
+        try:
+            body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception:
+            body = None
+        if isinstance(body, dict) and body.get("format") == TRAIN_REPORT_FORMAT:
+            return TrainFailureReport.from_wire(body)
+    return FailureReport.from_wire(data)
+
+
+Report = FailureReport | TrainFailureReport  # what karma readers, stores and witnesses take

@@ -48,6 +48,8 @@ from ..pipeline.server.private import PrivateServer
 from ..pipeline.server.private_worker import HEWorker
 from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
+from ..pipeline.server.training import TrainingServer
+from ..wire import TRAIN as TRAIN_PROTOCOL
 from ..runtime import stop_on_signal, write_json, write_state
 from .startup import (SpanMemory, ad_maker, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
                       span_memory)
@@ -89,6 +91,7 @@ class Node:
         self.gossip: Gossip | None = None
         self.provider: Provider | None = None
         self.private: PrivateServer | None = None  # /compushare/private, when config.private
+        self.training: TrainingServer | None = None  # /compushare/train, once a span is served
         self.torrent: Torrent | None = None
         self.karma: KarmaService | None = None
         self.karma_book = KarmaBook()  # the karma of peers in view, checked in the background
@@ -224,7 +227,18 @@ class Node:
         provider.server.enable_push(host, nursery, forge=self.faults.forge_push)
         host.set_stream_handler(INFER_PROTOCOL, provider.server.rpc_infer)
         self._serve_private(provider, memory)
+        self._serve_training(provider, memory)
         return provider
+
+    def _serve_training(self, provider: Provider, memory: SpanMemory) -> None:
+        """Services: training (/compushare/train), its activations in what the span's
+        weights and KV budget leave of the memory budget, at most train_memory_mb."""
+        config, model = self.config, provider.model
+        left = memory.private_budget(config.memory_budget_mb, block_cost(model, config.limits.kv_budget_tokens))
+        span = provider.span
+        budget = min(config.limits.train_memory_mb * 2**20, left((span.start, span.end)))
+        self.training = TrainingServer(provider.server, memory_bytes=budget)
+        self.swarm.host.set_stream_handler(TRAIN_PROTOCOL, self.training.rpc_train)
 
     def _inference_server(self, runner) -> InferenceServer:
         provider = self.provider

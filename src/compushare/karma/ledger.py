@@ -22,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
-from ..proofs import FailureReport
+from ..proofs import Report, parse_report
 from .receipts import MAX_RECEIPT_BYTES, Receipt, countersign, parse_receipt
 from .rules import Tally, tally
 
@@ -121,13 +121,13 @@ class ReportStore:
             self._index = {}
             for path in sorted(self.folder.glob("*.msgpack")) if self.folder.is_dir() else []:
                 try:
-                    report = FailureReport.from_wire(path.read_bytes())
+                    report = parse_report(path.read_bytes())
                 except (OSError, PeerMisbehaved):
                     continue
                 self._index[path.stem] = (report.accused.peer_id, report.witness.peer_id)
         return self._index
 
-    def add(self, report: FailureReport) -> bool:
+    def add(self, report: Report) -> bool:
         """Keep a report (check() it first); False if this pair's report, or the
         most this store keeps, is here already."""
         index = self._load()

@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from ..errors import PeerMisbehaved
-from ..proofs import FailureReport
+from ..proofs import Report, parse_report
 from .receipts import Receipt, parse_receipt
 
 DAILY_CAP_MS = 3_600_000.0  # one consumer's receipts, per server, per UTC day
@@ -96,15 +96,15 @@ def score(compute_ms: float, reports: int = 0) -> float:
     return base_score(compute_ms) * REPORT_FACTOR ** max(0, reports)
 
 
-def verified_reports(wires: list[bytes], accused: str) -> list[FailureReport]:
+def verified_reports(wires: list[bytes], accused: str) -> list[Report]:
     """The distinct failure reports against `accused` whose signatures check out.
     One per witness: a witness's disagreements with a server count once, however
     many reports of them circulate (a report proves two servers disagree, not which
     of them is wrong; see README "Karma" for what this does and does not resist)."""
-    found: dict[str, FailureReport] = {}
+    found: dict[str, Report] = {}
     for wire in wires:
         try:
-            report = FailureReport.from_wire(wire)
+            report = parse_report(wire)
             if report.accused.peer_id != accused:
                 continue
             report.check()

@@ -29,7 +29,7 @@ from ..net.dial import dial
 from ..net.framing import FramedStream
 from ..net.host import advertised_addrs
 from ..net.serve import GuardedHandler
-from ..proofs import FailureReport
+from ..proofs import Report, parse_report
 from .ledger import ReceiptBook, ReportStore
 from .receipts import MAX_RECEIPT_BYTES
 from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record
@@ -72,7 +72,7 @@ class KarmaService:
         # at most MAX_STREAMS_PER_PEER of one peer's requests at once, more are reset.
         self.handle = GuardedHandler(self._serve, per_peer=MAX_STREAMS_PER_PEER)
 
-    def keep_report(self, report: FailureReport) -> bool:
+    def keep_report(self, report: Report) -> bool:
         """Keep a checked report and advertise it; False if not kept (known, or full)."""
         new = self.reports.add(report)
         if new:
@@ -158,7 +158,7 @@ class KarmaService:
             items = await trio.to_thread.run_sync(self.reports.against, peer)
             return {"type": "reports", "items": _budget(items, MAX_REPORTS_REPLY)}
         if kind == "report":
-            report = FailureReport.from_wire(request.get("report"))
+            report = parse_report(request.get("report"))
             # Only a report this node witnessed: anyone could mint reports between two
             # throwaway keys, and a node keeps and advertises only what it can vouch for.
             if report.witness.peer_id != self.peer_id:
@@ -227,7 +227,7 @@ async def fetch_receipts(host: IHost, record: KarmaRecord) -> list[bytes]:
     return items
 
 
-async def submit_report(host: IHost, peer: str, report: FailureReport) -> bool:
+async def submit_report(host: IHost, peer: str, report: Report) -> bool:
     reply = await _ask(host, ID.from_base58(peer), {"type": "report", "report": report.to_wire()})
     return reply.get("new") is True
 

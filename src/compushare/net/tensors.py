@@ -31,8 +31,9 @@ def encode_tensor(tensor: torch.Tensor) -> dict:
     return {"dtype": name, "shape": list(tensor.shape), "data": tensor.numpy().tobytes()}
 
 
-def decode_tensor(obj: object, *, hidden_size: int, max_tokens: int) -> torch.Tensor:
-    """Validate a wire tensor of shape [1, tokens, hidden_size] and build it.
+def decode_tensor(obj: object, *, hidden_size: int, max_tokens: int, max_batch: int = 1) -> torch.Tensor:
+    """Validate a wire tensor of shape [1, tokens, hidden_size] and build it (with
+    `max_batch` > 1: [batch, tokens, hidden_size], batch x tokens at most max_tokens).
 
     Checks, in order: structure, dtype whitelist, shape, byte length, finiteness.
     """
@@ -48,7 +49,11 @@ def decode_tensor(obj: object, *, hidden_size: int, max_tokens: int) -> torch.Te
     ):
         raise FrameError(BAD_SHAPE, f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
     batch, tokens, hidden = shape
-    if batch != 1 or hidden != hidden_size or not (1 <= tokens <= max_tokens):
+    if max_batch > 1:
+        if hidden != hidden_size or not (1 <= batch <= max_batch and tokens >= 1 and batch * tokens <= max_tokens):
+            raise FrameError(BAD_SHAPE, f"shape {shape} must be [1..{max_batch}, tokens, {hidden_size}] with at "
+                                        f"most {max_tokens} tokens in all")
+    elif batch != 1 or hidden != hidden_size or not (1 <= tokens <= max_tokens):
         raise FrameError(
             BAD_SHAPE,
             f"shape {shape} must be [1, 1..{max_tokens}, {hidden_size}]",

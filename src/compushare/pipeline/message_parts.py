@@ -35,17 +35,18 @@ class WireTensor:
         return {"dtype": self.dtype, "shape": list(self.shape), "data": self.data}
 
     @classmethod
-    def from_wire(cls, obj: object) -> WireTensor:
+    def from_wire(cls, obj: object, dims: int = 3) -> WireTensor:
         """The structure checks of net.tensors.decode_tensor, with its codes and messages:
-        a map of exactly dtype (on the whitelist), shape (3 integers), data (bytes)."""
+        a map of exactly dtype (on the whitelist), shape (`dims` integers), data (bytes)."""
         if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
             raise FrameError(wire.BAD_TENSOR, "a tensor is a map of exactly dtype, shape, data")
         dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
         if not isinstance(dtype, str) or dtype not in WIRE_NUMPY_DTYPES:
             raise FrameError(wire.BAD_DTYPE, f"dtype {dtype!r} is not one of {sorted(WIRE_NUMPY_DTYPES)}")
-        if (not isinstance(shape, list) or len(shape) != 3
+        if (not isinstance(shape, list) or len(shape) != dims
                 or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
-            raise FrameError(wire.BAD_SHAPE, f"shape must be 3 integers [batch, tokens, hidden], got {shape!r}")
+            what = "[batch, tokens, hidden]" if dims == 3 else "dimensions"
+            raise FrameError(wire.BAD_SHAPE, f"shape must be {dims} integers {what}, got {shape!r}")
         if not isinstance(data, bytes):
             raise FrameError(wire.BAD_TENSOR, "tensor data must be bytes")
         return cls(dtype, tuple(shape), data)

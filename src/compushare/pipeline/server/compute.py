@@ -18,6 +18,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import trio
@@ -27,8 +28,10 @@ from ...model.blocks import SpanRunner
 from ...net.tensors import encode_tensor
 from .. import protocol
 from ..messages import WireTensor
-from .scheduler import FairScheduler, Ticket, pieces
+from .scheduler import SHORT_TOKENS, FairScheduler, Ticket, pieces
 from .session import Rejected
+
+T = TypeVar("T")
 
 LOAD_WINDOW_S = 10.0
 RATE_EWMA = 0.2
@@ -252,18 +255,33 @@ class Compute(ComputeMeter):
 
     async def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
         """A long piece's forward in a worker thread, pausing before each layer while
-        short pieces preempt it. It counts as running from here, before its thread
-        starts, so a short piece granted meanwhile waits for its first pause point."""
+        short pieces preempt it."""
+        return await self._long(lambda pause: _timed(functools.partial(runner.forward, between_layers=pause), *args))
+
+    async def _long(self, compute: Callable[[Callable[[], None]], T]) -> T:
+        """`compute(pause_point)` in a worker thread, where `pause_point` is called between
+        layers. It counts as running from here, before its thread starts, so a short
+        piece granted meanwhile waits for its first pause point."""
         with self._preempt:
             self._in_long += 1
         try:
-            forward = functools.partial(_timed, functools.partial(runner.forward, between_layers=self._pause_point),
-                                        *args)
-            return await trio.to_thread.run_sync(forward, limiter=self._threads)
+            return await trio.to_thread.run_sync(compute, self._pause_point, limiter=self._threads)
         finally:
             with self._preempt:
                 self._in_long -= 1
                 self._preempt.notify_all()
+
+    async def run_training(self, peer: str, cost_tokens: int, blocks: int,
+                           compute: Callable[[Callable[[], None]], T]) -> tuple[T, float]:
+        """A training request's forward or backward (`compute(pause_point)`): one piece
+        in `peer`'s fair turn, costed at `cost_tokens`, always a long one (a decode step
+        preempts it between layers), in a worker thread. Returns its result and seconds."""
+        async with self.turn(peer, max(cost_tokens, SHORT_TOKENS + 1)):
+            began = time.perf_counter()
+            out = await self._long(compute)
+            took = time.perf_counter() - began
+        self.observe(cost_tokens, blocks, took)
+        return out, took
 
     def _pause_point(self) -> None:
         with self._preempt:
