@@ -286,7 +286,7 @@ def _typed(value, kind):
 
 # ---------------------------------------------------------------- training (/compushare/train)
 #
-# A server signs every backward it answers:
+# A server signs every forward and backward it answers:
 #
 #     ["compushare/train-proof/v1", mode, model, start, end, input, output]
 #
@@ -299,7 +299,8 @@ def _typed(value, kind):
 
 TRAIN_DOMAIN = "compushare/train-proof/v1"
 TRAIN_REPORT_FORMAT = "compushare/train-failure-report/v1"
-INPUT_PART = "input"
+INPUT_PART = "input"  # a backward's first part: the span input's gradient
+OUTPUT_PART = "output"  # a forward's one part: the span's output (signed the same way, input "grad" empty)
 
 
 def train_input_digest(hidden: bytes, grad: bytes, adapter_digest: bytes) -> bytes:

@@ -103,3 +103,84 @@ async def test_swarm_gradients_equal_one_process(processes, tiny_model, tmp_path
         receipts = [r for stage in trainer.stages for hop in stage.hops for r in hop.receipts]
         assert len(receipts) == 3 and all(r.tokens > 0 for r in receipts)  # karma for the training work
         await trainer.close()
+
+
+async def test_killed_server_mid_step_costs_no_step(processes, tiny_model, tmp_path):
+    """B serves 2:4 and is the route's; C serves 2:4 too, slower. B is killed (SIGKILL)
+    once it has answered a request of the step: the step completes on C, and its
+    gradients are still exactly the one-process gradients."""
+    _, a, b, c = None, *liar_and_honest_nodes(processes, tiny_model, liar_noise=None)
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    async with Consumer.connect(client, tuple(a["addrs"][:1]), "tiny", text_prompts=False) as consumer:
+        trainer = await trainer_for(consumer, spot_check_rate=0.0)
+        assert trainer.stages[1].hops[0].peer_id == b["peer_id"]
+        batches = microbatches(load_config(tiny_model).vocab_size, count=3)
+        _, expected = peft_gradients(tiny_model, trainer.state.adapter(), batches)
+        killed = trio.Event()
+
+        async def kill_b_once_used():
+            hop = trainer.stages[1].hops[0]
+            with trio.fail_after(60):
+                while hop.requests < 1:
+                    await trio.sleep(0.005)
+            os.kill(b["pid"], signal.SIGKILL)
+            killed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill_b_once_used)
+            stats = await trainer.step(batches)
+        assert killed.is_set() and stats.step == 1 and trainer.failovers >= 1
+        assert [h.peer_id for h in trainer.stages[1].hops] == [c["peer_id"]]
+        # The step's update is the one the lost requests would have given: recompute
+        # this step's gradients at the starting point and compare.
+        fresh = TrainingState(adapter_for(tiny_model, trainer.model_id), OptimizerSettings(lr=1e-3))
+        trainer.state, kept = fresh, trainer.state
+        _, _, grads = await trainer.gradients(batches)
+        assert max_difference(grads, expected) <= 1e-5
+        assert kept.step == 1
+        await trainer.close()
+
+
+async def test_lying_server_caught_by_a_gradient_spot_check(processes, tiny_model, tmp_path):
+    """B serves 2:4 and adds noise to what it returns; C and D serve 2:4 honestly. With
+    every answer checked, B is caught: a signed failure report names it (anyone can
+    check it), B is replaced, and the step's gradients are the honest ones."""
+    a, b, c = liar_and_honest_nodes(processes, tiny_model, liar_noise="0.05")
+    d = processes.node("d", tiny_model, "2:4", bootstrap=a["addrs"][:1])[1]
+    client = tmp_path / "client"
+    import_path(tiny_model, client, alias="tiny")
+    async with Consumer.connect(client, tuple(a["addrs"][:1]), "tiny", text_prompts=False) as consumer:
+        trainer = await trainer_for(consumer, spot_check_rate=1.0)
+        with trio.fail_after(60):  # C and D known as verifiers
+            while trainer.planner.verifier(2, 4, {b["peer_id"], c["peer_id"]}) is None:
+                await trainer.planner.refresh()
+                await trio.sleep(0.2)
+        assert trainer.stages[1].hops[0].peer_id == b["peer_id"]
+        batches = microbatches(load_config(tiny_model).vocab_size, count=1)
+        _, expected = peft_gradients(tiny_model, trainer.state.adapter(), batches)
+        _, _, grads = await trainer.gradients(batches)
+        assert trainer.mismatches and set(trainer.mismatches) == {b["peer_id"]}
+        assert trainer.reports, "a failure report was filed"
+        for report in trainer.reports:
+            again = parse_report(report.to_wire())
+            again.check()  # verifies from its bytes alone
+            assert again.accused.peer_id == b["peer_id"] and again.witness.peer_id in {c["peer_id"], d["peer_id"]}
+        assert b["peer_id"] not in {h.peer_id for s in trainer.stages for h in s.hops}
+        assert max_difference(grads, expected) <= 1e-5
+        await trainer.close()
+
+
+def liar_and_honest_nodes(processes, model_dir, *, liar_noise: str | None):
+    """A serves 0:2; B serves 2:4, fast (with `liar_noise`, it lies); C serves 2:4,
+    slowly, so routes prefer B (helpers.liar_and_honest with the noise optional)."""
+    if liar_noise is not None:
+        a, _, b, c = liar_and_honest(processes, model_dir)
+        return a, b, c
+    _, a = processes.node("a", model_dir, "0:2")
+    boot = a["addrs"][:1]
+    fast_ads = ["--ad-period", "1"]
+    b = processes.node("b", model_dir, "2:4", bootstrap=boot, extra=fast_ads, wait=False)[0]
+    c = processes.node("c", model_dir, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
+                       wait=False)[0]
+    return a, processes.ready("b", b), processes.ready("c", c)

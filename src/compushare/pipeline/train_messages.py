@@ -144,9 +144,11 @@ class ForwardResult:
     id: int
     hidden: WireTensor
     compute_ms: float
+    signature: bytes  # the server's over proofs.TrainStatement
 
     def to_wire(self) -> dict:
-        return {"type": "output", "id": self.id, "hidden": self.hidden.to_wire(), "compute_ms": self.compute_ms}
+        return {"type": "output", "id": self.id, "hidden": self.hidden.to_wire(), "compute_ms": self.compute_ms,
+                "sig": self.signature}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,13 @@ def _ms(m: dict) -> float:
     return float(value)
 
 
+def _signature(m: dict) -> bytes:
+    signature = m.get("sig")
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+        raise PeerMisbehaved("'sig' must be a 64-byte signature")
+    return signature
+
+
 def decode_reply(message: object, request: TrainRequest) -> TrainReply:
     """The reply to `request`, checked (PeerMisbehaved otherwise). Tensor contents are
     checked where they are built (their shapes are the request's)."""
@@ -215,13 +224,12 @@ def decode_reply(message: object, request: TrainRequest) -> TrainReply:
         if kind == "opened" and expected is TrainOpened and isinstance(message.get("format"), str):
             return TrainOpened(request.id, message["format"][:16])
         if kind == "output" and expected is ForwardResult:
-            return ForwardResult(request.id, WireTensor.from_wire(message.get("hidden")), _ms(message))
+            return ForwardResult(request.id, WireTensor.from_wire(message.get("hidden")), _ms(message),
+                                 _signature(message))
         if kind == "grads" and expected is BackwardResult:
-            grads, signature = message.get("grads"), message.get("sig")
+            grads, signature = message.get("grads"), _signature(message)
             if not isinstance(grads, dict) or len(grads) > MAX_GRADS or not all(isinstance(k, str) for k in grads):
                 raise PeerMisbehaved("'grads' must be a map of names to tensors")
-            if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-                raise PeerMisbehaved("'sig' must be a 64-byte signature")
             return BackwardResult(request.id, WireTensor.from_wire(message.get("grad")),
                                   {k: WireTensor.from_wire(v, dims=2) for k, v in grads.items()}, _ms(message),
                                   signature)

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from ...model.training_state import TrainingState
 from ...proofs import TrainClaim, TrainFailureReport, relative_error, tolerance
 from .planner import SwarmPlanner
 from .spotcheck import Penalties
-from .train_hop import Gradients, TrainHop, open_train_hop
+from .train_hop import Answer, TrainHop, open_train_hop
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +65,24 @@ class Stage:
     def __init__(self, start: int, end: int, hops: list[TrainHop]) -> None:
         self.start, self.end, self.hops = start, end, hops
 
-    async def forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> torch.Tensor:
+    async def forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> tuple[torch.Tensor, list[Answer]]:
+        answers = []
         for hop in self.hops:
-            hidden = await hop.forward(hidden, _slice(adapter, hop))
-        return hidden
+            answers.append(await hop.forward(hidden, _slice(adapter, hop)))
+            hidden = answers[-1].tensor
+        return hidden, answers
 
     async def backward(self, hidden: torch.Tensor, grad: torch.Tensor, adapter: Adapter | None
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[tuple[TrainHop, Gradients]]]:
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Answer]]:
         inputs = [hidden]
         for hop in self.hops[:-1]:  # the inner boundaries' inputs, recomputed
-            inputs.append(await hop.forward(inputs[-1], _slice(adapter, hop)))
+            inputs.append((await hop.forward(inputs[-1], _slice(adapter, hop))).tensor)
         grads: dict[str, torch.Tensor] = {}
         answers = []
         for hop, x in zip(reversed(self.hops), reversed(inputs)):
-            answer = await hop.backward(x, grad, _slice(adapter, hop))
-            answers.append((hop, answer))
-            grad = answer.grad_input
-            grads.update(answer.grads)
+            answers.append(await hop.backward(x, grad, _slice(adapter, hop)))
+            grad = answers[-1].tensor
+            grads.update(answers[-1].grads)
         return grad, grads, answers
 
     async def close(self) -> None:
@@ -196,7 +197,11 @@ class SwarmTrainer:
     async def _forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> list[torch.Tensor]:
         inputs = [hidden]
         for index in range(len(self.stages)):
-            inputs.append(await self._on_stage(index, lambda s, x=inputs[-1]: s.forward(x, adapter)))
+            x = inputs[-1]
+            out, answers = await self._on_stage(index, lambda s, x=x: s.forward(x, adapter))
+            if len(answers) == 1 and self._check_due():
+                out = (await self._check(index, answers[0], lambda v, x=x: v.forward(x, _slice(adapter, v)))).tensor
+            inputs.append(out)
         return inputs
 
     async def _microbatch(self, i: int, ids: torch.Tensor, labels: torch.Tensor, total: int, adapter: Adapter,
@@ -208,7 +213,8 @@ class SwarmTrainer:
             x, g_out = inputs[index], grad
             grad, stage_grads, answers = await self._on_stage(index, lambda s, x=x, g=g_out: s.backward(x, g, adapter))
             if len(answers) == 1 and self._check_due():
-                stage_grads, grad = await self._spot_check(index, x, g_out, answers[0], adapter, stage_grads, grad)
+                good = await self._check(index, answers[0], lambda v, x=x, g=g_out: v.backward(x, g, _slice(adapter, v)))
+                grad, stage_grads = good.tensor, good.grads
             grads.update(stage_grads)
         results[i] = (loss, grads)
 
@@ -226,55 +232,56 @@ class SwarmTrainer:
     def _check_due(self) -> bool:
         return self.spot_check_rate > 0 and self.rng.random() < self.spot_check_rate
 
-    async def _spot_check(self, index: int, x: torch.Tensor, grad_output: torch.Tensor,
-                          answer: tuple[TrainHop, Gradients], adapter: Adapter, grads: dict, grad_input: torch.Tensor):
-        """Compute the backward again on another server of the span; on a mismatch a
-        third decides. Returns the gradients to use (the agreeing ones)."""
-        hop, first = answer
-        verifier = await self._verifier(hop.start, hop.end, {hop.peer_id})
-        if verifier is None:
-            return grads, grad_input
-        self.checks += 1
-        try:
-            second = await verifier.backward(x, grad_output, _slice(adapter, verifier))
-        except HopFailed as exc:
-            log.info("spot check on %s failed: %s", exc.peer_id[-8:], exc)
-            return grads, grad_input
-        finally:
-            await verifier.close()
-        mode = hop.format or "fp32"
-        if _error(first, second) <= tolerance(mode, hop.end - hop.start):
-            return grads, grad_input
-        judge = await self._verifier(hop.start, hop.end, {hop.peer_id, verifier.peer_id})
-        if judge is None:
-            log.warning("gradients of %s and %s differ; no third server to decide", hop.peer_id, verifier.peer_id)
-            return grads, grad_input
-        try:
-            third = await judge.backward(x, grad_output, _slice(adapter, judge))
-        finally:
-            await judge.close()
-        tol = tolerance(mode, hop.end - hop.start)
-        liar, honest, good = (hop, verifier, second) if _error(third, second) <= tol else (verifier, hop, first)
-        if _error(third, good) > tol:
+    async def _check(self, index: int, first: Answer, again: Callable[[TrainHop], Awaitable[Answer]]) -> Answer:
+        """A spot check of stage `index`'s one server's answer `first`: `again` on a
+        second server of the span; on a mismatch, on a third, which decides. Returns
+        the answer to use (the agreeing one)."""
+        stage = self.stages[index]
+        hop = stage.hops[0]
+        mode, tol = hop.format or "fp32", tolerance(hop.format or "fp32", hop.end - hop.start)
+        second, verifier = await self._recompute(hop, {hop.peer_id}, again)
+        if second is None or _error(first, second) <= tol:
+            return first
+        third, judge = await self._recompute(hop, {hop.peer_id, verifier.peer_id}, again)
+        if third is None:
+            log.warning("%s and %s disagree on blocks %d:%d; no third server to decide", hop.peer_id,
+                        verifier.peer_id, hop.start, hop.end)
+            return first
+        if _error(third, second) <= tol:
+            liar, bad, honest, good = hop.peer_id, first, verifier.peer_id, second
+        elif _error(third, first) <= tol:
+            liar, bad, honest, good = verifier.peer_id, second, hop.peer_id, first
+        else:
             log.warning("three servers disagree on blocks %d:%d; keeping the first answer", hop.start, hop.end)
-            return grads, grad_input
-        bad = first if liar is hop else second
-        self.penalties.mismatch(liar.peer_id, time.monotonic())
-        self.mismatches.append(liar.peer_id)
+            return first
+        self.penalties.mismatch(liar, time.monotonic())
+        self.mismatches.append(liar)
         report = TrainFailureReport(mode, self.model_id, hop.start, hop.end, first.input_digest,
                                     tuple((name, len(data) // 4) for name, data in bad.parts),
-                                    TrainClaim(liar.peer_id, b"".join(d for _, d in bad.parts), bad.signature),
-                                    TrainClaim(honest.peer_id, b"".join(d for _, d in good.parts), good.signature))
-        report.check()
+                                    TrainClaim(liar, b"".join(d for _, d in bad.parts), bad.signature),
+                                    TrainClaim(honest, b"".join(d for _, d in good.parts), good.signature))
+        report.check()  # signed by both, beyond the tolerance: anyone can verify it
         self.reports.append(report)
+        log.warning("spot check: %s computed blocks %d:%d wrongly; failure report %s", liar, hop.start, hop.end,
+                    report.digest[:12])
         if self.on_report is not None:
             await self.on_report(report)
-        log.warning("spot check: %s's gradients for blocks %d:%d were wrong; report %s", liar.peer_id,
-                    hop.start, hop.end, report.digest[:12])
-        if liar is hop:  # the step goes on with the honest gradients; the liar's stage is replaced
-            await self._replace(index, self.stages[index])
-            return good.grads, good.grad_input
-        return grads, grad_input
+        if liar == hop.peer_id:  # the step goes on with the honest answer; the stage is replaced
+            await self._replace(index, stage)
+        return good
+
+    async def _recompute(self, hop: TrainHop, exclude: set[str], again) -> tuple[Answer | None, TrainHop | None]:
+        verifier = await self._verifier(hop.start, hop.end, exclude)
+        if verifier is None:
+            return None, None
+        self.checks += 1
+        try:
+            return await again(verifier), verifier
+        except HopFailed as exc:
+            log.info("spot check on %s failed: %s", exc.peer_id[-8:], exc)
+            return None, None
+        finally:
+            await verifier.close()
 
     async def _verifier(self, start: int, end: int, exclude: set[str]) -> TrainHop | None:
         for _ in range(MAX_ATTEMPTS):
@@ -288,7 +295,7 @@ class SwarmTrainer:
         return None
 
 
-def _error(a: Gradients, b: Gradients) -> float:
+def _error(a: Answer, b: Answer) -> float:
     """The largest relative error of any one part (proofs.TrainFailureReport.error)."""
     if [n for n, _ in a.parts] != [n for n, _ in b.parts]:
         return float("inf")

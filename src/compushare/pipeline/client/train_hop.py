@@ -29,7 +29,7 @@ from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import encode_tensor
-from ...proofs import INPUT_PART, TrainStatement, train_input_digest, train_output_digest
+from ...proofs import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
 from .. import protocol
 from ..adapter_wire import adapter_to_wire
 from ..message_parts import WireTensor
@@ -50,13 +50,13 @@ RECEIPT_EVERY = 16  # requests between receipts (karma)
 
 
 @dataclasses.dataclass(frozen=True)
-class Gradients:
-    """A backward's answer: the span input's gradient, the adapter's, and what the
-    server signed (a spot check compares and, on a mismatch, reports them)."""
+class Answer:
+    """A forward's or backward's answer, and what the server signed of it (a spot
+    check compares two and, on a mismatch, reports them)."""
 
-    grad_input: torch.Tensor
-    grads: dict[str, torch.Tensor]
-    parts: list[tuple[str, bytes]]  # ("input", bytes), then each adapter tensor's, as signed
+    tensor: torch.Tensor  # the span's output (forward) or its input's gradient (backward)
+    grads: dict[str, torch.Tensor]  # each adapter tensor's gradient (backward; empty for a forward)
+    parts: list[tuple[str, bytes]]  # as signed: ("output", ...) or ("input", ...) then each adapter tensor's
     signature: bytes
     input_digest: bytes
     compute_ms: float
@@ -74,6 +74,10 @@ def _tensor(value: WireTensor, shape: tuple[int, ...], where: str) -> torch.Tens
     if not torch.isfinite(out).all():
         raise PeerMisbehaved(f"{where}: holds NaN or infinity")
     return out
+
+
+def _digest(adapter: Adapter | None) -> bytes:
+    return adapter.digest() if adapter is not None else b""
 
 
 def _numel(shape) -> int:
@@ -197,30 +201,25 @@ class TrainHop:
                 return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> torch.Tensor:
+    async def forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> Answer:
         sent = wire_tensor(hidden)
         reply = await self._compute("forward", lambda i, a: TrainForward(i, self.session, sent, a),
                                     hidden.shape[0] * hidden.shape[1], adapter)
         assert isinstance(reply, ForwardResult)
         try:
-            return _tensor(reply.hidden, tuple(hidden.shape), "forward output")
+            output = _tensor(reply.hidden, tuple(hidden.shape), "forward output")
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: {exc}") from None
+        return self._signed(output, {}, [(OUTPUT_PART, reply.hidden.data)], reply.signature, reply.compute_ms,
+                            train_input_digest(sent.data, b"", _digest(adapter)))
 
-    async def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, adapter: Adapter | None
-                       ) -> Gradients:
+    async def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, adapter: Adapter | None) -> Answer:
         sent, grad = wire_tensor(hidden), wire_tensor(grad_output)
         reply = await self._compute("backward", lambda i, a: TrainBackward(i, self.session, sent, grad, a),
                                     hidden.shape[0] * hidden.shape[1], adapter)
         assert isinstance(reply, BackwardResult)
-        return self.check_backward(reply, sent, grad, adapter)
-
-    def check_backward(self, reply: BackwardResult, sent: WireTensor, grad: WireTensor,
-                       adapter: Adapter | None) -> Gradients:
-        """The reply's gradients, each of the shape it must have, and its signature
-        over exactly them (what a failure report would need)."""
         expected = {} if adapter is None else {name: tuple(t.shape) for name, t in adapter.tensors.items()}
-        try:
+        try:  # each gradient of the shape it must have
             if set(reply.grads) != set(expected):
                 raise PeerMisbehaved("its gradients are not for the adapter's tensors sent")
             grad_input = _tensor(reply.grad, tuple(sent.shape), "input gradient")
@@ -228,12 +227,17 @@ class TrainHop:
         except PeerMisbehaved as exc:
             raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: {exc}") from None
         parts = [(INPUT_PART, reply.grad.data)] + [(name, reply.grads[name].data) for name in sorted(expected)]
-        digest_in = train_input_digest(sent.data, grad.data, adapter.digest() if adapter is not None else b"")
+        return self._signed(grad_input, grads, parts, reply.signature, reply.compute_ms,
+                            train_input_digest(sent.data, grad.data, _digest(adapter)))
+
+    def _signed(self, tensor, grads, parts, signature: bytes, compute_ms: float, digest_in: bytes) -> Answer:
+        """The answer, if signed by this server over exactly these parts (what a failure
+        report would rest on)."""
         statement = TrainStatement(self.format, self.model_id, self.start, self.end, digest_in,
                                    train_output_digest(parts))
-        if not statement.verify(self.peer_id, reply.signature):
-            raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: its gradients are not signed by it")
-        return Gradients(grad_input, grads, parts, reply.signature, digest_in, reply.compute_ms)
+        if not statement.verify(self.peer_id, signature):
+            raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: its answer is not signed by it")
+        return Answer(tensor, grads, parts, signature, digest_in, compute_ms)
 
     async def receipt(self) -> Receipt | None:
         """Karma: a receipt for the requests since the last one, countersigned by the

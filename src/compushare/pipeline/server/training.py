@@ -25,7 +25,7 @@ from ...errors import FrameError, PeerMisbehaved
 from ...model.span_training import span_backward, span_forward
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
-from ...proofs import INPUT_PART, TrainStatement, train_input_digest, train_output_digest
+from ...proofs import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
 from .. import protocol
 from ..adapter_wire import AdapterCache, decode_adapter
 from ..message_parts import WireTensor
@@ -208,18 +208,21 @@ class TrainingServer:
         session.unreceipted_ms += seconds * 1000
         log.debug("training %s of %d x %d tokens for %s: %.0f ms", "backward" if backward else "forward", rows,
                   hidden.shape[1], peer[-8:], seconds * 1000)
+        if backward:
+            grad_input, grads = out
+            parts = [(INPUT_PART, grad_input)] + [(name, grads[name]) for name in sorted(grads)]
+        else:
+            parts = [(OUTPUT_PART, out)]
+        encoded = [(name, wire(self._noisy(t)) if t.dim() == 3 else _matrix(self._noisy(t))) for name, t in parts]
+        # Signed, as the consumer will digest what it sent: float32 bytes.
+        digest_in = train_input_digest(_f32(request.hidden, hidden), _f32(request.grad, grad) if backward else b"",
+                                       adapter.digest() if adapter else b"")
+        signature = TrainStatement(runner.format_label, self.server.model_id, start, end, digest_in,
+                                   train_output_digest([(name, t.data) for name, t in encoded])
+                                   ).sign(self.server.key_pair)
         if not backward:
-            return ForwardResult(request.id, wire(self._noisy(out)), seconds * 1000)
-        grad_input, grads = out
-        parts = [(INPUT_PART, self._noisy(grad_input))] + [(name, self._noisy(grads[name])) for name in sorted(grads)]
-        encoded = [(name, wire(t) if t.dim() == 3 else _matrix(t)) for name, t in parts]
-        digest_in = train_input_digest(request.hidden.data if request.hidden.dtype == "float32" else
-                                       hidden.numpy().tobytes(), request.grad.data if request.grad.dtype == "float32"
-                                       else grad.numpy().tobytes(), adapter.digest() if adapter else b"")
-        statement = TrainStatement(runner.format_label, self.server.model_id, start, end, digest_in,
-                                   train_output_digest([(name, t.data) for name, t in encoded]))
-        return BackwardResult(request.id, encoded[0][1], dict(encoded[1:]), seconds * 1000,
-                              statement.sign(self.server.key_pair))
+            return ForwardResult(request.id, encoded[0][1], seconds * 1000, signature)
+        return BackwardResult(request.id, encoded[0][1], dict(encoded[1:]), seconds * 1000, signature)
 
     def _noisy(self, tensor: torch.Tensor) -> torch.Tensor:
         """Fault injection (a lying server, tests and benchmarks): the inference server's noise."""
@@ -252,6 +255,10 @@ def _forward(runner, hidden, adapter, start, end, pause):
 
 def _backward(runner, hidden, grad, adapter, start, end, pause):
     return runner.slowed(span_backward, runner, hidden, grad, adapter, start, end, between_layers=pause)
+
+
+def _f32(value: WireTensor, tensor: torch.Tensor) -> bytes:
+    return value.data if value.dtype == "float32" else tensor.numpy().tobytes()
 
 
 def _matrix(tensor: torch.Tensor) -> WireTensor:
