@@ -53,6 +53,9 @@ INFER_ERRORS = (BAD_REQUEST, UNKNOWN_SESSION, OUT_OF_ORDER, SESSION_EXISTS, WRON
 BAD_ADAPTER = "bad_adapter"  # malformed, not fitting the model or span, or not hashing to its digest
 UNKNOWN_ADAPTER = "unknown_adapter"  # named by a digest this server does not hold: send the tensors
 ADAPTER_ERRORS = (BAD_ADAPTER, UNKNOWN_ADAPTER)
+# Error codes of /compushare/train (the frame codes too).
+TRAIN_ERRORS = (BAD_REQUEST, UNKNOWN_SESSION, SESSION_EXISTS, WRONG_MODEL, BAD_SPAN, TOO_LONG, BUSY, RATE_LIMITED,
+                BAD_ADAPTER, UNKNOWN_ADAPTER, BAD_RECEIPT, INTERNAL)
 
 # Error codes of /compushare/private: session errors end the stream, request errors do not.
 MALFORMED = "malformed"

@@ -73,3 +73,10 @@ def test_no_module_spells_a_wire_name_of_its_own():
              if path.name != "wire.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
     assert found == []
+
+
+def test_the_train_error_table_is_the_codes_servers_send():
+    table = section("`/compushare/train/")
+    table = table[table.index("Error reply:"):]
+    table = table[:table.index("### ")]
+    assert codes_of(table) == set(wire.FRAME_ERRORS) | set(wire.TRAIN_ERRORS)

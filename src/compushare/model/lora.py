@@ -21,6 +21,7 @@ import hashlib
 import math
 import re
 
+import msgpack
 import torch
 
 # PEFT's target names (a projection's own name) and where each sits in a decoder layer.
@@ -166,13 +167,16 @@ class Adapter:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def digest(self) -> bytes:
-        """SHA-256 over the spec and every tensor (name, dtype, shape, bytes), in name order:
-        what a server caches an adapter under."""
-        h = hashlib.sha256(repr(sorted(self.spec.to_wire().items())).encode())
+        """What a server caches an adapter under (protocol.md): SHA-256 over a domain tag,
+        the msgpack of [rank, alpha, targets, rslora], then per tensor in name order the
+        msgpack of [name, shape] and its float32 little-endian bytes."""
+        spec = self.spec
+        h = hashlib.sha256(b"compushare/adapter/v1\x00")
+        h.update(msgpack.packb([spec.rank, float(spec.alpha), list(spec.targets), spec.rslora]))
         for name in sorted(self.tensors):
-            t = self.tensors[name].detach().contiguous().cpu()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes())
+            t = self.tensors[name].detach().float().contiguous().cpu()
+            h.update(msgpack.packb([name, list(t.shape)]))
+            h.update(t.numpy().astype("<f4", copy=False).tobytes())
         return h.digest()
 
 
