@@ -1,0 +1,146 @@
+"""The training server (/compushare/train): answers with gradients equal to the span
+computed in this process, signs them, and answers any bad request with an error reply
+while it keeps serving."""
+
+import os
+
+import pytest
+import torch
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from compushare.config import ServerLimits
+from compushare.model.arch import load_config
+from compushare.model.blocks import SpanRunner
+from compushare.model.lora import Adapter, LoraSpec
+from compushare.model.span_training import span_backward
+from compushare.pipeline.adapter_wire import adapter_to_wire
+from compushare.pipeline.server.inference import InferenceServer
+from compushare.pipeline.server.training import TrainingServer, activation_bytes
+from compushare.pipeline.train_messages import TrainBackward, TrainForward, TrainOpen, decode_reply
+from compushare.proofs import INPUT_PART, TrainStatement, train_input_digest, train_output_digest
+from compushare.pipeline.client.train_hop import wire_tensor
+
+pytestmark = pytest.mark.unit
+
+KEY = create_new_key_pair()
+PEER = "12D3KooWconsumer"
+SESSION = os.urandom(16)
+
+
+@pytest.fixture
+def training(tiny_model):
+    server = InferenceServer(SpanRunner.load(tiny_model, 0, 2), "model-x", ServerLimits(), key_pair=KEY)
+    return TrainingServer(server, memory_bytes=64 << 20)
+
+
+def adapter_of(model_dir) -> Adapter:
+    config = load_config(model_dir)
+    adapter = Adapter.initialised(LoraSpec(2, 4.0, ("q_proj", "down_proj")), config, range(0, 2), seed=1)
+    for name, tensor in adapter.tensors.items():
+        if ".lora_B." in name:
+            tensor.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    return Adapter(adapter.spec, adapter.tensors)
+
+
+async def opened(training) -> None:
+    reply = await training.handle(TrainOpen(1, SESSION, "model-x", 0, 2).to_wire(), PEER)
+    assert reply["type"] == "opened" and reply["format"] == "fp32"
+
+
+def test_a_backward_is_the_span_backward_signed(training, tiny_model):
+    adapter = adapter_of(tiny_model)
+    hidden = torch.randn(2, 5, training.server.runner.hidden_size)
+    grad = torch.randn_like(hidden)
+
+    async def drive():
+        await opened(training)
+        request = TrainBackward(2, SESSION, wire_tensor(hidden), wire_tensor(grad),
+                                adapter_to_wire(adapter, with_tensors=True))
+        reply = decode_reply(await training.handle(request.to_wire(), PEER), request)
+        # A second request names the adapter by digest only: the server kept it.
+        again = TrainBackward(3, SESSION, wire_tensor(hidden), wire_tensor(grad),
+                              adapter_to_wire(adapter, with_tensors=False))
+        assert decode_reply(await training.handle(again.to_wire(), PEER), again).signature == reply.signature
+        return request, reply
+
+    request, reply = trio.run(drive)
+    expected_input, expected = span_backward(training.server.runner, hidden, grad, adapter, 0, 2)
+    got = torch.frombuffer(bytearray(reply.grad.data), dtype=torch.float32).reshape(hidden.shape)
+    assert torch.equal(got, expected_input)
+    assert set(reply.grads) == set(expected)
+    parts = [(INPUT_PART, reply.grad.data)] + [(n, reply.grads[n].data) for n in sorted(reply.grads)]
+    statement = TrainStatement("fp32", "model-x", 0, 2, train_input_digest(request.hidden.data, request.grad.data,
+                                                                          adapter.digest()),
+                               train_output_digest(parts))
+    assert statement.verify(ID.from_pubkey(KEY.public_key).to_base58(), reply.signature)
+
+
+def test_an_unknown_adapter_digest_asks_for_the_tensors(training, tiny_model):
+    adapter = adapter_of(tiny_model)
+
+    async def drive():
+        await opened(training)
+        hidden = torch.randn(1, 3, training.server.runner.hidden_size)
+        request = TrainForward(2, SESSION, wire_tensor(hidden), adapter_to_wire(adapter, with_tensors=False))
+        return await training.handle(request.to_wire(), PEER)
+
+    reply = trio.run(drive)
+    assert reply["type"] == "error" and reply["code"] == "unknown_adapter" and reply["id"] == 2
+
+
+def test_an_oversized_backward_is_refused_and_the_server_serves_on(training):
+    hidden_size = training.server.runner.hidden_size
+    config = training.server.runner.config
+    rows, tokens = 64, 32  # within the token limit, beyond a 1 MiB budget
+    assert activation_bytes(config, rows * tokens, tokens, 2) > 1 << 20
+    training.memory.total = 1 << 20
+
+    async def drive():
+        await opened(training)
+        big = torch.zeros(rows, tokens, hidden_size)
+        refused = await training.handle(TrainBackward(2, SESSION, wire_tensor(big), wire_tensor(big), None).to_wire(),
+                                        PEER)
+        small = torch.randn(1, 2, hidden_size)
+        served = await training.handle(TrainForward(3, SESSION, wire_tensor(small), None).to_wire(), PEER)
+        return refused, served
+
+    refused, served = trio.run(drive)
+    assert refused["type"] == "error" and refused["code"] == "too_long" and "MiB" in refused["message"]
+    assert served["type"] == "output"
+    assert training.memory.used == 0
+
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True), st.text(max_size=8),
+                 st.binary(max_size=40), st.just(SESSION))
+value = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                    st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                     max_leaves=12)
+tensorish = st.fixed_dictionaries({"dtype": st.one_of(value, st.sampled_from(["float32", "bfloat16"])),
+                                   "shape": st.one_of(value, st.just([1, 2, 64]), st.just([65, 1, 64])),
+                                   "data": st.one_of(value, st.just(bytes(512)))})
+message = st.fixed_dictionaries(
+    {"type": st.sampled_from(["open", "forward", "backward", "receipt", "bogus"])},
+    optional={"id": st.one_of(st.integers(0, 5), value), "session": st.one_of(st.just(SESSION), value),
+              "model": st.one_of(st.just("model-x"), value), "start": value, "end": value,
+              "hidden": st.one_of(tensorish, value), "grad": st.one_of(tensorish, value), "receipt": value,
+              "adapter": st.one_of(value, st.fixed_dictionaries({"digest": value, "spec": value,
+                                                                 "tensors": value}))})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(message, min_size=1, max_size=5))
+def test_any_message_gets_a_reply(training, messages):
+    async def drive():
+        await training.handle(TrainOpen(0, SESSION, "model-x", 0, 2).to_wire(), PEER)
+        for msg in messages:
+            reply = await training.handle(msg, PEER)
+            assert reply["type"] in {"opened", "output", "grads", "receipted", "error"}
+            if reply["type"] == "error":
+                assert isinstance(reply["code"], str) and reply["message"]
+        training.sessions.clear()
+
+    trio.run(drive)
