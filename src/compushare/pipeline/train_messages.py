@@ -182,7 +182,7 @@ class TrainError:
     retry_after_s: float | None = None
 
     def to_wire(self) -> dict:
-        out = {"type": "error", "id": self.id, "code": self.code, "message": self.message}
+        out: dict[str, object] = {"type": "error", "id": self.id, "code": self.code, "message": self.message}
         if self.retry_after_s is not None:
             out["retry_after_s"] = self.retry_after_s
         return out

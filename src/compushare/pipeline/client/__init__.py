@@ -22,6 +22,9 @@
   sampling.py       greedy / temperature / top-p sampling with a seeded generator
   detokenize.py     streaming text from tokens
   private_chain.py  private mode: every layer here, its products encrypted on the providers
+  train_hop.py      one training session's stream to a server: forwards, backwards, signed answers, receipts
+  swarm_trainer.py  SwarmTrainer: a step's microbatches pipelined through the spans, failover, spot checks
+  finetune.py       `compushare finetune`'s loop: data, evaluation, checkpoints, resume
 
 What the core does besides stepping through the hops, each feature a request, an
 event or a state of its own: direct return (one request to the first hop, the output

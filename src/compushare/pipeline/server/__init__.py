@@ -14,6 +14,7 @@
   announce.py     keeps this provider's DHT server record and provider records fresh
   private.py      /compushare/private: a peer's encrypted products, within fair shares
   private_worker.py  the HE worker process (CKKS parsing and products) and the node's handle on it
+  training.py     /compushare/train: stateless training forwards and backwards, within fair shares
 
 How the features sit in the core (each a state, an event or a module of its own):
 - Fair shares: admission by KV budget and per-peer shares in SessionTable.open

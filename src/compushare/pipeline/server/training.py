@@ -45,7 +45,8 @@ MAX_SESSIONS = 256
 MAX_BATCH = 64  # sequences in one microbatch
 SESSION_IDLE_S = 600.0
 BACKWARD_COST = 3  # a backward recomputes the forward, then runs the backward: about 3 forwards
-BUDGET_WAIT_S = 30.0  # a request waits this long for training memory held by others
+BUDGET_WAIT_S = 30.0
+TRAINABLE_FORMATS = ("fp32", "bf16")  # a request waits this long for training memory held by others
 
 
 def activation_bytes(config, tokens: int, seq_len: int, blocks: int) -> int:
@@ -154,6 +155,10 @@ class TrainingServer:
             raise Rejected(protocol.WRONG_MODEL, f"this server serves model {server.model_id}")
         if not (runner.start <= request.start < request.end <= runner.end):
             raise Rejected(protocol.BAD_SPAN, f"{request.start}:{request.end} is not within {runner.start}:{runner.end}")
+        if runner.format_label not in TRAINABLE_FORMATS:
+            # torch's weight-only kernels have no backward: a quantized span cannot give gradients yet.
+            raise Rejected(protocol.BAD_REQUEST, f"this span computes in {runner.format_label}; training goes "
+                                                 f"through {' or '.join(TRAINABLE_FORMATS)} spans only")
         self._expire(time.monotonic())
         if request.session in self.sessions:
             raise Rejected(protocol.SESSION_EXISTS, "a training session with this id is open")
