@@ -3,6 +3,7 @@
   cli.py         the typer app; node, stop, tray, run, chat
   cli_swarm.py   status, karma, id; swarm up|down
   cli_models.py  models list|fetch|seed|import
+  cli_finetune.py finetune
   cli_common.py  shared options, logging, error reporting
 """
 
@@ -20,6 +21,7 @@ from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from ..gc_policy import pause_during_startup
 from ..malloc_policy import bound_retention
+from .cli_finetune import finetune
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
 from .debug import FaultInjection
@@ -282,6 +284,7 @@ def _stream(text: str) -> None:
 
 app.command()(status)
 app.command()(karma)
+app.command()(finetune)
 app.command("id")(show_id)
 
 

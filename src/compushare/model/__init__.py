@@ -23,4 +23,11 @@
   gguf_native.py  pure numpy: what each ggml type's blocks mean
   weights.py   selected tensors read from safetensors files (the head's loader)
   selfbench.py how fast this node decodes one block: a short benchmark, cached
+  lora.py      LoRA adapters: the update every projection of a span adds, per session row
+  adapter_file.py  adapters in PEFT's format (a directory or one .safetensors), read and written
+  span_training.py  a span's stateless training forward and recomputing backward (the server's)
+  train_head.py  the consumer's ends of a training pass: embeddings in, loss and its gradient out
+  train_data.py  fine-tuning data (text, or JSONL prompt/response) into sequences, a split, batches
+  training_state.py  the trainable state: adapter parameters, AdamW, checkpoints that resume exactly
+  local_training.py  the same training in one process (the reference of tests and benchmarks)
 """
