@@ -189,9 +189,10 @@ class SwarmThread:
     def generate(self, conversation: Conversation, on_text: Callable[[str], None],
                  on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
         return self._call(self._generate, conversation.model, list(conversation.messages), conversation.params(),
-                          conversation.private, conversation.adapter, on_text, on_route)
+                          conversation.private, on_text, on_route, conversation.adapter)
 
-    async def _generate(self, model, messages, params, private, adapter, on_text, on_route) -> RunOutcome | None:
+    async def _generate(self, model, messages, params, private, on_text, on_route,
+                        adapter: Path | None = None) -> RunOutcome | None:
         # The scope covers the wait for the lock and the model's loading too: Ctrl-C at
         # any point cancels this request, never an earlier one's leftover scope.
         with trio.CancelScope() as scope:

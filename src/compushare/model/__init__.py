@@ -23,4 +23,7 @@
   gguf_native.py  pure numpy: what each ggml type's blocks mean
   weights.py   selected tensors read from safetensors files (the head's loader)
   selfbench.py how fast this node decodes one block: a short benchmark, cached
+  lora.py      LoRA adapters: spec, tensors, digest, and their update per session row of a forward
+  adapter_file.py  adapters in PEFT's format, read (refused for another model) and written
+  span_training.py  a span's stateless training forward and backward through an adapter
 """
