@@ -99,6 +99,37 @@ def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
     return tokens
 
 
+def random_adapter(config, layers=range(TINY_LAYERS), *, seed: int = 0, rank: int = 4,
+                   targets=("q_proj", "v_proj", "o_proj", "down_proj"), model_id: str = ""):
+    """A LoRA adapter that changes the model: PEFT's initialisation (A random, B zero)
+    with B filled with small random values too."""
+    from compushare.model.lora import Adapter, LoraSpec
+
+    adapter = Adapter.initialised(LoraSpec(rank, 2.0 * rank, tuple(targets)), config, layers, seed=seed,
+                                  model_id=model_id)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, tensor in adapter.tensors.items():
+        if name.endswith("lora_B.weight"):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.05)
+    return adapter
+
+
+def local_adapted_greedy(model_dir, adapter, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens with `adapter` applied in one process: every block in one
+    SpanRunner, the head beside it (what a swarm applying the adapter must reproduce)."""
+    from compushare.model.blocks import SpanRunner
+    from compushare.model.head import ConsumerHead
+
+    runner, head = SpanRunner.load(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
+    cache = runner.new_cache()
+    hidden = runner.forward(head.embed_tokens(prompt), cache, 0, adapter=adapter)
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(int(torch.argmax(head.logits(hidden))))
+        hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, runner.cached_length(cache), adapter=adapter)
+    return tokens
+
+
 class Processes:
     """Starts node processes and always stops them, by pid."""
 

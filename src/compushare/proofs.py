@@ -65,6 +65,14 @@ def tolerance(mode: str, blocks: int) -> float:
     computed in `mode` (KeyError for a mode without one)."""
     return max(TOLERANCES[mode], TOLERANCE_PER_BLOCK.get(mode, 0.0) * blocks)
 DEFAULT_MODE = "fp32"
+
+
+def adapted_model(model_id: str, adapter_digest: bytes | None) -> str:
+    """What a step proof's `model` names: the model id, and for a session with a LoRA
+    adapter that adapter's digest (of the hop's slice). Adapted outputs differ from
+    plain ones by design: without it a consumer could set one server's proof beside
+    another's that it opened without the adapter, a "failure" of an honest server."""
+    return model_id if adapter_digest is None else f"{model_id}+lora:{adapter_digest.hex()}"
 DEFAULT_TOLERANCE = TOLERANCES[DEFAULT_MODE]
 REPORT_DTYPES = ("float32", "float16")  # reports compare these; bfloat16 outputs are not reportable
 MAX_REPORT_BYTES = 4 * 1024 * 1024

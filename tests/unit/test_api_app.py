@@ -7,7 +7,7 @@ from starlette.testclient import TestClient
 
 from compushare.app.api.app import build_app
 from compushare.app.api.auth import TOKEN_FILE, bearer_ok, load_or_create_token
-from compushare.app.api.engine import ChatEngine
+from compushare.app.api.engine import ChatEngine, adapter_path
 from compushare.model.catalog import import_path
 
 AUTH = {"authorization": "Bearer secret-token"}
@@ -162,8 +162,8 @@ class FakeEngine(ChatEngine):
     def models(self):
         return [("tiny", "ab" * 32)]
 
-    async def prepare(self, name, messages):
-        return self.the_consumer, [1, 2, 3]
+    async def prepare(self, name, messages, adapter=None):
+        return self.the_consumer, [1, 2, 3], None if adapter is None else adapter_path(self.data_dir, adapter)
 
 
 @pytest.fixture
@@ -213,3 +213,28 @@ def test_private_streaming_reply_has_the_extension_in_its_last_chunk(fake):
     assert [c for c in chunks if "compushare" in c] == [chunks[-1]]
     assert [hop["layers"] for hop in chunks[-1]["compushare"]["route"]] == [[0, 3], [3, 4]]
     assert engine.the_consumer.requests[0].private is True
+
+
+# -- the CompuShare extension "adapter" ------------------------------------------------
+
+def test_an_adapter_is_named_in_the_adapters_folder_never_by_path(fake, tmp_path):
+    """A request names an adapter in <data dir>/adapters (a PEFT directory or a
+    .safetensors file): an unknown name, or anything path-like, is a 400."""
+    engine, client = fake
+    engine.data_dir = tmp_path
+    (tmp_path / "adapters" / "style").mkdir(parents=True)
+    (tmp_path / "adapters" / "terse.safetensors").write_bytes(b"")
+    (tmp_path / "secret.safetensors").write_bytes(b"")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    for name, found in (("style", "adapters/style"), ("terse", "adapters/terse.safetensors"),
+                        ("terse.safetensors", "adapters/terse.safetensors")):
+        assert client.post("/v1/chat/completions", json=body | {"adapter": name}, headers=AUTH).status_code == 200
+        assert engine.the_consumer.requests[-1].adapter == tmp_path / found
+    for name in ("nope", "../secret", "../secret.safetensors", str(tmp_path / "secret.safetensors"), ".", "..",
+                 "adapters/style", ""):
+        error = _error(client.post("/v1/chat/completions", json=body | {"adapter": name}, headers=AUTH), 400)
+        assert "unknown adapter" in error["message"], name
+    error = _error(client.post("/v1/chat/completions", json=body | {"adapter": 5}, headers=AUTH), 400)
+    assert error["param"] == "adapter"
+    client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert engine.the_consumer.requests[-1].adapter is None

@@ -36,7 +36,7 @@ message = st.fixed_dictionaries(
     optional={"session": st.one_of(st.just(SESSION), value), "position": value, "start": value, "end": value,
               "max_tokens": value, "model": value, "hidden": st.one_of(tensorish, value), "receipt": value,
               "upstream": st.one_of(value, st.just(ID.from_pubkey(KEY.public_key).to_base58())),
-              "downstream": value},
+              "downstream": value, "adapter": value},
 )
 
 

@@ -48,7 +48,7 @@ def codes_of(table: str) -> set[str]:
 def test_the_infer_error_table_is_the_codes_servers_send():
     table = section("`/compushare/infer/")
     table = table[table.index("Error reply:"):]
-    assert codes_of(table) == set(wire.FRAME_ERRORS) | set(wire.INFER_ERRORS)
+    assert codes_of(table) == set(wire.FRAME_ERRORS) | set(wire.INFER_ERRORS) | set(wire.ADAPTER_ERRORS)
 
 
 def test_the_pieces_error_and_reject_codes():

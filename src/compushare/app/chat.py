@@ -49,6 +49,7 @@ class Conversation:
     temperature: float = 0.0
     max_tokens: int = 256
     private: bool = False  # every turn's request private (RunRequest.private)
+    adapter: Path | None = None  # a LoRA adapter every turn applies (RunRequest.adapter)
     messages: list[dict] = dataclasses.field(default_factory=list)
     last: RunOutcome | None = None
 
@@ -178,12 +179,20 @@ class SwarmThread:
             task_status.started(consumer)
             await trio.sleep_forever()
 
+    def check_adapter(self, model: str, path: Path) -> None:
+        """Refuse, before the first turn, an adapter not made for `model` (UsageError)."""
+        self._call(self._check_adapter, model, path)
+
+    async def _check_adapter(self, model: str, path: Path) -> None:
+        (await self._consumer(model)).load_adapter(path)
+
     def generate(self, conversation: Conversation, on_text: Callable[[str], None],
                  on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
         return self._call(self._generate, conversation.model, list(conversation.messages), conversation.params(),
-                          conversation.private, on_text, on_route)
+                          conversation.private, on_text, on_route, conversation.adapter)
 
-    async def _generate(self, model, messages, params, private, on_text, on_route) -> RunOutcome | None:
+    async def _generate(self, model, messages, params, private, on_text, on_route,
+                        adapter: Path | None = None) -> RunOutcome | None:
         # The scope covers the wait for the lock and the model's loading too: Ctrl-C at
         # any point cancels this request, never an earlier one's leftover scope.
         with trio.CancelScope() as scope:
@@ -193,7 +202,8 @@ class SwarmThread:
                     consumer = await self._consumer(model)
                     prompt = messages_to_ids(consumer.tokenizer, messages)
                     return await consumer.generate(RunRequest(model=model, prompt=prompt, params=params,
-                                                              chat_template=False, private=private),
+                                                              chat_template=False, private=private,
+                                                              adapter=adapter),
                                                    on_text=on_text, on_route=on_route)
             finally:
                 if self._scope is scope:
@@ -240,9 +250,10 @@ def interruptible() -> None:
 
 
 def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature: float, max_tokens: int,
-         spot_check_rate: float, private: bool = False, out=sys.stdout, err=sys.stderr) -> int:
+         spot_check_rate: float, private: bool = False, adapter: Path | None = None, out=sys.stdout,
+         err=sys.stderr) -> int:
     interruptible()
-    conversation = Conversation(model, temperature, max_tokens, private=private)
+    conversation = Conversation(model, temperature, max_tokens, private=private, adapter=adapter)
     swarm = SwarmThread(data_dir, bootstrap, spot_check_rate)
     save_history = _readline_history(data_dir)
     print(f"compushare chat: {model} (/help for commands, Ctrl-D to leave)", file=err, flush=True)
@@ -250,6 +261,8 @@ def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature:
         print(conversation.private_mode(""), file=err, flush=True)
     try:
         swarm.start(model)
+        if adapter is not None:
+            swarm.check_adapter(model, adapter)
         while True:
             try:
                 line = input(PROMPT)

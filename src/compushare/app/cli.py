@@ -39,6 +39,8 @@ DEBUG_NOISE = typer.Option(None, hidden=True, help="Fault injection: add Gaussia
 DEBUG_FORGE_PUSH = typer.Option(None, "--debug-forge-push", hidden=True,
                                 help="Fault injection: push the next server other bytes than the output this "
                                      "server signs (for tests).")
+ADAPTER = typer.Option(None, help="A LoRA adapter (PEFT directory or .safetensors file) trained on this model: "
+                                   "every server applies it to your sessions.")
 DEBUG_CLAIM_FORMAT = typer.Option(None, hidden=True, help="Fault injection: claim this weight format (records, ads, "
                                                           "sessions) instead of the model's (for tests).")
 
@@ -180,6 +182,7 @@ def run(
                                       "once at any context length (costs the swarm each span's compute again)."),
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable; default 127.0.0.1). Behind a NAT, "
                                                 "listen on the LAN address so that hole punching can reach you."),
+    adapter: Path = ADAPTER,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -194,7 +197,7 @@ def run(
 
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
-                             direct=direct, speculate=speculate, standby=standby,
+                             direct=direct, speculate=speculate, standby=standby, adapter=adapter,
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
@@ -258,6 +261,7 @@ def chat(
     spot_check: float = typer.Option(0.05, min=0.0, max=1.0, help="Share of steps re-checked elsewhere."),
     private: bool = typer.Option(False, "--private", help="Start in private mode (/private on|off switches): "
                                                           "providers see only CKKS ciphertexts; much slower."),
+    adapter: Path = ADAPTER,
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
@@ -271,7 +275,7 @@ def chat(
     def main_chat():
         nonlocal code
         code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check,
-                    private=private)
+                    private=private, adapter=adapter)
 
     run_or_exit(main_chat)
     raise typer.Exit(code)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .lean import run_layers
+from .lora import Adapter
 
 MAX_BATCH = 16
 
@@ -26,8 +27,10 @@ def supports_batching(runner) -> bool:
 
 
 def decode_batch(runner, hiddens: list[torch.Tensor], caches: list, positions: list[int], start: int,
-                 end: int) -> list[torch.Tensor]:
+                 end: int, adapters: list[Adapter | None] | None = None) -> list[torch.Tensor]:
     """Layers start..end-1 of `runner` for N one-token steps at once: `hiddens[i]`
-    [1, 1, H] at `positions[i]`, appended to `caches[i]`. The outputs, [1, 1, H] each."""
+    [1, 1, H] at `positions[i]`, appended to `caches[i]`, with `adapters[i]`'s LoRA
+    updates where given (sessions of one batch may carry different adapters, or
+    none). The outputs, [1, 1, H] each."""
     hidden = torch.cat([h.to(runner.dtype) for h in hiddens], dim=0)  # [N, 1, H]
-    return list(run_layers(runner, hidden, caches, positions, start, end).split(1, dim=0))
+    return list(run_layers(runner, hidden, caches, positions, start, end, None, adapters).split(1, dim=0))

@@ -28,6 +28,7 @@ from .message_parts import Downstream, Proof, WireTensor, is_int, parse_peer
 from .protocol import BAD_REQUEST, SESSION_ID_BYTES
 
 MAX_FORMAT_CHARS = 16  # a weight format label, "q4/g128" at most
+ADAPTER_DIGEST_BYTES = 32  # SHA-256 (model/lora.py's Adapter.digest)
 
 
 # ---------------------------------------------------------------- requests
@@ -40,10 +41,14 @@ class OpenRequest:
     start: int
     end: int
     max_tokens: int
+    # A LoRA adapter for this session's layers (pipeline/adapter_wire.py's map, as it
+    # came: the server decodes it against its model and the span); None: none.
+    adapter: dict | None = None
 
     def to_wire(self) -> dict:
         return {"type": "open", "session": self.session, "model": self.model, "start": self.start,
-                "end": self.end, "max_tokens": self.max_tokens}
+                "end": self.end, "max_tokens": self.max_tokens} | (
+            {"adapter": self.adapter} if self.adapter is not None else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +189,11 @@ def echo_session(message: object) -> bytes | None:
 
 
 def _open(m: dict, session: bytes) -> OpenRequest:
-    model = m.get("model")
+    model, adapter = m.get("model"), m.get("adapter")
+    if adapter is not None and not isinstance(adapter, dict):
+        raise FrameError(wire.BAD_ADAPTER, "'adapter' is a map of digest, spec and tensors")
     return OpenRequest(session, model if isinstance(model, str) else None, _int(m, "start"), _int(m, "end"),
-                       _int(m, "max_tokens"))
+                       _int(m, "max_tokens"), adapter)
 
 
 def _step(m: dict, session: bytes) -> StepRequest:
@@ -244,10 +251,12 @@ class Opened:
     session: bytes
     free_tokens: int
     format: str = ""  # the weight format the span computes in ("fp32", "q4/g64", ...); "" = unsaid
+    adapter: bytes | None = None  # the digest of the adapter the session applies (None: none)
 
     def to_wire(self) -> dict:
         return {"type": "opened", "session": self.session, "free_tokens": self.free_tokens} | (
-            {"format": self.format} if self.format else {})
+            {"format": self.format} if self.format else {}) | (
+            {"adapter": self.adapter} if self.adapter is not None else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +389,10 @@ def _opened(m: dict, session: bytes) -> Opened:
     fmt = m.get("format", "")
     if not isinstance(fmt, str) or len(fmt) > MAX_FORMAT_CHARS:
         raise PeerMisbehaved(f"a reply's 'format' must be a string of at most {MAX_FORMAT_CHARS} characters")
-    return Opened(session, _reply_int(m, "free_tokens"), fmt)
+    adapter = m.get("adapter")
+    if adapter is not None and not (isinstance(adapter, bytes) and len(adapter) == ADAPTER_DIGEST_BYTES):
+        raise PeerMisbehaved(f"a reply's 'adapter' must be a digest of {ADAPTER_DIGEST_BYTES} bytes")
+    return Opened(session, _reply_int(m, "free_tokens"), fmt, adapter)
 
 
 _REPLIES: dict[str, Callable[[dict, bytes], Reply]] = {"opened": _opened, "result": _result,

@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -74,6 +75,15 @@ def _private(body: dict) -> bool:
     if not isinstance(value, bool):
         raise BadField("private", f"'private' must be a boolean (true or false), not {type(value).__name__} "
                                   f"{json.dumps(value)[:40]}")
+    return value
+
+
+def _adapter(body: dict) -> str | None:
+    """The CompuShare extension `adapter`: the name of an adapter in the node's
+    adapters folder (engine.adapter_path), or absent / null."""
+    value = body.get("adapter")
+    if value is not None and not isinstance(value, str):
+        raise BadField("adapter", "'adapter' must be the name of an adapter in this node's adapters folder")
     return value
 
 
@@ -156,13 +166,14 @@ class _Completion:
     one JSON reply or streamed as server-sent events."""
 
     def __init__(self, engine: ChatEngine, consumer, prompt: list[int], model: str, params: SamplingParams,
-                 private: bool, created: int) -> None:
+                 private: bool, created: int, adapter: Path | None = None) -> None:
         self.engine, self.consumer, self.prompt, self.model = engine, consumer, prompt, model
-        self.params, self.private, self.created = params, private, created
+        self.params, self.private, self.created, self.adapter = params, private, created, adapter
         self.ident = f"chatcmpl-{secrets.token_hex(12)}"
 
     def run(self, on_text: Callable[[str], None] = lambda _t: None):
-        return self.engine.run(self.consumer, self.model, self.prompt, self.params, on_text, private=self.private)
+        return self.engine.run(self.consumer, self.model, self.prompt, self.params, on_text, private=self.private,
+                               adapter=self.adapter)
 
     def finish(self, outcome) -> str:
         return "length" if len(outcome.tokens) >= self.params.max_new_tokens else "stop"
@@ -226,15 +237,16 @@ async def chat_completions(engine: ChatEngine, request: Request) -> Response:
             raise UsageError("'model' must be a string")
         params = _params(body)
         private = _private(body)
+        adapter = _adapter(body)
         messages = body.get("messages")
     except UsageError as exc:
         return error(400, str(exc), param=getattr(exc, "param", None))
     created = int(time.time())
     try:  # before any reply: a bad model or bad messages get their proper status, streaming or not
-        consumer, prompt = await engine.prepare(model, messages)
+        consumer, prompt, adapter_file = await engine.prepare(model, messages, adapter)
     except Exception as exc:
         return _failure(exc)
-    completion = _Completion(engine, consumer, prompt, model, params, private, created)
+    completion = _Completion(engine, consumer, prompt, model, params, private, created, adapter_file)
     if body.get("stream"):
         return _Raw(completion.stream)
     try:

@@ -5,6 +5,7 @@ node's own host and DHT (no second identity), its head and tokenizer loaded once
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from ...pipeline.client.spotcheck import DEFAULT_RATE
 
 log = logging.getLogger(__name__)
 
+ADAPTERS_DIR = "adapters"  # in the data dir: the adapters API requests may name
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a file's name there: never a path
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 MAX_MESSAGES = 256
 
@@ -45,6 +48,18 @@ def messages_to_ids(tokenizer, messages: object) -> list[int]:
         encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(encoded["input_ids"])
     return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in clean) + "\nassistant:")
+
+
+def adapter_path(data_dir: Path, name: str) -> Path:
+    """The adapter an API request names: `<data dir>/adapters/NAME` (a PEFT directory)
+    or `.../NAME.safetensors`. Only names, never paths: a request reads nothing else."""
+    folder = data_dir / ADAPTERS_DIR
+    if ADAPTER_NAME.match(name) and ".." not in name:
+        for path in (folder / name, folder / f"{name}.safetensors"):
+            if (path.is_file() and path.suffix == ".safetensors") or path.is_dir():
+                return path
+    raise UsageError(f"unknown adapter {name[:64]!r}: this node's adapters are the PEFT directories and "
+                     f".safetensors files in {folder}")
 
 
 class ChatEngine:
@@ -82,15 +97,22 @@ class ChatEngine:
             self._consumers[model.model_id] = consumer
             return consumer
 
-    async def prepare(self, name: str, messages: object) -> tuple[Consumer, list[int]]:
-        """The model's consumer and the prompt's tokens (raises before any generation)."""
+    async def prepare(self, name: str, messages: object,
+                      adapter: str | None = None) -> tuple[Consumer, list[int], Path | None]:
+        """The model's consumer, the prompt's tokens and the adapter's file, checked
+        against the model (raises before any generation)."""
         consumer = await self.consumer(name)
-        return consumer, messages_to_ids(consumer.tokenizer, messages)
+        prompt = messages_to_ids(consumer.tokenizer, messages)
+        path = None if adapter is None else adapter_path(self.data_dir, adapter)
+        if path is not None:
+            await trio.to_thread.run_sync(consumer.load_adapter, path)
+        return consumer, prompt, path
 
     async def run(self, consumer: Consumer, name: str, prompt: list[int], params: SamplingParams,
-                  on_text: Callable[[str], None] = lambda _t: None, *, private: bool = False) -> RunOutcome:
+                  on_text: Callable[[str], None] = lambda _t: None, *, private: bool = False,
+                  adapter: Path | None = None) -> RunOutcome:
         return await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False,
-                                                  private=private), on_text=on_text)
+                                                  private=private, adapter=adapter), on_text=on_text)
 
 
 PRIVATE_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # what a private hop computes, per layer

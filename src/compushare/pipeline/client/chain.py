@@ -28,8 +28,10 @@ import trio
 from libp2p.abc import IHost
 
 from ...errors import HopFailed
+from ...model.lora import Adapter
 from ...proofs import DEFAULT_MODE, FailureReport
 from .. import protocol
+from .adapters import AdapterSlices
 from .chain_core import ChainCore
 from .chain_events import (
     Abort, Answered, Close, Done, Failed, FileReport, FindRoute, FindVerifier, Forgive, HopReply, HopSession, Link,
@@ -69,7 +71,8 @@ class InferenceChain:
     def __init__(self, host: IHost, model_id: str, *, max_tokens: int, hidden_size: int,
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
                  tolerance: float | None = None, rng: random.Random | None = None,
-                 push: bool = True, direct: bool = True, standby: bool = False, fmt: str | None = None) -> None:
+                 push: bool = True, direct: bool = True, standby: bool = False, fmt: str | None = None,
+                 adapter: Adapter | None = None) -> None:
         self.host = host
         self.model_id = model_id
         # The model's weight format: a server that opens a session in another is refused,
@@ -79,10 +82,12 @@ class InferenceChain:
         self.hidden_size = hidden_size
         self.planner = planner
         self.tolerance = tolerance
+        # A LoRA adapter: every session (hop, replacement, standby, spot check) opens with its slice.
+        self.adapter = None if adapter is None else AdapterSlices(adapter)
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
                               tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
                               mode=fmt or DEFAULT_MODE,
-                              standby=standby,
+                              standby=standby, adapter_digest=self.adapter and self.adapter.digest,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
         self._remotes: dict[HopSession, RemoteHop] = {}
@@ -163,7 +168,7 @@ class InferenceChain:
                 elif isinstance(action, Close):
                     await self._remotes[action.session].close()
                 elif isinstance(action, FileReport):
-                    report = build_report(self.model_id, action)
+                    report = build_report(self.core.proof_model(action.accused.hop), action)
                     if report is not None:
                         self.reports.append(report)
                 else:
@@ -189,9 +194,11 @@ class InferenceChain:
         if isinstance(request, SendSteps):
             return await self._send(request)
         if isinstance(request, OpenSession):
+            hop = request.session.hop
             try:
-                self._remotes[request.session] = await open_hop(self.host, request.session.hop, self.model_id,
-                                                                self.max_tokens, self.hidden_size, fmt=self.fmt)
+                self._remotes[request.session] = await open_hop(
+                    self.host, hop, self.model_id, self.max_tokens, self.hidden_size, fmt=self.fmt,
+                    adapter=self.adapter and self.adapter.wire(hop.start, hop.end))
             except HopFailed as exc:
                 return Failed(exc)
             return SessionOpened()
@@ -254,10 +261,13 @@ class InferenceChain:
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
                      rng: random.Random | None = None, push: bool = True, direct: bool = True,
-                     standby: bool = False, fmt: str | None = None) -> AsyncIterator[InferenceChain]:
+                     standby: bool = False, fmt: str | None = None,
+                     adapter: Adapter | None = None) -> AsyncIterator[InferenceChain]:
+    """`adapter`: a LoRA adapter every server applies to this chain's sessions (checked
+    against the model before: model/adapter_file.load)."""
     chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
                            spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct, standby=standby,
-                           fmt=fmt)
+                           fmt=fmt, adapter=adapter)
     try:
         await chain.open(hops)
         yield chain

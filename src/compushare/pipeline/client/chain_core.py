@@ -66,7 +66,7 @@ from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...karma.receipts import RECEIPT_STEPS
-from ...proofs import DEFAULT_MODE, tolerance as protocol_tolerance
+from ...proofs import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
 from . import chain_checks, chain_direct, chain_rebuild, chain_standby, chain_steps
 from .chain_events import (
     EFFECTS, REQUESTS, Close, Forgive, HopSession, Kind, OpenSession, Penalise, Phase, Span, kind_of,
@@ -111,8 +111,8 @@ class ChainCore:
                  tolerance: float | None = None, rng: random.Random | None = None, push: bool = True,
                  clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
                  replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
-                 mode: str = DEFAULT_MODE,
-                 direct_max_tokens: int = 0, standby: bool = False) -> None:
+                 mode: str = DEFAULT_MODE, direct_max_tokens: int = 0, standby: bool = False,
+                 adapter_digest: Callable[[int, int], bytes | None] | None = None) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
         self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
@@ -124,7 +124,8 @@ class ChainCore:
         # Direct return (needs push): each server's output goes to the next server, the
         # last one's to the consumer; steps of at most direct_max_tokens tokens.
         self.direct = direct and push
-        self.model_id = model_id  # what step proofs name (direct steps check them)
+        self.model_id = model_id  # what step proofs name (direct steps check them)...
+        self.adapter_digest = adapter_digest  # ... with the LoRA adapter's slice for blocks start:end, if any
         self.mode = mode  # the compute mode they must sign: the model's weight format
         self.direct_max_tokens = direct_max_tokens
         self.direct_steps = 0  # steps that went straight through the chain
@@ -232,6 +233,10 @@ class ChainCore:
     def live(self) -> list[HopSession]:
         """Sessions the chain keeps (receipts, close): its hops, verifiers and standbys."""
         return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
+
+    def proof_model(self, hop: Hop) -> str:
+        """The model the step proofs of `hop`'s server name (proofs.adapted_model)."""
+        return adapted_model(self.model_id, self.adapter_digest(hop.start, hop.end) if self.adapter_digest else None)
 
     def tolerance_for(self, span: Span) -> float:
         """How far two honest answers for `span` may differ: the protocol's tolerance for

@@ -83,7 +83,8 @@ def take_linked(core: ChainCore, hops: list[HopSession], events: list) -> int:
             return index
         reply = event.replies[0]
         expected = reply.input_digest if index == 0 else step.last_reply.proof.output_digest
-        problem = proof_links(reply, expected, core.model_id, session.hop, core.position, step.tokens, core.mode)
+        problem = proof_links(reply, expected, core.proof_model(session.hop), session.hop, core.position, step.tokens,
+                              core.mode)
         if problem is not None:
             core.chain_breaks += 1
             log.warning("direct step %d: %s; relaying it from the previous server's signed output, and "

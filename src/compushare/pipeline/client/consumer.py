@@ -12,12 +12,15 @@ from pathlib import Path
 
 import trio
 
-from ...errors import ModelUnavailable, SwarmUnreachable
+from ...errors import ModelUnavailable, SwarmUnreachable, UsageError
 from ...karma.ledger import ReportStore
 from ...karma.record import karma_validators
 from ...karma.service import KarmaBook, submit_report
+from ...model import adapter_file
+from ...model.arch import load_config
 from ...model.catalog import CATALOG, resolve_model, split_name
 from ...model.head import ConsumerHead
+from ...model.lora import Adapter
 from ...model.store import ModelStore, is_model_id
 from ...model.tokenizer import encode_prompt, eos_ids_of, load_tokenizer
 from ...net.identity import load_or_create_identity
@@ -52,6 +55,7 @@ class RunRequest:
     direct: bool = True  # hidden states go server to server, the last server's back (else each via the consumer)
     speculate: bool = True  # verify drafted tokens in one pass (pipeline/client/speculative.py)
     standby: bool = False  # keep a standby replica per span, fed every step (pipeline/client/chain_standby.py)
+    adapter: Path | None = None  # a LoRA adapter (PEFT directory or .safetensors) every server applies
 
 
 @dataclasses.dataclass
@@ -222,6 +226,7 @@ class Consumer:
                        on_token: Callable[[int], None] = lambda _t: None) -> RunOutcome:
         began = time.perf_counter()
         model, tokenizer = self.model, self.tokenizer
+        adapter = None if request.adapter is None else self.load_adapter(request.adapter, private=request.private)
         prompt_ids = prompt_ids_of(tokenizer, request)
         produced = Produced(tokenizer, on_token, on_text)
         max_tokens = len(prompt_ids) + request.params.max_new_tokens + MAX_DRAFT
@@ -242,7 +247,7 @@ class Consumer:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
                                       spot_check_rate=self.spot_check_rate, direct=request.direct,
-                                      standby=request.standby, fmt=model.format.label) as chain:
+                                      standby=request.standby, fmt=model.format.label, adapter=adapter) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                                    on_token=produced.add, speculate=request.speculate, stats=stats)
             nursery.cancel_scope.cancel()
@@ -251,6 +256,14 @@ class Consumer:
         for report in chain.reports:
             await self._keep_report(report)
         return outcome_of(chain, produced, began, stats, private=request.private)
+
+    def load_adapter(self, path: Path, *, private: bool = False) -> Adapter:
+        """The LoRA adapter at `path`, refused (UsageError) unless made for this model
+        and fitting it: before anything is sent."""
+        if private:
+            raise UsageError("LoRA adapters are not applied in private mode (its providers compute "
+                             "projections only)")
+        return adapter_file.load(path, model_id=self.model.model_id, config=load_config(self.model.path))
 
     async def _generate_private(self, route: list[Hop], planner: SwarmPlanner, prompt_ids: list[int],
                                 request: RunRequest, produced: Produced):

@@ -30,6 +30,7 @@ from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import decode_tensor, encode_tensor
 from ...proofs import DEFAULT_MODE, step_digest
+from ...wire import BAD_ADAPTER
 from .. import protocol
 from ..messages import (
     CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply,
@@ -275,18 +276,25 @@ async def _tightened(scope: trio.CancelScope, tighten: tuple[trio.Event, float],
 
 
 async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int, *,
-                   fmt: str | None = None) -> RemoteHop:
+                   fmt: str | None = None, adapter: dict | None = None) -> RemoteHop:
     """Dial the server and open a new session on it; every failure is a HopUnavailable.
-    With `fmt`, a server whose span computes in another weight format is refused."""
+    With `fmt`, a server whose span computes in another weight format is refused.
+    `adapter`: the LoRA adapter's slice for the hop's blocks, on the wire (client/adapters.py)."""
     session_id = os.urandom(protocol.SESSION_ID_BYTES)
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
             stream = await host.new_stream(info.peer_id, [protocol.INFER_PROTOCOL])
         remote = RemoteHop(hop, FramedStream(stream, DEFAULT_MAX_FRAME), hidden_size, session_id)
-        opened = await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens),
+        opened = await remote.request(OpenRequest(session_id, model_id, hop.start, hop.end, max_tokens, adapter),
                                       timeout=CONNECT_TIMEOUT_S)
         remote.mode = fmt or DEFAULT_MODE
+        # A server from before adapters ignores the field (and says no digest): it would compute without.
+        if adapter is not None and opened.adapter != adapter["digest"]:
+            with contextlib.suppress(Exception):
+                await remote.close()
+            raise HopUnavailable(hop.peer_id, BAD_ADAPTER, f"{hop.peer_id} (blocks {hop.start}:{hop.end}) did not "
+                                 f"take the session's LoRA adapter (a server without adapters): refused")
         # A server that names no format is an older one: it computes fp32 models in fp32.
         if fmt is not None and (opened.format or DEFAULT_MODE) != fmt:
             with contextlib.suppress(Exception):

@@ -6,6 +6,7 @@
   receipts.py     pure: the audit a consumer's receipt passes before this server countersigns it
   inference.py    InferenceServer, the thin trio driver: limits, decoded requests to the core, replies
   streams.py      an infer stream: frames in order, one reply each, idle and oversized streams closed
+  adapters.py     sessions' LoRA adapters: decoded at open, kept with the session, bounded in memory
   compute.py      where a step's forward runs (worker thread or event loop) and the load it measures
   pushed.py       trio glue of pushes: pushed steps computed in the background, outputs pushed on
   push.py         the outbound push streams to downstream servers (one per server, dialled lazily)

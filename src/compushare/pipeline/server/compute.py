@@ -51,6 +51,7 @@ class _Decode:
     position: int
     peer: str
     reclaimed: Callable[[], bool]
+    adapter: object = None  # its session's LoRA adapter (model/lora.py); batched steps may differ
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     lead: bool = False  # woken to lead the next batch (the one before it was full)
     output: torch.Tensor | None = None
@@ -107,13 +108,14 @@ class Compute(ComputeMeter):
 
     async def run(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
                   end: int, chunks: list[int], peer: str = "",
-                  reclaimed: Callable[[], bool] = lambda: False) -> tuple[torch.Tensor, float]:
-        """The output of blocks start:end for `hidden` at `position`, and the seconds its
-        forwards took (waiting for turns is queueing, not speed). On failure the cache
-        may hold part of the step: the caller rolls it back. A step whose session is
-        `reclaimed` meanwhile stops before its next piece (Rejected: unknown_session)."""
+                  reclaimed: Callable[[], bool] = lambda: False, adapter=None) -> tuple[torch.Tensor, float]:
+        """The output of blocks start:end for `hidden` at `position` (with `adapter`'s
+        LoRA updates, if any), and the seconds its forwards took (waiting for turns
+        is queueing, not speed). On failure the cache may hold part of the step: the
+        caller rolls it back. A step whose session is `reclaimed` meanwhile stops
+        before its next piece (Rejected: unknown_session)."""
         if chunks == [1] and getattr(runner, "batchable", False):
-            return await self._batch(runner, cache, hidden, position, start, end, peer, reclaimed)
+            return await self._batch(runner, _Decode(cache, hidden, position, peer, reclaimed, adapter), start, end)
         # Pieces run one after another, exactly as the original steps' did: a replayed
         # history then rebuilds the very same KV cache (one batched prefill would not).
         outputs, offset, seconds = [], 0, 0.0
@@ -125,12 +127,13 @@ class Compute(ComputeMeter):
                 if reclaimed():
                     raise Rejected(protocol.UNKNOWN_SESSION, "the session was reclaimed for a peer within its "
                                                              "fair share of the KV budget")
-                forward = functools.partial(_timed, runner.forward, piece, cache, position + offset, start, end)
+                forward = functools.partial(_timed, functools.partial(runner.forward, adapter=adapter), piece, cache,
+                                            position + offset, start, end)
                 if ticket.preempts:
                     await self._paused_long_forwards()
                     out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
                 elif self.scheduler.fair:
-                    out, took = await self._long_forward(runner, piece, cache, position + offset, start, end)
+                    out, took = await self._long_forward(runner, adapter, piece, cache, position + offset, start, end)
                 else:
                     out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
             outputs.append(out)
@@ -142,8 +145,7 @@ class Compute(ComputeMeter):
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
 
-    async def _batch(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
-                     end: int, peer: str, reclaimed: Callable[[], bool]) -> tuple[torch.Tensor, float]:
+    async def _batch(self, runner: SpanRunner, entry: _Decode, start: int, end: int) -> tuple[torch.Tensor, float]:
         """A one-token step, computed together with the other one-token steps of the
         same span waiting at the same time (model/batched.py). The first to wait
         leads: it takes a compute turn, gives steps that are arriving a moment to
@@ -152,7 +154,6 @@ class Compute(ComputeMeter):
         matrix product's rounding. A member's compute time is its share of the
         batch's."""
         key = (id(runner), start, end)
-        entry = _Decode(cache, hidden, position, peer, reclaimed)
         group = self._waiting.setdefault(key, [])
         group.append(entry)
         if len(group) > 1:  # a leader is waiting for its turn: it takes this one along
@@ -172,7 +173,7 @@ class Compute(ComputeMeter):
                 if entry.error is not None:
                     raise entry.error
                 return entry.output, entry.seconds
-        await self._lead(key, entry, runner, start, end, peer)
+        await self._lead(key, entry, runner, start, end, entry.peer)
         if entry.error is not None:
             raise entry.error
         return entry.output, entry.seconds
@@ -229,10 +230,11 @@ class Compute(ComputeMeter):
         def forward():
             began = time.perf_counter()
             if len(batch) == 1:  # exactly the plain forward
-                outs = [runner.forward(batch[0].hidden, batch[0].cache, batch[0].position, start, end)]
-            else:
+                one = batch[0]
+                outs = [runner.forward(one.hidden, one.cache, one.position, start, end, adapter=one.adapter)]
+            else:  # each session's own adapter (or none), in one forward
                 outs = decode_batch(runner, [m.hidden for m in batch], [m.cache for m in batch],
-                                    [m.position for m in batch], start, end)
+                                    [m.position for m in batch], start, end, [m.adapter for m in batch])
             return outs, time.perf_counter() - began
 
         inline = len(batch) == 1 and self.runs_inline(runner, [1], end - start)
@@ -253,10 +255,11 @@ class Compute(ComputeMeter):
             self.batched_steps += len(batch)
         self.observe(len(batch), end - start, took)
 
-    async def _long_forward(self, runner: SpanRunner, *args) -> tuple[torch.Tensor, float]:
+    async def _long_forward(self, runner: SpanRunner, adapter, *args) -> tuple[torch.Tensor, float]:
         """A long piece's forward in a worker thread, pausing before each layer while
         short pieces preempt it."""
-        return await self._long(lambda pause: _timed(functools.partial(runner.forward, between_layers=pause), *args))
+        return await self._long(lambda pause: _timed(functools.partial(runner.forward, between_layers=pause,
+                                                                       adapter=adapter), *args))
 
     async def _long(self, compute: Callable[[Callable[[], None]], T]) -> T:
         """`compute(pause_point)` in a worker thread, where `pause_point` is called between

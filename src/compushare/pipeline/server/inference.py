@@ -27,13 +27,14 @@ from ...model.blocks import SpanRunner
 from ...net.limits import PeerRateLimiter
 from ...net.serve import GuardedHandler
 from ...net.tensors import WIRE_DTYPES, decode_tensor
-from ...proofs import DEFAULT_MODE, Statement, step_digest
+from ...proofs import DEFAULT_MODE, Statement, adapted_model, step_digest
 from .. import protocol
 from ..messages import (
     CloseRequest, Closed, ErrorReply, Linked, LinkRequest, Opened, OpenRequest, Proof, PushRequest, Receipted,
     ReceiptRequest, Reply, Request, Result, StepRequest, Truncated, TruncateRequest, WireTensor, decode_request,
     echo_session,
 )
+from .adapters import SessionAdapters
 from .compute import Compute, wire
 from .push import PushLinks
 from .receipts import check_receipt
@@ -78,6 +79,7 @@ class InferenceServer:
         self.moving = False  # set while the node loads another span: new sessions would be dropped
         self.paused = False  # its user paused contributing: no new sessions
         self.pushed: PushedSteps | None = None  # set by enable_push: this server pushes and takes pushes
+        self.adapters = SessionAdapters()  # sessions' LoRA adapters, and what they may hold (adapters.py)
         # The stream handler: at most max_streams_per_peer infer streams of one peer at once.
         self.rpc_infer = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits,
                                                           ended=functools.partial(close_all, self.sessions)),
@@ -157,7 +159,7 @@ class InferenceServer:
                 await self._rewind(sid, position, table, runner)
                 return Truncated(sid, position)
             case ReceiptRequest():
-                return await self._receipt(request, peer, table)
+                return await countersign(self.karma, self.model_id, request, peer, table)
             case CloseRequest(session=sid):
                 table.close(sid)
                 return Closed(sid)
@@ -165,39 +167,24 @@ class InferenceServer:
                 raise Rejected(protocol.BAD_REQUEST, f"this server does not handle {type(request).__name__}")
 
     def _open(self, request: OpenRequest, peer: str, table: SessionTable, runner: SpanRunner) -> Opened:
-        if self.moving:
-            raise Rejected(protocol.BUSY, "this server is moving to other blocks")
-        if self.paused:
-            raise Rejected(protocol.BUSY, "this server's user paused contributing")
+        if self.moving or self.paused:
+            raise Rejected(protocol.BUSY, "this server is moving to other blocks" if self.moving else
+                           "this server's user paused contributing")
         if request.model != self.model_id:
             raise Rejected(protocol.WRONG_MODEL, f"this server serves model {self.model_id}")
         start, end = request.start, request.end
         if not (runner.start <= start < end <= runner.end):
             raise Rejected(protocol.BAD_SPAN, f"{start}:{end} is not within {runner.start}:{runner.end}")
+        # Decoded and checked before the session exists: a refused adapter leaves nothing behind.
+        held = None if request.adapter is None else self.adapters.admit(request.adapter, runner, start, end, peer)
         session = table.open(request.session, start, end, request.max_tokens, time.monotonic(), owner=peer)
         for lost in table.take_reclaimed():
             log.info("session %s of %s reclaimed for a peer within its fair share; freed %d tokens",
                      lost.session_id.hex()[:8], lost.owner[-8:], lost.max_tokens)
         session.cache = runner.new_cache()
-        return Opened(request.session, table.free_tokens, runner.format_label)
-
-    async def _receipt(self, request: ReceiptRequest, peer: str, table: SessionTable) -> Receipted:
-        """Countersign the consumer's receipt for this session's latest steps, if it
-        describes them truthfully (receipts.py)."""
-        if self.karma is None:
-            raise Rejected(protocol.BAD_REQUEST, "this server keeps no karma ledger")
-        session = table.get(request.session)
-        receipt = check_receipt(request.receipt, session, peer=peer, server=self.karma.peer_id,
-                                model_id=self.model_id, now=time.time())
-        try:
-            signed = await self.karma.accept(request.receipt, receipt)
-        except PeerMisbehaved as exc:  # its slot is taken, or it is too large
-            raise Rejected(protocol.BAD_RECEIPT, str(exc)) from None
-        except OSError as exc:  # the ledger cannot be written: say so, keep serving
-            log.error("could not keep a receipt: %s", exc)
-            raise Rejected(protocol.INTERNAL, "this server could not store the receipt") from None
-        table.receipted(session)
-        return Receipted(request.session, signed)
+        if held is not None:
+            self.adapters.keep(session, held)
+        return Opened(request.session, table.free_tokens, runner.format_label, held and held.digest)
 
     async def _step(self, request: StepRequest, table: SessionTable, runner: SpanRunner) -> Result:
         session = table.get(request.session)  # unknown session before decoding the tensor
@@ -305,11 +292,31 @@ class InferenceServer:
         step failed, and the error propagates."""
         try:
             return await self.compute.run(runner, session.cache, hidden, step.position, session.start, session.end,
-                                          chunks, peer=session.owner, reclaimed=lambda: session.reclaimed)
+                                          chunks, peer=session.owner, reclaimed=lambda: session.reclaimed,
+                                          adapter=None if session.adapter is None else session.adapter.adapter)
         except BaseException:
             runner.truncate(session.cache, step.position)  # a failed forward may have half-appended
             self.sessions.failed(session, step, time.monotonic())
             raise
+
+
+async def countersign(karma, model_id: str, request: ReceiptRequest, peer: str, table: SessionTable) -> Receipted:
+    """Countersign the consumer's receipt for this session's latest steps, if it
+    describes them truthfully (receipts.py)."""
+    if karma is None:
+        raise Rejected(protocol.BAD_REQUEST, "this server keeps no karma ledger")
+    session = table.get(request.session)
+    receipt = check_receipt(request.receipt, session, peer=peer, server=karma.peer_id,
+                            model_id=model_id, now=time.time())
+    try:
+        signed = await karma.accept(request.receipt, receipt)
+    except PeerMisbehaved as exc:  # its slot is taken, or it is too large
+        raise Rejected(protocol.BAD_RECEIPT, str(exc)) from None
+    except OSError as exc:  # the ledger cannot be written: say so, keep serving
+        log.error("could not keep a receipt: %s", exc)
+        raise Rejected(protocol.INTERNAL, "this server could not store the receipt") from None
+    table.receipted(session)
+    return Receipted(request.session, signed)
 
 
 async def wait_for_push(pushed: PushedSteps, request: StepRequest, table: SessionTable,
@@ -347,7 +354,8 @@ def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tok
     `mode` (the span's weight format: its tolerance is the protocol's)."""
     data = encoded.data
     last = memoryview(data)[len(data) - len(data) // returned * tokens:]
-    statement = Statement(mode, model_id, session.start, session.end, position, tokens,
+    model = adapted_model(model_id, None if session.adapter is None else session.adapter.digest)
+    statement = Statement(mode, model, session.start, session.end, position, tokens,
                           session.chain.at(position), session.chain.digest(position, tokens),
                           step_digest(encoded.dtype, last, tokens))
     return Proof(position, tokens, statement.mode, statement.prefix, statement.input_digest,

@@ -145,6 +145,7 @@ class Session:
     state: State = State.READY
     step: Step | None = None
     cache: object = None  # the KV cache; opaque here
+    adapter: object = None  # the LoRA adapter every forward of it applies (adapters.Held); opaque here
     owner: str = ""  # the peer that opened it
     reclaimed: bool = False  # for a peer within its fair share: a step in flight stops at its next piece
     chain: InputChain | None = dataclasses.field(default_factory=InputChain)  # every input row's digest, in order
@@ -231,9 +232,7 @@ class SessionStates:
         session = self.get(session_id)
         self._check(session, event)
         if position != session.length:
-            raise Rejected(
-                protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens"
-            )
+            raise Rejected(protocol.OUT_OF_ORDER, f"step at position {position}, session holds {session.length} tokens")
         if not (1 <= tokens <= self.max_step_tokens):
             raise Rejected(protocol.TOO_LONG, f"a step carries 1..{self.max_step_tokens} tokens")
         if session.length + tokens > session.max_tokens:
