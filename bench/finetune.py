@@ -20,6 +20,9 @@ alike; one torch thread in every process. tok/s counts the loss's targets of a
 step over its wall time. Spot checks are off (no span has a second server here).
 The per-step loss difference of the two runs, evaluation loss before and after
 (the swarm's adapter; the local one's beside it), and the adapter's size on disk.
+Then the trained adapter in use: 32 greedy tokens through the swarm with it
+(`run --adapter`: every server applies it in its KV-cached path) against the same
+adapter applied in this process.
 
 Human-readable lines first; the last line is one JSON object.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shutil
 import signal
 import statistics
@@ -51,7 +55,8 @@ from compushare.model.lora import Adapter, LoraSpec  # noqa: E402
 from compushare.model.tokenizer import load_tokenizer  # noqa: E402
 from compushare.model.train_data import batches, load_examples, split_examples  # noqa: E402
 from compushare.model.training_state import OptimizerSettings, TrainingState  # noqa: E402
-from compushare.pipeline.client.consumer import Consumer  # noqa: E402
+from compushare.pipeline.client.consumer import Consumer, RunRequest, prompt_ids_of  # noqa: E402
+from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
 from compushare.pipeline.client.finetune import step_batches  # noqa: E402
 from compushare.pipeline.client.planner import SwarmPlanner  # noqa: E402
 from compushare.pipeline.client.swarm_trainer import SwarmTrainer  # noqa: E402
@@ -63,6 +68,7 @@ RESULTS = _common.REPO / "bench" / "results" / "finetune.jsonl"
 SPEC = LoraSpec(8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 LR = 1e-3
 SEED = 0
+GENERATED = 32
 
 
 def log(message: str) -> None:
@@ -108,6 +114,17 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
         adapter_path = root / "adapter.safetensors"
         adapter_file.save(trainer.state.adapter(), adapter_path, base_model=MODEL)
         await trainer.close()
+        # The trained adapter in use: greedy tokens through the swarm (every server applying
+        # it in its KV-cached path) against the same adapter in this process.
+        prompt = "Alice was beginning to get very tired of"
+        request = RunRequest(model=MODEL, prompt=prompt, chat_template=False, adapter=adapter_path,
+                             params=SamplingParams(max_new_tokens=GENERATED, stop_at_eos=False))
+        outcome = await consumer.generate(request)
+        plain = await consumer.generate(dataclasses.replace(request, adapter=None))
+        expected = await trio.to_thread.run_sync(local_greedy, local, prompt_ids_of(consumer.tokenizer, request),
+                                                 adapter_file.load(adapter_path))
+        log(f"greedy with the adapter, swarm: {outcome.text!r}")
+        log(f"without it: {plain.text!r}")
     tokens = sum(r["tokens"] for r in rows)
     swarm_tok_s = tokens / sum(r["swarm_s"] for r in rows)
     local_tok_s = tokens / sum(r["local_s"] for r in rows)
@@ -125,7 +142,21 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
         "eval_ratio": round(after / before, 3), "local_eval_loss_after": round(local_after, 4),
         "adapter_bytes": adapter_path.stat().st_size,
         "first_loss": rows[0]["swarm_loss"], "last_loss": rows[-1]["swarm_loss"],
+        "adapter_generation_identical": outcome.tokens == expected, "adapter_changes_generation":
+            outcome.tokens != plain.tokens, "generated_tokens": len(outcome.tokens),
     }
+
+
+def local_greedy(local: LocalTrainer, prompt_ids: list[int], adapter: Adapter) -> list[int]:
+    """Greedy tokens in this process: every block with the adapter, the head beside it."""
+    runner, head = local.runner, local.head
+    cache = runner.new_cache()
+    hidden = runner.forward(head.embed_tokens(prompt_ids), cache, 0, adapter=adapter)
+    tokens = []
+    for _ in range(GENERATED):
+        tokens.append(int(torch.argmax(head.logits(hidden))))
+        hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, runner.cached_length(cache), adapter=adapter)
+    return tokens
 
 
 def main() -> int:
