@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/hostile.py
 	$(PY) bench/he.py
 	$(PY) bench/batch_invariance.py
+	$(PY) bench/finetune.py
 	$(if $(filter 0,$(shell id -u)),$(PY) bench/wan.py,@echo "bench/wan.py needs root (network namespaces): skipped")
 	$(if $(filter 0,$(shell id -u)),$(PY) bench/nat.py,@echo "bench/nat.py needs root (network namespaces): skipped")
 
