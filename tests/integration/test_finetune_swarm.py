@@ -11,7 +11,7 @@ import trio
 from peft import LoraConfig, get_peft_model
 
 from compushare.model.arch import load_config
-from compushare.model.catalog import import_path, resolve_model
+from compushare.model.catalog import import_path
 from compushare.model.lora import Adapter, LoraSpec
 from compushare.model.train_head import IGNORE
 from compushare.model.training_state import OptimizerSettings, TrainingState

@@ -49,10 +49,9 @@ from ..pipeline.server.private_worker import HEWorker
 from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..pipeline.server.training import TrainingServer
-from ..wire import TRAIN as TRAIN_PROTOCOL
 from ..runtime import stop_on_signal, write_json, write_state
 from .startup import (SpanMemory, ad_maker, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
-                      span_memory)
+                      serve_training, span_memory)
 from .status import summarize
 from ..torrent.service import Torrent
 
@@ -227,18 +226,8 @@ class Node:
         provider.server.enable_push(host, nursery, forge=self.faults.forge_push)
         host.set_stream_handler(INFER_PROTOCOL, provider.server.rpc_infer)
         self._serve_private(provider, memory)
-        self._serve_training(provider, memory)
+        self.training = serve_training(host, provider, config, memory)
         return provider
-
-    def _serve_training(self, provider: Provider, memory: SpanMemory) -> None:
-        """Services: training (/compushare/train), its activations in what the span's
-        weights and KV budget leave of the memory budget, at most train_memory_mb."""
-        config, model = self.config, provider.model
-        left = memory.private_budget(config.memory_budget_mb, block_cost(model, config.limits.kv_budget_tokens))
-        span = provider.span
-        budget = min(config.limits.train_memory_mb * 2**20, left((span.start, span.end)))
-        self.training = TrainingServer(provider.server, memory_bytes=budget)
-        self.swarm.host.set_stream_handler(TRAIN_PROTOCOL, self.training.rpc_train)
 
     def _inference_server(self, runner) -> InferenceServer:
         provider = self.provider

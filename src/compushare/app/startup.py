@@ -26,7 +26,9 @@ from ..net.gossip import learn_views
 from ..net.host import advertised_addrs
 from ..net.view import SwarmView
 from ..pipeline.client.consumer import name_from_swarm, peer_ids_of
-from ..pipeline.server.provider import Provider, blocks_for_budget, check_fixed_span, weights_budget_mb
+from ..pipeline.server.provider import Provider, block_cost, blocks_for_budget, check_fixed_span, weights_budget_mb
+from ..pipeline.server.training import TrainingServer
+from ..wire import TRAIN as TRAIN_PROTOCOL
 
 log = logging.getLogger(__name__)
 
@@ -166,3 +168,15 @@ async def first_span(provider: Provider, config: NodeConfig, memory: SpanMemory,
     # claims published before it.
     await learn_views(host, view)  # a newcomer sees the swarm at once
     return await provider.choose_first_span(view, me, length, config.ad_period_s if config.bootstrap else 0.0), length
+
+
+def serve_training(host, provider: Provider, config: NodeConfig, memory: SpanMemory) -> TrainingServer:
+    """Training (/compushare/train) beside the span's inference server: its activations
+    in what the span's weights and KV budget leave of the memory budget, at most
+    train_memory_mb."""
+    left = memory.private_budget(config.memory_budget_mb, block_cost(provider.model, config.limits.kv_budget_tokens))
+    span = provider.span
+    training = TrainingServer(provider.server, memory_bytes=min(config.limits.train_memory_mb * 2**20,
+                                                                left((span.start, span.end))))
+    host.set_stream_handler(TRAIN_PROTOCOL, training.rpc_train)
+    return training

@@ -262,9 +262,8 @@ class Compute(ComputeMeter):
                                                                        adapter=adapter), *args))
 
     async def _long(self, compute: Callable[[Callable[[], None]], T]) -> T:
-        """`compute(pause_point)` in a worker thread, where `pause_point` is called between
-        layers. It counts as running from here, before its thread starts, so a short
-        piece granted meanwhile waits for its first pause point."""
+        """`compute(pause_point)` in a worker thread (`pause_point` between layers); it counts
+        as running from here, so a short piece granted meanwhile waits for its first pause."""
         with self._preempt:
             self._in_long += 1
         try:
@@ -276,9 +275,8 @@ class Compute(ComputeMeter):
 
     async def run_training(self, peer: str, cost_tokens: int, blocks: int,
                            compute: Callable[[Callable[[], None]], T]) -> tuple[T, float]:
-        """A training request's forward or backward (`compute(pause_point)`): one piece
-        in `peer`'s fair turn, costed at `cost_tokens`, always a long one (a decode step
-        preempts it between layers), in a worker thread. Returns its result and seconds."""
+        """A training request's `compute(pause_point)`: one long piece (decode steps preempt
+        it) in `peer`'s fair turn, costed at `cost_tokens`. Its result and seconds."""
         async with self.turn(peer, max(cost_tokens, SHORT_TOKENS + 1)):
             began = time.perf_counter()
             out = await self._long(compute)
