@@ -83,8 +83,18 @@ def _spec(config: dict, where: Path) -> LoraSpec:
     try:
         return LoraSpec(int(config["r"]), float(config["lora_alpha"]), tuple(sorted(targets)),
                         bool(config.get("use_rslora", False)))
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:  # Overflow: JSON's unbounded integers
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _config(text: str, where: Path) -> dict:
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{where}: the adapter config is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}: the adapter config is not a JSON object")
+    return config
 
 
 def _name(key: str) -> str:
@@ -108,13 +118,13 @@ def load(path: Path, *, model_id: str | None = None, config=None) -> Adapter:
         raise UsageError(f"{weights}: not a readable safetensors file ({exc})") from None
     if path.is_dir():
         try:
-            peft = json.loads((path / CONFIG_FILE).read_text())
+            peft = _config((path / CONFIG_FILE).read_text(), path)
         except (OSError, ValueError) as exc:
             raise UsageError(f"{path}: no readable {CONFIG_FILE} ({exc})") from None
     elif CONFIG_KEY in metadata:
-        peft = json.loads(metadata[CONFIG_KEY])
+        peft = _config(metadata[CONFIG_KEY], path)
     elif (path.parent / CONFIG_FILE).exists():
-        peft = json.loads((path.parent / CONFIG_FILE).read_text())
+        peft = _config((path.parent / CONFIG_FILE).read_text(), path)
     else:
         raise UsageError(f"{path}: no adapter config (metadata or {CONFIG_FILE} beside it)")
     spec = _spec(peft, path)

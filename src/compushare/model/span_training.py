@@ -46,7 +46,8 @@ def span_backward(runner, hidden: torch.Tensor, grad_output: torch.Tensor, adapt
     """(d loss / d hidden, {adapter tensor name: d loss / d it}) for layers start..end-1,
     given d loss / d output: the forward recomputed with its graph, then backward."""
     with torch.enable_grad():
-        leaf = hidden.detach().to(runner.dtype).requires_grad_(True)
+        # A copy: `hidden` may be an inference tensor (span_forward's output), which can never require grad.
+        leaf = hidden.detach().to(runner.dtype, copy=True).requires_grad_(True)
         params: dict[str, torch.Tensor] = {}
         trained = None
         if adapter is not None:

@@ -1,9 +1,10 @@
 """Fine-tuning data: what `compushare finetune --data FILE` reads.
 
-Two formats, told apart by the file's first non-blank character:
+Two formats: a ".jsonl" file is JSONL, a ".txt" file text, any other told apart
+by its first non-blank character ("{": JSONL).
 
-- **JSONL** (a first line starting with "{"): one object per line with string
-  fields `prompt` and `response` (other keys are ignored; blank lines skipped).
+- **JSONL**: one object per line (lines end at "\n" only) with string fields
+  `prompt` and `response` (other keys are ignored; blank lines skipped).
   Each line is one example: the prompt as a user turn through the tokenizer's chat
   template with the generation prompt (the prompt's text and a newline where the
   tokenizer has no template), then the response's tokens and the end-of-sequence
@@ -62,6 +63,7 @@ def _read(path: Path) -> str:
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[:exc.start].count(b"\n") + 1
         raise UsageError(f"{path}, line {line}: not UTF-8 text") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark, as some editors write
     if not text.strip():
         raise UsageError(f"{path}: the data file is empty")
     return text
@@ -87,21 +89,32 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer(prompt + "\n", add_special_tokens=False)["input_ids"])
 
 
+def _record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError):  # an integer of over 4300 digits; nesting past the stack
+        raise UsageError(f"{where}: not JSON this reader takes (a huge number or deep nesting)") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: a line must be an object with \"prompt\" and \"response\"")
+    for key in ("prompt", "response"):
+        if not isinstance(record.get(key), str):
+            raise UsageError(f"{where}: \"{key}\" must be a string (a line needs \"prompt\" and \"response\")")
+        try:  # a JSON escape may name half a surrogate pair, which no tokenizer takes
+            record[key].encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"{where}: \"{key}\" holds an unpaired surrogate escape (\\ud800-\\udfff)") from None
+    return record
+
+
 def jsonl_examples(text: str, tokenizer, seq_len: int, where: Path, stats: DataStats) -> list[Example]:
     examples = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # "\n" only: str.splitlines also splits at U+2028 and others, which JSON strings may hold raw.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{where}, line {number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise UsageError(f"{where}, line {number}: a line must be an object with \"prompt\" and \"response\"")
-        for key in ("prompt", "response"):
-            if not isinstance(record.get(key), str):
-                raise UsageError(f"{where}, line {number}: \"{key}\" must be a string (a line needs \"prompt\" "
-                                 f"and \"response\")")
+        record = _record(line, f"{where}, line {number}")
         prompt = _prompt_ids(tokenizer, record["prompt"])
         response = list(tokenizer(record["response"], add_special_tokens=False)["input_ids"])
         if _eos(tokenizer) is not None:
@@ -124,7 +137,8 @@ def load_examples(path: Path, tokenizer, seq_len: int, stats: DataStats | None =
         raise UsageError("this model has no tokenizer: it cannot read training text")
     stats = stats if stats is not None else DataStats()
     text = _read(path)
-    if text.lstrip().startswith("{"):
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl" or (suffix != ".txt" and text.lstrip().startswith("{")):
         examples = jsonl_examples(text, tokenizer, seq_len, Path(path), stats)
     else:
         examples = text_examples(text, tokenizer, seq_len)
