@@ -49,6 +49,7 @@ from compushare.net.host import open_host, parse_peer_addr
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.private_wire import PRIVATE_PROTOCOL
 from compushare.pipeline.protocol import INFER_PROTOCOL
+from compushare.wire import TRAIN as TRAIN_PROTOCOL
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.torrent.protocol import PIECES_PROTOCOL
 from helpers import reference_greedy
@@ -62,7 +63,7 @@ HOLD_LIMIT_S = 240.0  # stalled streams are held at most this long (until the ge
 GENERATION_TIMEOUT_S = 120.0
 FLOOD_STREAMS = 16  # stalled streams per protocol at once (more than py-libp2p's 12 DHT handlers)
 
-FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL)
+FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL, TRAIN_PROTOCOL)
 # NAT traversal (revision 14): AutoNAT, circuit relay v2's hop and stop, DCUtR.
 VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL, AUTONAT_PROTOCOL, HOP_PROTOCOL, STOP_PROTOCOL,
           DCUTR_PROTOCOL)
@@ -154,6 +155,7 @@ def flood_attacks(protocol: str, streams: int = FLOOD_STREAMS) -> list[Attack]:
 def shaped_attacks(model_id: str, key_pair) -> list[Attack]:
     """Well-formed encodings (msgpack, protobuf) with contents of the wrong shape."""
     hello = {"type": "hello", "model": model_id}
+    train_session = os.urandom(16)
     bogus_id = b"\x12\x20" + os.urandom(32)  # a sha256 peer id: no key embedded in it
     unsigned = rpc_pb2.Message(from_id=bogus_id, data=b"\xc1", seqno=b"1", topicIDs=[AD_TOPIC],
                                signature=b"x" * 64, key=b"not a key")
@@ -198,6 +200,23 @@ def shaped_attacks(model_id: str, key_pair) -> list[Attack]:
         Attack(f"{PRIVATE_PROTOCOL} 2^40 bytes of keys announced", PRIVATE_PROTOCOL, framed(
             {"type": "open", "model_id": model_id, "start": 0, "end": 1, "params": "ckks-8192-60-40-60",
              "keys_digest": "ab" * 32, "keys_size": 1 << 40})),
+        Attack(f"{TRAIN_PROTOCOL} wrong shapes", TRAIN_PROTOCOL, framed(
+            {"type": "forward", "id": 1, "session": os.urandom(16), "hidden": "no"},  # before any open
+            {"type": "open", "id": -1, "session": b"short", "model": {"a": 1}, "start": "0", "end": []},
+            {"type": "open", "id": 2, "session": train_session, "model": model_id, "start": 0, "end": 1},
+            {"type": "backward", "id": 3, "session": train_session,
+             "hidden": {"dtype": "float32", "shape": [64, 2**20, 64], "data": b""},
+             "grad": {"dtype": "float32", "shape": [1, 1, 64], "data": bytes(256)}},
+            {"type": "forward", "id": 4, "session": train_session,
+             "hidden": {"dtype": "float32", "shape": [1, 1, 64], "data": bytes(256)},
+             "adapter": {"digest": os.urandom(32), "spec": {"rank": 2**40, "alpha": -1, "targets": ["x"],
+                                                           "rslora": 0}, "tensors": {"evil": [1]}}},
+            {"type": "forward", "id": 5, "session": train_session,
+             "hidden": {"dtype": "float32", "shape": [1, 1, 64], "data": bytes(256)},
+             "adapter": {"digest": os.urandom(32), "spec": {"rank": 2, "alpha": 4.0, "targets": ["q_proj"],
+                                                           "rslora": False}}},  # unknown digest
+            deep_msgpack(100_000),
+        )),
         Attack(f"{PIECES_PROTOCOL} request before hello", PIECES_PROTOCOL, framed({"type": "request", "index": 0})),
         Attack(f"{PIECES_PROTOCOL} hello of the wrong shape", PIECES_PROTOCOL,
                framed({"type": "hello", "model": 5, "x": [1]})),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import trio
 
-from ...errors import HopFailed
+from ...errors import HopFailed, PeerMisbehaved
 from ...model.lora import Adapter
 from ...model.train_head import IGNORE, embed_batch, loss_and_grad, loss_sum
 from ...model.training_state import TrainingState
@@ -233,53 +233,60 @@ class SwarmTrainer:
         return self.spot_check_rate > 0 and self.rng.random() < self.spot_check_rate
 
     async def _check(self, index: int, first: Answer, again: Callable[[TrainHop], Awaitable[Answer]]) -> Answer:
-        """A spot check of stage `index`'s one server's answer `first`: `again` on a
-        second server of the span; on a mismatch, on a third, which decides. Returns
+        """A spot check of `first` (stage `index`'s one server's answer): `again` on a
+        second server of its blocks; on a mismatch, on a third, which decides. Returns
         the answer to use (the agreeing one)."""
-        stage = self.stages[index]
-        hop = stage.hops[0]
-        mode, tol = hop.format or "fp32", tolerance(hop.format or "fp32", hop.end - hop.start)
-        second, verifier = await self._recompute(hop, {hop.peer_id}, again)
+        tol = tolerance(first.mode, first.end - first.start)
+        second = await self._recompute(first, {first.peer_id}, again)
         if second is None or _error(first, second) <= tol:
             return first
-        third, judge = await self._recompute(hop, {hop.peer_id, verifier.peer_id}, again)
+        third = await self._recompute(first, {first.peer_id, second.peer_id}, again)
         if third is None:
-            log.warning("%s and %s disagree on blocks %d:%d; no third server to decide", hop.peer_id,
-                        verifier.peer_id, hop.start, hop.end)
+            log.warning("%s and %s disagree on blocks %d:%d; no third server to decide", first.peer_id,
+                        second.peer_id, first.start, first.end)
             return first
         if _error(third, second) <= tol:
-            liar, bad, honest, good = hop.peer_id, first, verifier.peer_id, second
+            bad, good = first, second
         elif _error(third, first) <= tol:
-            liar, bad, honest, good = verifier.peer_id, second, hop.peer_id, first
+            bad, good = second, first
         else:
-            log.warning("three servers disagree on blocks %d:%d; keeping the first answer", hop.start, hop.end)
+            log.warning("three servers disagree on blocks %d:%d; keeping the first answer", first.start, first.end)
             return first
-        self.penalties.mismatch(liar, time.monotonic())
-        self.mismatches.append(liar)
-        report = TrainFailureReport(mode, self.model_id, hop.start, hop.end, first.input_digest,
-                                    tuple((name, len(data) // 4) for name, data in bad.parts),
-                                    TrainClaim(liar, b"".join(d for _, d in bad.parts), bad.signature),
-                                    TrainClaim(honest, b"".join(d for _, d in good.parts), good.signature))
-        report.check()  # signed by both, beyond the tolerance: anyone can verify it
-        self.reports.append(report)
-        log.warning("spot check: %s computed blocks %d:%d wrongly; failure report %s", liar, hop.start, hop.end,
-                    report.digest[:12])
-        if self.on_report is not None:
-            await self.on_report(report)
-        if liar == hop.peer_id:  # the step goes on with the honest answer; the stage is replaced
-            await self._replace(index, stage)
+        self.penalties.mismatch(bad.peer_id, time.monotonic())
+        self.mismatches.append(bad.peer_id)
+        await self._file(bad, good)
+        stage = self.stages[index]
+        if bad is first and any(hop.peer_id == bad.peer_id for hop in stage.hops):
+            await self._replace(index, stage)  # the step goes on with the honest answer
         return good
 
-    async def _recompute(self, hop: TrainHop, exclude: set[str], again) -> tuple[Answer | None, TrainHop | None]:
-        verifier = await self._verifier(hop.start, hop.end, exclude)
+    async def _file(self, bad: Answer, good: Answer) -> None:
+        """A failure report of two signed, conflicting answers: anyone can verify it."""
+        report = TrainFailureReport(bad.mode, self.model_id, bad.start, bad.end, bad.input_digest,
+                                    tuple((name, len(data) // 4) for name, data in bad.parts),
+                                    TrainClaim(bad.peer_id, b"".join(d for _, d in bad.parts), bad.signature),
+                                    TrainClaim(good.peer_id, b"".join(d for _, d in good.parts), good.signature))
+        try:
+            report.check()
+        except PeerMisbehaved as exc:  # e.g. answers in different modes: excluded, not reportable
+            log.warning("no failure report against %s: %s", bad.peer_id, exc)
+            return
+        self.reports.append(report)
+        log.warning("spot check: %s computed blocks %d:%d wrongly; failure report %s", bad.peer_id, bad.start,
+                    bad.end, report.digest[:12])
+        if self.on_report is not None:
+            await self.on_report(report)
+
+    async def _recompute(self, first: Answer, exclude: set[str], again) -> Answer | None:
+        verifier = await self._verifier(first.start, first.end, exclude)
         if verifier is None:
-            return None, None
+            return None
         self.checks += 1
         try:
-            return await again(verifier), verifier
+            return await again(verifier)
         except HopFailed as exc:
             log.info("spot check on %s failed: %s", exc.peer_id[-8:], exc)
-            return None, None
+            return None
         finally:
             await verifier.close()
 

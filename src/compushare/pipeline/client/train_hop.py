@@ -60,6 +60,10 @@ class Answer:
     signature: bytes
     input_digest: bytes
     compute_ms: float
+    peer_id: str  # who answered, for which blocks, in which compute mode
+    start: int
+    end: int
+    mode: str
 
 
 def wire_tensor(tensor: torch.Tensor) -> WireTensor:
@@ -237,7 +241,8 @@ class TrainHop:
                                    train_output_digest(parts))
         if not statement.verify(self.peer_id, signature):
             raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: its answer is not signed by it")
-        return Answer(tensor, grads, parts, signature, digest_in, compute_ms)
+        return Answer(tensor, grads, parts, signature, digest_in, compute_ms, self.peer_id, self.start, self.end,
+                      self.format)
 
     async def receipt(self) -> Receipt | None:
         """Karma: a receipt for the requests since the last one, countersigned by the
