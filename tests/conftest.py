@@ -43,6 +43,25 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def worded_model(tiny_model, tmp_path_factory):
+    """The tiny model with a tokenizer: token i is the word "w<i>" (0..3: pad, bos, eos, unk). Unknown
+    words (chat's "user:") must not be 0: reference_greedy's pad, which generate() would mask."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("worded") / "model"
+    shutil.copytree(tiny_model, path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 256)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def other_tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "model", seed=1)
 

@@ -330,6 +330,14 @@ def train_output_digest(parts: list[tuple[str, bytes]]) -> bytes:
     return h.digest()
 
 
+def parts_error(a: list[tuple[str, bytes]], b: list[tuple[str, bytes]]) -> float:
+    """The largest relative error of any one float32 part of two training answers (a lie
+    in a small gradient is not hidden by a large one); infinite for other parts."""
+    if [name for name, _ in a] != [name for name, _ in b]:
+        return float("inf")
+    return max(relative_error(np.frombuffer(x, "<f4"), np.frombuffer(y, "<f4")) for (_, x), (_, y) in zip(a, b))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStatement:
     mode: str
@@ -379,10 +387,7 @@ class TrainFailureReport:
         return out
 
     def error(self) -> float:
-        """The largest relative error of any one part (a lie in a small gradient is
-        not hidden by a large one)."""
-        return max(relative_error(np.frombuffer(a, "<f4"), np.frombuffer(b, "<f4"))
-                   for (_, a), (_, b) in zip(self.split(self.accused), self.split(self.witness)))
+        return parts_error(self.split(self.accused), self.split(self.witness))
 
     def check(self) -> None:
         if self.accused.peer_id == self.witness.peer_id:

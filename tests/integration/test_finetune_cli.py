@@ -4,7 +4,6 @@ uninterrupted run gives, writes an adapter PEFT loads, and refuses bad data clea
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,22 +17,6 @@ from compushare.model.catalog import import_path
 from helpers import wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def worded_model(tiny_model, tmp_path_factory):
-    """The tiny model with a word-level tokenizer: token i is the word "w<i>"."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("worded-ft") / "model"
-    shutil.copytree(tiny_model, path)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 256)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(path))
-    return path
 
 
 def finetune_command(client, boot, data, out, *extra):

@@ -87,7 +87,6 @@ def _adapted(module, name: str, x: torch.Tensor, lora: LayerLora | None) -> torc
 
 def _mlp(mlp, normed: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
     gate_up = getattr(mlp, "gate_up_proj", None)
-    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)  # Phi-3 names it activation_fn
     if gate_up is None:
         if lora is None:
             return mlp(normed)
@@ -99,6 +98,7 @@ def _mlp(mlp, normed: torch.Tensor, lora: LayerLora | None = None) -> torch.Tens
         gate, up = fused.chunk(2, dim=-1)
         if lora is not None:
             gate, up = lora.add("mlp.gate_proj", normed, gate), lora.add("mlp.up_proj", normed, up)
+    act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
     return _adapted(mlp.down_proj, "mlp.down_proj", act(gate) * up, lora)
 
 
@@ -137,6 +137,8 @@ def layers_forward(runner, hidden: torch.Tensor, caches: list, positions: list[i
                    between_layers: Callable[[], None] | None = None,
                    adapters: list[Adapter | None] | None = None) -> torch.Tensor:
     """run_layers under whatever grad mode the caller chose (training records the graph)."""
+    if adapters is not None and all(adapter is None for adapter in adapters):
+        adapters = None  # a batch of plain sessions: no per-layer look-ups
     config, family, kinds = runner.config, runner.family, runner.layer_types
     sessions, tokens = hidden.shape[0], hidden.shape[1]
     hidden = to_device(hidden, runner.device)  # a span on CUDA: in through a pinned buffer, out likewise

@@ -28,7 +28,6 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-import numpy as np
 import torch
 import trio
 
@@ -36,7 +35,7 @@ from ...errors import HopFailed, PeerMisbehaved
 from ...model.lora import Adapter
 from ...model.train_head import IGNORE, embed_batch, loss_and_grad, loss_sum
 from ...model.training_state import TrainingState
-from ...proofs import TrainClaim, TrainFailureReport, relative_error, tolerance
+from ...proofs import TrainClaim, TrainFailureReport, parts_error, tolerance
 from .planner import SwarmPlanner
 from .spotcheck import Penalties
 from .train_hop import Answer, TrainHop, open_train_hop
@@ -303,9 +302,5 @@ class SwarmTrainer:
 
 
 def _error(a: Answer, b: Answer) -> float:
-    """The largest relative error of any one part (proofs.TrainFailureReport.error)."""
-    if [n for n, _ in a.parts] != [n for n, _ in b.parts]:
-        return float("inf")
-    return max(relative_error(np.frombuffer(x, "<f4"), np.frombuffer(y, "<f4"))
-               for (_, x), (_, y) in zip(a.parts, b.parts))
+    return parts_error(a.parts, b.parts)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -72,7 +73,7 @@ def wire_tensor(tensor: torch.Tensor) -> WireTensor:
 
 
 def _tensor(value: WireTensor, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    if value.dtype != "float32" or tuple(value.shape) != tuple(shape) or len(value.data) != 4 * _numel(shape):
+    if value.dtype != "float32" or tuple(value.shape) != tuple(shape) or len(value.data) != 4 * math.prod(shape):
         raise PeerMisbehaved(f"{where}: expected float32 {list(shape)}, got {value.dtype} {list(value.shape)}")
     out = torch.frombuffer(bytearray(value.data), dtype=torch.float32).reshape(shape)
     if not torch.isfinite(out).all():
@@ -83,12 +84,6 @@ def _tensor(value: WireTensor, shape: tuple[int, ...], where: str) -> torch.Tens
 def _digest(adapter: Adapter | None) -> bytes:
     return adapter.digest() if adapter is not None else b""
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class TrainHop:

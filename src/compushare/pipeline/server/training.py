@@ -218,7 +218,7 @@ class TrainingServer:
             parts = [(INPUT_PART, grad_input)] + [(name, grads[name]) for name in sorted(grads)]
         else:
             parts = [(OUTPUT_PART, out)]
-        encoded = [(name, wire(self._noisy(t)) if t.dim() == 3 else _matrix(self._noisy(t))) for name, t in parts]
+        encoded = [(name, wire(self._noisy(t).float())) for name, t in parts]
         # Signed, as the consumer will digest what it sent: float32 bytes.
         digest_in = train_input_digest(_f32(request.hidden, hidden), _f32(request.grad, grad) if backward else b"",
                                        adapter.digest() if adapter else b"")
@@ -264,8 +264,3 @@ def _backward(runner, hidden, grad, adapter, start, end, pause):
 
 def _f32(value: WireTensor, tensor: torch.Tensor) -> bytes:
     return value.data if value.dtype == "float32" else tensor.numpy().tobytes()
-
-
-def _matrix(tensor: torch.Tensor) -> WireTensor:
-    t = tensor.detach().float().contiguous()
-    return WireTensor("float32", tuple(t.shape), t.numpy().tobytes())
