@@ -8,6 +8,7 @@ knows nothing of them.
                (provider, seeder, karma, gossip, the HTTP API), started in phases
   startup.py   the parts of a node's start-up that need no Node: the model asked
                for, its ad, the self-benchmark, the span's memory, the first span
+  history.py   pure: the dashboard's charts' data: samples of a node's counters, kept 10 minutes
   debug.py     fault injection for tests (a slow, lying or forging node): the --debug-* flags
   seed.py      the torrent role on its own: `models fetch`, `models seed`
   status.py    `compushare status` and `compushare karma`

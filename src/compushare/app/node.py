@@ -27,6 +27,7 @@ from .api.auth import TOKEN_FILE, load_or_create_token
 from .api.engine import ChatEngine
 from .api.server import serve_api
 from .debug import FaultInjection
+from .history import History, Sample, count_reaches
 from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
@@ -191,7 +192,7 @@ class Node:
             return None
         engine = ChatEngine(self.swarm.host, self.swarm.dht, config.data_dir, torrent=self.torrent,
                             default_model=name)
-        app = build_app(engine, load_or_create_token(config.data_dir), NodeControl(self))
+        app = build_app(engine, load_or_create_token(config.data_dir), NodeControl(self, nursery))
         api_url = await nursery.start(serve_api, app, config.api_port)
         log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE, api_url)
         return api_url
@@ -333,10 +334,14 @@ class Node:
 
 class NodeControl:
     """The control API (api/app.Control) of a running node: its state, the dashboard's
-    view of the swarm, pause and resume."""
+    view of the swarm and recent history (sampled by a task in `nursery`), pause and
+    resume."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, nursery: trio.Nursery | None = None) -> None:
         self.node = node
+        self.history = History()
+        if nursery is not None:
+            nursery.start_soon(self.history_loop)
 
     def status(self) -> dict:
         """The node's state and its own ledger's karma (before any failure reports
@@ -372,7 +377,23 @@ class NodeControl:
             peer["karma"] = node.karma_book.known(peer["peer_id"])
         downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in node.fetched]
         return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
-                "downloads": downloads + list(node.downloads.values())}
+                "downloads": downloads + list(node.downloads.values()), "history": self.history.to_json()}
+
+    def sample(self, now: float) -> Sample:
+        """What the dashboard's charts follow, now: this node's served steps and tokens,
+        its KV budget, and the peers it knows by their reachability."""
+        node = self.node
+        server = node.provider.server if node.provider is not None else None
+        reaches = count_reaches([ad.reach for ad in node.view.live(now) if ad.peer_id != node.me])
+        if server is None:
+            return Sample(now, **reaches)
+        return Sample(now, steps=server.steps_served, tokens=server.tokens_served, sessions=len(server.sessions),
+                      kv_used=server.sessions.reserved_tokens, kv_total=server.sessions.budget_tokens, **reaches)
+
+    async def history_loop(self) -> None:
+        while True:
+            self.history.add(self.sample(time.time()))
+            await trio.sleep(self.history.period_s)
 
     def pause(self) -> bool:
         return self.node.provider is not None and self.node.provider.pause()

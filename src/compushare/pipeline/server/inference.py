@@ -106,6 +106,7 @@ class InferenceServer:
     # What the node and its ads read.
     block_rate = property(lambda self: self.compute.block_rate)
     tokens_served = property(lambda self: self.sessions.tokens_served)
+    steps_served = property(lambda self: self.sessions.steps_served)
     push_hits = property(lambda self: self.sessions.push_hits)  # steps a push started
     push_misses = property(lambda self: self.sessions.push_misses)
 

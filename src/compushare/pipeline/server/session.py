@@ -193,7 +193,7 @@ class SessionStates:
     def __init__(self, *, max_step_tokens: int, idle_timeout_s: float) -> None:
         self.max_step_tokens, self.idle_timeout_s = max_step_tokens, idle_timeout_s
         self._sessions: dict[bytes, Session] = {}
-        self.tokens_served = 0  # every step's tokens, once (a confirmed push counts once)
+        self.tokens_served = self.steps_served = 0  # every step's tokens and steps, once (a confirmed push: once)
         self.push_hits = 0  # pushed steps the consumer confirmed
         self.push_misses = 0  # pushed steps rolled back for the consumer's other input
 
@@ -269,7 +269,7 @@ class SessionStates:
         session.length += tokens
         session.unreceipted_tokens += tokens
         session.unreceipted_ms += seconds * 1000
-        self.tokens_served += tokens
+        self.tokens_served, self.steps_served = self.tokens_served + tokens, self.steps_served + 1
 
     def truncate(self, session_id: bytes, position: int, now: float) -> Session:
         """TRUNCATE: the cache keeps its first `position` tokens (a pushed step waiting
