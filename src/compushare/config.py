@@ -154,6 +154,9 @@ class NodeConfig:
     device: str = "auto"
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
     api_port: int = DEFAULT_API_PORT  # local HTTP API on 127.0.0.1 (0: a free port, negative: none)
+    # Ollama's routes without the token, for requests from 127.0.0.1 (clients that
+    # cannot send one): off by default; docs/security.md says what it exposes.
+    api_ollama_open: bool = False
     # Private mode (/compushare/private): serve encrypted products; keep the span's
     # weights pre-encoded as CKKS plaintexts (~126 MB a SmolLM2 block, ~2x faster)
     # rather than encoding them for every request.
@@ -189,6 +192,7 @@ class NodeConfig:
             "memory_budget_mb": node.get("memory_budget_mb"),
             "device": str(node.get("device", "auto")),
             "api_port": int(node.get("api_port", DEFAULT_API_PORT)),
+            "api_ollama_open": bool(node.get("api_ollama_open", False)),
             "private": bool(node.get("private", True)),
             "private_preencode": bool(node.get("private_preencode", True)),
             "relay": bool(node.get("relay", True)),

@@ -7,7 +7,7 @@ from starlette.testclient import TestClient
 
 from compushare.app.api.app import build_app
 from compushare.app.api.auth import TOKEN_FILE, bearer_ok, load_or_create_token
-from compushare.app.api.engine import ChatEngine, adapter_path
+from compushare.app.api.engine import ChatEngine
 from compushare.model.catalog import import_path
 
 AUTH = {"authorization": "Bearer secret-token"}
@@ -131,29 +131,68 @@ class FakeModel:
     num_blocks = 4
 
 
+class WordTokenizer:
+    """Token i reads " w{i}"; a text's words are its tokens' ids."""
+
+    chat_template = None
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 1000
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" w{i}" for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [len(word) for word in text.split()]
+
+
+ROUTE_PEERS = (("12D3KooWAlpha", 0, 3), ("12D3KooWBeta", 3, 4))
+
+
 class FakeConsumer:
+    """Generates tokens 7, 9, 11, ... through the real Produced (stop sequences,
+    log-probabilities, finish reasons), on a fixed two-hop route."""
+
     model = FakeModel()
+    tokenizer = WordTokenizer()
 
     def __init__(self) -> None:
-        self.requests = []
+        from compushare.net.view import SwarmView
 
-    async def generate(self, request, *, on_text):
-        self.requests.append(request)
+        self.requests = []
+        self.view = SwarmView()
+
+    def load_adapter(self, path):
+        return path
+
+    async def generate(self, request, *, on_piece=lambda _p: None, on_route=lambda _r: None):
         from compushare.net.records import ServerRecord
         from compushare.pipeline.client.consumer import RunOutcome
+        from compushare.pipeline.client.produced import Produced
         from compushare.pipeline.client.routing import Hop
+        from compushare.pipeline.client.sampling import TokenLogprob
 
+        self.requests.append(request)
         route = [Hop(ServerRecord(peer, "ab" * 32, start, end, "float32", ("/ip4/127.0.0.1/tcp/1",), 2e9, 1),
-                     start, end) for peer, start, end in (("12D3KooWAlpha", 0, 3), ("12D3KooWBeta", 3, 4))]
-        for text in ("w7", " w9"):
-            on_text(text)
+                     start, end) for peer, start, end in ROUTE_PEERS]
+        on_route(route)
+        produced = Produced(self.tokenizer, lambda _t: None, lambda _t: None, stops=request.stop, on_piece=on_piece)
+        for token in range(7, 7 + 2 * request.params.max_new_tokens, 2):
+            if request.logprobs is not None:
+                produced.score([TokenLogprob(token, -0.25, ((token, -0.25), (1, -2.0))[:request.logprobs])])
+            produced.add(token)
+            if produced.stopped():
+                break
+        produced.finish()
         stats = {"projections": 56, "keys_sent": 2, "bytes_sent": 10} if request.private else None
-        return RunOutcome(tokens=[7, 9], text="w7 w9", route=route, first_token_s=1.0, decode_tok_s=0.5,
-                          private=stats)
+        return RunOutcome(tokens=produced.tokens, text=produced.text(), route=route, first_token_s=1.0,
+                          decode_tok_s=0.5, private=stats, logprobs=produced.logprobs,
+                          finish_reason=produced.finish_reason(request.params.max_new_tokens))
 
 
 class FakeEngine(ChatEngine):
-    """The real ChatEngine.run (it builds the RunRequest) on a consumer that records it."""
+    """The real ChatEngine (it builds the RunRequest) on a consumer that records it."""
 
     def __init__(self) -> None:
         super().__init__(None, None, None, torrent=None, default_model="tiny")
@@ -162,8 +201,12 @@ class FakeEngine(ChatEngine):
     def models(self):
         return [("tiny", "ab" * 32)]
 
-    async def prepare(self, name, messages, adapter=None):
-        return self.the_consumer, [1, 2, 3], None if adapter is None else adapter_path(self.data_dir, adapter)
+    async def consumer(self, name):
+        if name not in ("tiny", "ab" * 32):
+            from compushare.errors import ModelUnavailable
+
+            raise ModelUnavailable(f"unknown model {name!r}")
+        return self.the_consumer
 
 
 @pytest.fixture
@@ -183,8 +226,8 @@ def test_private_reaches_the_run_request_and_the_reply_says_what_ran_encrypted(f
     assert reply.status_code == 200, reply.text
     reply = reply.json()
     (request,) = engine.the_consumer.requests
-    assert request.private is bool(private) and request.prompt == [1, 2, 3]
-    assert reply["choices"][0]["message"]["content"] == "w7 w9"
+    assert request.private is bool(private) and request.prompt == [len("user:"), len("hi"), len("assistant:")]
+    assert reply["choices"][0]["message"]["content"] == " w7 w9 w11 w13 w15 w17 w19 w21"
     if not private:
         assert "compushare" not in reply  # a plain reply stays exactly OpenAI's
         return
@@ -208,8 +251,9 @@ def test_private_streaming_reply_has_the_extension_in_its_last_chunk(fake):
     events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "w7 w9"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " w7 w9" + "".join(
+        f" w{i}" for i in range(11, 7 + 2 * 256, 2))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert [c for c in chunks if "compushare" in c] == [chunks[-1]]
     assert [hop["layers"] for hop in chunks[-1]["compushare"]["route"]] == [[0, 3], [3, 4]]
     assert engine.the_consumer.requests[0].private is True

@@ -22,9 +22,7 @@ from .. import defences
 from ..config import LISTEN_FILE, PID_FILE, STATE_FILE, NodeConfig, Span
 from ..gc_policy import startup_done
 from ..hardware import detect_hardware, resolve_device
-from .api.app import build_app
-from .api.auth import TOKEN_FILE, load_or_create_token
-from .api.engine import ChatEngine
+from .api.auth import TOKEN_FILE
 from .api.server import serve_api
 from .debug import FaultInjection
 from .history import History, Sample, count_reaches
@@ -51,7 +49,7 @@ from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..pipeline.server.training import TrainingServer
 from ..runtime import stop_on_signal, write_json, write_state
-from .startup import (SpanMemory, ad_maker, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
+from .startup import (SpanMemory, ad_maker, api_app, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
                       serve_training, span_memory)
 from .status import summarize
 from ..torrent.service import Torrent
@@ -190,10 +188,7 @@ class Node:
         config = self.config
         if config.api_port < 0:
             return None
-        engine = ChatEngine(self.swarm.host, self.swarm.dht, config.data_dir, torrent=self.torrent,
-                            default_model=name)
-        app = build_app(engine, load_or_create_token(config.data_dir), NodeControl(self, nursery))
-        api_url = await nursery.start(serve_api, app, config.api_port)
+        api_url = await nursery.start(serve_api, api_app(self, name, NodeControl(self, nursery)), config.api_port)
         log.info("local API (OpenAI-compatible, token in %s) on %s", config.data_dir / TOKEN_FILE, api_url)
         return api_url
 

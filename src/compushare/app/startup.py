@@ -29,6 +29,9 @@ from ..pipeline.client.consumer import name_from_swarm, peer_ids_of
 from ..pipeline.server.provider import Provider, block_cost, blocks_for_budget, check_fixed_span, weights_budget_mb
 from ..pipeline.server.training import TrainingServer
 from ..wire import TRAIN as TRAIN_PROTOCOL
+from .api.app import Control, build_app
+from .api.auth import load_or_create_token
+from .api.engine import ChatEngine
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +183,12 @@ def serve_training(host, provider: Provider, config: NodeConfig, memory: SpanMem
                                                                 left((span.start, span.end))))
     host.set_stream_handler(TRAIN_PROTOCOL, training.rpc_train)
     return training
+
+
+def api_app(node, name: str, control: Control):
+    """The node's local HTTP API: generations on the node's own host, DHT and view of
+    the swarm, behind the token in its data dir."""
+    config = node.config
+    engine = ChatEngine(node.swarm.host, node.swarm.dht, config.data_dir, torrent=node.torrent, default_model=name,
+                        view=node.view)
+    return build_app(engine, load_or_create_token(config.data_dir), control, ollama_open=config.api_ollama_open)

@@ -147,3 +147,12 @@ def with_model(adapter: Adapter, model_id: str) -> Adapter:
 
 def zeros_like(adapter: Adapter) -> dict[str, torch.Tensor]:
     return {name: torch.zeros_like(t) for name, t in adapter.tensors.items()}
+
+
+def model_id_of(path: Path) -> str | None:
+    """The model id an adapter names (its file's metadata only, no tensors read), or
+    None when it names none (a PEFT adapter). Raises when it is no adapter file."""
+    path = Path(path)
+    weights = path / WEIGHTS_FILE if path.is_dir() else path
+    with safe_open(str(weights), "pt") as f:
+        return (f.metadata() or {}).get(MODEL_ID_KEY) or None

@@ -4,8 +4,10 @@ node's own host and DHT (no second identity), its head and tokenizer loaded once
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,11 +16,14 @@ import trio
 from ...errors import UsageError
 from ...model.catalog import resolve_model
 from ...model.head import ConsumerHead
-from ...model.store import ModelStore
+from ...model.store import ModelStore, is_model_id
 from ...model.tokenizer import load_tokenizer
+from ...net.view import SwarmView, coverage
 from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest
-from ...pipeline.client.sampling import SamplingParams
+from ...pipeline.client.produced import Piece
+from ...pipeline.client.routing import Hop
 from ...pipeline.client.spotcheck import DEFAULT_RATE
+from .requests import BadField, Generation
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +63,78 @@ def adapter_path(data_dir: Path, name: str) -> Path:
         for path in (folder / name, folder / f"{name}.safetensors"):
             if (path.is_file() and path.suffix == ".safetensors") or path.is_dir():
                 return path
-    raise UsageError(f"unknown adapter {name[:64]!r}: this node's adapters are the PEFT directories and "
-                     f".safetensors files in {folder}")
+    raise BadField("adapter", f"unknown adapter {name[:64]!r}: this node's adapters are the PEFT directories and "
+                              f".safetensors files in {folder}")
+
+
+def adapters_for(data_dir: Path, model_id: str) -> list[str]:
+    """The names of the adapters in the data dir's folder made for `model_id`."""
+    from ...model import adapter_file  # noqa: PLC0415  (safetensors headers only)
+
+    folder = data_dir / ADAPTERS_DIR
+    names = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        name = path.name.removesuffix(".safetensors")
+        if not ADAPTER_NAME.match(path.name) or not (path.is_dir() or path.suffix == ".safetensors"):
+            continue
+        try:
+            made_for = adapter_file.model_id_of(path)
+        except Exception:  # unreadable: not offered
+            continue
+        if made_for in (None, model_id):
+            names.append(name)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A generation made ready: the model's consumer, the prompt's tokens, the adapter."""
+
+    consumer: Consumer
+    model: str  # the name the request used (echoed in replies)
+    prompt: list[int]
+    adapter: Path | None = None
+
+
+def prompt_of(tokenizer, gen: Generation) -> list[int]:
+    """The prompt's tokens: chat messages through the template; a completion's text as
+    it is; Ollama's generate through the template (with its system message) unless raw."""
+    if gen.messages is not None:
+        return messages_to_ids(tokenizer, gen.messages)
+    if isinstance(gen.prompt, list):
+        if max(gen.prompt) >= len(tokenizer):
+            raise BadField("prompt", f"token ids must be below the vocabulary's {len(tokenizer)}")
+        return list(gen.prompt)
+    if gen.raw or gen.api == "POST /v1/completions":
+        return list(tokenizer.encode(gen.prompt or "", add_special_tokens=False)) or [tokenizer.eos_token_id or 0]
+    system = [{"role": "system", "content": gen.system}] if gen.system else []
+    return messages_to_ids(tokenizer, system + [{"role": "user", "content": gen.prompt or ""}])
+
+
+def describe_hops(route: list[Hop], view: SwarmView, *, private: bool) -> list[dict]:
+    """The route as the chat page and the `route` extension show it: who runs which
+    blocks, on what, reached how."""
+    now = time.time()
+    hops = []
+    for hop in route:
+        ad = view.get(hop.peer_id, now)
+        hardware = "?"
+        if ad is not None:
+            hw = ad.hardware
+            gpu = f", {hw.gpu} {hw.gpu_mb} MB" if hw.gpu else ""
+            hardware = f"{hw.cpu_cores} cpu, {hw.ram_mb // 1024} GiB{gpu}"
+        hops.append({"peer_id": hop.peer_id, "start": hop.start, "end": hop.end, "private": private,
+                     "hardware": hardware, "reach": ad.reach if ad is not None else "unknown",
+                     "relayed": all("/p2p-circuit" in a for a in hop.record.addrs) and bool(hop.record.addrs)})
+    return hops
 
 
 class ChatEngine:
     def __init__(self, host, dht, data_dir: Path, *, torrent, default_model: str,
-                 spot_check_rate: float = DEFAULT_RATE) -> None:
+                 spot_check_rate: float = DEFAULT_RATE, view: SwarmView | None = None) -> None:
         self.host, self.dht, self.data_dir, self.torrent = host, dht, data_dir, torrent
         self.default_model = default_model
+        self.view = view if view is not None else SwarmView()  # the node's own, fed by gossip
         self.spot_check_rate = spot_check_rate
         self._consumers: dict[str, Consumer] = {}
         self._lock = trio.Lock()
@@ -78,8 +146,41 @@ class ChatEngine:
         ids = {model_id for _, model_id in named}
         return named + [(m.model_id, m.model_id) for _, m in store.list() if m.model_id not in ids]
 
+    def loaded(self) -> set[str]:
+        """The ids of the models whose consumers are ready here."""
+        return set(self._consumers)
+
+    def swarm_models(self) -> list[dict]:
+        """Every model stored here or served in the swarm (as the node's ads tell it),
+        for the chat page's picker (/control/models)."""
+        now = time.time()
+        store = ModelStore(self.data_dir)
+        listed: dict[str, dict] = {}
+        for name, model_id in self.models():
+            stored = store.get(model_id)
+            entry = listed.setdefault(model_id, {
+                "name": name, "id": model_id, "names": [], "stored": True, "served": False, "complete": False,
+                "num_blocks": stored.num_blocks if stored else 0, "private": False,
+                "adapters": adapters_for(self.data_dir, model_id)})
+            entry["names"].append(name)
+        for model_id in sorted(self.view.models(now)):
+            servers = self.view.servers(model_id, now)
+            named = next((s.name for _, s in servers if s.name), None)
+            entry = listed.setdefault(model_id, {
+                "name": named or model_id, "id": model_id, "names": [named] if named else [], "stored": False,
+                "served": True, "complete": False, "num_blocks": max(s.end for _, s in servers), "private": False,
+                "adapters": adapters_for(self.data_dir, model_id)})
+            ready = [(ad, s) for ad, s in servers if s.state == "serving"]
+            entry["served"] = bool(ready)
+            entry["complete"] = bool(ready) and min(coverage(ready, entry["num_blocks"])) > 0
+            entry["private"] = any(s.private_rate > 0 for _, s in ready)
+        return list(listed.values())
+
     async def consumer(self, name: str) -> Consumer:
         async with self._lock:  # one load per model, however many requests wait for it
+            if is_model_id(name) and ModelStore(self.data_dir).get(name) is None and self.torrent is not None:
+                log.info("fetching the head and tokenizer of %s from the swarm for the API", name[:12])
+                await self.torrent.fetch(name, head=True)  # a model only the swarm serves
             model = await trio.to_thread.run_sync(lambda: resolve_model(name, self.data_dir))
             consumer = self._consumers.get(model.model_id)
             if consumer is not None:
@@ -97,22 +198,23 @@ class ChatEngine:
             self._consumers[model.model_id] = consumer
             return consumer
 
-    async def prepare(self, name: str, messages: object,
-                      adapter: str | None = None) -> tuple[Consumer, list[int], Path | None]:
+    async def prepare(self, gen: Generation) -> Prepared:
         """The model's consumer, the prompt's tokens and the adapter's file, checked
         against the model (raises before any generation)."""
+        name = gen.model or self.default_model
         consumer = await self.consumer(name)
-        prompt = messages_to_ids(consumer.tokenizer, messages)
-        path = None if adapter is None else adapter_path(self.data_dir, adapter)
+        prompt = prompt_of(consumer.tokenizer, gen)
+        path = None if gen.adapter is None else adapter_path(self.data_dir, gen.adapter)
         if path is not None:
             await trio.to_thread.run_sync(consumer.load_adapter, path)
-        return consumer, prompt, path
+        return Prepared(consumer, name, prompt, path)
 
-    async def run(self, consumer: Consumer, name: str, prompt: list[int], params: SamplingParams,
-                  on_text: Callable[[str], None] = lambda _t: None, *, private: bool = False,
-                  adapter: Path | None = None) -> RunOutcome:
-        return await consumer.generate(RunRequest(model=name, prompt=prompt, params=params, chat_template=False,
-                                                  private=private, adapter=adapter), on_text=on_text)
+    async def run(self, prepared: Prepared, gen: Generation, on_piece: Callable[[Piece], None] = lambda _p: None,
+                  on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
+        request = RunRequest(model=prepared.model, prompt=prepared.prompt, params=gen.params, chat_template=False,
+                             private=gen.private, standby=gen.standby, adapter=prepared.adapter, stop=gen.stop,
+                             logprobs=gen.logprobs)
+        return await prepared.consumer.generate(request, on_piece=on_piece, on_route=on_route)
 
 
 PRIVATE_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")  # what a private hop computes, per layer
@@ -129,3 +231,15 @@ def private_report(outcome: RunOutcome, num_layers: int) -> dict:
     return {"private": True, "local": list(PRIVATE_LOCAL), "route": route,
             "encrypted_layers": sum(hop.end - hop.start for hop in outcome.route), "num_layers": num_layers,
             "summary": describe_private_route(outcome.route, num_layers), "stats": dict(outcome.private or {})}
+
+
+def token_text(tokenizer, token: int) -> str:
+    """One token's text as logprobs show it (a piece of a multi-byte character shows as U+FFFD)."""
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def run_stats(outcome: RunOutcome, prompt_tokens: int, private: bool) -> dict:
+    """The `route` extension's figures of one generation."""
+    return {"first_token_s": round(outcome.first_token_s, 4), "decode_tok_s": round(outcome.decode_tok_s, 3),
+            "tokens": len(outcome.tokens), "prompt_tokens": prompt_tokens, "failovers": len(outcome.failovers),
+            "standby_takeovers": outcome.standby_takeovers, "private": private}

@@ -22,6 +22,8 @@
   speculative.py    lossless speculative decoding: drafts, their verification, draft length (pure)
   sampling.py       greedy / temperature / top-p sampling with a seeded generator
   detokenize.py     streaming text from tokens
+  stops.py          stop sequences over streamed text, across token boundaries (pure)
+  produced.py       what a generation hands out: tokens, their text, log-probabilities, why it ended
   private_chain.py  private mode: every layer here, its products encrypted on the providers
   train_hop.py      one training session's stream to a server: forwards, backwards, signed answers, receipts
   swarm_trainer.py  SwarmTrainer: a step's microbatches pipelined through the spans, failover, spot checks

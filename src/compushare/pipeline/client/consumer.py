@@ -30,12 +30,12 @@ from ...net.view import SwarmView
 from ...proofs import FailureReport
 from ...torrent.service import Torrent
 from .chain import Failover, open_chain
-from .detokenize import IncrementalDetokenizer
 from .discovery import name_from_swarm, peer_ids_of
-from .generate import GenerateStats, generate
+from .generate import GenerateStats, Scoring, generate
 from .planner import SwarmPlanner
+from .produced import Piece, Produced
 from .routing import Hop
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .speculative import MAX_DRAFT
 from .spotcheck import DEFAULT_RATE as DEFAULT_SPOT_CHECK_RATE, Penalties
 
@@ -56,6 +56,8 @@ class RunRequest:
     speculate: bool = True  # verify drafted tokens in one pass (pipeline/client/speculative.py)
     standby: bool = False  # keep a standby replica per span, fed every step (pipeline/client/chain_standby.py)
     adapter: Path | None = None  # a LoRA adapter (PEFT directory or .safetensors) every server applies
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these (produced.py)
+    logprobs: int | None = None  # each token's log-probability, with this many likeliest alternatives
 
 
 @dataclasses.dataclass
@@ -76,6 +78,8 @@ class RunOutcome:
     passes: int = 0  # steps through the chain after the prompt
     drafted: int = 0  # speculation: drafted tokens verified
     accepted: int = 0  # ... and kept
+    finish_reason: str = "stop"  # "length" when max_new_tokens cut it
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked (RunRequest.logprobs)
 
 
 def prompt_ids_of(tokenizer, request: RunRequest) -> list[int]:
@@ -150,33 +154,13 @@ class LocalParts:
             raise unnamed if unnamed is not None and isinstance(self.error, ModelUnavailable) else self.error
 
 
-class Produced:
-    """The tokens a generation produces, their times, and their text as it comes."""
-
-    def __init__(self, tokenizer, on_token: Callable[[int], None], on_text: Callable[[str], None]) -> None:
-        self.tokens: list[int] = []
-        self.times: list[float] = []
-        self.on_token, self.on_text = on_token, on_text
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.tokenizer = tokenizer
-
-    def add(self, token: int) -> None:
-        self.times.append(time.perf_counter())
-        self.tokens.append(token)
-        self.on_token(token)
-        if self.detokenizer is not None:
-            text = self.detokenizer.push(token)
-            if text:
-                self.on_text(text)
-
-
-def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, *, private: bool) -> RunOutcome:
-    times, tokenizer = produced.times, produced.tokenizer
+def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, request: RunRequest) -> RunOutcome:
+    times, private = produced.times, request.private
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     core = None if private else chain.core
     return RunOutcome(
         tokens=produced.tokens,
-        text=tokenizer.decode(produced.tokens, skip_special_tokens=True) if tokenizer is not None else "",
+        text=produced.text(),
         route=chain.route,
         first_token_s=times[0] - began,
         decode_tok_s=(len(times) - 1) / decode_s if decode_s > 0 else 0.0,
@@ -189,7 +173,14 @@ def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, *,
         checked_relays=0 if core is None else core.checked_relays,
         standby_takeovers=0 if core is None else core.standby_takeovers,
         passes=stats.passes, drafted=stats.drafted, accepted=stats.accepted,
+        finish_reason=produced.finish_reason(request.params.max_new_tokens), logprobs=produced.logprobs,
     )
+
+
+def output_hooks(request: RunRequest, produced: Produced) -> dict:
+    """generate()'s hooks for what `request` asks of the output: stop sequences, log-probabilities."""
+    scoring = None if request.logprobs is None else Scoring(request.logprobs, produced.score)
+    return {"until": produced.stopped if request.stop else None, "scoring": scoring}
 
 
 class Consumer:
@@ -223,12 +214,13 @@ class Consumer:
 
     async def generate(self, request: RunRequest, *, on_text: Callable[[str], None] = lambda _t: None,
                        on_route: Callable[[list[Hop]], None] = lambda _r: None,
-                       on_token: Callable[[int], None] = lambda _t: None) -> RunOutcome:
+                       on_token: Callable[[int], None] = lambda _t: None,
+                       on_piece: Callable[[Piece], None] = lambda _p: None) -> RunOutcome:
         began = time.perf_counter()
         model, tokenizer = self.model, self.tokenizer
         adapter = None if request.adapter is None else self.load_adapter(request.adapter, private=request.private)
         prompt_ids = prompt_ids_of(tokenizer, request)
-        produced = Produced(tokenizer, on_token, on_text)
+        produced = Produced(tokenizer, on_token, on_text, stops=request.stop, on_piece=on_piece)
         max_tokens = len(prompt_ids) + request.params.max_new_tokens + MAX_DRAFT
         stats = GenerateStats()
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
@@ -249,13 +241,15 @@ class Consumer:
                                       spot_check_rate=self.spot_check_rate, direct=request.direct,
                                       standby=request.standby, fmt=model.format.label, adapter=adapter) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
-                                   on_token=produced.add, speculate=request.speculate, stats=stats)
+                                   on_token=produced.add, speculate=request.speculate, stats=stats,
+                                   **output_hooks(request, produced))
             nursery.cancel_scope.cancel()
+        produced.finish()
         if chain.route != route:
             on_route(chain.route)
         for report in chain.reports:
             await self._keep_report(report)
-        return outcome_of(chain, produced, began, stats, private=request.private)
+        return outcome_of(chain, produced, began, stats, request)
 
     def load_adapter(self, path: Path, *, private: bool = False) -> Adapter:
         """The LoRA adapter at `path`, refused (UsageError) unless made for this model
@@ -275,7 +269,8 @@ class Consumer:
         try:
             await chain.open()
             await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
-                           on_token=produced.add, max_step_tokens=PRIVATE_STEP_TOKENS)
+                           on_token=produced.add, max_step_tokens=PRIVATE_STEP_TOKENS,
+                           **output_hooks(request, produced))
         finally:
             await chain.close()
         return chain

@@ -10,7 +10,7 @@ import trio
 
 from ...model.head import ConsumerHead
 from .chain import InferenceChain
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from .speculative import DraftLength, NgramDrafter, accept_greedy, accept_sampled
 
 
@@ -51,11 +51,22 @@ class _Head:
         return await trio.to_thread.run_sync(timed)
 
 
-class _Output:
-    """The tokens handed out, and whether the generation is over."""
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """Log-probabilities of the produced tokens (and the `top` likeliest), handed to
+    `emit` in token order, just before the tokens they score."""
 
-    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], on_token: Callable[[int], None] | None):
-        self.params, self.eos_ids, self.on_token = params, eos_ids, on_token
+    top: int
+    emit: Callable[[list[TokenLogprob]], None]
+
+
+class _Output:
+    """The tokens handed out, and whether the generation is over (EOS, the length
+    limit, or `until` saying so: a stop sequence seen in the text)."""
+
+    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], on_token: Callable[[int], None] | None,
+                 until: Callable[[], bool] | None = None):
+        self.params, self.eos_ids, self.on_token, self.until = params, eos_ids, on_token, until
         self.produced: list[int] = []
 
     def emit(self, token: int) -> bool:
@@ -63,17 +74,20 @@ class _Output:
         self.produced.append(token)
         if self.on_token is not None:
             self.on_token(token)
-        return (self.params.stop_at_eos and token in self.eos_ids) or len(self.produced) >= self.params.max_new_tokens
+        return ((self.params.stop_at_eos and token in self.eos_ids) or len(self.produced) >= self.params.max_new_tokens
+                or (self.until is not None and self.until()))
 
 
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
                    *, eos_ids: frozenset[int] = frozenset(), max_step_tokens: int = 2048,
                    on_token: Callable[[int], None] | None = None, speculate: bool = False,
-                   stats: GenerateStats | None = None, drafter=None) -> list[int]:
+                   stats: GenerateStats | None = None, drafter=None, scoring: Scoring | None = None,
+                   until: Callable[[], bool] | None = None) -> list[int]:
     """Generate after `prompt_ids`. With `speculate` (a chain that can rewind), each
     pass verifies drafted tokens (speculative.py): the same tokens greedily, the same
     distribution when sampling, fewer passes where the text repeats itself. The
-    drafter (`extend(tokens)`, `draft(k)`) is prompt lookup unless one is given."""
+    drafter (`extend(tokens)`, `draft(k)`) is prompt lookup unless one is given.
+    `until` is asked after each token whether to stop there."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     sampler = Sampler(params)
@@ -83,24 +97,33 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
     for offset in range(0, len(prompt_ids), max_step_tokens):  # chunked prefill
         chunk = prompt_ids[offset:offset + max_step_tokens]
         hidden = await chain.step(head.embed_tokens(chunk))
-    out = _Output(params, eos_ids, on_token)
-    token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
+    out = _Output(params, eos_ids, on_token, until)
+
+    def pick(h) -> int:
+        logits = head.logits(h)
+        token = sampler.choose(logits)
+        if scoring is not None:
+            scoring.emit(logprobs_of(logits[None], [token], scoring.top))
+        return token
+
+    token = await run_head(pick, hidden)
     if out.emit(token):
         return out.produced
     if not speculate:
         while True:
             hidden = await chain.step(head.embed_tokens([token]))
             stats.passes += 1
-            token = await run_head(lambda h: sampler.choose(head.logits(h)), hidden)
+            token = await run_head(pick, hidden)
             if out.emit(token):
                 return out.produced
     drafter = NgramDrafter(prompt_ids) if drafter is None else drafter
-    await _speculate(chain, head, run_head, sampler, drafter, out, token, len(prompt_ids), stats)
+    await _speculate(chain, head, run_head, sampler, drafter, out, token, len(prompt_ids), stats, scoring)
     return out.produced
 
 
 async def _speculate(chain: InferenceChain, head: ConsumerHead, run_head: _Head, sampler: Sampler, drafter,
-                     out: _Output, token: int, position: int, stats: GenerateStats) -> None:
+                     out: _Output, token: int, position: int, stats: GenerateStats,
+                     scoring: Scoring | None = None) -> None:
     """Passes of `token` and its drafts until `out` says the generation is over;
     `position`: the tokens the chain holds."""
     sizer = DraftLength()
@@ -110,11 +133,18 @@ async def _speculate(chain: InferenceChain, head: ConsumerHead, run_head: _Head,
         drafts = drafter.draft(sizer.choose(room))
         began = time.perf_counter()
         hidden = await chain.step(head.embed_tokens([token] + drafts))
-        if sampler.greedy:
-            emitted, kept = await run_head(lambda h: accept_greedy(head.logits_rows(h), drafts), hidden)
-        else:
-            emitted, kept = await run_head(
-                lambda h: accept_sampled(sampler.distribution(head.logits_rows(h)), drafts, sampler.generator), hidden)
+
+        def verify(h, drafts=drafts) -> tuple[list[int], int]:
+            rows = head.logits_rows(h)
+            if sampler.greedy:
+                emitted, kept = accept_greedy(rows, drafts)
+            else:
+                emitted, kept = accept_sampled(sampler.distribution(rows), drafts, sampler.generator)
+            if scoring is not None:
+                scoring.emit(logprobs_of(rows, emitted, scoring.top))
+            return emitted, kept
+
+        emitted, kept = await run_head(verify, hidden)
         sizer.observe(len(drafts), kept, time.perf_counter() - began)
         stats.passes += 1
         stats.drafted += len(drafts)

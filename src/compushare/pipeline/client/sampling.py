@@ -58,3 +58,28 @@ class Sampler:
             choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=self.generator)
             return int(order[choice])
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A produced token's log-probability under the model (temperature 1, before top-p:
+    what the model thinks, not how it was sampled), and the `top` most likely tokens."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """`logits` [n >= len(tokens), vocab]: row i the model's logits before tokens[i]."""
+    rows = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    best = torch.topk(rows, top, dim=-1) if top > 0 else None
+    out = []
+    for index, token in enumerate(tokens):
+        alternatives = () if best is None else tuple(
+            zip(best.indices[index].tolist(), best.values[index].tolist(), strict=True))
+        out.append(TokenLogprob(token, float(rows[index, token]), alternatives))
+    return out

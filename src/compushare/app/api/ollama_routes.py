@@ -1,0 +1,203 @@
+"""Ollama's API on the node's API port: /api/version, /api/tags, /api/show, /api/ps,
+/api/chat and /api/generate (NDJSON lines when streaming, the default; one object
+otherwise), with the models as CompuShare names them. Errors are Ollama's
+{"error": "..."} with a fitting status. Ollama's clients (and the official `ollama`
+Python package) work unchanged, sending the node's token as `Authorization: Bearer`
+(OLLAMA_API_KEY), or without one where the node's `api_ollama_open` allows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ... import __version__
+from ...errors import ModelUnavailable
+from ...model.catalog import resolve_model
+from ...pipeline.client.consumer import RunOutcome
+from ...pipeline.client.produced import Piece
+from ...pipeline.client.sampling import TokenLogprob
+from .engine import ChatEngine, Prepared, describe_hops, private_report, run_stats, token_text
+from .openai_routes import failure, read_json
+from .requests import BadField, Generation, ollama_chat, ollama_generate
+from .streaming import Streamed, until_disconnect
+
+
+def ollama_error(exc: BaseException) -> JSONResponse:
+    """OpenAI's failure() status and message, in Ollama's shape."""
+    response = failure(exc)
+    return JSONResponse({"error": json.loads(response.body)["error"]["message"]}, response.status_code)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def parameter_count(config: dict) -> int:
+    """A decoder's parameters from its configuration (embeddings, attention, MLP, head)."""
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads = int(config.get("num_attention_heads", 1))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    kv = int(config.get("num_key_value_heads") or heads)
+    embed = int(config.get("vocab_size", 0)) * hidden
+    attention = hidden * head_dim * (2 * heads + 2 * kv)
+    mlp = 3 * hidden * int(config.get("intermediate_size", 4 * hidden))
+    return embed * (1 if config.get("tie_word_embeddings") else 2) + layers * (attention + mlp)
+
+
+def _details(model) -> dict:
+    """Ollama's `details` of a stored model."""
+    family = str(model.manifest.config.get("model_type", ""))
+    return {"parent_model": "", "format": model.format.label, "family": family, "families": [family],
+            "parameter_size": _size_label(parameter_count(model.manifest.config)),
+            "quantization_level": model.format.label.upper()}
+
+
+def _size_label(count: int) -> str:
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M" if count else ""
+
+
+class OllamaReply:
+    def __init__(self, engine: ChatEngine, prepared: Prepared, gen: Generation) -> None:
+        self.engine, self.prepared, self.gen = engine, prepared, gen
+        self.chat = gen.messages is not None
+        self.began = time.perf_counter_ns()
+
+    def run(self, on_piece=lambda _p: None):
+        return self.engine.run(self.prepared, self.gen, on_piece)
+
+    def logprobs(self, scored: list[TokenLogprob]) -> dict:
+        if self.gen.logprobs is None:
+            return {}
+        tokenizer = self.prepared.consumer.tokenizer
+        return {"logprobs": [{"token": token_text(tokenizer, s.token), "logprob": s.logprob,
+                              "top_logprobs": [{"token": token_text(tokenizer, t), "logprob": lp}
+                                               for t, lp in s.top]} for s in scored]}
+
+    def message(self, text: str, scored: list[TokenLogprob], done: bool) -> dict:
+        body: dict = {"model": self.prepared.model, "created_at": _now()}
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["response"] = text
+        return {**body, "done": done, **self.logprobs(scored)}
+
+    def final(self, outcome: RunOutcome, text: str) -> dict:
+        total = time.perf_counter_ns() - self.began
+        first = int(outcome.first_token_s * 1e9)
+        body = dict(self.message(text, outcome.logprobs if text else [], True),
+                    done_reason=outcome.finish_reason, total_duration=total, load_duration=0,
+                    prompt_eval_count=len(self.prepared.prompt), prompt_eval_duration=first,
+                    eval_count=len(outcome.tokens), eval_duration=max(0, total - first))
+        extension: dict = private_report(outcome, self.prepared.consumer.model.num_blocks) if self.gen.private else {}
+        if self.gen.route:
+            extension.update(route=describe_hops(outcome.route, self.prepared.consumer.view, private=self.gen.private),
+                             stats=run_stats(outcome, len(self.prepared.prompt), self.gen.private))
+        return dict(body, compushare=extension) if extension else body
+
+    async def produce(self, to_client: trio.MemorySendChannel[bytes]) -> None:
+        def on_piece(piece: Piece) -> None:
+            if piece.text or piece.logprob is not None:
+                to_client.send_nowait(_line(self.message(piece.text, [piece.logprob] if piece.logprob else [],
+                                                         False)))
+
+        try:
+            outcome = await self.run(on_piece)
+            to_client.send_nowait(_line(self.final(outcome, "")))
+        except Exception as exc:  # the status line is sent already: the error goes in the stream
+            to_client.send_nowait(ollama_error(exc).body + b"\n")
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+async def generate(engine: ChatEngine, request: Request) -> Response:
+    """POST /api/chat and /api/generate."""
+    parse = ollama_chat if request.url.path.endswith("/chat") else ollama_generate
+    try:
+        gen = parse(await read_json(request))
+        if gen.messages == [] or (gen.messages is None and not gen.prompt):
+            # Ollama's way to load a model: an empty request answers done at once.
+            await engine.consumer(gen.model or engine.default_model)
+            return JSONResponse(dict(_loaded(gen), done_reason="load"))
+        reply = OllamaReply(engine, await engine.prepare(gen), gen)
+    except Exception as exc:
+        return ollama_error(exc)
+    if gen.stream:
+        return Streamed(reply.produce, "application/x-ndjson")
+    try:
+        outcome = await until_disconnect(request.receive, reply.run())
+    except Exception as exc:
+        return ollama_error(exc)
+    if outcome is None:
+        return Response(status_code=499)
+    return JSONResponse(reply.final(outcome, outcome.text) | reply.logprobs(outcome.logprobs))
+
+
+def _loaded(gen: Generation) -> dict:
+    """The answer to a request with nothing to generate (Ollama's "load the model")."""
+    body: dict = {"model": gen.model, "created_at": _now(), "done": True}
+    if gen.messages is not None:
+        body["message"] = {"role": "assistant", "content": ""}
+    else:
+        body["response"] = ""
+    return body
+
+
+def _listed(engine: ChatEngine) -> list[dict]:
+    models = []
+    for name, model_id in engine.models():
+        model = resolve_model(model_id, engine.data_dir, obtain=False)
+        modified = datetime.datetime.fromtimestamp(model.path.stat().st_mtime, datetime.UTC)
+        size = model.manifest.total_bytes
+        models.append({"name": name, "model": name, "modified_at": modified.isoformat(), "size": size,
+                       "digest": model_id, "details": _details(model)})
+    return models
+
+
+async def tags(engine: ChatEngine, request: Request) -> Response:
+    return JSONResponse({"models": await trio.to_thread.run_sync(_listed, engine)})
+
+
+async def show(engine: ChatEngine, request: Request) -> Response:
+    try:
+        body = await read_json(request)
+        name = body.get("model") or body.get("name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadField("model", "'model' is required")
+        model = await trio.to_thread.run_sync(lambda: resolve_model(name, engine.data_dir, obtain=False))
+    except ModelUnavailable as exc:
+        return JSONResponse({"error": f"model '{name}' not found: {exc}"}, 404)
+    except Exception as exc:
+        return ollama_error(exc)
+    config = model.manifest.config
+    arch = str(config.get("model_type", ""))
+    info = {"general.architecture": arch, "general.parameter_count": parameter_count(config),
+            f"{arch}.block_count": model.num_blocks, f"{arch}.embedding_length": config["hidden_size"],
+            f"{arch}.context_length": config.get("max_position_embeddings", 0), "compushare.model_id": model.model_id}
+    template = ""
+    with contextlib.suppress(OSError, ValueError):
+        template = json.loads((model.path / "tokenizer_config.json").read_text()).get("chat_template") or ""
+    return JSONResponse({"modelfile": f"# served by CompuShare: model {model.model_id}\n", "parameters": "",
+                         "template": template if isinstance(template, str) else "", "details": _details(model),
+                         "model_info": info, "capabilities": ["completion"],
+                         "modified_at": _now()})
+
+
+async def version(engine: ChatEngine, request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+async def running(engine: ChatEngine, request: Request) -> Response:
+    """/api/ps: the models this node's API has loaded (their heads and tokenizers)."""
+    models = [{"name": name, "model": name, "digest": model_id, "size": 0, "size_vram": 0,
+               "expires_at": "0001-01-01T00:00:00Z", "details": {}}
+              for name, model_id in engine.models() if model_id in engine.loaded()]
+    return JSONResponse({"models": models})
