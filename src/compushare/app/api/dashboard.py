@@ -1,6 +1,7 @@
-"""The daemon's dashboard: one self-contained page (no external resources) that polls
-/control/dashboard every 2 s with the token from its URL fragment
-(`/dashboard#token=...`). Text that peers wrote (versions, ids) is only ever set as
+"""The daemon's dashboard: one page (no external resources: its charts' code is the
+node's own static/charts.js) that polls /control/dashboard every 2 s with the token
+from its URL fragment (`/dashboard#token=...`), and charts the node's last ten
+minutes (app/history.py). Text that peers wrote (versions, ids) is only ever set as
 textContent, never as HTML."""
 
 DASHBOARD_HTML = """<!doctype html>
@@ -13,6 +14,14 @@ DASHBOARD_HTML = """<!doctype html>
  .cell { width: 22px; height: 22px; font-size: 11px; text-align: center; line-height: 22px; border-radius: 3px; }
  .c0 { background: #e55; color: #fff; } .c1 { background: #eb4; } .c2 { background: #5b5; color: #fff; }
  #error { color: #c00; }
+ #charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 14px; max-width: 1500px; }
+ #charts figure { margin: 0; padding: 8px 10px; border: 1px solid #ddd; border-radius: 6px; }
+ #charts figcaption { font-weight: 600; margin-bottom: 4px; }
+ .chart { width: 100%; height: auto; display: block; }
+ .chart .grid { stroke: #e4e4e4; } .chart .axis { stroke: #888; }
+ .chart .tick { font-size: 10px; fill: #666; }
+ .legend { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 12px; }
+ .legend i { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 4px; }
 </style></head>
 <body>
 <h1>CompuShare: <span id="peer">…</span></h1>
@@ -27,11 +36,18 @@ DASHBOARD_HTML = """<!doctype html>
  <tr><th>private sessions</th><td id="private"></td></tr>
  <tr><th>reachability</th><td id="reach"></td></tr>
 </tbody></table>
+<p><a id="chat-link" href="/chat">Chat with the swarm</a></p>
+<h2>Last 10 minutes</h2>
+<div id="charts">
+ <figure id="chart-steps"></figure><figure id="chart-tokens"></figure>
+ <figure id="chart-kv"></figure><figure id="chart-peers"></figure>
+</div>
 <h2>Coverage</h2><div id="coverage"></div>
 <h2>Peers</h2>
 <table><thead><tr><th>peer</th><th>karma</th><th>serves</th><th>state</th><th>load</th><th>free KV</th>
 <th>version</th><th>private</th><th>reach</th></tr></thead><tbody id="peers"></tbody></table>
 <h2>Downloads</h2><div id="downloads"></div>
+<script src="/static/charts.js"></script>
 <script>
 "use strict";
 const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
@@ -97,6 +113,22 @@ function render(d) {
     downloads.append(line);
   }
 }
+function renderCharts(h) {
+  if (!h || typeof lineChart !== "function") return;
+  const t = h.time, window = 60;  // the time axis: at least a minute, at most the history (10 minutes)
+  lineChart(document.getElementById("chart-steps"), {title: "Steps served per second", times: t, window,
+    series: [{name: "steps/s", values: h.steps_s, color: "#3a7bd5"}]});
+  lineChart(document.getElementById("chart-tokens"), {title: "Tokens computed per second (its sessions)", times: t,
+    window, series: [{name: "tokens/s", values: h.tokens_s, color: "#2e9e5b"}]});
+  const total = h.kv_total.length ? h.kv_total[h.kv_total.length - 1] : 0;
+  lineChart(document.getElementById("chart-kv"), {title: "KV budget held (tokens)", times: t, window, max: total,
+    series: [{name: "held", values: h.kv_used, color: "#d9822b"},
+             {name: "budget", values: h.kv_total, color: "#999", dashed: true}]});
+  lineChart(document.getElementById("chart-peers"), {title: "Peers known, by reachability", times: t, window,
+    series: [{name: "all", values: h.peers, color: "#555"}, {name: "public", values: h.public, color: "#2e9e5b"},
+             {name: "private", values: h.private, color: "#d9822b"},
+             {name: "unknown", values: h.unknown, color: "#aaa", dashed: true}]});
+}
 async function poll() {
   try {
     const response = await fetch("/control/dashboard", {headers: {"Authorization": "Bearer " + token}});
@@ -104,10 +136,12 @@ async function poll() {
     if (!response.ok) throw new Error(body.error ? body.error.message : response.status);
     set("error", "");
     render(body);
+    renderCharts(body.history);
   } catch (e) {
     set("error", "cannot reach the node: " + e.message);
   }
 }
+document.getElementById("chat-link").href = "/chat" + location.hash;
 poll();
 setInterval(poll, 2000);
 </script>
