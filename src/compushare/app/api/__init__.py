@@ -8,7 +8,10 @@ dashboard and a small control API, behind a token kept in the node's data dir.
   openai_routes.py  /v1/chat/completions and /v1/completions
   ollama_routes.py  /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version
   app.py      the ASGI app (Starlette): its routes, the token's guard, the pages
-  dashboard.py  the dashboard: one self-contained page polling /control/dashboard
+  dashboard.py  the dashboard: one page polling /control/dashboard, charting the node's history
   server.py   serving it with Hypercorn inside the node's trio nursery
   client.py   calling the control API (status, tray)
+
+The folder static/ (package data, no build step) holds the chat page (chat.html,
+chat.css, chat.js) and the dashboard's charts (charts.js), served at /chat and /static/.
 """
