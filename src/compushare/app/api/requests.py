@@ -316,6 +316,9 @@ def _ollama_options(options: object) -> tuple[SamplingParams, tuple[str, ...]]:
         raise BadField("options", "'options' must be an object")
     try:
         limit = _integer(options, "num_predict", -2, MAX_NEW_TOKENS, -1)
+        if limit == 0:
+            raise BadField("num_predict", f"'num_predict' must be 1..{MAX_NEW_TOKENS}, or -1 or -2 (up to "
+                                          f"{MAX_NEW_TOKENS})")
         params = SamplingParams(
             temperature=_number(options, "temperature", OLLAMA_TEMPERATURE, 0.0, 2.0),
             top_p=max(_number(options, "top_p", OLLAMA_TOP_P, 0.0, 1.0), 1e-6),
