@@ -210,6 +210,37 @@ def test_openai_package_chat_completions_streaming_and_not(smol_swarm):
         OpenAI(base_url=f"{node['api']}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_stop_sequences_inside_bpe_tokens_through_openai_and_ollama(smol_swarm):
+    """Stop sequences on real BPE text: one that begins and ends inside tokens cuts
+    the reply exactly before it (streamed or not, OpenAI's client and Ollama's), and
+    the log-probabilities' tokens spell the reply."""
+    import ollama
+
+    home, swarm = smol_swarm
+    node = swarm["nodes"][0]
+    client = _openai_client(node)
+    messages = [{"role": "user", "content": QUESTION}]
+    full = client.chat.completions.create(model="smollm2-135m", max_tokens=24, temperature=0, messages=messages,
+                                          logprobs=True)
+    text = full.choices[0].message.content
+    assert "".join(t.token for t in full.choices[0].logprobs.content).startswith(text)
+    start = text.index("Paris") + 2  # "ris" and what follows: a stop that starts mid-token
+    stop = text[start:start + 6]
+    expected = text[:text.index(stop)]
+    cut = client.chat.completions.create(model="smollm2-135m", max_tokens=24, temperature=0, messages=messages,
+                                         stop=stop)
+    assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="smollm2-135m", max_tokens=24, temperature=0,
+                                              messages=messages, stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+
+    token = _openai_client(node).api_key
+    local = ollama.Client(host=node["api"], headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    parts = list(local.chat(model="smollm2-135m", messages=messages, stream=True,
+                            options={"temperature": 0, "num_predict": 24, "stop": [stop]}))
+    assert "".join(p.message.content for p in parts) == expected and parts[-1].done_reason == "stop"
+
+
 def test_chat_repl_through_a_pty_two_turns_stats_ctrl_c_and_exit(smol_swarm, tmp_path):
     """`compushare chat` driven like a person at a terminal: a question, a follow-up
     that needs the first turn, /stats, a long reply stopped by Ctrl-C (the REPL

@@ -282,3 +282,146 @@ def test_an_adapter_is_named_in_the_adapters_folder_never_by_path(fake, tmp_path
     assert error["param"] == "adapter"
     client.post("/v1/chat/completions", json=body, headers=AUTH)
     assert engine.the_consumer.requests[-1].adapter is None
+
+
+# -- stop, logprobs, usage, completions, the route: through the real Produced ----------
+
+def _events(response) -> list:
+    import json
+
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stop_cuts_the_reply_before_the_sequence_streaming_or_not(fake):
+    _, client = fake
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stop": ["1 w1", "zzz"]}
+    reply = client.post("/v1/chat/completions", json=body, headers=AUTH).json()
+    assert reply["choices"][0]["message"]["content"] == " w7 w9 w1"  # " w11 w13": "1 w1" spans two tokens
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == 4
+    chunks = _events(client.post("/v1/chat/completions", json=body | {"stream": True}, headers=AUTH))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " w7 w9 w1"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_and_usage_in_openai_shapes(fake):
+    _, client = fake
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    reply = client.post("/v1/chat/completions", json=body, headers=AUTH).json()
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [" w7", " w9", " w11"] and content[0]["logprob"] == -0.25
+    assert content[0]["bytes"] == list(b" w7") and [t["token"] for t in content[0]["top_logprobs"]] == [" w7", " w1"]
+    chunks = _events(client.post("/v1/chat/completions", headers=AUTH, json=body | {
+        "stream": True, "stream_options": {"include_usage": True}}))
+    scored = [c for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in scored] == [" w7", " w9", " w11"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_text_completions_legacy_shape(fake):
+    engine, client = fake
+    reply = client.post("/v1/completions", headers=AUTH, json={"prompt": "abc de", "max_tokens": 2, "logprobs": 1})
+    assert reply.status_code == 200, reply.text
+    reply = reply.json()
+    assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
+    assert engine.the_consumer.requests[-1].prompt == [3, 2]  # the text as it is: no template
+    choice = reply["choices"][0]
+    assert choice["text"] == " w7 w9" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"tokens": [" w7", " w9"], "token_logprobs": [-0.25, -0.25],
+                                  "top_logprobs": [{" w7": -0.25}, {" w9": -0.25}], "text_offset": [0, 3]}
+    chunks = _events(client.post("/v1/completions", headers=AUTH, json={"prompt": [5, 6], "max_tokens": 2,
+                                                                         "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " w7 w9"
+    assert engine.the_consumer.requests[-1].prompt == [5, 6]
+    assert _error(client.post("/v1/completions", headers=AUTH, json={"prompt": [5, 5000]}), 400)["param"] == "prompt"
+
+
+def test_the_route_extension_names_each_hop_streaming_and_not(fake):
+    _, client = fake
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "route": True, "standby": True}
+    reply = client.post("/v1/chat/completions", json=body, headers=AUTH).json()
+    route = reply["compushare"]["route"]
+    assert [(h["peer_id"], h["start"], h["end"], h["private"]) for h in route] == [
+        ("12D3KooWAlpha", 0, 3, False), ("12D3KooWBeta", 3, 4, False)]
+    assert route[0]["reach"] == "unknown" and route[0]["relayed"] is False
+    assert reply["compushare"]["stats"]["tokens"] == 2 and reply["compushare"]["stats"]["first_token_s"] == 1.0
+    chunks = _events(client.post("/v1/chat/completions", json=body | {"stream": True}, headers=AUTH))
+    routed = [c for c in chunks if c["choices"] == []]
+    assert len(routed) == 1 and [h["peer_id"] for h in routed[0]["compushare"]["route"]] == [
+        "12D3KooWAlpha", "12D3KooWBeta"]
+    assert chunks[-1]["compushare"]["stats"]["tokens"] == 2
+
+
+def test_ollama_chat_and_generate_streamed_and_not(fake):
+    import json
+
+    engine, client = fake
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": messages, "stream": False, "options": {"num_predict": 3, "stop": [" w11"]}}
+    reply = client.post("/api/chat", json=body, headers=AUTH).json()
+    assert reply["message"] == {"role": "assistant", "content": " w7 w9"} and reply["done"] is True
+    assert reply["done_reason"] == "stop" and reply["eval_count"] == 3 and reply["prompt_eval_count"] == 3
+    lines = client.post("/api/chat", json=body | {"stream": None}, headers=AUTH).text.splitlines()  # default: stream
+    parts = [json.loads(line) for line in lines]
+    assert "".join(p["message"]["content"] for p in parts) == " w7 w9"
+    assert [p["done"] for p in parts] == [False] * (len(parts) - 1) + [True]
+    generated = client.post("/api/generate", headers=AUTH, json={
+        "model": "tiny", "prompt": "hi", "system": "terse", "stream": False, "options": {"num_predict": 2}}).json()
+    assert generated["response"] == " w7 w9" and generated["done_reason"] == "length"
+    assert engine.the_consumer.requests[-1].prompt == [len("system:"), len("terse"), len("user:"), len("hi"),
+                                                       len("assistant:")]
+    raw = client.post("/api/generate", headers=AUTH, json={"model": "tiny", "prompt": "abc", "raw": True,
+                                                           "stream": False, "options": {"num_predict": 1}})
+    assert raw.json()["response"] == " w7" and engine.the_consumer.requests[-1].prompt == [3]
+    loaded = client.post("/api/generate", headers=AUTH, json={"model": "tiny"}).json()
+    assert loaded["done"] is True and loaded["done_reason"] == "load"
+    refused = client.post("/api/chat", headers=AUTH, json=body | {"tools": [{"type": "function"}]})
+    assert refused.status_code == 400 and "tools" in refused.json()["error"]
+
+
+def test_ollama_models_and_the_open_setting(tmp_path, tiny_model):
+    import_path(tiny_model, tmp_path, alias="tiny")
+    engine = ChatEngine(None, None, tmp_path, torrent=None, default_model="tiny")
+    for open_locally in (False, True):
+        app = build_app(engine, "secret-token", Toggle(), ollama_open=open_locally)
+        with TestClient(app, backend="trio", client=("127.0.0.1", 50000)) as local:
+            tags = local.get("/api/tags")
+            assert tags.status_code == (200 if open_locally else 401)
+            assert local.get("/v1/models").status_code == 401  # OpenAI's routes always need the token
+            tags = local.get("/api/tags", headers=AUTH).json()["models"]
+            assert [m["name"] for m in tags] == ["tiny"] and tags[0]["details"]["family"] == "llama"
+            shown = local.post("/api/show", headers=AUTH, json={"model": "tiny"}).json()
+            assert shown["model_info"]["llama.block_count"] == 4
+            assert local.post("/api/show", headers=AUTH, json={"model": "nope"}).status_code == 404
+            assert local.get("/api/version", headers=AUTH).json()["version"]
+        with TestClient(app, backend="trio", client=("10.0.0.5", 50000)) as remote:
+            assert remote.get("/api/tags").status_code == 401  # never open to another machine
+
+
+def test_control_models_lists_stored_models_with_their_adapters(tmp_path, tiny_model):
+    import torch
+
+    from compushare.model import adapter_file
+    from compushare.model.lora import Adapter, LoraSpec
+
+    stored = import_path(tiny_model, tmp_path, alias="tiny")
+    (tmp_path / "adapters").mkdir()
+    spec = LoraSpec(rank=2, alpha=4, targets=("q_proj",))
+    tensors = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)}
+    adapter_file.save(Adapter(spec, tensors, stored.model_id), tmp_path / "adapters" / "mine.safetensors")
+    adapter_file.save(Adapter(spec, tensors, "cd" * 32), tmp_path / "adapters" / "other.safetensors")
+    engine = ChatEngine(None, None, tmp_path, torrent=None, default_model="tiny")
+    with TestClient(build_app(engine, "secret-token", Toggle()), backend="trio") as client:
+        listed = client.get("/control/models", headers=AUTH).json()
+    assert listed["default"] == "tiny"
+    (model,) = listed["models"]
+    assert model["name"] == "tiny" and model["id"] == stored.model_id and model["stored"] is True
+    assert model["adapters"] == ["mine"] and model["num_blocks"] == 4 and model["served"] is False
+
+
+def test_static_files_are_only_the_packages(client):
+    for name in ("..%2Fapp.py", ".hidden", "nope.js"):
+        assert client.get(f"/static/{name}").status_code == 404

@@ -25,7 +25,7 @@ from ...pipeline.client.produced import Piece
 from ...pipeline.client.sampling import TokenLogprob
 from .engine import ChatEngine, Prepared, describe_hops, private_report, run_stats, token_text
 from .openai_routes import failure, read_json
-from .requests import BadField, Generation, ollama_chat, ollama_generate
+from .requests import OLLAMA_DEFAULT_TAG, BadField, Generation, ollama_chat, ollama_generate
 from .streaming import Streamed, until_disconnect
 
 
@@ -172,6 +172,7 @@ async def show(engine: ChatEngine, request: Request) -> Response:
         name = body.get("model") or body.get("name") if isinstance(body, dict) else None
         if not isinstance(name, str) or not name:
             raise BadField("model", "'model' is required")
+        name = name.removesuffix(OLLAMA_DEFAULT_TAG)
         model = await trio.to_thread.run_sync(lambda: resolve_model(name, engine.data_dir, obtain=False))
     except ModelUnavailable as exc:
         return JSONResponse({"error": f"model '{name}' not found: {exc}"}, 404)

@@ -130,7 +130,7 @@ class OpenAIReply:
 
     def chunk(self, text: str | None, scored: list[TokenLogprob], reason: str | None = None,
               extra: dict | None = None, role: bool = False) -> bytes:
-        choice: dict = {"index": 0, "logprobs": self.logprobs(scored, [text or ""] if scored else None),
+        choice: dict = {"index": 0, "logprobs": self.logprobs(scored, [text or ""]) if scored else None,
                         "finish_reason": reason}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if role else

@@ -22,6 +22,7 @@ MAX_NEW_TOKENS = 4096
 DEFAULT_NEW_TOKENS = 256  # OpenAI endpoints without max_tokens
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' integer `logprobs`
 OLLAMA_TEMPERATURE, OLLAMA_TOP_P = 0.8, 0.9  # Ollama's defaults, for clients that rely on them
+OLLAMA_DEFAULT_TAG = ":latest"  # Ollama's clients add it to a bare name; CompuShare's names have no tags
 
 
 class BadField(UsageError):
@@ -104,7 +105,7 @@ OPENAI_COMPLETIONS = _table(
     *_EXTENSIONS,
 )
 _OLLAMA_COMMON = (
-    ("model", "accepted", "a name as `compushare models` shows it, or a model id"),
+    ("model", "accepted", "a name as `compushare models` shows it (\":latest\" dropped), or a model id"),
     ("stream", "accepted", "default true: NDJSON objects, the last with done: true and the counts"),
     ("options", "accepted", "see the options table"),
     ("format", "refused", "anything but empty: no JSON mode or schemas"),
@@ -316,6 +317,9 @@ def _ollama_options(options: object) -> tuple[SamplingParams, tuple[str, ...]]:
         raise BadField("options", "'options' must be an object")
     try:
         limit = _integer(options, "num_predict", -2, MAX_NEW_TOKENS, -1)
+        if limit == 0:
+            raise BadField("num_predict", f"'num_predict' must be 1..{MAX_NEW_TOKENS}, or -1 or -2 (up to "
+                                          f"{MAX_NEW_TOKENS})")
         params = SamplingParams(
             temperature=_number(options, "temperature", OLLAMA_TEMPERATURE, 0.0, 2.0),
             top_p=max(_number(options, "top_p", OLLAMA_TOP_P, 0.0, 1.0), 1e-6),
@@ -334,7 +338,7 @@ def _ollama_common(body: dict) -> dict:
     model = _string(body, "model")
     if not model:
         raise BadField("model", "'model' is required")
-    return {"model": model, "params": params, "stop": stops, "stream": _flag(body, "stream", True),
+    return {"model": model.removesuffix(OLLAMA_DEFAULT_TAG), "params": params, "stop": stops, "stream": _flag(body, "stream", True),
             "logprobs": (top or 0) if logprobs else None, **_extensions(body)}
 
 
