@@ -6,7 +6,8 @@ an adapter for the first, so its adapter picker shows for that model only.
 
 In the page: a reply streams (its text grows over several DOM updates and ends as
 greedy decoding in one process answers), its route names a and b with their blocks,
-and its figures show; an unknown model's error is shown as the node words it; Stop
+and its figures show; an unknown model's error, and one inside a stream, are shown
+as the node words them; the toggles and the adapter picker reach the request; Stop
 mid-reply ends the reply where it was and the servers' sessions close; Regenerate
 answers again; the conversations survive a reload. Then the dashboard charts a's
 last minutes.
@@ -49,6 +50,11 @@ WATCH_GROWTH = """() => {
   }).observe(document.getElementById("messages"), {childList: true, subtree: true, characterData: true});
 }"""
 LAST_REPLY = "#messages .msg.assistant:last-child"
+STREAM_WITH_ERROR = "".join(f"data: {json.dumps(event)}\n\n" for event in (
+    {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "w7"}}]},
+    {"error": {"message": "the swarm cannot serve this model now: no route", "type": "server_error"}},
+)) + "data: [DONE]\n\n"
 
 
 def _control(state: dict, data_dir: Path, path: str) -> dict:
@@ -110,6 +116,30 @@ def _chat_in_chromium(url: str, swarm: dict) -> dict:
             seen["error"] = page.text_content("#error")
             page.click("#chats li.current .delete")
             page.select_option("#model", "tiny")
+
+            # The extensions a request carries, and an error inside the stream (the node's
+            # answer replaced here, in the browser: a private generation takes minutes).
+            asked: list = []
+
+            def fake_stream(route) -> None:
+                asked.append(route.request.post_data_json)
+                route.fulfill(status=200, content_type="text/event-stream", body=STREAM_WITH_ERROR)
+
+            page.route("**/v1/chat/completions", fake_stream)
+            page.select_option("#adapter", "style")
+            page.click("#settings summary")  # open the settings
+            page.check("#private")
+            page.check("#standby")
+            _ask(page, QUESTION, 8)
+            page.wait_for_selector(f"{LAST_REPLY}[data-state=error]", timeout=WAIT_MS)
+            page.unroute("**/v1/chat/completions")
+            seen["asked"], seen["stream_error"] = asked, page.text_content("#error")
+            seen["partial"] = page.text_content(f"{LAST_REPLY} .content")
+            page.uncheck("#private")
+            page.uncheck("#standby")
+            page.click("#settings summary")
+            page.select_option("#adapter", "")
+            page.click("#chats li.current .delete")
 
             # A reply streams, token by token.
             _set(page, "#temperature", "0")  # greedy: the reply one process answers
@@ -208,6 +238,11 @@ async def test_chat_page_streams_stops_and_shows_the_route_and_the_dashboard_cha
     assert {"tiny", "other"} <= set(seen["models"])
     assert seen["adapters"] == ["", "style"] and seen["adapter_shown"] and not seen["adapter_shown_for_other"]
     assert "no-such-model" in seen["error"]
+    (asked,) = seen["asked"]
+    assert asked["private"] is True and asked["standby"] is True and asked["adapter"] == "style"
+    assert asked["stream"] is True and asked["route"] is True and asked["max_tokens"] == 8
+    assert asked["messages"] == [{"role": "user", "content": QUESTION}] and asked["model"] == "tiny"
+    assert seen["stream_error"] == "the swarm cannot serve this model now: no route" and seen["partial"] == "w7"
     growth = sorted(set(seen["lengths"]))
     assert len(growth) >= 5 and growth[-1] == len(seen["reply"]), growth  # it grew over several DOM updates
     assert seen["reply"] == expected
