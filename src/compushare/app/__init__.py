@@ -10,6 +10,8 @@ knows nothing of them.
                for, its ad, the self-benchmark, the span's memory, the first span
   debug.py     fault injection for tests (a slow, lying or forging node): the --debug-* flags
   seed.py      the torrent role on its own: `models fetch`, `models seed`
+  progress.py  progress of long work (fetch, import, conversion): a rich bar on a
+               terminal, a line per tenth otherwise
   status.py    `compushare status` and `compushare karma`
   swarm.py     a local swarm of node processes on 127.0.0.1
   tray.py      the system-tray icon

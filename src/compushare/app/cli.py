@@ -87,6 +87,8 @@ def node(
     import trio
 
     from .node import Node
+    from .progress import Progress
+    from .status import ready_line
 
     home = resolve_data_dir(data_dir)
     if detach:
@@ -103,7 +105,14 @@ def node(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))
     faults = FaultInjection.from_flags(slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
                                        claim_format=debug_claim_format)
-    run_or_exit(lambda: trio.run(Node(config, faults).run))
+    shown = Progress()  # the model's conversion, the span's fetching
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            state = await nursery.start(Node(config, faults, shown).run)
+            out.print(ready_line(state), highlight=False, markup=False)
+
+    run_or_exit(lambda: trio.run(serve))
 
 
 def _detach(home: Path) -> None:
@@ -112,7 +121,7 @@ def _detach(home: Path) -> None:
     import subprocess
 
     from ..config import LOG_FILE, STATE_FILE
-    from .status import local_node
+    from .status import local_node, ready_line
     from .swarm import wait_ready
 
     from ..config import PID_FILE
@@ -133,8 +142,7 @@ def _detach(home: Path) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "compushare", *argv], stdin=subprocess.DEVNULL,
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     state = wait_ready(proc, home)  # raises with the log's tail if the node exits
-    out.print(f"node {state['peer_id']} serving blocks {state['start']}:{state['end']} (pid {proc.pid}); "
-              f"API {state.get('api') or 'off'}; log {home / LOG_FILE}", highlight=False)
+    out.print(f"{ready_line(state)} (pid {proc.pid}); log {home / LOG_FILE}", highlight=False, markup=False)
 
 
 @app.command()
@@ -189,8 +197,9 @@ def run(
     """Answer PROMPT through the swarm, streaming tokens as they come."""
     import trio
 
-    from ..pipeline.client.consumer import RunRequest, run_prompt
+    from ..pipeline.client.consumer import ProgressHooks, RunRequest, run_prompt
     from ..pipeline.client.sampling import SamplingParams
+    from .progress import Progress
 
     setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -202,8 +211,10 @@ def run(
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         on_route = functools.partial(_show_route, private=private, verbose=verbose)
-        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=on_route,
-                                              spot_check_rate=spot_check, listen=tuple(listen or ())))
+        with Progress() as shown:  # a model converted or fetched first
+            outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=on_route,
+                                                  spot_check_rate=spot_check, listen=tuple(listen or ()),
+                                                  hooks=ProgressHooks(shown.stage, shown.update)))
         sys.stdout.write("\n")
         _report(outcome, verbose)
 
@@ -265,7 +276,9 @@ def chat(
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
+    from ..pipeline.client.consumer import ProgressHooks
     from .chat import repl
+    from .progress import Progress
 
     setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -274,8 +287,10 @@ def chat(
 
     def main_chat():
         nonlocal code
-        code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check,
-                    private=private, adapter=adapter)
+        with Progress() as shown:  # a model converted or fetched first
+            code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens,
+                        spot_check_rate=spot_check, private=private, adapter=adapter,
+                        hooks=ProgressHooks(shown.stage, shown.update))
 
     run_or_exit(main_chat)
     raise typer.Exit(code)

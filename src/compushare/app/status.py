@@ -142,6 +142,17 @@ async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float 
             return await karma_of(swarm.host, swarm.dht, peer_id)
 
 
+def ready_line(state: dict) -> str:
+    """What a node serves, once it does (node.json's `state`): the line `node` prints."""
+    model_id, name = state["model_id"], state.get("model_name")
+    model = f"{name} ({model_id[:12]})" if name and name != model_id else model_id[:12]
+    api = state.get("api")
+    where = (f"API {api} (dashboard {api}/dashboard, chat {api}/chat; token in the data dir)" if api
+             else "API off")
+    return (f"ready: serving {model} blocks {state['start']}:{state['end']} of {state['num_blocks']} in "
+            f"{state.get('format', '?')}; {where}; peer {state['peer_id']}")
+
+
 def private_line(stats: dict | None) -> str:
     """This node's private sessions (node.status()["private"]: PrivateServer.stats())."""
     if stats is None:
