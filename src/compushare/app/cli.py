@@ -4,6 +4,7 @@
   cli_swarm.py   status, karma, id; swarm up|down
   cli_models.py  models list|fetch|seed|import
   cli_finetune.py finetune
+  cli_doctor.py  doctor (its checks: doctor.py)
   cli_common.py  shared options, logging, error reporting
 """
 
@@ -21,6 +22,7 @@ from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from ..gc_policy import pause_during_startup
 from ..malloc_policy import bound_retention
+from .cli_doctor import doctor
 from .cli_finetune import finetune
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
@@ -304,6 +306,7 @@ def _stream(text: str) -> None:
 app.command()(status)
 app.command()(karma)
 app.command()(finetune)
+app.command()(doctor)
 app.command("id")(show_id)
 
 
