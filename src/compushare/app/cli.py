@@ -90,7 +90,6 @@ def node(
 
     from .node import Node
     from .progress import Progress
-    from .status import ready_line
 
     home = resolve_data_dir(data_dir)
     if detach:
@@ -107,14 +106,18 @@ def node(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))
     faults = FaultInjection.from_flags(slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
                                        claim_format=debug_claim_format)
-    shown = Progress()  # the model's conversion, the span's fetching
+    run_or_exit(lambda: trio.run(_serve, Node(config, faults, Progress())))  # (progress: conversion, fetching)
 
-    async def serve() -> None:
-        async with trio.open_nursery() as nursery:
-            state = await nursery.start(Node(config, faults, shown).run)
-            out.print(ready_line(state), highlight=False, markup=False)
 
-    run_or_exit(lambda: trio.run(serve))
+async def _serve(node) -> None:
+    """Run `node` until stopped, with one line saying what it serves once it does."""
+    import trio
+
+    from .status import ready_line
+
+    async with trio.open_nursery() as nursery:
+        state = await nursery.start(node.run)
+        out.print(ready_line(state), highlight=False, markup=False)
 
 
 def _detach(home: Path) -> None:
