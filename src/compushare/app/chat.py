@@ -23,7 +23,7 @@ import trio
 
 from .api.engine import messages_to_ids
 from ..errors import CompushareError, RouteError, UsageError
-from ..pipeline.client.consumer import Consumer, RunOutcome, RunRequest
+from ..pipeline.client.consumer import Consumer, ProgressHooks, RunOutcome, RunRequest
 from ..pipeline.client.routing import Hop
 from ..pipeline.client.sampling import SamplingParams
 
@@ -129,8 +129,10 @@ def private_route_lines(route: list[Hop]) -> list[str]:
 class SwarmThread:
     """A Consumer per model on one host, in a background trio loop."""
 
-    def __init__(self, data_dir: Path, bootstrap: tuple[str, ...], spot_check_rate: float) -> None:
+    def __init__(self, data_dir: Path, bootstrap: tuple[str, ...], spot_check_rate: float,
+                 hooks: ProgressHooks = ProgressHooks()) -> None:
         self.data_dir, self.bootstrap, self.spot_check_rate = data_dir, bootstrap, spot_check_rate
+        self.hooks = hooks  # a model's obtaining (converted, or its head fetched): progress.py's bars
         self._consumers: dict[str, Consumer] = {}
         self._token = None
         self._ready = threading.Event()
@@ -174,8 +176,8 @@ class SwarmThread:
     async def _hold(self, model: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Keep one model's Consumer (and its host) open until the REPL ends: a task of
         the long-lived nursery, since a nursery must close in the task that opened it."""
-        async with Consumer.connect(self.data_dir, self.bootstrap, model,
-                                    spot_check_rate=self.spot_check_rate) as consumer:
+        async with Consumer.connect(self.data_dir, self.bootstrap, model, spot_check_rate=self.spot_check_rate,
+                                    hooks=self.hooks) as consumer:
             task_status.started(consumer)
             await trio.sleep_forever()
 
@@ -251,10 +253,10 @@ def interruptible() -> None:
 
 def repl(data_dir: Path, bootstrap: tuple[str, ...], model: str, *, temperature: float, max_tokens: int,
          spot_check_rate: float, private: bool = False, adapter: Path | None = None, out=sys.stdout,
-         err=sys.stderr) -> int:
+         err=sys.stderr, hooks: ProgressHooks = ProgressHooks()) -> int:
     interruptible()
     conversation = Conversation(model, temperature, max_tokens, private=private, adapter=adapter)
-    swarm = SwarmThread(data_dir, bootstrap, spot_check_rate)
+    swarm = SwarmThread(data_dir, bootstrap, spot_check_rate, hooks)
     save_history = _readline_history(data_dir)
     print(f"compushare chat: {model} (/help for commands, Ctrl-D to leave)", file=err, flush=True)
     if private:

@@ -4,6 +4,7 @@
   cli_swarm.py   status, karma, id; swarm up|down
   cli_models.py  models list|fetch|seed|import
   cli_finetune.py finetune
+  cli_doctor.py  doctor (its checks: doctor.py)
   cli_common.py  shared options, logging, error reporting
 """
 
@@ -21,6 +22,7 @@ from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from ..gc_policy import pause_during_startup
 from ..malloc_policy import bound_retention
+from .cli_doctor import doctor
 from .cli_finetune import finetune
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
@@ -87,6 +89,7 @@ def node(
     import trio
 
     from .node import Node
+    from .progress import Progress
 
     home = resolve_data_dir(data_dir)
     if detach:
@@ -103,7 +106,18 @@ def node(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))
     faults = FaultInjection.from_flags(slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
                                        claim_format=debug_claim_format)
-    run_or_exit(lambda: trio.run(Node(config, faults).run))
+    run_or_exit(lambda: trio.run(_serve, Node(config, faults, Progress())))  # (progress: conversion, fetching)
+
+
+async def _serve(node) -> None:
+    """Run `node` until stopped, with one line saying what it serves once it does."""
+    import trio
+
+    from .status import ready_line
+
+    async with trio.open_nursery() as nursery:
+        state = await nursery.start(node.run)
+        out.print(ready_line(state), highlight=False, markup=False)
 
 
 def _detach(home: Path) -> None:
@@ -112,7 +126,7 @@ def _detach(home: Path) -> None:
     import subprocess
 
     from ..config import LOG_FILE, STATE_FILE
-    from .status import local_node
+    from .status import local_node, ready_line
     from .swarm import wait_ready
 
     from ..config import PID_FILE
@@ -133,8 +147,7 @@ def _detach(home: Path) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "compushare", *argv], stdin=subprocess.DEVNULL,
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     state = wait_ready(proc, home)  # raises with the log's tail if the node exits
-    out.print(f"node {state['peer_id']} serving blocks {state['start']}:{state['end']} (pid {proc.pid}); "
-              f"API {state.get('api') or 'off'}; log {home / LOG_FILE}", highlight=False)
+    out.print(f"{ready_line(state)} (pid {proc.pid}); log {home / LOG_FILE}", highlight=False, markup=False)
 
 
 @app.command()
@@ -189,8 +202,9 @@ def run(
     """Answer PROMPT through the swarm, streaming tokens as they come."""
     import trio
 
-    from ..pipeline.client.consumer import RunRequest, run_prompt
+    from ..pipeline.client.consumer import ProgressHooks, RunRequest, run_prompt
     from ..pipeline.client.sampling import SamplingParams
+    from .progress import Progress
 
     setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -202,8 +216,10 @@ def run(
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         on_route = functools.partial(_show_route, private=private, verbose=verbose)
-        outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=on_route,
-                                              spot_check_rate=spot_check, listen=tuple(listen or ())))
+        with Progress() as shown:  # a model converted or fetched first
+            outcome = trio.run(lambda: run_prompt(home, boot, request, on_text=_stream, on_route=on_route,
+                                                  spot_check_rate=spot_check, listen=tuple(listen or ()),
+                                                  hooks=ProgressHooks(shown.stage, shown.update)))
         sys.stdout.write("\n")
         _report(outcome, verbose)
 
@@ -265,7 +281,9 @@ def chat(
     log_level: str = typer.Option("warning"),
 ) -> None:
     """Chat with a model through the swarm: multi-turn, streamed; /help lists commands."""
+    from ..pipeline.client.consumer import ProgressHooks
     from .chat import repl
+    from .progress import Progress
 
     setup_logging(log_level)
     home = resolve_data_dir(data_dir)
@@ -274,8 +292,10 @@ def chat(
 
     def main_chat():
         nonlocal code
-        code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens, spot_check_rate=spot_check,
-                    private=private, adapter=adapter)
+        with Progress() as shown:  # a model converted or fetched first
+            code = repl(home, boot, model, temperature=temperature, max_tokens=max_tokens,
+                        spot_check_rate=spot_check, private=private, adapter=adapter,
+                        hooks=ProgressHooks(shown.stage, shown.update))
 
     run_or_exit(main_chat)
     raise typer.Exit(code)
@@ -289,6 +309,7 @@ def _stream(text: str) -> None:
 app.command()(status)
 app.command()(karma)
 app.command()(finetune)
+app.command()(doctor)
 app.command("id")(show_id)
 
 

@@ -23,9 +23,22 @@ BOOTSTRAP = typer.Option(None, help="Bootstrap peer multiaddr with /p2p/ID (repe
 SWARM_HOME = typer.Option(None, help="Join the local swarm started with this --home (default: the data dir's swarm/).")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record: while a progress bar shows
+    (progress.py), rich has it print log lines above the bar."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[_CurrentStderr()])
 
 
 def bootstrap_for(home: Path, flags: list[str] | None, swarm_home: Path | None) -> tuple[str, ...]:

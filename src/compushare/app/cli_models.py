@@ -14,6 +14,7 @@ from rich.table import Table
 from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, run_or_exit, setup_logging
+from .progress import Progress
 
 models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
 
@@ -59,37 +60,6 @@ def models_list(data_dir: Path = DATA_DIR, as_json: bool = typer.Option(False, "
           "smollm2-135m@q4")
 
 
-class _Progress:
-    """A rich progress bar on stderr (bytes, rate, ETA), or nothing at all (--json):
-    its callbacks are safe to hand to the code doing the work either way."""
-
-    def __init__(self, description: str, enabled: bool) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                            TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
-                            transient=False) if enabled else None
-        self.task = self.bar.add_task(description, total=None) if self.bar else None
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def progress(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, total=total)
-
-    def describe(self, description: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=description)
-
-
 @models_app.command("fetch")
 def models_fetch(
     model: str = typer.Argument(..., help="Model id (64 hex digits): names are local only."),
@@ -119,10 +89,11 @@ def models_fetch(
                              "(`compushare status` lists the swarm's)")
         span = Span.parse(blocks) if blocks else None
         boot = bootstrap_for(home, bootstrap, swarm_home)
-        with _Progress(f"fetching {model[:12]}", not as_json) as shown:
+        what = f"blocks {span} of" if span else "the head of" if head else ""
+        with Progress(f"fetching {what} {model[:12]}".replace("  ", " "), enabled=not as_json) as shown:
             result = trio.run(lambda: fetch_from_swarm(
                 home, boot, model, blocks=(span.start, span.end) if span else None, head=head,
-                everything=span is None and not head, progress=shown.progress, alias=name,
+                everything=span is None and not head, progress=shown.update, alias=name,
                 upload_limit=upload_limit_kbps * 1000 if upload_limit_kbps else None))
         if as_json:
             print(json.dumps(dataclasses.asdict(result)))
@@ -174,9 +145,9 @@ def models_import(path: Path, name: str = typer.Option(None, help="Alias for the
     from ..model.catalog import import_path
 
     def do():
-        with _Progress(f"importing {path.name}", not as_json) as shown:
-            model = import_path(path, resolve_data_dir(data_dir), alias=name, progress=shown.progress,
-                                on_stage=lambda stage: shown.describe(f"{stage} {path.name}"), fmt=fmt)
+        with Progress(f"importing {path.name}", enabled=not as_json) as shown:
+            model = import_path(path, resolve_data_dir(data_dir), alias=name, progress=shown.update,
+                                on_stage=lambda stage: shown.stage(f"{stage} {path.name}"), fmt=fmt)
         if as_json:
             print(json.dumps({"model_id": model.model_id, "name": name, "num_blocks": model.num_blocks,
                               "format": model.format.label,

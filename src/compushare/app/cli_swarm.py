@@ -106,6 +106,7 @@ def swarm_up_cmd(
 ) -> None:
     """Start N nodes on 127.0.0.1 splitting the model's blocks between them. The first
     node holds the model; the others fetch their blocks from it through the swarm."""
+    from .progress import Progress
     from .swarm import swarm_up
 
     setup_logging("warning")
@@ -114,7 +115,8 @@ def swarm_up_cmd(
         [] if kv_budget is None else ["--kv-budget", str(kv_budget)])
 
     def up():
-        swarm = swarm_up(target, nodes, model, extra)
+        with Progress() as shown:  # the model converted first
+            swarm = swarm_up(target, nodes, model, extra, on_stage=shown.stage, progress=shown.update)
         for n in swarm["nodes"]:
             err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
         err.print(f"bootstrap: {swarm['bootstrap'][0]}")

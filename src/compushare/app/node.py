@@ -26,6 +26,7 @@ from .api.auth import TOKEN_FILE
 from .api.server import serve_api
 from .debug import FaultInjection
 from .history import History, Sample, count_reaches
+from .progress import Progress
 from ..karma.record import karma_validators
 from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
@@ -79,9 +80,11 @@ def tune_process(config: NodeConfig) -> None:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, faults: FaultInjection = FaultInjection()) -> None:
+    def __init__(self, config: NodeConfig, faults: FaultInjection = FaultInjection(),
+                 progress: Progress | None = None) -> None:
         self.config = config
         self.faults = faults  # tests' misbehaving nodes only (debug.py)
+        self.progress = progress or Progress()  # the model's conversion, the span's fetching (stderr)
         self.view = SwarmView()
         self.swarm = None  # the libp2p host and its DHT (net/peer.py), once open
         self.key_pair = None
@@ -109,6 +112,7 @@ class Node:
         try:
             await self._run(task_status=task_status)
         finally:
+            self.progress.close()
             with contextlib.suppress(OSError, ValueError):  # only our own: a newer node may have replaced it
                 if int(pid_file.read_text()) == os.getpid():
                     pid_file.unlink()
@@ -117,7 +121,8 @@ class Node:
         config = self.config
         tune_process(config)
         name = config.model or DEFAULT_MODEL
-        model = held_model(config, name)  # store (None: the swarm says, once joined)
+        model = held_model(config, name, on_stage=self.progress.stage,  # store (None: the swarm says, once joined)
+                           progress=self.progress.update)
         check_span(config.blocks, model)
         self._identify()
         async with open_swarm_host(self.key_pair, server=True, validators=karma_validators(), listen=config.listen,
@@ -213,7 +218,7 @@ class Node:
         memory = span_memory(self.device, self.hardware)
         span, length = await first_span(provider, config, memory, host, self.view, self.me)
         self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
-                       "model_id": model.model_id, "num_blocks": model.num_blocks, "max_blocks": length,
+                       "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks, "max_blocks": length,
                        "placement": "fixed" if config.blocks is not None else "automatic",
                        "block_rate": provider.block_rate, "device": memory.where, "started": time.time(),
                        "api": api_url}
@@ -293,17 +298,13 @@ class Node:
         model = self.provider.model
         if model.holds(blocks=(span.start, span.end)):
             return
-        logged = [-1]
-
         key = str(span)
+        self.progress.stage(f"fetching blocks {span} of {model.model_id[:12]} from the swarm")
 
         def progress(done: int, total: int) -> None:
             self.downloads[key] = {"blocks": [span.start, span.end], "done": done, "total": total,
                                    "finished": False}
-            tenth = 10 * done // max(1, total)
-            if tenth != logged[0]:
-                logged[0] = tenth
-                log.info("fetching blocks %s: %d/%d MB", span, done // 10**6, total // 10**6)
+            self.progress.update(done, total)
 
         try:
             result = await self.torrent.fetch(model.model_id, blocks=(span.start, span.end), progress=progress)

