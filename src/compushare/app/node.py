@@ -50,8 +50,8 @@ from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..pipeline.server.training import TrainingServer
 from ..runtime import stop_on_signal, write_json, write_state
-from .startup import (SpanMemory, ad_maker, api_app, check_span, first_span, held_model, model_id_from_swarm, self_benchmark,
-                      serve_training, span_memory)
+from .startup import (SpanMemory, ad_maker, api_app, check_span, first_span, held_model, model_id_from_swarm,
+                      self_benchmark, serve_training, span_memory)
 from .status import summarize
 from ..torrent.service import Torrent
 
@@ -218,7 +218,8 @@ class Node:
         memory = span_memory(self.device, self.hardware)
         span, length = await first_span(provider, config, memory, host, self.view, self.me)
         self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
-                       "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks, "max_blocks": length,
+                       "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks,
+                       "max_blocks": length,
                        "placement": "fixed" if config.blocks is not None else "automatic",
                        "block_rate": provider.block_rate, "device": memory.where, "started": time.time(),
                        "api": api_url}

@@ -254,7 +254,8 @@ def render(status: dict, console) -> None:
             bar = "█" * count + "░" * loading
             color = "red" if count == 0 else "yellow" if count == 1 else "green"
             extra = f" (+{loading} loading)" if loading else ""
-            console.print(f"  {block:>4} [{color}]{bar or '·'}[/{color}] {count}{extra}", highlight=False, soft_wrap=False)
+            console.print(f"  {block:>4} [{color}]{bar or '·'}[/{color}] {count}{extra}", highlight=False,
+                          soft_wrap=False)
         if model["holes"]:
             console.print(f"  [red]uncovered blocks: {', '.join(map(str, model['holes']))}[/red]", soft_wrap=False)
 

@@ -338,7 +338,8 @@ def _ollama_common(body: dict) -> dict:
     model = _string(body, "model")
     if not model:
         raise BadField("model", "'model' is required")
-    return {"model": model.removesuffix(OLLAMA_DEFAULT_TAG), "params": params, "stop": stops, "stream": _flag(body, "stream", True),
+    return {"model": model.removesuffix(OLLAMA_DEFAULT_TAG), "params": params, "stop": stops,
+            "stream": _flag(body, "stream", True),
             "logprobs": (top or 0) if logprobs else None, **_extensions(body)}
 
 
