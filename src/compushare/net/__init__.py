@@ -20,6 +20,8 @@
                 newcomers), GossipSub
   reachability.py  pure: whether this node can be dialled, and how peers reach it if not
   traversal.py  NAT traversal for one host: AutoNAT, relay reservations, hole punching
+  hole_punch.py  DCUtR hole punching that dials only the punched peer's own addresses
+  punch_budget.py  pure: how many hole punches (per peer) and dials (in all) a node makes
   relay.py      circuit relay v2 with CompuShare's quotas
   relay_quota.py  pure: a relay's quotas (reservations, circuits, bytes, time)
 """

@@ -7,7 +7,8 @@ three overrides, each asking net/relay_quota.RelayLedger first:
   _handle_reserve   a slot only while this node serves as a relay (publicly
                     reachable, relaying on), within the reservation quota; the slot
                     is the connection's own peer's (the message's `peer` field is
-                    not trusted)
+                    not trusted); py-libp2p's own reservation table follows the
+                    ledger (a slot the ledger freed is gone from it too)
   _handle_connect   a circuit only within the circuit and byte quotas, refused with
                     RESOURCE_LIMIT_EXCEEDED (NO_RESERVATION when the target holds none)
   _relay_data       every chunk accounted before it is passed on; over the circuit's
@@ -76,10 +77,19 @@ class QuotaRelay(CircuitV2Protocol):
             if not connections.get(ID.from_base58(holder)):
                 self.ledger.release_reservation(holder)
         granted = self.ledger.reserve(peer.to_base58(), trio.current_time())
+        self._follow_ledger()
         if isinstance(granted, Refusal):
             await self._refuse(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, granted.reason)
             return
         await super()._handle_reserve(stream, msg)
+
+    def _follow_ledger(self) -> None:
+        """py-libp2p's own reservation table drops every slot the ledger no longer
+        holds (its holder left, or it expired): that table keeps a slot for its whole
+        hour whatever becomes of the holder, and its own limit would refuse newcomers."""
+        table = self.resource_manager._reservations  # private in the pinned 0.8.1
+        for peer in [p for p in table if p.to_base58() not in self.ledger.reservations]:
+            del table[peer]
 
     async def _handle_connect(self, stream: INetStream, msg) -> None:
         if not self.offer():

@@ -5,7 +5,9 @@
                                                NAT'd peers, within net/relay_quota's quotas
   transport   (CircuitV2Transport)             dialling a NAT'd peer through its relay
   DCUtR       (libp2p.relay.circuit_v2.dcutr)  upgrading a relayed connection to a direct one
-                                               by hole punching (TCP simultaneous open)
+                                               by hole punching (TCP simultaneous open):
+                                               net/hole_punch.PatientDCUtR, within
+                                               net/punch_budget's budget
 
 A node (`Traversal(..., serve=True)`) asks connected peers for AutoNAT verdicts
 until net/reachability.Verdicts decides, and again every AUTONAT_PERIOD_S or when
@@ -38,12 +40,13 @@ from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from .hole_punch import DCUTR_DIAL_TIMEOUT_S, PatientDCUtR
+from .punch_budget import PunchLimits
 from .reachability import (
     PRIVATE,
     PUBLIC,
@@ -71,18 +74,14 @@ RELAY_CHECK_S = 2.0
 RELAY_AVOID_S = 60.0  # a relay that refused or was lost is not asked again for this long
 RESERVE_TIMEOUT_S = 10.0
 REFRESH_AT = 0.8  # share of a reservation's lifetime after which it is renewed
-DCUTR_DIAL_TIMEOUT_S = 3  # each direct dial of a hole punch (py-libp2p: 10 s)
-MAX_PUNCH_ADDRS = 4  # addresses of a peer a hole punch dials at most
 CIRCUIT_DIAL_TIMEOUT_S = 10.0
 PROTECT_TAG = "compushare-relay"  # connections to our relays are never pruned by the connection manager
-BEHIND_NAT_MEMORY = 4096  # peers remembered as NAT'd (their private addresses are not dialled first)
 # After reaching a peer through its relay, how long a dial waits for the hole punch
 # before the caller opens its streams (on the relayed connection if the punch is not
 # done by then): a punch takes a few round trips, or one SYN retransmission (1 s) when
 # the first SYN reached the far NAT before that side's own SYN had opened it.
 PUNCH_WAIT_S = 3.0
 PUNCH_MARGIN_S = 0.5
-RELAY_CLOSE_GRACE_S = 10.0  # after a punch, the relayed connection lives on this long, then until idle
 
 _BY_HOST: dict[int, Traversal] = {}
 _ASKER: contextvars.ContextVar[ID | None] = contextvars.ContextVar("autonat_asker", default=None)  # per handler task
@@ -169,60 +168,6 @@ class DialBackAutoNAT(AutoNATService):
         return None
 
 
-class PatientDCUtR(DCUtRProtocol):
-    """py-libp2p's DCUtR, with two changes:
-
-    - it first dials a peer's own addresses (spec step 0), waiting out a dial timeout
-      when they are private addresses of another network: skipped for a peer known
-      to be behind NAT (it advertised circuits), whose hole punch starts at once;
-    - it closes a peer's relayed connections 60 s after a punch, streams or not: a
-      session on one would be cut. Here they close once they carry no stream of
-      CompuShare's own protocols (py-libp2p's own ones, identify's, may stay open
-      for good and would hold the circuit, and its quota on the relay, for an hour)."""
-
-    def __init__(self, host: IHost, **kwargs) -> None:
-        super().__init__(host, **kwargs)
-        self.behind_nat: set[ID] = set()
-
-    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[multiaddr.Multiaddr]:
-        # A peer names the addresses a hole punch dials, 3 rounds in parallel: a few
-        # TCP ones are all a punch needs, never a list that aims the node at others.
-        tcp = [a for a in super()._decode_observed_addrs(addr_bytes[:MAX_PUNCH_ADDRS * 4])
-               if "/tcp/" in str(a) and not is_circuit(str(a))]
-        return tcp[:MAX_PUNCH_ADDRS]
-
-    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
-        if peer_id in self.behind_nat:
-            return False
-        return await super()._try_unilateral_upgrade(peer_id)
-
-    async def _close_relayed_conns_after_grace(self, peer_id: ID, grace: float = RELAY_CLOSE_GRACE_S) -> None:
-        while True:
-            await trio.sleep(RELAY_CLOSE_GRACE_S)
-            if not await self._verify_direct_connection(peer_id):
-                return  # the direct connection went: keep the relayed one
-            relayed = [conn for conn in self.host.get_network().connections.get(peer_id, [])
-                       if all(is_circuit(str(a)) for a in conn.get_transport_addresses())]
-            busy = 0
-            for conn in relayed:
-                if any(_carries_work(stream) for stream in conn.get_streams()):
-                    busy += 1
-                else:
-                    with contextlib.suppress(Exception):
-                        await conn.close()
-            if not busy:
-                return
-
-
-def _carries_work(stream) -> bool:
-    """A stream of CompuShare's own protocols (a session, a download): libp2p's own
-    (identify, DHT, DCUtR...) are short or reopen on the direct connection."""
-    try:
-        return str(stream.get_protocol() or "").startswith("/compushare/")
-    except Exception:  # not negotiated yet: count it as work
-        return True
-
-
 def has_direct(host: IHost, peer_id: ID) -> bool:
     return any(not any(is_circuit(str(a)) for a in conn.get_transport_addresses())
                for conn in host.get_network().connections.get(peer_id, []))
@@ -237,7 +182,8 @@ class Traversal:
                  relay_candidates: Callable[[], Sequence[RelayCandidate]] = lambda: (),
                  own_addrs: Callable[[], list[str]] = lambda: [], max_addrs: int = 8,
                  on_change: Callable[[], None] = lambda: None, want_relays: int = WANT_RELAYS,
-                 confirmations: int = 3, dht=None, punch: bool = True) -> None:
+                 confirmations: int = 3, dht=None, punch: bool = True,
+                 punch_limits: PunchLimits = PunchLimits()) -> None:
         self.host, self.serve, self.relaying = host, serve, relay
         self.relay_candidates, self.own_addrs, self.max_addrs = relay_candidates, own_addrs, max_addrs
         self.on_change, self.want_relays = on_change, want_relays
@@ -249,7 +195,7 @@ class Traversal:
         # Dialling side only: py-libp2p's CLIENT role reserves a slot on every relay it
         # dials through, which a consumer must not take.
         self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
-        self.dcutr = PatientDCUtR(host, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
+        self.dcutr = PatientDCUtR(host, limits=punch_limits, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
         self.autonat = DialBackAutoNAT(host) if serve else None
         # relay -> (reservation expiry in trio time, its lifetime, our circuit addresses through it)
         self.held: dict[str, tuple[float, float, list[str]]] = {}
@@ -274,7 +220,8 @@ class Traversal:
 
     def stats(self) -> dict:
         out = {"reachability": self.status, "relays": sorted(self.held), "relayed_dials": self.relayed_dials,
-               "punched": self.punched, "hole_punching": self.punch, "relay_offered": self.offers_relay()}
+               "punched": self.punched, "hole_punching": self.punch, "relay_offered": self.offers_relay(),
+               "hole_punch": self.dcutr.budget.stats()}
         if isinstance(self.protocol, QuotaRelay):
             out["relay"] = self.protocol.ledger.stats()
         return out
@@ -318,9 +265,6 @@ class Traversal:
                 failure = exc
         else:
             raise ConnectionError(f"no relay reached {peer_id}: {failure}")
-        if len(self.dcutr.behind_nat) >= BEHIND_NAT_MEMORY:
-            self.dcutr.behind_nat.clear()
-        self.dcutr.behind_nat.add(peer_id)
         if self._nursery is None or not self.punch:
             return
         # Both ends drive the punch (py-libp2p's DCUtR also tries every relayed peer
