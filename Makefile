@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(PY) bench/gossip.py
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
 	$(PY) bench/failover.py
+	$(PY) bench/soak.py --minutes 5
 	$(PY) bench/hostile.py
 	$(PY) bench/he.py
 	$(PY) bench/batch_invariance.py
