@@ -130,3 +130,26 @@ def test_the_official_openai_client_uses_stop_logprobs_usage_and_completions(nod
     with pytest.raises(BadRequestError) as unknown_field:
         client.chat.completions.create(model="tiny", messages=messages, extra_body={"bogus": 1})
     assert unknown_field.value.body["param"] == "bogus"
+
+
+def test_run_stops_before_a_stop_sequence(node, worded_model, tmp_path):
+    """`compushare run --stop`: the streamed answer ends just before the sequence."""
+    import os
+    import subprocess
+    import sys
+
+    from compushare.model.catalog import import_path
+
+    state, _ = node
+    client = tmp_path / "client"
+    import_path(worded_model, client, alias="tiny")
+    expected, _ = _greedy_text(worded_model, [9, 10, 11])
+    words = expected.split()
+    assert len(words) >= 3
+    out = subprocess.run([sys.executable, "-m", "compushare", "run", "--model", "tiny", "--data-dir", str(client),
+                          "--bootstrap", state["addrs"][0], "--max-tokens", str(NEW), "--no-chat-template",
+                          "--stop", " " + words[2], "--stop", "never-there", "w9 w10 w11"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == " ".join(words[:2])

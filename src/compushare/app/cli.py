@@ -196,6 +196,7 @@ def run(
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable; default 127.0.0.1). Behind a NAT, "
                                                 "listen on the LAN address so that hole punching can reach you."),
     adapter: Path = ADAPTER,
+    stop: list[str] = typer.Option(None, help="End the answer before this text (repeatable; never printed)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -212,7 +213,7 @@ def run(
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
                              direct=direct, speculate=speculate, standby=standby, adapter=adapter,
-                             params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                             stop=tuple(stop or ()), params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         on_route = functools.partial(_show_route, private=private, verbose=verbose)
