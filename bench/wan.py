@@ -42,7 +42,11 @@ loading excluded): a trial generates --tokens + 1 tokens, and tok/s = --tokens /
 --trials rounds, after one short untimed warm-up of every mode; figures are the
 medians of the trials. accepted_per_pass = accepted drafts / passes, summed over the
 spec trials. `identical`: every single-chain trial's tokens equal local's on its
-prompt, and each of the 8 concurrent chains' too.
+prompt, and each of the 8 concurrent chains' too. `late_waits` /
+`concurrent8_late_waits`: requests (steps, links, receipts) that missed their
+deadline and were waited for, their server slow but answering pings (RemoteHop.
+late_waits, summed over the timed trials of the single-chain modes / the 8-chain
+trials); before deadlines followed load, any one of them failed the run.
 
 Per-token components: t_ms = one-way transit = rtt / 2; f_ms = one server's compute
 for one decode token: the compute_ms its replies report (RemoteHop.usage), read per
@@ -273,9 +277,11 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
                                SamplingParams(max_new_tokens=steps + 1, stop_at_eos=False), on_token=on_token,
                                speculate=bool(speculate), stats=stats, drafter=drafter)
                 direct_steps = chain.core.direct_steps
+                late = sum(hop.late_waits for hop in chain.hops)  # steps waited for past their deadline
             return {"tokens": produced, "first": times[0], "last": times[-1],
                     "tok_s": steps / (times[-1] - times[0]), "passes": stats.passes, "drafted": stats.drafted,
-                    "accepted": stats.accepted, "direct_steps": direct_steps, "compute_ms": compute}
+                    "accepted": stats.accepted, "direct_steps": direct_steps, "compute_ms": compute,
+                    "late_waits": late}
 
         async def concurrent_trial(host, route, chains: int, steps: int) -> dict:
             barrier = Barrier(chains)
@@ -294,7 +300,8 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
                     "cpu_s": cpu, "wall_s": end - barrier.released,
                     "per_chain_tok_s": [steps / (run["last"] - barrier.released) for run in runs],
                     "tokens": [run["tokens"] for run in runs],
-                    "direct_steps": [run["direct_steps"] for run in runs]}
+                    "direct_steps": [run["direct_steps"] for run in runs],
+                    "late_waits": sum(run["late_waits"] for run in runs)}
 
         async def main() -> dict:
             listen = f"/ip4/{netlab.Topology(PFX, hosts=HOSTS).addr(HOSTS)}/tcp/0"
@@ -430,6 +437,9 @@ def summarise(runs: dict, delay_ms: int, tokens: int) -> dict:
             CONCURRENT * tokens * (os.cpu_count() or 1) / t["cpu_s"] for t in runs["concurrent8"]),
         "concurrent8_cores_busy": statistics.median(t["cpu_s"] / t["wall_s"] for t in runs["concurrent8"]),
         "identical": same,
+        # Steps (links, receipts) waited for past their deadline (their server slow, not gone).
+        "late_waits": sum(t.get("late_waits", 0) for mode in (*CHAIN_MODES, "single") for t in runs[mode]),
+        "concurrent8_late_waits": sum(t.get("late_waits", 0) for t in runs["concurrent8"]),
         "rtt_ms": rtt,
         "t_ms": rtt / 2 if rtt is not None else None,
         "f_ms": statistics.median(ms for hop in per_hop for ms in hop) if any(per_hop) else None,

@@ -244,12 +244,12 @@ class RemoteHop:
     async def link(self, upstream: str | None, downstream: RemoteHop | None) -> bool:
         """Tell the server its neighbours, so it pushes its output straight to the next
         hop (pipeline/server/push.py); whether it took the link. A refusal only costs
-        the time pushes save."""
+        the time pushes save; a late answer is waited for as a step's is."""
         target = None if downstream is None else Downstream(
             downstream.peer_id, tuple(downstream.hop.record.addrs), downstream.session_id)
         message = LinkRequest(self.session_id, upstream, target)
         try:
-            await self.request(message, self.deadline(1))
+            await self.request(message, self.deadline(1), patient=True)
         except RemoteError as exc:  # refused (busy, bad request...): the chain works without pushes
             log.debug("%s will not push: %s", self.peer_id, exc)
             if isinstance(exc, HopFailed) and exc.code in (TIMEOUT, CONNECTION_LOST, CLOSED):
@@ -260,8 +260,9 @@ class RemoteHop:
     async def send_receipt(self, host: IHost, model_id: str) -> None:
         """Sign what this session has run since the last receipt and have the server
         countersign it (its karma). A refusal costs the server only its own credit;
-        a hop that does not answer in time is aborted (its stream could deliver the
-        late reply in place of the next step's): the next step fails over."""
+        a hop that does not answer in time (nor is waited for, as a step would be) is
+        aborted (its stream could deliver the late reply in place of the next step's):
+        the next step fails over."""
         usage = self.usage
         if not usage.tokens:
             return
@@ -271,7 +272,7 @@ class RemoteHop:
         wire = sign_receipt(receipt, host.get_private_key())
         self.usage = Usage(seq=usage.seq)  # those steps are settled, accepted or not
         try:
-            reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S)
+            reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S, patient=True)
             parse_receipt(reply.receipt)  # countersigned by the server it names
         except RemoteError as exc:  # HopFailed, or a (misplaced) busy
             if exc.code == BAD_REPLY:  # answered, but not with a receipt
