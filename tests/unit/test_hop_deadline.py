@@ -7,6 +7,8 @@ import math
 import pytest
 import trio
 
+from compushare.pipeline.client.chain import InferenceChain
+from compushare.pipeline.client.chain_events import HopSession
 from compushare.pipeline.client.deadlines import (
     CHECK_MAX_S, CHECK_MIN_S, DEADLINE_LATENCIES, MIN_DEADLINE_S, RECENT_STEPS, Lateness, Pace, wait_more,
 )
@@ -134,3 +136,30 @@ async def test_a_late_hop_is_pinged_only_when_nothing_could_replace_it(autojump_
     assert await hop._late(2.0, 2.0) == 0 and pings == []  # fail over at once: no ping
     hop.patience = Patience("host", 60.0, lambda: False)
     assert await hop._late(2.0, 2.0) == 2.0 and pings == ["host"] and hop.late_waits == 1
+
+
+def test_a_chain_waits_for_a_late_hop_only_when_nothing_could_take_its_blocks():
+    hop = remote(rtt_s=0.01, compute_s=0.01).hop
+    session, check = HopSession(hop), HopSession(hop)
+
+    class Planner:
+        penalties = None
+        route = False
+
+        def replaceable(self, start, end, peer_id):
+            assert (start, end, peer_id) == (0, 4, hop.peer_id)
+            return self.route
+
+    alone = InferenceChain(None, "m", max_tokens=8, hidden_size=8)  # no planner (bench/wan.py's chains)
+    alone.core.hops = [session]
+    assert not alone._replaceable(session)
+    assert alone._replaceable(check)  # a spot check's session: dropped, never waited for
+    planner = Planner()
+    swarm = InferenceChain(None, "m", max_tokens=8, hidden_size=8, planner=planner)
+    swarm.core.hops = [session]
+    assert not swarm._replaceable(session)
+    planner.route = True
+    assert swarm._replaceable(session)
+    planner.route = False
+    swarm.core.standbys[session.span] = object()  # a standby would take over
+    assert swarm._replaceable(session)
