@@ -1,7 +1,7 @@
 """The inference pipeline on a WAN: relay, pushes, direct return, speculation, and
 many chains at once, against a single-process reference, at two distances.
 
-    sudo .venv/bin/python bench/wan.py [--delays 20,50] [--trials 2] [--tokens 48]
+    sudo .venv/bin/python bench/wan.py [--delays 20,50] [--trials 2] [--tokens 48] [--load-core [CPU]]
 
 Three node processes (blocks 0:10, 10:20, 20:30 of SmolLM2-135M, fp32, 1 torch
 thread) each in its own network namespace of the project's harness (tools/netlab),
@@ -42,7 +42,11 @@ loading excluded): a trial generates --tokens + 1 tokens, and tok/s = --tokens /
 --trials rounds, after one short untimed warm-up of every mode; figures are the
 medians of the trials. accepted_per_pass = accepted drafts / passes, summed over the
 spec trials. `identical`: every single-chain trial's tokens equal local's on its
-prompt, and each of the 8 concurrent chains' too.
+prompt, and each of the 8 concurrent chains' too. `late_waits` /
+`concurrent8_late_waits`: requests (steps, links, receipts) that missed their
+deadline and were waited for, their server slow but answering pings (RemoteHop.
+late_waits, summed over the timed trials of the single-chain modes / the 8-chain
+trials); before deadlines followed load, any one of them failed the run.
 
 Per-token components: t_ms = one-way transit = rtt / 2; f_ms = one server's compute
 for one decode token: the compute_ms its replies report (RemoteHop.usage), read per
@@ -51,6 +55,15 @@ hop after every decode step of the relay trials, median over steps and servers
 in the consumer on its own: embed the token, the LM head (ConsumerHead.logits) and
 greedy choice (Sampler.choose), median of 200. A relayed token costs about
 6t + 3f + c, a direct one 4t + 3f + c (the lines printed compare).
+
+--load-core runs the whole bench on a loaded machine: one more process (this
+Python, `python -c` a busy loop, no I/O) keeps one core busy from before the first
+lab is built until the end, pinned to CPU number CPU (sched_setaffinity) or, with
+no number, left to the scheduler. The servers' steps then take longer and vary (the
+step deadlines follow that: pipeline/client/deadlines.py); the run must still
+complete every mode with the reference's tokens. The loop is killed by pid on every
+exit path, and ends by itself if this script dies (it watches its parent); the
+JSON line records `load_core`.
 
 Needs root; the namespaces are removed, the nodes stopped by pid and the temp dirs
 removed on every exit path (--keep keeps the temp dir, node logs included). Human-
@@ -264,9 +277,11 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
                                SamplingParams(max_new_tokens=steps + 1, stop_at_eos=False), on_token=on_token,
                                speculate=bool(speculate), stats=stats, drafter=drafter)
                 direct_steps = chain.core.direct_steps
+                late = sum(hop.late_waits for hop in chain.hops)  # steps waited for past their deadline
             return {"tokens": produced, "first": times[0], "last": times[-1],
                     "tok_s": steps / (times[-1] - times[0]), "passes": stats.passes, "drafted": stats.drafted,
-                    "accepted": stats.accepted, "direct_steps": direct_steps, "compute_ms": compute}
+                    "accepted": stats.accepted, "direct_steps": direct_steps, "compute_ms": compute,
+                    "late_waits": late}
 
         async def concurrent_trial(host, route, chains: int, steps: int) -> dict:
             barrier = Barrier(chains)
@@ -285,7 +300,8 @@ def client_main(bootstrap: str, trials: int, tokens: int, server_pids: list[int]
                     "cpu_s": cpu, "wall_s": end - barrier.released,
                     "per_chain_tok_s": [steps / (run["last"] - barrier.released) for run in runs],
                     "tokens": [run["tokens"] for run in runs],
-                    "direct_steps": [run["direct_steps"] for run in runs]}
+                    "direct_steps": [run["direct_steps"] for run in runs],
+                    "late_waits": sum(run["late_waits"] for run in runs)}
 
         async def main() -> dict:
             listen = f"/ip4/{netlab.Topology(PFX, hosts=HOSTS).addr(HOSTS)}/tcp/0"
@@ -421,6 +437,9 @@ def summarise(runs: dict, delay_ms: int, tokens: int) -> dict:
             CONCURRENT * tokens * (os.cpu_count() or 1) / t["cpu_s"] for t in runs["concurrent8"]),
         "concurrent8_cores_busy": statistics.median(t["cpu_s"] / t["wall_s"] for t in runs["concurrent8"]),
         "identical": same,
+        # Steps (links, receipts) waited for past their deadline (their server slow, not gone).
+        "late_waits": sum(t.get("late_waits", 0) for mode in (*CHAIN_MODES, "single") for t in runs[mode]),
+        "concurrent8_late_waits": sum(t.get("late_waits", 0) for t in runs["concurrent8"]),
         "rtt_ms": rtt,
         "t_ms": rtt / 2 if rtt is not None else None,
         "f_ms": statistics.median(ms for hop in per_hop for ms in hop) if any(per_hop) else None,
@@ -474,12 +493,39 @@ def report(s: dict, runs: dict, delay_ms: int, tokens: int) -> None:
           f"identical to local: {s['identical']}", flush=True)
 
 
+BUSY_LOOP = """
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # a busy core, until the bench ends (or dies)
+    for _ in range(1_000_000):
+        pass
+"""
+
+
+def start_load(core: str) -> subprocess.Popen:
+    """The busy-loop process of --load-core: pinned to CPU `core`, or unpinned ("any")."""
+    pin = None if core == "any" else int(core)
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL,
+                            preexec_fn=None if pin is None else (lambda: os.sched_setaffinity(0, {pin})))
+    where = "any core (the scheduler's choice)" if pin is None else f"CPU {pin}"
+    print(f"loading the machine: a busy loop (pid {proc.pid}) on {where}", flush=True)
+    return proc
+
+
+def stop_load(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--delays", default="20,50", help="ms added on each host's ingress (RTT = 2x), one lab each")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48, help="timed decode tokens per trial")
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs (node logs)")
+    parser.add_argument("--load-core", nargs="?", const="any", default=None, metavar="CPU",
+                        help="keep one core busy all along (a busy-loop process), pinned to CPU if given")
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "wan.jsonl"),
                         help="JSON-lines file the summary is appended to ('' for none)")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: the consumer, in its namespace
@@ -496,15 +542,20 @@ def main() -> int:
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     began = time.perf_counter()
     runs = {}
-    for delay in delays:
-        runs[delay] = run_delay(args, delay)
-        print(f"{delay} ms: the consumer's trials took {runs[delay]['client_s']:.0f} s", flush=True)
+    load = None
+    try:
+        load = start_load(args.load_core) if args.load_core is not None else None
+        for delay in delays:
+            runs[delay] = run_delay(args, delay)
+            print(f"{delay} ms: the consumer's trials took {runs[delay]['client_s']:.0f} s", flush=True)
+    finally:
+        stop_load(load)
     result: dict = {}
     for index, delay in enumerate(delays):
         summary = summarise(runs[delay], delay, args.tokens)
         report(summary, runs[delay], delay, args.tokens)
         result.update({(k if index == 0 else f"wan{delay}_{k}"): v for k, v in summary.items()})
-    result.update({"delays_ms": delays, "tokens": args.tokens, "trials": args.trials,
+    result.update({"delays_ms": delays, "tokens": args.tokens, "trials": args.trials, "load_core": args.load_core,
                    "wall_s": round(time.perf_counter() - began)})
     print(f"total {result['wall_s']} s", flush=True)
     return finish(result, args.results)

@@ -102,6 +102,62 @@ async def test_provider_lost_mid_generation_gives_identical_tokens(replicated, c
     assert outcome.standby_takeovers == (1 if standby else 0)
 
 
+@pytest.mark.serial  # a step's lateness against its deadline
+async def test_a_slow_server_with_no_replica_is_waited_for_not_failed(processes, tiny_model, client_dir):
+    """B, the only server of 2:4, answers two steps 3 s late, past their ~1 s deadline
+    (which used to fail it over: excluded, found again, the history replayed on it; a
+    chain without a planner failed outright). It answers pings and nothing could
+    replace it, so the steps are waited for: the reference's tokens, no failover."""
+    _, first = processes.node("a", tiny_model, "0:2")
+    processes.node("b", tiny_model, "2:4", bootstrap=first["addrs"][:1], extra=["--debug-slow-steps", "10:2:3"])
+    expected = reference_greedy(tiny_model, PROMPT, NEW_TOKENS)
+    async with Consumer.connect(client_dir, tuple(first["addrs"][:1]), "tiny", text_prompts=False) as consumer:
+        began = time.monotonic()
+        with trio.fail_after(90):
+            outcome = await consumer.generate(_request())
+    assert outcome.tokens == expected
+    assert outcome.failovers == []
+    assert time.monotonic() - began >= 6.0  # the two late steps were waited for
+
+
+@pytest.mark.serial  # bounds the seconds until a hang is noticed
+async def test_a_hung_server_with_no_replica_is_still_noticed_at_once(processes, tiny_model, client_dir):
+    """B, the only server of 2:4, is stopped (SIGSTOP) mid-generation: it answers no
+    ping, so its late step is not waited for: the failover is noticed within the step
+    deadline and one ping's timeout. B resumes 4 s later, is found again, the history
+    is replayed on it, and the tokens are the reference's."""
+    _, first = processes.node("a", tiny_model, "0:2")
+    _, hung = processes.node("b", tiny_model, "2:4", bootstrap=first["addrs"][:1])
+    expected = reference_greedy(tiny_model, PROMPT, NEW_TOKENS)
+    stopped: list[float] = []
+    tokens: list[int] = []
+
+    def on_token(token: int) -> None:
+        tokens.append(token)
+        if len(tokens) == 10:
+            os.kill(hung["pid"], signal.SIGSTOP)
+            stopped.append(time.time())
+
+    async def resume() -> None:
+        while not stopped:
+            await trio.sleep(0.05)
+        await trio.sleep(4.0)
+        os.kill(hung["pid"], signal.SIGCONT)
+
+    try:
+        async with Consumer.connect(client_dir, tuple(first["addrs"][:1]), "tiny", text_prompts=False) as consumer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(resume)
+                with trio.fail_after(90):
+                    outcome = await consumer.generate(_request(), on_token=on_token)
+    finally:
+        os.kill(hung["pid"], signal.SIGCONT)
+    assert outcome.tokens == expected
+    event = outcome.failovers[0]
+    assert (event.peer_id, event.reason) == (hung["peer_id"], "timeout")
+    assert event.noticed - stopped[0] < 3.5  # the deadline (~1 s) and a ping's timeout (1 s)
+
+
 async def test_noisy_server_is_caught_by_spot_checks_and_excluded(processes, tiny_model, client_dir):
     """B adds noise to every output; C is honest but slower, so routes prefer B."""
     _, boot, noisy, honest = liar_and_honest(processes, tiny_model)

@@ -45,6 +45,8 @@ ADAPTER = typer.Option(None, help="A LoRA adapter (PEFT directory or .safetensor
                                    "every server applies it to your sessions.")
 DEBUG_CLAIM_FORMAT = typer.Option(None, hidden=True, help="Fault injection: claim this weight format (records, ads, "
                                                           "sessions) instead of the model's (for tests).")
+DEBUG_SLOW_STEPS = typer.Option(None, hidden=True, help="Fault injection: FIRST:COUNT:SECONDS, steps FIRST.. of this "
+                                                        "server each wait SECONDS, the node responsive (for tests).")
 
 
 @app.command()
@@ -81,6 +83,7 @@ def node(
     debug_noise: float = DEBUG_NOISE,
     debug_forge_push: bool = DEBUG_FORGE_PUSH,
     debug_claim_format: str = DEBUG_CLAIM_FORMAT,
+    debug_slow_steps: str = DEBUG_SLOW_STEPS,
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background: pid in node.pid, "
                                                              "log in node.log (data dir); `compushare stop` ends it."),
     log_level: str = typer.Option("info"),
@@ -93,8 +96,7 @@ def node(
 
     home = resolve_data_dir(data_dir)
     if detach:
-        run_or_exit(lambda: _detach(home))
-        return
+        return run_or_exit(lambda: _detach(home))
     setup_logging(log_level)
     bound_retention()  # a server's buffers come and go with its peers: give them back when freed
     limits = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
@@ -105,7 +107,7 @@ def node(
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))
     faults = FaultInjection.from_flags(slowdown=debug_slowdown, noise=debug_noise, forge_push=debug_forge_push,
-                                       claim_format=debug_claim_format)
+                                       claim_format=debug_claim_format, slow_steps=debug_slow_steps)
     run_or_exit(lambda: trio.run(_serve, Node(config, faults, Progress())))  # (progress: conversion, fetching)
 
 

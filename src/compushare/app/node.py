@@ -234,7 +234,8 @@ class Node:
     def _inference_server(self, runner) -> InferenceServer:
         provider = self.provider
         return InferenceServer(runner, provider.model.model_id, self.config.limits, key_pair=self.key_pair,
-                               block_rate=provider.block_rate, noise=self.faults.noise, karma=self.karma.receipts)
+                               block_rate=provider.block_rate, noise=self.faults.noise, karma=self.karma.receipts,
+                               slow_steps=self.faults.slow_steps_plan())
 
     def _provider_changed(self) -> None:
         self.gossip.publish_soon()

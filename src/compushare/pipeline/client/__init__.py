@@ -10,6 +10,7 @@
   chain_events.py   the actions the core emits, the events it is fed, its phases (pure data)
   chain_plan.py     History, replay and catch-up plans, judge, failure reports (pure)
   hop.py            RemoteHop, open_hop: one session's stream, deadlines, retries, receipts
+  deadlines.py      a step's deadline from the hop's pace; whether a late step is waited for (pure)
   adapters.py       a LoRA adapter as the hops need it: each span's slice on the wire, its digest
   routing.py        plan_route: the fastest chain of servers through the blocks (pure)
   planner.py        SwarmPlanner: candidate servers kept fresh (DHT, ads, pings), planned into routes

@@ -38,7 +38,7 @@ from .chain_events import (
     OpenSession, Penalise, RouteFound, SendReceipt, SendSteps, SessionOpened, VerifierFound,
 )
 from .chain_plan import Failover, History, build_report, judge
-from .hop import RECEIPT_TIMEOUT_S, RemoteHop, StepResult, open_hop
+from .hop import RECEIPT_TIMEOUT_S, Patience, RemoteHop, StepResult, open_hop
 from .routing import Hop
 from .spotcheck import Penalties
 
@@ -62,6 +62,9 @@ class Planner(Protocol):
 
     def verifier(self, start: int, end: int, exclude: set[str]) -> Hop | None:
         """A server holding all of start..end-1, for spot checks; None if there is none."""
+
+    def replaceable(self, start: int, end: int, peer_id: str) -> bool:
+        """Whether a route through blocks start..end-1 without `peer_id` is known now."""
 
 
 class InferenceChain:
@@ -196,11 +199,12 @@ class InferenceChain:
         if isinstance(request, OpenSession):
             hop = request.session.hop
             try:
-                self._remotes[request.session] = await open_hop(
+                remote = self._remotes[request.session] = await open_hop(
                     self.host, hop, self.model_id, self.max_tokens, self.hidden_size, fmt=self.fmt,
                     adapter=self.adapter and self.adapter.wire(hop.start, hop.end))
             except HopFailed as exc:
                 return Failed(exc)
+            remote.patience = Patience(self.host, FAILOVER_TIMEOUT_S, lambda: self._replaceable(request.session))
             return SessionOpened()
         if isinstance(request, FindRoute):
             if request.fresh:
@@ -245,6 +249,18 @@ class InferenceChain:
             self._answered[request.session].set()
         return Answered(tuple(replies), tuple(parts))
 
+
+    def _replaceable(self, session: HopSession) -> bool:
+        """Whether a late step of `session` is given up rather than waited for (while
+        its server answers pings, hop.Patience): a spot check's or a standby's session
+        (dropped without harm), or a hop whose blocks a standby or another server could
+        take now. A chain without a planner replaces nothing."""
+        if session not in self.core.hops:
+            return True
+        if self.planner is None:
+            return False
+        hop = session.hop
+        return session.span in self.core.standbys or self.planner.replaceable(hop.start, hop.end, hop.peer_id)
 
     def _upstream_of(self, session: HopSession) -> HopSession | None:
         index = self.core.hops.index(session)

@@ -1,10 +1,11 @@
 """One session on one server of a chain, over /compushare/infer: the consumer's hop I/O.
 
 One stream per hop carries every step of the session. Every request has a deadline
-that follows the hop's observed latency, so a hung server is noticed in about a
-second, not after a fixed 30 s; a "rate limited" reply is retried within it. Every
-failure is a HopFailed naming the server. Receipts (karma) are signed and
-countersigned here.
+that follows the hop's observed latency (deadlines.Pace), so a hung server is
+noticed in about a second, not after a fixed 30 s; a "rate limited" reply is retried
+within it. A step past its deadline on a hop nothing could replace is waited for
+while its server answers pings (deadlines.wait_more, `Patience`). Every failure is a
+HopFailed naming the server. Receipts (karma) are signed and countersigned here.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
 import trio
 from libp2p.abc import IHost
+from libp2p.host.ping import PingService
 from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
 
 from ...errors import (
     BAD_REPLY, CLOSED, CONNECTION_LOST, TIMEOUT, UNREACHABLE, WRONG_FORMAT, FrameError, HopFailed, HopUnavailable,
@@ -36,17 +40,25 @@ from ..messages import (
     CloseRequest, Downstream, ErrorReply, FromUpstream, LinkRequest, OpenRequest, Proof, ReceiptRequest, Reply,
     Request, Result, StepRequest, WireTensor, decode_reply,
 )
+from .deadlines import PING_TIMEOUT_S, Lateness, Pace, wait_more
 from .routing import Hop
 
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
-MIN_DEADLINE_S = 1.0  # no step is given less (scheduling hiccups on a loaded machine)
-DEADLINE_LATENCIES = 5.0  # a step may take this many times the hop's usual latency per chunk...
-DEADLINE_PER_TOKEN_S = 0.01  # ... plus this much (or one usual step's compute, if more) per token it carries
-LATENCY_EWMA = 0.2
 RECEIPT_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Patience:
+    """How a hop's late steps are waited for: up to `limit_s` after they were sent,
+    while `replaceable()` says no other server could take the hop's blocks and the
+    server answers pings on `host`."""
+
+    host: IHost
+    limit_s: float
+    replaceable: Callable[[], bool]
 
 
 @dataclasses.dataclass
@@ -82,9 +94,12 @@ class RemoteHop:
         self.session_id = session_id
         self.framed = framed
         self.hidden_size = hidden_size
-        self.latency = max(hop.expected_s, 0.005)  # seconds per decode step, observed
-        # Of which the server's compute (as it reports it, within the wall time observed).
-        self.compute = hop.compute_s or self.latency
+        # Seconds per decode step, observed; of which the server's compute (as it
+        # reports it, within the wall time observed).
+        latency = max(hop.expected_s, 0.005)
+        self.pace = Pace(latency, hop.compute_s or latency)
+        self.patience: Patience | None = None  # None: a late step is given up (HopFailed timeout)
+        self.late_waits = 0  # steps waited for past their deadline
         self.usage = Usage()  # what the next receipt covers
         # The compute mode its step proofs must sign: the model's weight format. A proof
         # in another mode could never meet an honest witness's in a failure report.
@@ -97,30 +112,32 @@ class RemoteHop:
     def _where(self) -> str:
         return f"{self.peer_id} (blocks {self.hop.start}:{self.hop.end})"
 
-    def deadline(self, tokens: int, chunks: int = 1) -> float:
-        # A prompt's tokens cost compute, not only bytes: through 11 blocks of an 8B-shaped
-        # model on one thread each prompt token costs about what a decode step does
-        # (~0.15 s), so a flat 10 ms per token timed out a healthy 31-token prefill. The
-        # step's compute, not its latency: a slow link's round trip is paid once a step.
-        per_token = max(DEADLINE_PER_TOKEN_S, self.compute)
-        return MIN_DEADLINE_S + DEADLINE_LATENCIES * self.latency * chunks + per_token * tokens
+    @property
+    def latency(self) -> float:
+        return self.pace.latency
 
-    async def request(self, message: Request, timeout: float,
-                      tighten: tuple[trio.Event, float] | None = None) -> Reply:
+    @property
+    def compute(self) -> float:
+        return self.pace.compute
+
+    def deadline(self, tokens: int, chunks: int = 1) -> float:
+        return self.pace.deadline(tokens, chunks)
+
+    async def request(self, message: Request, timeout: float, tighten: tuple[trio.Event, float] | None = None,
+                      *, patient: bool = False, clock: _Deadline | None = None) -> Reply:
         """Send, await the reply (checked by messages.decode_reply against `message`);
         a "rate limited" reply is retried within the deadline. Every failure is a
         HopFailed naming this server ("bad_reply": a reply that is not an answer to
         `message`), or ServerBusy. With `tighten` (event, seconds), the deadline
         becomes at most `seconds` after the event (a hop waiting for its upstream's
-        push, once the upstream has answered)."""
+        push, once the upstream has answered). `patient`: past its deadline, the
+        request is waited for as self.patience allows."""
+        clock = clock or _Deadline(trio.current_time(), timeout)
         try:
-            with trio.fail_after(timeout) as scope:
-                if tighten is None:
-                    reply = await self._exchange(message)
-                else:
-                    reply = await _tightened(scope, tighten, self._exchange(message))
+            reply = await clock.run(self._exchange(message), tighten,
+                                    self._late if patient and self.patience is not None else None)
         except trio.TooSlowError:
-            raise HopFailed(self.peer_id, TIMEOUT, f"{self._where()} did not answer within {timeout:.1f}s") \
+            raise HopFailed(self.peer_id, TIMEOUT, f"{self._where()} did not answer within {clock.given:.1f}s") \
                 from None
         except (StreamError, FrameError) as exc:
             raise HopFailed(self.peer_id, CONNECTION_LOST,
@@ -132,6 +149,30 @@ class RemoteHop:
                 raise ServerBusy(reply.code, f"{self._where()}: {reply.message}")
             raise HopFailed(self.peer_id, reply.code, f"{self._where()}: {reply.message}")
         return reply
+
+    async def _late(self, waited_s: float, timeout_s: float) -> float:
+        """Seconds more to wait for a request past its deadline (0: give it up)."""
+        patience = self.patience
+        replaceable = patience.replaceable()
+        alive = not replaceable and await self.alive(patience.host)
+        more = wait_more(Lateness(waited_s, timeout_s, patience.limit_s, replaceable, alive))
+        if more:
+            self.late_waits += 1
+            log.info("%s is late (%.1fs, deadline %.1fs) but answers pings and nothing could replace it: "
+                     "waiting %.1fs more", self._where(), waited_s, timeout_s, more)
+        return more
+
+    async def alive(self, host: IHost) -> bool:
+        """Whether the server answers a ping within PING_TIMEOUT_S (a new stream on
+        the hop's connection: a stopped or cut-off server does not)."""
+        with trio.move_on_after(PING_TIMEOUT_S):
+            try:
+                async for _rtt in PingService(host).ping_iter(ID.from_base58(self.peer_id), ping_amt=1):
+                    return True
+            except Exception as exc:  # any failure to ping is a failed ping
+                log.debug("%s did not answer a ping: %s", self._where(), exc)
+                return False
+        return False
 
     async def _exchange(self, message: Request) -> Reply:
         """Send, and read the reply (a "rate limited" one: wait, send again)."""
@@ -165,15 +206,17 @@ class RemoteHop:
         message = StepRequest(self.session_id, position, None, rollback=rollback,
                               from_upstream=FromUpstream(tokens, wait_ms))
         own = self.deadline(tokens)
-        # Its wall time counts the upstream hops too: not this hop's latency.
+        # Its wall time counts the upstream hops too: not this hop's latency (what it
+        # takes from the upstream's answer on is learnt instead, in _step).
         return await self._step(message, wait_ms / 1000 + own, learn=False,
                                 tighten=None if upstream is None else (upstream, own))
 
     async def _step(self, message: StepRequest, timeout: float, *, learn: bool,
                     tighten: tuple[trio.Event, float] | None = None) -> StepResult:
         began = time.perf_counter()
+        clock = _Deadline(trio.current_time(), timeout)
         try:
-            reply: Result = await self.request(message, timeout, tighten)
+            reply: Result = await self.request(message, timeout, tighten, patient=True, clock=clock)
         except ServerBusy as exc:  # busy mid-session: as good as gone for this session
             raise HopFailed(self.peer_id, exc.code, exc.message) from None
         try:  # type, position and token count were checked by decode_reply; the values here
@@ -185,11 +228,13 @@ class RemoteHop:
             raise HopFailed(self.peer_id, BAD_REPLY, f"{self._where()}: its step proof names compute mode "
                             f"{reply.proof.mode[:16]!r}, not the model's {self.mode!r}")
         wall = time.perf_counter() - began
-        if learn:
-            self.latency = (1 - LATENCY_EWMA) * self.latency + LATENCY_EWMA * wall
+        own = wall if learn else None
+        if clock.tightened_at is not None and message.tokens == 1:  # a direct decode step: from its upstream on
+            own = trio.current_time() - clock.tightened_at
+        if own is not None:
             # An older server reports no compute time: its whole wall time counts.
-            compute = min(reply.compute_ms / 1000, wall) if reply.compute_ms > 0 else wall
-            self.compute = (1 - LATENCY_EWMA) * self.compute + LATENCY_EWMA * compute
+            compute = min(reply.compute_ms / 1000, wall) if reply.compute_ms > 0 else own
+            self.pace.observe(max(own, compute), compute)
         self.usage.add(message.tokens, reply.compute_ms, wall * 1000)
         sent = b""
         if message.hidden is not None:
@@ -199,12 +244,12 @@ class RemoteHop:
     async def link(self, upstream: str | None, downstream: RemoteHop | None) -> bool:
         """Tell the server its neighbours, so it pushes its output straight to the next
         hop (pipeline/server/push.py); whether it took the link. A refusal only costs
-        the time pushes save."""
+        the time pushes save; a late answer is waited for as a step's is."""
         target = None if downstream is None else Downstream(
             downstream.peer_id, tuple(downstream.hop.record.addrs), downstream.session_id)
         message = LinkRequest(self.session_id, upstream, target)
         try:
-            await self.request(message, self.deadline(1))
+            await self.request(message, self.deadline(1), patient=True)
         except RemoteError as exc:  # refused (busy, bad request...): the chain works without pushes
             log.debug("%s will not push: %s", self.peer_id, exc)
             if isinstance(exc, HopFailed) and exc.code in (TIMEOUT, CONNECTION_LOST, CLOSED):
@@ -215,8 +260,9 @@ class RemoteHop:
     async def send_receipt(self, host: IHost, model_id: str) -> None:
         """Sign what this session has run since the last receipt and have the server
         countersign it (its karma). A refusal costs the server only its own credit;
-        a hop that does not answer in time is aborted (its stream could deliver the
-        late reply in place of the next step's): the next step fails over."""
+        a hop that does not answer in time (nor is waited for, as a step would be) is
+        aborted (its stream could deliver the late reply in place of the next step's):
+        the next step fails over."""
         usage = self.usage
         if not usage.tokens:
             return
@@ -226,7 +272,7 @@ class RemoteHop:
         wire = sign_receipt(receipt, host.get_private_key())
         self.usage = Usage(seq=usage.seq)  # those steps are settled, accepted or not
         try:
-            reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S)
+            reply = await self.request(ReceiptRequest(self.session_id, wire), RECEIPT_TIMEOUT_S, patient=True)
             parse_receipt(reply.receipt)  # countersigned by the server it names
         except RemoteError as exc:  # HopFailed, or a (misplaced) busy
             if exc.code == BAD_REPLY:  # answered, but not with a receipt
@@ -253,26 +299,62 @@ class RemoteHop:
             await self.framed.reset()
 
 
-async def _tightened(scope: trio.CancelScope, tighten: tuple[trio.Event, float], exchange) -> Reply:
-    """Await `exchange` while moving `scope`'s deadline to `seconds` after `event`.
-    Its errors come out as themselves, not in an exception group."""
-    event, seconds = tighten
+class _Deadline:
+    """One request's deadline: `timeout` after `began` (trio time); earlier, `seconds`
+    after a tighten event, once that is set; later, as long as `late` (seconds since
+    `began`, the deadline given) answers more seconds to wait."""
 
-    async def watch() -> None:
+    def __init__(self, began: float, timeout: float) -> None:
+        self.began = began
+        self.given = timeout  # in the end, how long the request was given in all
+        self.tightened_at: float | None = None  # when the tighten event was set
+        self._expiry = trio.CancelScope(deadline=began + timeout)
+        self._late = False
+
+    async def run(self, exchange, tighten: tuple[trio.Event, float] | None,
+                  late: Callable[[float, float], Awaitable[float]] | None) -> Reply:
+        """Await `exchange` within the deadline (else trio.TooSlowError). Its errors
+        come out as themselves, not in an exception group."""
+        outcome: dict = {}
+        async with trio.open_nursery() as nursery:
+            async def perform() -> None:
+                try:
+                    outcome["reply"] = await exchange
+                except Exception as exc:  # raised below, outside the nursery
+                    outcome["error"] = exc
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(perform)
+            if tighten is not None:
+                nursery.start_soon(self._tighten, *tighten)
+            await self._expire(late)
+            nursery.cancel_scope.cancel()
+        if "error" in outcome:
+            raise outcome["error"]
+        if "reply" in outcome:
+            return outcome["reply"]
+        raise trio.TooSlowError
+
+    async def _tighten(self, event: trio.Event, seconds: float) -> None:
         await event.wait()
-        scope.deadline = min(scope.deadline, trio.current_time() + seconds)
+        self.tightened_at = trio.current_time()
+        if not self._late:
+            self._expiry.deadline = min(self._expiry.deadline, self.tightened_at + seconds)
 
-    error: Exception | None = None
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch)
-        try:
-            reply = await exchange
-        except Exception as exc:  # raised below, outside the nursery
-            error = exc
-        nursery.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return reply
+    async def _expire(self, late) -> None:
+        """Returns when the deadline has passed and no more waiting is allowed."""
+        while True:
+            with self._expiry:
+                await trio.sleep_forever()
+            now = trio.current_time()
+            timeout = self._expiry.deadline - self.began if not self._late else self.given
+            more = 0.0 if late is None else await late(now - self.began, timeout)
+            if not more:
+                self.given = trio.current_time() - self.began
+                return
+            self._late = True
+            self.given = timeout
+            self._expiry = trio.CancelScope(deadline=trio.current_time() + more)
 
 
 async def open_hop(host: IHost, hop: Hop, model_id: str, max_tokens: int, hidden_size: int, *,

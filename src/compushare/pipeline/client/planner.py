@@ -180,6 +180,16 @@ class SwarmPlanner:
                 except Exception as exc:  # plan with what is known; the deadline bounds the wait
                     log.info("refreshing the candidate servers failed: %s", exc)
 
+    def replaceable(self, start: int, end: int, peer_id: str) -> bool:
+        """Whether a route through blocks start..end-1 avoiding `peer_id` (and the
+        peers avoided now) is known: a late hop that has none is waited for."""
+        try:
+            plan_route(self.records, self.num_blocks, now=time.time(), measures=self.measures,
+                       needed_tokens=self.needed_tokens, exclude=self._exclude() | {peer_id}, start=start, end=end)
+        except RouteError:
+            return False
+        return True
+
     def verifier(self, start: int, end: int, exclude: set[str]) -> Hop | None:
         now, excluded = time.time(), self._exclude() | exclude
         holders = [r for r in self.records if r.start <= start and end <= r.end and r.is_live(now)

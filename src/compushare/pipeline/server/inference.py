@@ -66,7 +66,8 @@ def close_all(table: SessionTable, opened: set[bytes]) -> None:
 
 class InferenceServer:
     def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
-                 block_rate: float = 0.0, noise: float = 0.0, karma=None) -> None:
+                 block_rate: float = 0.0, noise: float = 0.0, karma=None,
+                 slow_steps: tuple[int, int, float] | None = None) -> None:
         self.runner = runner
         self.model_id = model_id
         self.limits = limits
@@ -80,6 +81,8 @@ class InferenceServer:
         self.paused = False  # its user paused contributing: no new sessions
         self.pushed: PushedSteps | None = None  # set by enable_push: this server pushes and takes pushes
         self.adapters = SessionAdapters()  # sessions' LoRA adapters, and what they may hold (adapters.py)
+        self.slow_steps = slow_steps  # fault injection (app/debug.py): (first, count, seconds)
+        self.steps_run = 0
         # The stream handler: at most max_streams_per_peer infer streams of one peer at once.
         self.rpc_infer = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits,
                                                           ended=functools.partial(close_all, self.sessions)),
@@ -291,7 +294,10 @@ class InferenceServer:
                    chunks: list[int]) -> tuple[torch.Tensor, float]:
         """Compute the session's begun `step`; on failure its cache is rolled back, the
         step failed, and the error propagates."""
+        self.steps_run += 1
         try:
+            if self.slow_steps is not None and 0 <= self.steps_run - 1 - self.slow_steps[0] < self.slow_steps[1]:
+                await trio.sleep(self.slow_steps[2])  # a late step of a node that still answers pings
             return await self.compute.run(runner, session.cache, hidden, step.position, session.start, session.end,
                                           chunks, peer=session.owner, reclaimed=lambda: session.reclaimed,
                                           adapter=None if session.adapter is None else session.adapter.adapter)
