@@ -172,8 +172,8 @@ class Swarm:
             chunks = [[v * (1 + server.liar) for v in c] for c in cache.run(values, step.chunks, step.last_only)]
             output = tensor([v for c in chunks for v in c])
             replies.append(HopReply(output))
-            if not step.last_only:
-                parts.extend(tensor(c) for c in chunks)
+            if not step.last_only:  # one part per chunk, or per original step (splits), as chain.py cuts them
+                parts.extend(torch.split(output, list(step.splits or step.chunks), dim=1))
         return Answered(tuple(replies), tuple(parts))
 
 
@@ -197,6 +197,16 @@ def test_replay_plan_keeps_each_step_a_chunk_from_position_zero():
     plan = replay_plan(steps, [5, 1, 1, 1], limit=6)
     assert plan == (HopStepRequest(0, ("s0", "s1"), (5, 1)), HopStepRequest(6, ("s2", "s3"), (1, 1)))
     assert replay_plan([], []) == ()
+
+
+def test_a_fast_replay_plan_runs_each_request_as_one_chunk_cut_back_per_step():
+    steps = ["s0", "s1", "s2", "s3"]
+    assert replay_plan(steps, [5, 1, 1, 1], limit=6, fast=True) == (
+        HopStepRequest(0, ("s0", "s1"), (6,), splits=(5, 1)), HopStepRequest(6, ("s2", "s3"), (2,), splits=(1, 1)))
+    # a step that kept 2 of the 4 tokens it computed still ends its request; the next rolls back
+    assert replay_plan(["a", "b", "c", "d"], [3, 2, 1, 1], computed=[3, 4, 1, 1], fast=True) == (
+        HopStepRequest(0, ("a", "b"), (7,), splits=(3, 4)),
+        HopStepRequest(5, ("c", "d"), (2,), rollback=True, splits=(1, 1)))
 
 
 def test_catch_up_plan_batches_the_missed_steps_and_ends_with_this_one():
@@ -430,12 +440,13 @@ class ChainRun(RuleBasedStateMachine):
     is not checked, by design: the planner here gives only honest ones)."""
 
     @initialize(seed=st.integers(0, 2**16), mode=st.sampled_from(["faults", "liars"]),
-                rate=st.sampled_from([0.0, 0.5, 1.0]), first=st.integers(1, 500))
-    def open_chain(self, seed, mode, rate, first):
-        self.mode = mode
+                rate=st.sampled_from([0.0, 0.5, 1.0]), first=st.integers(1, 500), fast=st.booleans())
+    def open_chain(self, seed, mode, rate, first, fast):
+        self.mode, self.fast = mode, fast
         self.swarm = Swarm(random.Random(seed), pool())
         self.core = ChainCore(can_fail_over=True, spot_check_rate=1.0 if mode == "liars" else rate,
-                              rng=random.Random(seed + 1), receipt_steps=4, replay_max_tokens=5)
+                              rng=random.Random(seed + 1), receipt_steps=4, replay_max_tokens=5,
+                              fast_replay=fast)
         self.reference = Cache(0, BLOCKS)
         self.deaths = self.corruptions = 0
         self.last = first
@@ -456,7 +467,10 @@ class ChainRun(RuleBasedStateMachine):
         values = [float((self.last + 7 * i) % 100_003) for i in range(tokens)]
         self.drive(self.core.start_step(tensor(values), tokens))
         [expected] = self.reference.run(values, (tokens,), last_only=False)
-        assert torch.equal(self.core.output, tensor(expected)), "the output differs from a failure-free run's"
+        if self.fast:  # within the tolerance: only the rounding (the low bits, how it was chunked) may differ
+            assert torch.equal(self.core.output.floor(), tensor(expected).floor()), "the output is out of tolerance"
+        else:
+            assert torch.equal(self.core.output, tensor(expected)), "the output differs from a failure-free run's"
         assert self.core.position == self.reference.position
         self.last = math.floor(expected[-1])
 
@@ -499,12 +513,12 @@ def test_outputs_equal_a_failure_free_run_whatever_fails():
 
 
 def _drop_first_step(plan):
-    return lambda steps, sizes, limit: plan(steps[1:], sizes[1:], limit)
+    return lambda steps, sizes, limit, computed, **options: plan(steps[1:], sizes[1:], limit, computed[1:], **options)
 
 
 def _one_position_late(plan):
-    return lambda steps, sizes, limit: tuple(dataclasses.replace(r, position=r.position + 1)
-                                             for r in plan(steps, sizes, limit))
+    return lambda *args, **options: tuple(dataclasses.replace(r, position=r.position + 1)
+                                          for r in plan(*args, **options))
 
 
 @pytest.mark.parametrize("mistake", [_drop_first_step, _one_position_late])

@@ -214,7 +214,8 @@ def replacement_opened(core: ChainCore, replacement: Replacement, events: list) 
     if isinstance(event, Failed):
         return replacement_failed(core, rebuild, None, event.error)
     core.forgive(session)
-    plan = replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed)
+    plan = replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed,
+                       fast=core.fast_replay)
     if not plan:
         return replayed(core, replacement, [])
     core.request([SendSteps(session, plan)], Phase.REPLAYING, replacement)
