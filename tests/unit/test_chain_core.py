@@ -307,6 +307,27 @@ def test_a_failed_hop_is_replaced_by_a_split_route_with_its_history_replayed():
     assert core.failovers[0].replacements == ("c", "d") and core.failovers[0].recovered == 1000.0
 
 
+def test_a_fast_replay_sends_the_kept_history_as_one_chunk_and_takes_the_last_rows():
+    """With fast_replay, a replacement ending the span gets the kept tokens (rejected
+    drafts cut off, no rollback) as one chunk and the step under way as its last,
+    last rows only: one forward, nothing of the history sent back."""
+    core = opened_core([make_hop("a", 0, 4)], fast_replay=True)
+    x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0, 4.0, 5.0]), tensor([6.0])
+    run_step(core, x1, [tensor([0.0, 0.0])])
+    run_step(core, x2, [tensor([0.0, 0.0, 0.0])])
+    core.rewind(3)  # the verify pass kept 1 of its 3 tokens
+    core.start_step(x3, 1)
+    core.feed([Failed(HopFailed("a", "closed", "gone"))])
+    core.feed([RouteFound((make_hop("c", 0, 4),))])
+    [replay] = requests_of(core.feed([SessionOpened()]))
+    [request] = replay.requests
+    assert (request.position, request.chunks, request.last_only, request.rollback) == (0, (3, 1), True, False)
+    assert [t.tolist() for t in request.inputs] == [x1.tolist(), x2[:, :1].tolist(), x3.tolist()]
+    out = tensor([9.0])
+    assert requests_of(core.feed([answer(out, parts=())])) == [] and core.idle
+    assert core.output is out and core.position == 4 and core.history.sizes == [2, 1, 1]
+
+
 def test_a_replacement_failing_mid_replay_is_dropped_and_the_rest_replanned():
     core = opened_core([make_hop("a", 0, 4)])
     run_step(core, tensor([1.0]), [tensor([2.0])])

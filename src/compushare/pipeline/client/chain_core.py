@@ -43,7 +43,8 @@ their answers to chain_standby.fed. Transitions (phases in brackets):
   rebuild: [REPLANNING] FindRoute(position, end) → per hop of the route:
          [OPENING_REPLACEMENT] OpenSession → [REPLAYING] SendSteps of replay_plan (the
          history from position 0, each step a chunk of its original size, at most
-         REPLAY_MAX_TOKENS per request; with fast_replay, each request one chunk) → its outputs are the next hop's steps and,
+         REPLAY_MAX_TOKENS per request; with fast_replay, one chunk per request, the
+         span's last replacement catching up like a verifier: chain_rebuild.replay_for) → its outputs are the next hop's steps and,
          inside the span, a new boundary's history. An open or replay that fails:
          Penalise, Abort, FindRoute again from where it stopped (same deadline).
 

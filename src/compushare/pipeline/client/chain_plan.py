@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_TOKENS = 2048  # tokens per replay request (the servers' default max_step_tokens)
 
 
+def kept_inputs(steps: list[Any], sizes: list[int], computed: list[int]) -> list[Any]:
+    """Each step's input cut to the tokens it kept (rejected drafts dropped)."""
+    return [x if c == s else x[:, :s] for x, s, c in zip(steps, sizes, computed)]
+
+
 class History:
     """Every step's input at every block boundary of the chain: enough to replay any hop.
 
@@ -35,7 +40,8 @@ class History:
 
     def kept(self, boundary: int) -> list[Any]:
         """The inputs at `boundary` without rejected drafts (what a verifier is fed)."""
-        return [x if c == s else x[:, :s] for x, s, c in zip(self.at(boundary), self.sizes, self.computed)]
+        return kept_inputs(self.at(boundary), self.sizes, self.computed)
+
 
     def append(self, tokens: int) -> None:
         self.sizes.append(tokens)

@@ -17,7 +17,7 @@ from . import chain_standby
 from .chain_events import (
     Abort, Failed, FindRoute, HopSession, OpenSession, Phase, SendSteps, SessionOpened, count_answered,
 )
-from .chain_plan import Failover, Verifier, replay_plan
+from .chain_plan import Failover, Verifier, catch_up_plan, kept_inputs, replay_plan
 from .routing import Hop
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class Replacement:
 
     rebuild: Rebuild
     session: HopSession
+    last_only: bool = False  # its replay answers the step's output only (a fast replay's last hop)
 
 
 # -- opening -------------------------------------------------------------------------------
@@ -214,11 +215,25 @@ def replacement_opened(core: ChainCore, replacement: Replacement, events: list) 
     if isinstance(event, Failed):
         return replacement_failed(core, rebuild, None, event.error)
     core.forgive(session)
-    plan = replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed,
-                       fast=core.fast_replay)
+    plan = replay_for(core, replacement)
     if not plan:
         return replayed(core, replacement, [])
     core.request([SendSteps(session, plan)], Phase.REPLAYING, replacement)
+
+
+def replay_for(core: ChainCore, replacement: Replacement) -> tuple:
+    """The replacement's replay: the history as computed (bit-identical); with the
+    chain's fast_replay, in few forwards (within tolerance), and for the hop ending
+    the span, where only the step under way's output goes on (no new boundary), the
+    kept tokens in one chunk per request, the step its own last chunk, last rows only
+    (chain_plan.catch_up_plan): no request per rejected draft, no history sent back."""
+    rebuild = replacement.rebuild
+    if not (core.fast_replay and rebuild.steps and replacement.session.hop.end >= rebuild.end):
+        return replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed,
+                           fast=core.fast_replay)
+    replacement.last_only = True
+    kept = kept_inputs(rebuild.steps, rebuild.sizes, rebuild.computed)
+    return catch_up_plan(kept[:-1], rebuild.sizes[:-1], 0, kept[-1], rebuild.sizes[-1], core.replay_max_tokens)
 
 
 def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> None:
@@ -226,7 +241,7 @@ def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> 
     count_answered(replacement.session, event)
     if isinstance(event, Failed):
         return replacement_failed(core, replacement.rebuild, replacement.session, event.error)
-    replayed(core, replacement, list(event.parts))
+    replayed(core, replacement, [event.replies[-1].output] if replacement.last_only else list(event.parts))
 
 
 def replayed(core: ChainCore, replacement: Replacement, outputs: list[Any]) -> None:
