@@ -120,7 +120,8 @@ def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKE
     trimmed = frozenset(i for i, (s, c) in enumerate(zip(sizes, computed)) if c > s)
     requests = []
     for i, j in group_steps(computed, limit, trimmed):
-        chunks, splits = tuple(computed[i:j]), ()
+        chunks: tuple[int, ...] = tuple(computed[i:j])
+        splits: tuple[int, ...] = ()
         if fast:
             chunks, splits = (sum(chunks),), chunks
         requests.append(HopStepRequest(position, tuple(steps[i:j]), chunks, last_only=last_only,
