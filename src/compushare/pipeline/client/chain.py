@@ -5,7 +5,8 @@ The chain keeps what it sent into every block boundary. When a hop fails
 (connection lost, deadline missed, error reply, wrong answer) the planner names
 servers covering that hop's blocks, the history is replayed through them chunk by
 chunk, exactly as it was first computed (so their KV caches and outputs are
-bit-identical to the lost server's), and the step goes on. A sampled share of steps
+bit-identical to the lost server's; with `fast_replay`, in few forwards, within the
+format's tolerance), and the step goes on. A sampled share of steps
 is also computed by a second server of the same blocks (spot checks); a mismatch
 yields a signed failure report and a failover.
 

@@ -1,8 +1,9 @@
 """Opening a route and replacing what fails in it, sans I/O: a hop that cannot be
 opened, or fails in a step, is penalised and its span rebuilt: a route found
 through its blocks, each hop of it opened and the span's history replayed through
-it (chain_plan.replay_plan); an open or a replay that fails is penalised and the
-rest of the span re-planned. A hop failing in a step is first taken over by its
+it (chain_plan.replay_plan; with the chain's fast_replay, in few forwards:
+replay_for); an open or a replay that fails is penalised and the rest of the span
+re-planned. A hop failing in a step is first taken over by its
 span's standby, if it has one (chain_standby.py). Functions of the chain core
 (chain_core.py)."""
 
