@@ -1,7 +1,7 @@
 """Failover on the real SmolLM2, on loopback: early faults, and faults late in a
 1,000-token context with and without standby replicas.
 
-    .venv/bin/python bench/failover.py [--early-faults 6] [--long-faults 8] [--seed 1]
+    .venv/bin/python bench/failover.py [--early-faults 6] [--long-faults 8] [--seed 1] [--replay fast]
 
 swarm     4 provider processes on 127.0.0.1: two replicas of blocks 0:15 and two of
           15:30 (`compushare node --blocks ...`), and this process as the consumer
@@ -25,8 +25,15 @@ recovery  from noticing to the next token. Without a standby: planning, a sessio
           back as they were: the replacement's KV cache is bit-identical), the rest
           of the step: it grows with the context, one decode step of 15 blocks per
           generated token. With a standby: only the steps it has not seen (one).
+replay    `--replay exact` replays as above; `--replay fast` (the default here) asks
+          the long generations for RunRequest.fast_replay: the history in one forward
+          per request (at most 2,048 tokens), exact within the format's tolerance,
+          not bit-identical. The JSON says which (`replay`), and `replay_error` is
+          the relative error of blocks 0:15's output after a fast replay of the long
+          reference (its 700-token prompt and 300 tokens, embedded) against the same
+          steps computed one by one, in this process; `tolerance`: fp32's.
 reference one uninterrupted generation of each prompt; `identical`: every faulted
-          generation's tokens equal it. `prefill_1000_s`: one 1,000-token prefill
+          generation's tokens equal it (a fast replay's included). `prefill_1000_s`: one 1,000-token prefill
           of 15 blocks in this process, what a replay as one prefill would cost
           (exact only with batch-invariant kernels, which torch's CPU kernels are
           not: docs/performance.md).
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import random
 import signal
@@ -53,6 +61,7 @@ from _common import REPO  # noqa: E402  (this checkout's src/, the shared conver
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
+from compushare.proofs import TOLERANCES  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
 from local_swarm import LocalSwarm  # noqa: E402  (bench/local_swarm.py)
@@ -121,18 +130,26 @@ def long_prompt(tokenizer) -> list[int]:
     return tokenizer(text)["input_ids"][:LONG_PROMPT_TOKENS]
 
 
-def prefill_seconds(model_path: Path, tokens: int) -> float:
-    """One prefill of `tokens` tokens through blocks 0:15, here (1 thread)."""
+def prefill_seconds(model_path: Path, ids: list[int], prompt_tokens: int) -> tuple[float, float]:
+    """One prefill of `ids` through blocks 0:15, here (1 thread): its seconds, and
+    its output's relative error against the prompt then each token one by one (what
+    a fast replay computes against the steps as first computed)."""
     import torch
 
     from compushare.model.blocks import SpanRunner
+    from compushare.model.head import ConsumerHead
+    from compushare.proofs import relative_error
 
     torch.set_num_threads(1)
     runner = SpanRunner.load(model_path, 0, 15)
-    hidden = torch.randn(1, tokens, runner.hidden_size)
+    hidden = ConsumerHead.load(model_path).embed_tokens(ids).view(1, len(ids), -1)
     began = time.perf_counter()
-    runner.forward(hidden, runner.new_cache(), 0)
-    return time.perf_counter() - began
+    fast = runner.forward(hidden, runner.new_cache(), 0)
+    seconds = time.perf_counter() - began
+    cache = runner.new_cache()
+    steps = [runner.forward(hidden[:, :prompt_tokens], cache, 0)]
+    steps += [runner.forward(hidden[:, i:i + 1], cache, i) for i in range(prompt_tokens, len(ids))]
+    return seconds, relative_error(fast.numpy(), torch.cat(steps, dim=1).numpy())
 
 
 async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
@@ -142,7 +159,7 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
     rows: dict[str, list[dict]] = {"early": [], "long": [], "long_standby": []}
     async with Consumer.connect(client_dir, tuple(swarm.addrs()), MODEL) as consumer:
         prompt_ids = long_prompt(consumer.tokenizer)
-        long = RunRequest(model=MODEL, prompt=prompt_ids, chat_template=False,
+        long = RunRequest(model=MODEL, prompt=prompt_ids, chat_template=False, fast_replay=args.replay == "fast",
                           params=SamplingParams(max_new_tokens=LONG_NEW_TOKENS, stop_at_eos=False))
         reference = await consumer.generate(early)
         long_reference = await consumer.generate(long)
@@ -174,8 +191,9 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
                                 rng.randrange(2), long_reference.tokens)
             rows["long_standby" if standby else "long"].append(row)
             show(f"long {'standby' if standby else 'alone  '} {index // 2 + 1:2d}", row)
-    prefill_s = await trio.to_thread.run_sync(prefill_seconds, consumer_model_path(client_dir),
-                                              LONG_PROMPT_TOKENS + LONG_NEW_TOKENS)
+    prefill_s, replay_error = await trio.to_thread.run_sync(
+        prefill_seconds, consumer_model_path(client_dir), prompt_ids + long_reference.tokens[:LONG_NEW_TOKENS],
+        LONG_PROMPT_TOKENS)
     every = [r for group in rows.values() for r in group]
     detects = [r["detect_s"] for r in every if r["detect_s"] is not None]
 
@@ -197,6 +215,9 @@ async def run(args, swarm: LocalSwarm, client_dir: Path) -> dict:
         "recovery_early_p95_s": pct(recoveries("early"), 0.95),
         "standby_takeovers": sum(r["takeovers"] for r in rows["long_standby"]),
         "prefill_1000_s": round(prefill_s, 3),
+        "replay": args.replay,
+        "replay_error": float(f"{replay_error:.3g}"),
+        "tolerance": TOLERANCES["fp32"],
         "early_new_tokens": args.new_tokens,
         "fault_tokens": list(FAULT_TOKENS),
         "reference_tok_s": round(reference.decode_tok_s, 2),
@@ -220,7 +241,11 @@ def main() -> None:
                                                                     "each with and without a standby")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens of the early generations")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--replay", choices=("fast", "exact"), default="fast",
+                        help="how a failover without a standby replays the long generations' history")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("compushare.pipeline.client.planner").setLevel(logging.INFO)  # why no standby
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     with tempfile.TemporaryDirectory(prefix="compushare-failover-") as tmp:
         root = Path(tmp)

@@ -27,7 +27,7 @@ ACCEPTED = {
     "seed": (3, {}), "stop": (["\n"], {}), "messages": (MESSAGES, {}), "prompt": ("w6", {}),
     "logprobs": (True, {}), "top_logprobs": (2, {"logprobs": True}), "options": ({"temperature": 0}, {}),
     "system": ("be brief", {}), "raw": (True, {}), "private": (True, {}), "standby": (True, {}),
-    "adapter": ("style", {}), "route": (True, {}),
+    "fast_replay": (True, {}), "adapter": ("style", {}), "route": (True, {}),
 }
 REFUSED = {"n": 2, "best_of": 3, "echo": True, "suffix": "end", "frequency_penalty": 0.5, "presence_penalty": 1,
            "logit_bias": {"5": 1}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],

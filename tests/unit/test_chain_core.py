@@ -172,8 +172,8 @@ class Swarm:
             chunks = [[v * (1 + server.liar) for v in c] for c in cache.run(values, step.chunks, step.last_only)]
             output = tensor([v for c in chunks for v in c])
             replies.append(HopReply(output))
-            if not step.last_only:
-                parts.extend(tensor(c) for c in chunks)
+            if not step.last_only:  # one part per chunk, or per original step (splits), as chain.py cuts them
+                parts.extend(torch.split(output, list(step.splits or step.chunks), dim=1))
         return Answered(tuple(replies), tuple(parts))
 
 
@@ -197,6 +197,16 @@ def test_replay_plan_keeps_each_step_a_chunk_from_position_zero():
     plan = replay_plan(steps, [5, 1, 1, 1], limit=6)
     assert plan == (HopStepRequest(0, ("s0", "s1"), (5, 1)), HopStepRequest(6, ("s2", "s3"), (1, 1)))
     assert replay_plan([], []) == ()
+
+
+def test_a_fast_replay_plan_runs_each_request_as_one_chunk_cut_back_per_step():
+    steps = ["s0", "s1", "s2", "s3"]
+    assert replay_plan(steps, [5, 1, 1, 1], limit=6, fast=True) == (
+        HopStepRequest(0, ("s0", "s1"), (6,), splits=(5, 1)), HopStepRequest(6, ("s2", "s3"), (2,), splits=(1, 1)))
+    # a step that kept 2 of the 4 tokens it computed still ends its request; the next rolls back
+    assert replay_plan(["a", "b", "c", "d"], [3, 2, 1, 1], computed=[3, 4, 1, 1], fast=True) == (
+        HopStepRequest(0, ("a", "b"), (7,), splits=(3, 4)),
+        HopStepRequest(5, ("c", "d"), (2,), rollback=True, splits=(1, 1)))
 
 
 def test_catch_up_plan_batches_the_missed_steps_and_ends_with_this_one():
@@ -295,6 +305,27 @@ def test_a_failed_hop_is_replaced_by_a_split_route_with_its_history_replayed():
     assert [s.peer_id for s in core.hops] == ["a", "c", "d"]
     assert core.history.inputs[3] == c_out and core.history.inputs[2] == mids
     assert core.failovers[0].replacements == ("c", "d") and core.failovers[0].recovered == 1000.0
+
+
+def test_a_fast_replay_sends_the_kept_history_as_one_chunk_and_takes_the_last_rows():
+    """With fast_replay, a replacement ending the span gets the kept tokens (rejected
+    drafts cut off, no rollback) as one chunk and the step under way as its last,
+    last rows only: one forward, nothing of the history sent back."""
+    core = opened_core([make_hop("a", 0, 4)], fast_replay=True)
+    x1, x2, x3 = tensor([1.0, 2.0]), tensor([3.0, 4.0, 5.0]), tensor([6.0])
+    run_step(core, x1, [tensor([0.0, 0.0])])
+    run_step(core, x2, [tensor([0.0, 0.0, 0.0])])
+    core.rewind(3)  # the verify pass kept 1 of its 3 tokens
+    core.start_step(x3, 1)
+    core.feed([Failed(HopFailed("a", "closed", "gone"))])
+    core.feed([RouteFound((make_hop("c", 0, 4),))])
+    [replay] = requests_of(core.feed([SessionOpened()]))
+    [request] = replay.requests
+    assert (request.position, request.chunks, request.last_only, request.rollback) == (0, (3, 1), True, False)
+    assert [t.tolist() for t in request.inputs] == [x1.tolist(), x2[:, :1].tolist(), x3.tolist()]
+    out = tensor([9.0])
+    assert requests_of(core.feed([answer(out, parts=())])) == [] and core.idle
+    assert core.output is out and core.position == 4 and core.history.sizes == [2, 1, 1]
 
 
 def test_a_replacement_failing_mid_replay_is_dropped_and_the_rest_replanned():
@@ -430,12 +461,13 @@ class ChainRun(RuleBasedStateMachine):
     is not checked, by design: the planner here gives only honest ones)."""
 
     @initialize(seed=st.integers(0, 2**16), mode=st.sampled_from(["faults", "liars"]),
-                rate=st.sampled_from([0.0, 0.5, 1.0]), first=st.integers(1, 500))
-    def open_chain(self, seed, mode, rate, first):
-        self.mode = mode
+                rate=st.sampled_from([0.0, 0.5, 1.0]), first=st.integers(1, 500), fast=st.booleans())
+    def open_chain(self, seed, mode, rate, first, fast):
+        self.mode, self.fast = mode, fast
         self.swarm = Swarm(random.Random(seed), pool())
         self.core = ChainCore(can_fail_over=True, spot_check_rate=1.0 if mode == "liars" else rate,
-                              rng=random.Random(seed + 1), receipt_steps=4, replay_max_tokens=5)
+                              rng=random.Random(seed + 1), receipt_steps=4, replay_max_tokens=5,
+                              fast_replay=fast)
         self.reference = Cache(0, BLOCKS)
         self.deaths = self.corruptions = 0
         self.last = first
@@ -456,7 +488,10 @@ class ChainRun(RuleBasedStateMachine):
         values = [float((self.last + 7 * i) % 100_003) for i in range(tokens)]
         self.drive(self.core.start_step(tensor(values), tokens))
         [expected] = self.reference.run(values, (tokens,), last_only=False)
-        assert torch.equal(self.core.output, tensor(expected)), "the output differs from a failure-free run's"
+        if self.fast:  # within the tolerance: only the rounding (the low bits, how it was chunked) may differ
+            assert torch.equal(self.core.output.floor(), tensor(expected).floor()), "the output is out of tolerance"
+        else:
+            assert torch.equal(self.core.output, tensor(expected)), "the output differs from a failure-free run's"
         assert self.core.position == self.reference.position
         self.last = math.floor(expected[-1])
 
@@ -499,12 +534,12 @@ def test_outputs_equal_a_failure_free_run_whatever_fails():
 
 
 def _drop_first_step(plan):
-    return lambda steps, sizes, limit: plan(steps[1:], sizes[1:], limit)
+    return lambda steps, sizes, limit, computed, **options: plan(steps[1:], sizes[1:], limit, computed[1:], **options)
 
 
 def _one_position_late(plan):
-    return lambda steps, sizes, limit: tuple(dataclasses.replace(r, position=r.position + 1)
-                                             for r in plan(steps, sizes, limit))
+    return lambda *args, **options: tuple(dataclasses.replace(r, position=r.position + 1)
+                                          for r in plan(*args, **options))
 
 
 @pytest.mark.parametrize("mistake", [_drop_first_step, _one_position_late])

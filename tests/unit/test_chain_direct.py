@@ -281,3 +281,44 @@ def test_a_proof_in_another_compute_mode_does_not_link():
     lax = HopReply(out, data(out), "float32", Proof(0, 1, "int8", GENESIS, digest(x), digest(out),
                                                  statement.sign(KEYS[0])), b"")
     assert "not the model's 'fp32'" in proof_links(lax, digest(x), MODEL, hop(0), 0, 1, DEFAULT_MODE)
+
+
+def test_a_standby_is_looked_for_again_at_once_after_a_takeover_and_then_every_few_steps():
+    """After a takeover the span has no standby: the next step looks for one (the
+    failed server and the new primary excluded); while none is found it looks again
+    every STANDBY_RETRY_STEPS steps, and the one found is fed the whole history, as
+    computed, beside the step."""
+    from compushare.pipeline.client.chain_standby import STANDBY_RETRY_STEPS
+
+    core = ChainCore(can_fail_over=True, push=False, standby=True, clock=lambda: 1000.0)
+    core.open([hop(0, (0, 4))])
+    core.feed([SessionOpened()])
+    x = [tensor([float(i)]) for i in range(12)]
+    core.start_step(x[0], 1)
+    core.feed([VerifierFound(hop(1, (0, 4)))])
+    core.feed([SessionOpened()])
+    core.feed([Answered((HopReply(x[0] + 1),), (x[0] + 1,)), Answered((HopReply(x[0] + 1),), ())])
+    core.start_step(x[1], 1)
+    core.feed([Failed(HopFailed(PEERS[0], "connection_lost", "gone")), Answered((HopReply(x[1] + 1),), ())])
+    core.feed([Answered((HopReply(x[1] + 1),), (x[1] + 1,))])
+    assert core.hops[0].peer_id == PEERS[1] and core.standbys == {}
+    looked = []
+    for i in range(2, 2 + 2 * STANDBY_RETRY_STEPS):
+        actions = core.start_step(x[i], 1)
+        requests = requests_of(actions)
+        if isinstance(requests[0], FindVerifier):  # nobody yet (the failed server is penalised)
+            assert requests[0].exclude == frozenset({PEERS[1]})
+            looked.append(i)
+            requests = requests_of(core.feed([VerifierFound(None)]))
+        [step] = requests
+        core.feed([Answered((HopReply(x[i] + 1),), (x[i] + 1,))])
+    assert looked == [2, 2 + STANDBY_RETRY_STEPS]
+    # a third server serves the span again: found at the next look, fed everything
+    i = 2 + 2 * STANDBY_RETRY_STEPS
+    [find] = requests_of(core.start_step(x[i], 1))
+    [opening] = requests_of(core.feed([VerifierFound(hop(2, (0, 4)))]))
+    step, feed = requests_of(core.feed([SessionOpened()]))
+    assert feed.session is opening.session and feed.requests == replay_plan(
+        core.history.at(0), core.history.sizes, last_only=True, rollback=True)
+    core.feed([Answered((HopReply(x[i] + 1),), (x[i] + 1,)), Answered((HopReply(x[i - 1] + 1),), ())])
+    assert core.standbys[(0, 4)].fed == i and core.standbys[(0, 4)].session is opening.session

@@ -195,6 +195,8 @@ def run(
     standby: bool = typer.Option(False, "--standby",
                                  help="Keep a standby server per span, fed every step, so a failover resumes at "
                                       "once at any context length (costs the swarm each span's compute again)."),
+    fast_replay: bool = typer.Option(False, "--fast-replay", help="A failover without a standby replays the "
+                                     "context in few forwards: faster, exact within the format's tolerance only."),
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable; default 127.0.0.1). Behind a NAT, "
                                                 "listen on the LAN address so that hole punching can reach you."),
     adapter: Path = ADAPTER,
@@ -215,7 +217,8 @@ def run(
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
                              direct=direct, speculate=speculate, standby=standby, adapter=adapter,
-                             stop=tuple(stop or ()), params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
+                             stop=tuple(stop or ()), fast_replay=fast_replay,
+                             params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
         on_route = functools.partial(_show_route, private=private, verbose=verbose)

@@ -212,7 +212,8 @@ class ChatEngine:
     async def run(self, prepared: Prepared, gen: Generation, on_piece: Callable[[Piece], None] = lambda _p: None,
                   on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
         request = RunRequest(model=prepared.model, prompt=prepared.prompt, params=gen.params, chat_template=False,
-                             private=gen.private, standby=gen.standby, adapter=prepared.adapter, stop=gen.stop,
+                             private=gen.private, standby=gen.standby, fast_replay=gen.fast_replay,
+                             adapter=prepared.adapter, stop=gen.stop,
                              logprobs=gen.logprobs)
         return await prepared.consumer.generate(request, on_piece=on_piece, on_route=on_route)
 

@@ -47,6 +47,7 @@ def _table(*rows: tuple[str, str, str]) -> tuple[Field, ...]:
 _EXTENSIONS = (
     ("private", "accepted", "CompuShare: true runs every remote layer on CKKS ciphertexts (much slower)"),
     ("standby", "accepted", "CompuShare: true keeps a standby replica per span, fed every step"),
+    ("fast_replay", "accepted", "CompuShare: true replays a failover's history in few forwards (within tolerance)"),
     ("adapter", "accepted", "CompuShare: a LoRA adapter's name in the data dir's adapters/ folder"),
     ("route", "accepted", "CompuShare: true adds the route (hops, spans, peers) and timings to the reply"),
 )
@@ -184,6 +185,7 @@ class Generation:
     include_usage: bool = False
     private: bool = False
     standby: bool = False
+    fast_replay: bool = False
     adapter: str | None = None
     route: bool = False
 
@@ -255,8 +257,8 @@ def _extensions(body: dict) -> dict:
     adapter = body.get("adapter")
     if adapter is not None and not isinstance(adapter, str):
         raise BadField("adapter", "'adapter' must be the name of an adapter in this node's adapters folder")
-    return {"private": _flag(body, "private"), "standby": _flag(body, "standby"), "adapter": adapter,
-            "route": _flag(body, "route")}
+    return {"private": _flag(body, "private"), "standby": _flag(body, "standby"),
+            "fast_replay": _flag(body, "fast_replay"), "adapter": adapter, "route": _flag(body, "route")}
 
 
 def _openai_common(body: dict, limit_name: str = "max_tokens") -> dict:

@@ -5,7 +5,8 @@ The chain keeps what it sent into every block boundary. When a hop fails
 (connection lost, deadline missed, error reply, wrong answer) the planner names
 servers covering that hop's blocks, the history is replayed through them chunk by
 chunk, exactly as it was first computed (so their KV caches and outputs are
-bit-identical to the lost server's), and the step goes on. A sampled share of steps
+bit-identical to the lost server's; with `fast_replay`, in few forwards, within the
+format's tolerance), and the step goes on. A sampled share of steps
 is also computed by a second server of the same blocks (spot checks); a mismatch
 yields a signed failure report and a failover.
 
@@ -75,7 +76,7 @@ class InferenceChain:
                  planner: Planner | None = None, spot_check_rate: float = 0.0,
                  tolerance: float | None = None, rng: random.Random | None = None,
                  push: bool = True, direct: bool = True, standby: bool = False, fmt: str | None = None,
-                 adapter: Adapter | None = None) -> None:
+                 adapter: Adapter | None = None, fast_replay: bool = False) -> None:
         self.host = host
         self.model_id = model_id
         # The model's weight format: a server that opens a session in another is refused,
@@ -90,7 +91,7 @@ class InferenceChain:
         self.core = ChainCore(can_fail_over=planner is not None, spot_check_rate=spot_check_rate,
                               tolerance=tolerance, rng=rng, push=push, direct=direct, model_id=model_id,
                               mode=fmt or DEFAULT_MODE,
-                              standby=standby, adapter_digest=self.adapter and self.adapter.digest,
+                              standby=standby, fast_replay=fast_replay, adapter_digest=self.adapter and self.adapter.digest,
                               direct_max_tokens=protocol.PUSH_MAX_BYTES // (4 * hidden_size))
         self.reports: list[FailureReport] = []
         self._remotes: dict[HopSession, RemoteHop] = {}
@@ -244,7 +245,7 @@ class InferenceChain:
                 return Failed(exc, answered=len(replies))
             replies.append(HopReply(result.output, result.data, result.dtype, result.proof, result.input_digest))
             if not step.last_only:
-                parts.extend(torch.split(result.output, list(step.chunks), dim=1))
+                parts.extend(torch.split(result.output, list(step.splits or step.chunks), dim=1))
         if request.session in self._answered:  # a direct step's next hop has its own deadline from now
             self._answered[request.session].set()
         return Answered(tuple(replies), tuple(parts))
@@ -277,13 +278,15 @@ class InferenceChain:
 async def open_chain(host: IHost, hops: list[Hop], model_id: str, *, max_tokens: int, hidden_size: int,
                      planner: Planner | None = None, spot_check_rate: float = 0.0,
                      rng: random.Random | None = None, push: bool = True, direct: bool = True,
-                     standby: bool = False, fmt: str | None = None,
-                     adapter: Adapter | None = None) -> AsyncIterator[InferenceChain]:
+                     standby: bool = False, fmt: str | None = None, adapter: Adapter | None = None,
+                     fast_replay: bool = False) -> AsyncIterator[InferenceChain]:
     """`adapter`: a LoRA adapter every server applies to this chain's sessions (checked
-    against the model before: model/adapter_file.load)."""
+    against the model before: model/adapter_file.load). `fast_replay`: a failover
+    without a standby replays the history in few forwards, within the format's
+    tolerance instead of bit-identically (chain_plan.replay_plan)."""
     chain = InferenceChain(host, model_id, max_tokens=max_tokens, hidden_size=hidden_size, planner=planner,
                            spot_check_rate=spot_check_rate, rng=rng, push=push, direct=direct, standby=standby,
-                           fmt=fmt, adapter=adapter)
+                           fmt=fmt, adapter=adapter, fast_replay=fast_replay)
     try:
         await chain.open(hops)
         yield chain

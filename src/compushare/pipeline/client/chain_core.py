@@ -43,7 +43,8 @@ their answers to chain_standby.fed. Transitions (phases in brackets):
   rebuild: [REPLANNING] FindRoute(position, end) → per hop of the route:
          [OPENING_REPLACEMENT] OpenSession → [REPLAYING] SendSteps of replay_plan (the
          history from position 0, each step a chunk of its original size, at most
-         REPLAY_MAX_TOKENS per request) → its outputs are the next hop's steps and,
+         REPLAY_MAX_TOKENS per request; with fast_replay, one chunk per request, the
+         span's last replacement catching up like a verifier: chain_rebuild.replay_for) → its outputs are the next hop's steps and,
          inside the span, a new boundary's history. An open or replay that fails:
          Penalise, Abort, FindRoute again from where it stopped (same deadline).
 
@@ -112,7 +113,7 @@ class ChainCore:
                  clock: Callable[[], float] = time.time, receipt_steps: int = RECEIPT_STEPS,
                  replay_max_tokens: int = REPLAY_MAX_TOKENS, direct: bool = False, model_id: str = "",
                  mode: str = DEFAULT_MODE, direct_max_tokens: int = 0, standby: bool = False,
-                 adapter_digest: Callable[[int, int], bytes | None] | None = None) -> None:
+                 fast_replay: bool = False, adapter_digest: Callable[[int, int], bytes | None] | None = None) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
         self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
@@ -121,6 +122,9 @@ class ChainCore:
         self.clock = clock  # wall time, for the failover records
         self.receipt_steps = receipt_steps
         self.replay_max_tokens = replay_max_tokens
+        # A replacement's replay in few multi-token forwards, within the format's tolerance
+        # (chain_plan.replay_plan `fast`), instead of every step as computed, bit-identical.
+        self.fast_replay = fast_replay
         # Direct return (needs push): each server's output goes to the next server, the
         # last one's to the consumer; steps of at most direct_max_tokens tokens.
         self.direct = direct and push

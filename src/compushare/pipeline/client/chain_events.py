@@ -59,6 +59,7 @@ class HopStepRequest:
     last_only: bool = False
     rollback: bool = False  # the session may hold more than `position` tokens: cut it back first
     from_upstream: bool = False  # direct return: the input is what the upstream server pushes
+    splits: tuple[int, ...] = ()  # how the output is cut into parts, one per original step (empty: by chunks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_TOKENS = 2048  # tokens per replay request (the servers' default max_step_tokens)
 
 
+def kept_inputs(steps: list[Any], sizes: list[int], computed: list[int]) -> list[Any]:
+    """Each step's input cut to the tokens it kept (rejected drafts dropped)."""
+    return [x if c == s else x[:, :s] for x, s, c in zip(steps, sizes, computed)]
+
+
 class History:
     """Every step's input at every block boundary of the chain: enough to replay any hop.
 
@@ -35,7 +40,8 @@ class History:
 
     def kept(self, boundary: int) -> list[Any]:
         """The inputs at `boundary` without rejected drafts (what a verifier is fed)."""
-        return [x if c == s else x[:, :s] for x, s, c in zip(self.at(boundary), self.sizes, self.computed)]
+        return kept_inputs(self.at(boundary), self.sizes, self.computed)
+
 
     def append(self, tokens: int) -> None:
         self.sizes.append(tokens)
@@ -96,18 +102,30 @@ def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
 
 def replay_plan(steps: list[Any], sizes: list[int], limit: int = REPLAY_MAX_TOKENS,
                 computed: list[int] | None = None, *, position: int = 0, rollback: bool = False,
-                last_only: bool = False) -> tuple[HopStepRequest, ...]:
+                last_only: bool = False, fast: bool = False) -> tuple[HopStepRequest, ...]:
     """A session fed `steps` (one payload per step, `sizes` tokens each kept) from
     `position`, each step a chunk of its original size (`computed`, if drafts were
     rejected since): its KV cache and outputs are then bit-identical to the first
     computation's. A step computed with more tokens than it kept ends its request,
-    and the next request cuts the session back (`rollback`) before going on."""
+    and the next request cuts the session back (`rollback`) before going on.
+
+    `fast` (the chain's opt-in fast replay): within the format's tolerance instead.
+    A request's steps are one chunk, one forward (a request still ends after a step
+    that kept fewer tokens than it computed, and the next rolls back), and the
+    reply is cut back into one part per step as computed (`splits`). A multi-token
+    forward rounds differently from one-token steps on these kernels, even two
+    tokens against one (docs/performance.md, batch invariance): the outputs and KV
+    cache differ from the first computation's by about 1e-7 to 1e-6 relative."""
     computed = sizes if computed is None else computed
     trimmed = frozenset(i for i, (s, c) in enumerate(zip(sizes, computed)) if c > s)
     requests = []
     for i, j in group_steps(computed, limit, trimmed):
-        requests.append(HopStepRequest(position, tuple(steps[i:j]), tuple(computed[i:j]), last_only=last_only,
-                                    rollback=rollback))
+        chunks: tuple[int, ...] = tuple(computed[i:j])
+        splits: tuple[int, ...] = ()
+        if fast:
+            chunks, splits = (sum(chunks),), chunks
+        requests.append(HopStepRequest(position, tuple(steps[i:j]), chunks, last_only=last_only,
+                                       rollback=rollback, splits=splits))
         position += sum(sizes[i:j])
         rollback = j - 1 in trimmed
     return tuple(requests)

@@ -1,8 +1,9 @@
 """Opening a route and replacing what fails in it, sans I/O: a hop that cannot be
 opened, or fails in a step, is penalised and its span rebuilt: a route found
 through its blocks, each hop of it opened and the span's history replayed through
-it (chain_plan.replay_plan); an open or a replay that fails is penalised and the
-rest of the span re-planned. A hop failing in a step is first taken over by its
+it (chain_plan.replay_plan; with the chain's fast_replay, in few forwards:
+replay_for); an open or a replay that fails is penalised and the rest of the span
+re-planned. A hop failing in a step is first taken over by its
 span's standby, if it has one (chain_standby.py). Functions of the chain core
 (chain_core.py)."""
 
@@ -17,7 +18,7 @@ from . import chain_standby
 from .chain_events import (
     Abort, Failed, FindRoute, HopSession, OpenSession, Phase, SendSteps, SessionOpened, count_answered,
 )
-from .chain_plan import Failover, Verifier, replay_plan
+from .chain_plan import Failover, Verifier, catch_up_plan, kept_inputs, replay_plan
 from .routing import Hop
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class Replacement:
 
     rebuild: Rebuild
     session: HopSession
+    last_only: bool = False  # its replay answers the step's output only (a fast replay's last hop)
 
 
 # -- opening -------------------------------------------------------------------------------
@@ -214,10 +216,25 @@ def replacement_opened(core: ChainCore, replacement: Replacement, events: list) 
     if isinstance(event, Failed):
         return replacement_failed(core, rebuild, None, event.error)
     core.forgive(session)
-    plan = replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed)
+    plan = replay_for(core, replacement)
     if not plan:
         return replayed(core, replacement, [])
     core.request([SendSteps(session, plan)], Phase.REPLAYING, replacement)
+
+
+def replay_for(core: ChainCore, replacement: Replacement) -> tuple:
+    """The replacement's replay: the history as computed (bit-identical); with the
+    chain's fast_replay, in few forwards (within tolerance), and for the hop ending
+    the span, where only the step under way's output goes on (no new boundary), the
+    kept tokens in one chunk per request, the step its own last chunk, last rows only
+    (chain_plan.catch_up_plan): no request per rejected draft, no history sent back."""
+    rebuild = replacement.rebuild
+    if not (core.fast_replay and rebuild.steps and replacement.session.hop.end >= rebuild.end):
+        return replay_plan(rebuild.steps, rebuild.sizes, core.replay_max_tokens, rebuild.computed,
+                           fast=core.fast_replay)
+    replacement.last_only = True
+    kept = kept_inputs(rebuild.steps, rebuild.sizes, rebuild.computed)
+    return catch_up_plan(kept[:-1], rebuild.sizes[:-1], 0, kept[-1], rebuild.sizes[-1], core.replay_max_tokens)
 
 
 def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> None:
@@ -225,7 +242,7 @@ def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> 
     count_answered(replacement.session, event)
     if isinstance(event, Failed):
         return replacement_failed(core, replacement.rebuild, replacement.session, event.error)
-    replayed(core, replacement, list(event.parts))
+    replayed(core, replacement, [event.replies[-1].output] if replacement.last_only else list(event.parts))
 
 
 def replayed(core: ChainCore, replacement: Replacement, outputs: list[Any]) -> None:

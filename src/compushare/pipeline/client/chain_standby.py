@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STANDBY_RETRY_STEPS = 8  # a span without a standby looks for one again after this many steps
+# A span without a standby looks for one again after this many steps: a look-up is
+# the planner's, local (no round trip), and the planner refreshes its candidates when
+# one finds none (planner.SwarmPlanner.verifier), so a restarted replica is taken as
+# soon as the consumer sees it serve again.
+STANDBY_RETRY_STEPS = 2
 
 
 @dataclasses.dataclass

@@ -55,6 +55,9 @@ class RunRequest:
     direct: bool = True  # hidden states go server to server, the last server's back (else each via the consumer)
     speculate: bool = True  # verify drafted tokens in one pass (pipeline/client/speculative.py)
     standby: bool = False  # keep a standby replica per span, fed every step (pipeline/client/chain_standby.py)
+    # A failover without a standby replays the history in few forwards: exact within the
+    # format's tolerance, not bit-identical (pipeline/client/chain_plan.replay_plan).
+    fast_replay: bool = False
     adapter: Path | None = None  # a LoRA adapter (PEFT directory or .safetensors) every server applies
     stop: tuple[str, ...] = ()  # the reply ends before the first of these (produced.py)
     logprobs: int | None = None  # each token's log-probability, with this many likeliest alternatives
@@ -257,7 +260,8 @@ class Consumer:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
                                       spot_check_rate=self.spot_check_rate, direct=request.direct,
-                                      standby=request.standby, fmt=model.format.label, adapter=adapter) as chain:
+                                      standby=request.standby, fmt=model.format.label, adapter=adapter,
+                                      fast_replay=request.fast_replay) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                                    on_token=produced.add, speculate=request.speculate, stats=stats,
                                    **output_hooks(request, produced))

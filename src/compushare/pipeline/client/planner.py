@@ -60,6 +60,7 @@ class SwarmPlanner:
     instead of waiting on the DHT, and the peers this consumer avoids."""
 
     REFRESH_S = 5.0
+    WANTED_S = 1.0  # a look-up that found nobody has the candidates refreshed this soon (at most this often)
     RETRY_S = 0.5
 
     def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
@@ -78,6 +79,7 @@ class SwarmPlanner:
         self.records: list = []
         self.measures: dict = {}
         self.unreachable: set[str] = set()
+        self._wanted = trio.Event()  # set by a look-up that found nobody: refresh early
 
     async def refresh(self) -> None:
         """Look the servers up again. What a look-up misses is not forgotten: while
@@ -133,8 +135,14 @@ class SwarmPlanner:
             await trio.sleep(self.REFRESH_S)
 
     async def refresh_loop(self) -> None:
+        """Every REFRESH_S, or WANTED_S after the last refresh when a look-up found
+        nobody (a standby or verifier wanted: a restarted server is back as soon as its
+        live ad says it serves)."""
         while True:
-            await trio.sleep(self.REFRESH_S)
+            with trio.move_on_after(self.REFRESH_S):
+                await trio.sleep(self.WANTED_S)
+                await self._wanted.wait()
+            self._wanted = trio.Event()
             try:
                 await self.refresh()
             except Exception as exc:  # a failed refresh keeps the last candidates
@@ -191,10 +199,14 @@ class SwarmPlanner:
         return True
 
     def verifier(self, start: int, end: int, exclude: set[str]) -> Hop | None:
+        """A server holding start..end-1 outside `exclude`, the closest first; None if
+        there is none now (the candidates are then refreshed early: refresh_loop)."""
         now, excluded = time.time(), self._exclude() | exclude
         holders = [r for r in self.records if r.start <= start and end <= r.end and r.is_live(now)
                    and r.peer_id not in excluded]
         if not holders:
+            self._wanted.set()
+            log.info("no server of blocks %d:%d outside the chain: %s", start, end, self._why_not(start, end, exclude))
             return None
 
         def rtt(record) -> float:
@@ -202,3 +214,15 @@ class SwarmPlanner:
             return measure.rtt_s if measure is not None and measure.rtt_s is not None else 1.0
 
         return Hop(min(holders, key=lambda r: (rtt(r), r.peer_id)), start, end)
+
+    def _why_not(self, start: int, end: int, exclude: set[str]) -> str:
+        """Why each known server of start..end-1 is no candidate now (for the log)."""
+        now, penalised = time.time(), self.penalties.excluded(time.monotonic())
+        reasons = []
+        for record in self.records:
+            if record.start <= start and end <= record.end:
+                why = ("in the chain" if record.peer_id in exclude else "penalised" if record.peer_id in penalised
+                       else "unreachable" if record.peer_id in self.unreachable
+                       else "record expired" if not record.is_live(now) else "?")
+                reasons.append(f"{record.peer_id[-8:]} {why}")
+        return ", ".join(reasons) or "none known (a restarted one not seen serving again yet)"
