@@ -216,6 +216,7 @@ class Node:
             name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format, device=self.device)
         await self_benchmark(provider, config, self.faults.slowdown, self.device)
         memory = span_memory(self.device, self.hardware)
+        self.gossip.follow(model.model_id)  # its servers' ads, heard while the first span is chosen
         span, length = await first_span(provider, config, memory, host, self.view, self.me)
         self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
                        "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks,

@@ -131,8 +131,10 @@ def describe_hops(route: list[Hop], view: SwarmView, *, private: bool) -> list[d
 
 class ChatEngine:
     def __init__(self, host, dht, data_dir: Path, *, torrent, default_model: str,
-                 spot_check_rate: float = DEFAULT_RATE, view: SwarmView | None = None) -> None:
+                 spot_check_rate: float = DEFAULT_RATE, view: SwarmView | None = None,
+                 follow: Callable[[str], None] | None = None) -> None:
         self.host, self.dht, self.data_dir, self.torrent = host, dht, data_dir, torrent
+        self.follow = follow  # joins a model's ad topic (net/gossip.Gossip.follow)
         self.default_model = default_model
         self.view = view if view is not None else SwarmView()  # the node's own, fed by gossip
         self.spot_check_rate = spot_check_rate
@@ -194,7 +196,7 @@ class ChatEngine:
 
             tokenizer, head = await trio.to_thread.run_sync(load)
             consumer = Consumer(self.host, self.dht, self.data_dir, model, tokenizer, head,
-                                spot_check_rate=self.spot_check_rate)
+                                spot_check_rate=self.spot_check_rate, follow=self.follow)
             self._consumers[model.model_id] = consumer
             return consumer
 
