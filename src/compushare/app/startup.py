@@ -196,5 +196,6 @@ def api_app(node, name: str, control: Control):
     the swarm, behind the token in its data dir."""
     config = node.config
     engine = ChatEngine(node.swarm.host, node.swarm.dht, config.data_dir, torrent=node.torrent, default_model=name,
-                        view=node.view, follow=node.gossip.follow if node.gossip is not None else None)
+                        view=node.view, follow=node.gossip.follow if node.gossip is not None else None,
+                        picture=node.directory.picture if node.directory is not None else None)
     return build_app(engine, load_or_create_token(config.data_dir), control, ollama_open=config.api_ollama_open)

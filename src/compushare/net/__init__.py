@@ -18,6 +18,7 @@
   limits.py     pure: per-peer token buckets
   ads.py, view.py, gossip.py  capability ads, the swarm view (evidence before
                 newcomers), GossipSub (a topic per model)
+  directory.py  the swarm beyond the models a node follows, pulled for its UI only
   ad_intake.py  pure: ad topics per model, the ad period stretched by a topic's size,
                 early drops and the cache of checked ads
   reachability.py  pure: whether this node can be dialled, and how peers reach it if not
