@@ -366,6 +366,10 @@ class NodeControl:
         if node.traversal is not None:
             status["net"] = node.traversal.stats()
             status["addrs"] = node.traversal.addrs()
+        if node.gossip is not None:  # what it hears of ads, and at what cost (net/ad_intake.py)
+            intake = node.gossip.intake
+            status["ads"] = {"followed": sorted(intake.followed), "period_s": node.gossip.period_now,
+                             "heard": dict(intake.heard), "checks": dict(intake.counts)}
         return status
 
     def dashboard(self) -> dict:
