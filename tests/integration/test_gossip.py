@@ -188,3 +188,18 @@ async def test_a_node_hears_the_ads_of_its_model_only(processes, tiny_model, oth
             # A consumer of the other model learns its ads at once from one of its servers.
             assert await fetch_view(host, ID.from_base58(b["peer_id"]), view, other) == 1
             assert await fetch_view(host, ID.from_base58(a["peer_id"]), SwarmView(), other) == 0
+
+
+async def test_providers_of_a_model_hear_each_other_through_an_unrelated_bootstrap(processes, tiny_model,
+                                                                                    other_tiny_model):
+    """The bootstrap serves another model and holds none of their ads: the providers of
+    one model still find each other (ads' peers, else the DHT's providers) and gossip."""
+    fast = ["--ad-period", "1"]
+    _, boot = processes.node("boot", other_tiny_model, "0:4", alias="other", extra=fast)
+    a, b = processes.nodes([("a", "0:2"), ("b", "2:4")], tiny_model, bootstrap=boot["addrs"][:1], extra=fast)
+    async with open_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as host:
+        with trio.fail_after(90):  # within one DHT look-up period, and some
+            while not ({a["peer_id"], b["peer_id"]} <= set(await _view_of(host, a))
+                       and {a["peer_id"], b["peer_id"]} <= set(await _view_of(host, b))):
+                await trio.sleep(1)
+        assert set(await _view_of(host, boot)) == {boot["peer_id"]}

@@ -15,7 +15,7 @@ from compushare import wire
 from compushare.hardware import Hardware
 from compushare.net.ad_intake import TARGET_ADS_PER_S
 from compushare.net.ads import CapabilityAd, Serving
-from compushare.net.gossip import Gossip
+from compushare.net.gossip import Gossip, note_legacy_peers
 from compushare.net.view import SwarmView
 
 HW = Hardware(cpu_cores=2, ram_mb=24000, ram_free_mb=20000, gpu=None, gpu_mb=0)
@@ -51,10 +51,9 @@ def test_follow_is_idempotent():
 
 def test_a_neighbour_on_the_old_topic_is_named_once(caplog):
     old = ID.from_pubkey(create_new_key_pair().public_key)
-    gossip = Gossip(None, SwarmView())
-    gossip.pubsub = SimpleNamespace(peer_topics={wire.AD_TOPIC_V1: {old}})
+    pubsub, noted = SimpleNamespace(peer_topics={wire.AD_TOPIC_V1: {old}}), set()
     with caplog.at_level(logging.WARNING, logger="compushare.net.gossip"):
-        gossip._note_legacy_peers()
-        gossip._note_legacy_peers()
+        note_legacy_peers(pubsub, noted)
+        note_legacy_peers(pubsub, noted)
     warnings = [r for r in caplog.records if wire.AD_TOPIC_V1 in r.getMessage()]
     assert len(warnings) == 1 and str(old) in warnings[0].getMessage()

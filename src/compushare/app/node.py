@@ -32,7 +32,7 @@ from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
 from ..model.catalog import DEFAULT_MODEL
 from ..model.store import ModelStore, StoredModel, is_model_id
-from ..net.dht import routing_sync_loop
+from ..net.dht import find_model_providers, routing_sync_loop
 from ..net.directory import Directory
 from ..net.gossip import Gossip, learn_views
 from ..net.host import advertised_addrs, full_addrs
@@ -159,7 +159,8 @@ class Node:
         self.karma = KarmaService(host, dht, self.key_pair, config.data_dir)
         host.set_stream_handler(KARMA_PROTOCOL, self.karma.handle)
         make_our_ad = ad_maker(self.key_pair, self.me, host, self.hardware, config, self)
-        self.gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
+        self.gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s,
+                             find_providers=lambda model_id: find_model_providers(dht, model_id))
         self.directory = Directory(host, self.view)  # the models it does not follow, for its UI
         self.traversal = Traversal(
             host, serve=True, relay=config.relay, quotas=config.relay_quotas,
@@ -180,8 +181,7 @@ class Node:
         await nursery.start(self.traversal.run)
         await nursery.start(self.gossip.run)  # before dialling: pubsub learns peers from connections
         await self.swarm.join(retry=True)
-        # Dialable and seeding from here on: `swarm up` starts the other nodes now,
-        # so they fetch their spans while this one loads its own.
+        # Dialable and seeding from here on: `swarm up` starts the others now, to fetch their spans meanwhile.
         write_json(self.config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": self.me,
                                                         "addrs": advertised_addrs(host)})
         nursery.start_soon(routing_sync_loop, host, dht)

@@ -25,11 +25,12 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -59,6 +60,9 @@ DIAL_TIMEOUT_S = 5.0
 NEWCOMER_ADS_PER_S = 50.0
 NEWCOMER_ADS_BURST = 10 * NEWCOMER_ADS_PER_S
 EVIDENCE_PERIOD_S = 2.0
+# A topic short of D_low neighbours after the ads' peers were dialled: its model's
+# providers are looked up in the DHT, at most once per this (a small topic stays short).
+PROVIDER_LOOKUP_S = 60.0
 MAX_LEGACY_NOTED = 256  # peers still on revision 20's one ad topic, each logged once
 # The checks of relayed ads (view replies) in this process, cached by digest: the
 # same ads come back from every peer asked.
@@ -70,12 +74,14 @@ class Gossip:
 
     `make_ad` is called for every publication (its ad's lifetime should follow
     `period_now`, the stretched period); None, or an ad serving nothing, makes a
-    listen-only member. `models`: topics to follow from the start.
+    listen-only member. `models`: topics to follow from the start. `find_providers`:
+    a model's providers from the DHT, dialled when a topic has too few neighbours.
     """
 
     def __init__(self, host: IHost, view: SwarmView, make_ad: Callable[[], CapabilityAd] | None = None,
                  *, period_s: float = AD_PERIOD_S, on_ad: Callable[[CapabilityAd], None] | None = None,
-                 models: tuple[str, ...] = ()) -> None:
+                 models: tuple[str, ...] = (),
+                 find_providers: Callable[[str], Awaitable[list[PeerInfo]]] | None = None) -> None:
         self.host = host
         self.view = view
         self.make_ad = make_ad
@@ -90,6 +96,7 @@ class Gossip:
         self._last_publish = -float("inf")
         self._serves: list[str] = []  # the models of our last ad: the topics we publish on
         self._legacy_noted: set[ID] = set()
+        self.find_providers, self._looked_up = find_providers, -float("inf")
         self._nursery: trio.Nursery | None = None  # run()'s, where each topic's subscription is read
         self.published = 0
 
@@ -218,20 +225,16 @@ class Gossip:
             for peer in list(self.host.get_network().connections):
                 if pubsub is not None and peer not in pubsub.peers:  # private in the pinned 0.8.1
                     pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer)
-            self._note_legacy_peers()
+            note_legacy_peers(self.pubsub, self._legacy_noted)
             missing = MESH_DEGREE[1] - len(self.subscribed_peers())
             if missing > 0 and self.intake.followed:
-                await dial_ad_peers(self.host, self.view, missing)
-
-    def _note_legacy_peers(self) -> None:
-        """Say once per peer that a neighbour still speaks revision 20's one ad topic:
-        neither hears the other's ads (protocol.md, revision 21)."""
-        pubsub = self.pubsub
-        for peer in list(pubsub.peer_topics.get(wire.AD_TOPIC_V1, ())) if pubsub is not None else []:
-            if peer not in self._legacy_noted and len(self._legacy_noted) < MAX_LEGACY_NOTED:
-                self._legacy_noted.add(peer)
-                log.warning("peer %s advertises on %s (protocol revision 20 or older): its ads are not heard here "
-                            "nor ours there; it must be upgraded to take part in gossip", peer, wire.AD_TOPIC_V1)
+                missing -= await dial_ad_peers(self.host, self.view, missing)
+            now = trio.current_time()
+            if missing > 0 and self.find_providers is not None and now - self._looked_up >= PROVIDER_LOOKUP_S:
+                self._looked_up = now
+                with trio.move_on_after(3 * DIAL_TIMEOUT_S):
+                    infos = await self.find_providers(random.choice(sorted(self.intake.followed)))
+                    await dial_providers(self.host, infos, missing)
 
     def publish_soon(self) -> None:
         """Publish a fresh ad now (rate permitting), e.g. after a change of span."""
@@ -376,6 +379,35 @@ async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
     async with trio.open_nursery() as nursery:
         for ad in candidates[:want]:
             nursery.start_soon(one, ad)
+    return dialed
+
+
+def note_legacy_peers(pubsub: Pubsub | None, noted: set[ID]) -> None:
+    """Say once per peer (of at most MAX_LEGACY_NOTED) that a neighbour still speaks
+    revision 20's one ad topic: neither hears the other's ads (protocol.md, revision 21)."""
+    for peer in list(pubsub.peer_topics.get(wire.AD_TOPIC_V1, ())) if pubsub is not None else []:
+        if peer not in noted and len(noted) < MAX_LEGACY_NOTED:
+            noted.add(peer)
+            log.warning("peer %s advertises on %s (protocol revision 20 or older): its ads are not heard here "
+                        "nor ours there; it must be upgraded to take part in gossip", peer, wire.AD_TOPIC_V1)
+
+
+async def dial_providers(host: IHost, infos: list[PeerInfo], want: int) -> int:
+    """Connect to up to `want` of a model's providers (found in the DHT) we are not
+    connected to, chosen at random; return how many answered."""
+    connected, me = set(host.get_network().connections), host.get_id()
+    fresh = [info for info in infos if info.peer_id not in connected and info.peer_id != me and info.addrs]
+    dialed = 0
+
+    async def one(info: PeerInfo) -> None:
+        nonlocal dialed
+        with contextlib.suppress(Exception), trio.fail_after(DIAL_TIMEOUT_S):
+            await host.connect(info)
+            dialed += 1
+
+    async with trio.open_nursery() as nursery:
+        for info in random.sample(fresh, min(want, len(fresh))):
+            nursery.start_soon(one, info)
     return dialed
 
 
