@@ -7,8 +7,10 @@ own trio loop, one libp2p host on 127.0.0.1:0 built by net/host.open_host, and t
 project's real gossip code, net/gossip.open_gossip (GossipSub v1.1, the ad topic
 validator, the view's rate/replay rules, the dial-from-ads mesh keeper), publishing
 a realistic signed ad (net/ads.make_ad: this machine's hardware, detected once, and
-one Serving entry for a fake model span) every `--period` seconds, the production
-AD_PERIOD_S by default. The bench process runs no libp2p host: it imports the
+one Serving entry for a fake model span, so all on that model's topic) every
+`--period` seconds, the production AD_PERIOD_S by default. Its ads live three
+`--period`s, which holds the period there: the stretch of a crowded topic
+(net/ad_intake.ad_period, never past a third of an ad's lifetime) stays off. The bench process runs no libp2p host: it imports the
 libp2p stack once and forks the members from itself (no trio loop, socket or thread
 exists in it before the fork), so 30 interpreters do not each burn seconds of CPU on
 imports while the others already gossip; `--launch exec` starts a fresh interpreter
@@ -140,7 +142,8 @@ async def _member(args, events, statuses) -> None:
 
     from compushare import __version__
     from compushare.hardware import Hardware
-    from compushare.net.ads import AD_TOPIC, Serving, ad_ttl, make_ad
+    from compushare.net.ad_intake import ad_topic
+    from compushare.net.ads import Serving, ad_ttl, make_ad
     from compushare.net.gossip import open_gossip
     from compushare.net.host import full_addrs, open_host, parse_peer_addr
     from compushare.net.identity import load_or_create_identity
@@ -237,7 +240,7 @@ async def _member(args, events, statuses) -> None:
                     "t": time.time(),
                     "view_live": len(view.live(time.time())),
                     "subscribed": len(gossip.subscribed_peers()),
-                    "mesh": len(getattr(router, "mesh", {}).get(AD_TOPIC, ())),
+                    "mesh": len(getattr(router, "mesh", {}).get(ad_topic(FAKE_MODEL_ID), ())),
                     "connections": len(host.get_network().connections),
                     "heartbeat_s": getattr(router, "heartbeat_interval", None),
                     "health": getattr(router, "network_health_score", None),

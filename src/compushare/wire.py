@@ -13,7 +13,11 @@ KARMA = "/compushare/karma/1.0.0"
 VIEW = "/compushare/view/1.0.0"
 PROTOCOLS = (INFER, TRAIN, PRIVATE, PIECES, KARMA, VIEW)
 
-AD_TOPIC = "/compushare/ads/1"  # GossipSub; the version is part of the topic: v2 ads get a new one
+# GossipSub: one topic per model, AD_TOPIC_PREFIX + the model id (protocol revision 22).
+# The version is part of the topic: AD_TOPIC_V1, the one topic of every ad up to
+# revision 20, is neither joined nor published on; a peer subscribed to it is told apart.
+AD_TOPIC_PREFIX = "/compushare/ads/2/"
+AD_TOPIC_V1 = "/compushare/ads/1"
 
 # DHT records: keys /<namespace>/...; provider keys: sha256(prefix + ...).
 SERVER_RECORDS = "csserver"  # /csserver/<model_id>/<peer_id>

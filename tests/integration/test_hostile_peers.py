@@ -42,7 +42,7 @@ from libp2p.utils.varint import encode_uvarint
 from compushare.errors import FrameError
 from compushare.karma.service import KARMA_PROTOCOL
 from compushare.model.catalog import import_path
-from compushare.net.ads import AD_TOPIC
+from compushare.net.ad_intake import ad_topic
 from compushare.net.codec import LENGTH, FrameDecoder
 from compushare.net.gossip import VIEW_PROTOCOL
 from compushare.net.host import open_host, parse_peer_addr
@@ -96,7 +96,7 @@ def deep_msgpack(depth: int) -> bytes:
     return b"\x82\xa4type\xa5close\xa7session" + b"\x91" * depth + b"\xc0"
 
 
-def signed_pubsub_message(key_pair, data: bytes, topic: str = AD_TOPIC) -> rpc_pb2.Message:
+def signed_pubsub_message(key_pair, data: bytes, topic: str) -> rpc_pb2.Message:
     """A pubsub message correctly signed by the attacker itself: it passes the
     signature check and reaches the node's topic validator."""
     msg = rpc_pb2.Message(from_id=ID.from_pubkey(key_pair.public_key).to_bytes(), data=data,
@@ -157,15 +157,16 @@ def shaped_attacks(model_id: str, key_pair) -> list[Attack]:
     hello = {"type": "hello", "model": model_id}
     train_session = os.urandom(16)
     bogus_id = b"\x12\x20" + os.urandom(32)  # a sha256 peer id: no key embedded in it
-    unsigned = rpc_pb2.Message(from_id=bogus_id, data=b"\xc1", seqno=b"1", topicIDs=[AD_TOPIC],
+    topic = ad_topic(model_id)
+    unsigned = rpc_pb2.Message(from_id=bogus_id, data=b"\xc1", seqno=b"1", topicIDs=[topic],
                                signature=b"x" * 64, key=b"not a key")
-    no_key = rpc_pb2.Message(from_id=bogus_id, data=b"\xc1", seqno=b"2", topicIDs=[AD_TOPIC],
+    no_key = rpc_pb2.Message(from_id=bogus_id, data=b"\xc1", seqno=b"2", topicIDs=[topic],
                              signature=b"x" * 64)
     control = rpc_pb2.ControlMessage(
-        ihave=[rpc_pb2.ControlIHave(topicID=AD_TOPIC, messageIDs=[os.urandom(20) for _ in range(2000)])],
+        ihave=[rpc_pb2.ControlIHave(topicID=topic, messageIDs=[os.urandom(20) for _ in range(2000)])],
         iwant=[rpc_pb2.ControlIWant(messageIDs=[os.urandom(20) for _ in range(2000)])],
-        graft=[rpc_pb2.ControlGraft(topicID=AD_TOPIC), rpc_pb2.ControlGraft(topicID="no such topic")],
-        prune=[rpc_pb2.ControlPrune(topicID=AD_TOPIC, backoff=2**63,
+        graft=[rpc_pb2.ControlGraft(topicID=topic), rpc_pb2.ControlGraft(topicID="no such topic")],
+        prune=[rpc_pb2.ControlPrune(topicID=topic, backoff=2**63,
                                     peers=[rpc_pb2.PeerInfo(peerID=b"junk", signedPeerRecord=b"junk")])],
     )
     kad_record = KadMessage(type=KadMessage.MessageType.PUT_VALUE, key=b"/csserver/x/y")
@@ -236,11 +237,11 @@ def shaped_attacks(model_id: str, key_pair) -> list[Attack]:
         Attack(f"{KAD_PROTOCOL} a pubsub RPC", KAD_PROTOCOL, varint_framed(
             rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid="x")]).SerializeToString())),
         Attack(f"{GOSSIP_PROTOCOL} subscribe and publish junk", GOSSIP_PROTOCOL, varint_framed(
-            rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid=AD_TOPIC)]).SerializeToString(),
+            rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid=topic)]).SerializeToString(),
             rpc_pb2.RPC(publish=[unsigned]).SerializeToString(),
             rpc_pb2.RPC(publish=[no_key]).SerializeToString(),
-            rpc_pb2.RPC(publish=[signed_pubsub_message(key_pair, b"\xc1 not an ad"),
-                                 signed_pubsub_message(key_pair, msgpack.packb({"body": b"x", "sig": b"y"}))]
+            rpc_pb2.RPC(publish=[signed_pubsub_message(key_pair, b"\xc1 not an ad", topic),
+                                 signed_pubsub_message(key_pair, msgpack.packb({"body": b"x", "sig": b"y"}), topic)]
                         ).SerializeToString(),
         )),
         Attack(f"{GOSSIP_PROTOCOL} control flood", GOSSIP_PROTOCOL,

@@ -15,11 +15,14 @@ from libp2p.pubsub.pb import rpc_pb2
 
 from compushare.defences import ENV as DEFENCES_ENV
 from compushare.hardware import Hardware
+from compushare.net.ad_intake import AdIntake, ad_topic
 from compushare.net.ads import CapabilityAd
 from compushare.net.gossip import NEWCOMER_ADS_BURST, _guarded_push
 from compushare.net.view import SwarmView
 
 ME = ID.from_pubkey(create_new_key_pair().public_key)
+MODEL = "ab" * 32
+TOPICS = [ad_topic(MODEL)]
 HW = Hardware(cpu_cores=2, ram_mb=24000, ram_free_mb=20000, gpu=None, gpu_mb=0)
 
 
@@ -32,12 +35,15 @@ def _flood(fresh: int, known_peer: ID, view: SwarmView) -> tuple[int, int]:
 
     pubsub = SimpleNamespace(push_msg=push, my_id=ME)
     forwarder = ID.from_pubkey(create_new_key_pair().public_key)
-    guarded = _guarded_push(pubsub, view)
+    intake = AdIntake()
+    intake.followed.add(MODEL)
+    guarded = _guarded_push(pubsub, view, intake)
 
     async def main() -> None:
         for _ in range(fresh):
-            await guarded(forwarder, rpc_pb2.Message(from_id=ID.from_pubkey(create_new_key_pair().public_key).to_bytes()))
-        await guarded(forwarder, rpc_pb2.Message(from_id=known_peer.to_bytes()))
+            await guarded(forwarder, rpc_pb2.Message(from_id=ID.from_pubkey(create_new_key_pair().public_key).to_bytes(),
+                                                       topicIDs=TOPICS))
+        await guarded(forwarder, rpc_pb2.Message(from_id=known_peer.to_bytes(), topicIDs=TOPICS))
 
     trio.run(main, clock=trio.testing.MockClock())  # time stands still: the burst, exactly
     return len(checked) - checked.count(known_peer.to_bytes()), checked.count(known_peer.to_bytes())

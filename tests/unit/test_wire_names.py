@@ -29,7 +29,8 @@ def section(title_start: str) -> str:
 def test_every_stream_protocol_has_its_section_and_no_other_is_documented():
     documented = set(re.findall(r"^## `(/compushare/[^`]+)`", SPEC, re.M))
     assert documented == set(wire.PROTOCOLS)
-    assert re.search(rf"^### `{re.escape(wire.AD_TOPIC)}`", SPEC, re.M)
+    assert re.search(rf"^### `{re.escape(wire.AD_TOPIC_PREFIX)}<model_id>`", SPEC, re.M)
+    assert wire.AD_TOPIC_V1 in section(f"`{wire.AD_TOPIC_PREFIX}")
 
 
 def test_dht_namespaces_and_provider_keys_are_documented():

@@ -34,7 +34,8 @@ from libp2p.utils.varint import encode_uvarint
 
 from compushare import __version__
 from compushare.hardware import Hardware
-from compushare.net.ads import AD_TOPIC, MAX_AD_TTL_S, Serving, make_ad
+from compushare.net.ad_intake import ad_topic
+from compushare.net.ads import MAX_AD_TTL_S, Serving, make_ad
 from compushare.net.dial import dial
 from compushare.net.framing import FramedStream
 from compushare.net.gossip import MAX_VIEW_FRAME, VIEW_PROTOCOL
@@ -45,7 +46,7 @@ SYBILS = 5000
 FORWARDERS = 4  # hosts carrying the flood (the caller's and 3 more)
 RATE = 500.0  # Sybil ads per second over all forwarders
 BATCH = 25  # ads per pubsub RPC
-REFRESH_S = MAX_AD_TTL_S / 2  # each Sybil re-advertises well before its ad expires
+REFRESH_S = 30.0  # each Sybil re-advertises well before its ad expires (and retries sends that failed)
 GROUND = 1100  # keys ground to sort first: more than a view reply holds
 GRIND_TRIES = 60_000  # ~5 s of key generation at most
 DIAL_TIMEOUT_S = 10.0
@@ -99,9 +100,9 @@ def _sybil_keys(n: int, lowest: str | None, ground: int) -> list[tuple[object, s
     return (low + rest)[:n]  # the ground ones first: they are in place soonest
 
 
-async def _gossip_stream(host, state: dict):
-    """A pubsub stream to the target over which `host` forwards, subscribed to the ad
-    topic. What the target sends back is read and dropped."""
+async def _gossip_stream(host, state: dict, model_id: str):
+    """A pubsub stream to the target over which `host` forwards, subscribed to the
+    model's ad topic. What the target sends back is read and dropped."""
     async def drain(stream) -> None:
         with contextlib.suppress(Exception):
             while await stream.read(1 << 16):
@@ -111,7 +112,7 @@ async def _gossip_stream(host, state: dict):
     info = await dial(host, state["peer_id"], state["addrs"], timeout=DIAL_TIMEOUT_S)
     with trio.fail_after(DIAL_TIMEOUT_S):
         stream = await host.new_stream(info.peer_id, [PROTOCOL_ID_V11])
-        await _send(stream, rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid=AD_TOPIC)]))
+        await _send(stream, rpc_pb2.RPC(subscriptions=[rpc_pb2.RPC.SubOpts(subscribe=True, topicid=ad_topic(model_id))]))
     return stream
 
 
@@ -137,7 +138,7 @@ def _message(key, peer: str, from_id: bytes, model_id: str) -> rpc_pb2.Message:
     now = time.time()
     span = Serving(model_id, 0, 1, "float32", free_tokens=1 << 20, load=0.0, block_rate=1e6)
     ad = make_ad(key, peer, [], HW, [span], __version__, now=now, ttl_s=MAX_AD_TTL_S)
-    msg = rpc_pb2.Message(from_id=from_id, data=ad.raw, seqno=os.urandom(8), topicIDs=[AD_TOPIC])
+    msg = rpc_pb2.Message(from_id=from_id, data=ad.raw, seqno=os.urandom(8), topicIDs=[ad_topic(model_id)])
     msg.signature = key.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
     return msg
 
@@ -155,7 +156,7 @@ async def _flood(hosts, state: dict, keys, model_id: str, rate: float, counts: c
             turn += 1
             try:
                 if streams[i] is None:
-                    streams[i] = await _gossip_stream(hosts[i], state)
+                    streams[i] = await _gossip_stream(hosts[i], state, model_id)
                 await _send(streams[i], rpc_pb2.RPC(publish=batch))
             except Exception as exc:  # the target ended this stream: the next turn opens another
                 counts[f"sybil_send_{type(exc).__name__}"] += 1

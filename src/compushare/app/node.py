@@ -32,7 +32,8 @@ from ..karma.rules import base_score
 from ..karma.service import KARMA_PROTOCOL, KarmaBook, KarmaService
 from ..model.catalog import DEFAULT_MODEL
 from ..model.store import ModelStore, StoredModel, is_model_id
-from ..net.dht import routing_sync_loop
+from ..net.dht import find_model_providers, routing_sync_loop
+from ..net.directory import Directory
 from ..net.gossip import Gossip, learn_views
 from ..net.host import advertised_addrs, full_addrs
 from ..net.identity import load_or_create_identity
@@ -86,10 +87,10 @@ class Node:
         self.faults = faults  # tests' misbehaving nodes only (debug.py)
         self.progress = progress or Progress()  # the model's conversion, the span's fetching (stderr)
         self.view = SwarmView()
-        self.swarm = None  # the libp2p host and its DHT (net/peer.py), once open
-        self.key_pair = None
+        self.swarm, self.key_pair = None, None  # the libp2p host and its DHT (net/peer.py), once open
         self.me = ""  # this node's peer id
         self.gossip: Gossip | None = None
+        self.directory: Directory | None = None
         self.provider: Provider | None = None
         self.private: PrivateServer | None = None  # /compushare/private, when config.private
         self.training: TrainingServer | None = None  # /compushare/train, once a span is served
@@ -100,8 +101,7 @@ class Node:
         self.downloads: dict[str, dict] = {}  # span weights being fetched: blocks, done, total bytes
         self.fetched: list[dict] = []  # downloads of span weights (node.json shows them)
         self._memory: Callable[[], dict] | None = None  # what the span holds against the memory budget
-        self.hardware = None
-        self.device = "cpu"  # where the span computes (config.device resolved when the node starts)
+        self.hardware, self.device = None, "cpu"  # device: where the span computes (config.device, resolved)
         self._state: dict = {}
         self.last_state: dict = {}  # node.json as last written
 
@@ -159,7 +159,9 @@ class Node:
         self.karma = KarmaService(host, dht, self.key_pair, config.data_dir)
         host.set_stream_handler(KARMA_PROTOCOL, self.karma.handle)
         make_our_ad = ad_maker(self.key_pair, self.me, host, self.hardware, config, self)
-        self.gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s)
+        self.gossip = Gossip(host, self.view, make_our_ad, period_s=config.ad_period_s,
+                             find_providers=lambda model_id: find_model_providers(dht, model_id))
+        self.directory = Directory(host, self.view)  # the models it does not follow, for its UI
         self.traversal = Traversal(
             host, serve=True, relay=config.relay, quotas=config.relay_quotas,
             relay_candidates=lambda: relay_candidates(self.view, self.me, time.time()),
@@ -179,14 +181,14 @@ class Node:
         await nursery.start(self.traversal.run)
         await nursery.start(self.gossip.run)  # before dialling: pubsub learns peers from connections
         await self.swarm.join(retry=True)
-        # Dialable and seeding from here on: `swarm up` starts the other nodes now,
-        # so they fetch their spans while this one loads its own.
+        # Dialable and seeding from here on: `swarm up` starts the others now, to fetch their spans meanwhile.
         write_json(self.config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": self.me,
                                                         "addrs": advertised_addrs(host)})
         nursery.start_soon(routing_sync_loop, host, dht)
         nursery.start_soon(self.karma.publish_loop)
         nursery.start_soon(self.karma.provide_reports_loop)
         nursery.start_soon(karma_watch_loop, self.view, self.karma_book, host, dht)
+        nursery.start_soon(self.directory.run)
 
     async def _serve_api(self, nursery: trio.Nursery, name: str) -> str | None:
         """Services: the local HTTP API (None: switched off)."""
@@ -216,6 +218,7 @@ class Node:
             name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format, device=self.device)
         await self_benchmark(provider, config, self.faults.slowdown, self.device)
         memory = span_memory(self.device, self.hardware)
+        self.gossip.follow(model.model_id)  # its servers' ads, heard while the first span is chosen
         span, length = await first_span(provider, config, memory, host, self.view, self.me)
         self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
                        "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks,
@@ -364,13 +367,17 @@ class NodeControl:
         if node.traversal is not None:
             status["net"] = node.traversal.stats()
             status["addrs"] = node.traversal.addrs()
+        if node.gossip is not None:  # what it hears of ads, and at what cost (net/ad_intake.py)
+            intake = node.gossip.intake
+            status["ads"] = {"followed": sorted(intake.followed), "period_s": node.gossip.period_now,
+                             "heard": dict(intake.heard), "checks": dict(intake.counts)}
         return status
 
     def dashboard(self) -> dict:
         """Everything the dashboard shows: this node, the swarm as its ads tell it
         (with each peer's karma as checked in the background), downloads."""
         node = self.node
-        summary = summarize(node.view, node.config.data_dir, node.last_state or None, now=time.time(), asked=0)
+        summary = summarize(node.directory.picture(), node.config.data_dir, node.last_state or None, now=time.time(), asked=0)
         for peer in summary["peers"]:
             peer["karma"] = node.karma_book.known(peer["peer_id"])
         downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in node.fetched]
@@ -382,7 +389,8 @@ class NodeControl:
         its KV budget, and the peers it knows by their reachability."""
         node = self.node
         server = node.provider.server if node.provider is not None else None
-        reaches = count_reaches([ad.reach for ad in node.view.live(now) if ad.peer_id != node.me])
+        reaches = count_reaches([ad.reach for ad in node.directory.picture(look=False).live(now)
+                                 if ad.peer_id != node.me])
         if server is None:
             return Sample(now, **reaches)
         return Sample(now, steps=server.steps_served, tokens=server.tokens_served, sessions=len(server.sessions),

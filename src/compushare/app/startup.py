@@ -80,8 +80,12 @@ async def model_id_from_swarm(host, dht, config: NodeConfig, name: str) -> str:
 
 def ad_maker(key_pair, me: str, host, hardware: Hardware, config: NodeConfig, node) -> Callable:
     """This node's capability ad, made afresh (a rising seq) whenever gossip sends one;
-    `node` (node.Node) says what it serves and how it is reached."""
+    `node` (node.Node) says what it serves and how it is reached. Its lifetime follows
+    the period gossip publishes at now (stretched on a crowded topic)."""
     last_seq = 0
+
+    def period_now() -> float:
+        return node.gossip.period_now if node.gossip is not None else config.ad_period_s
 
     def make_our_ad():
         nonlocal last_seq
@@ -89,7 +93,7 @@ def ad_maker(key_pair, me: str, host, hardware: Hardware, config: NodeConfig, no
         now_hardware = dataclasses.replace(hardware, ram_free_mb=available_ram_mb(hardware))
         serving = node.provider.serving() if node.provider is not None else []
         return make_ad(key_pair, me, advertised_addrs(host), now_hardware, serving, __version__,
-                       ttl_s=ad_ttl(config.ad_period_s), seq=last_seq, reach=node.traversal.status,
+                       ttl_s=ad_ttl(period_now()), seq=last_seq, reach=node.traversal.status,
                        relay=node.traversal.offers_relay())
 
     return make_our_ad
@@ -192,5 +196,6 @@ def api_app(node, name: str, control: Control):
     the swarm, behind the token in its data dir."""
     config = node.config
     engine = ChatEngine(node.swarm.host, node.swarm.dht, config.data_dir, torrent=node.torrent, default_model=name,
-                        view=node.view)
+                        view=node.view, follow=node.gossip.follow if node.gossip is not None else None,
+                        picture=node.directory.picture if node.directory is not None else None)
     return build_app(engine, load_or_create_token(config.data_dir), control, ollama_open=config.api_ollama_open)

@@ -17,7 +17,10 @@
   store_bounds.py  pure: what the DHT stores for others (bytes, per publisher, TTL)
   limits.py     pure: per-peer token buckets
   ads.py, view.py, gossip.py  capability ads, the swarm view (evidence before
-                newcomers), GossipSub
+                newcomers), GossipSub (a topic per model)
+  directory.py  the swarm beyond the models a node follows, pulled for its UI only
+  ad_intake.py  pure: ad topics per model, the ad period stretched by a topic's size,
+                early drops and the cache of checked ads
   reachability.py  pure: whether this node can be dialled, and how peers reach it if not
   traversal.py  NAT traversal for one host: AutoNAT, relay reservations, hole punching
   hole_punch.py  DCUtR hole punching that dials only the punched peer's own addresses

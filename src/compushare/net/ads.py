@@ -2,13 +2,17 @@
 
 An ad is a sealed envelope (net/signed.py) signed by the peer it describes: its
 addresses, hardware, software version and, per model span it serves, free KV
-tokens, load and measured speed. Nodes publish one every AD_PERIOD_S (and at once
-after a change); an ad expires three periods after it was sent (at most MAX_AD_TTL_S), so
-a peer that stops advertising drops out of every view within that bound.
+tokens, load and measured speed. Providers publish one on the topic of each model
+they serve every period (AD_PERIOD_S, stretched as the topic grows: net/ad_intake.py;
+at once after a change); an ad expires three of its publisher's periods after it was
+sent (at most MAX_AD_TTL_S), so a peer that stops advertising drops out of every view
+within that bound.
 
 Checks, in order: size, envelope and signature (the signer must be the pubsub
 sender), version and schema, then freshness (not expired, not from the future,
-lifetime at most MAX_AD_TTL_S). The per-peer rate is the view's job (net/view.py).
+lifetime at most MAX_AD_TTL_S). `decode_ad` is the part that does not depend on the
+clock (so its result can be cached by the ad's digest: net/ad_intake.py) and
+`check_fresh` the part that does. The per-peer rate is the view's job (net/view.py).
 """
 
 from __future__ import annotations
@@ -19,23 +23,24 @@ import time
 
 from libp2p.crypto.keys import KeyPair
 
-from .. import wire
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
 from .reachability import REACHABILITIES, UNKNOWN
 from .records import ALLOWED_DTYPES, FORMAT_LABEL, MAX_ADDRS, MAX_BLOCKS, MODEL_NAME
 from .signed import addrs_field, field, open_sealed, seal, signer_of
 
-AD_TOPIC = wire.AD_TOPIC
 AD_VERSION = 1
 AD_PERIOD_S = 5.0
-MIN_AD_PERIOD_S, MAX_AD_PERIOD_S = 1.0, 20.0
-MAX_AD_TTL_S = 60.0
+MIN_AD_PERIOD_S, MAX_AD_PERIOD_S = 1.0, 20.0  # the configured (base) period
+MAX_STRETCHED_PERIOD_S = 60.0  # the period as stretched by a crowded topic (net/ad_intake.ad_period)
+MAX_AD_TTL_S = 3 * MAX_STRETCHED_PERIOD_S  # revision 22; 60 s before
 AD_TTL_S = 3 * AD_PERIOD_S  # three missed periods and the peer is gone
 
 
 def ad_ttl(period_s: float) -> float:
     return min(3 * period_s, MAX_AD_TTL_S)
+
+
 MAX_CLOCK_SKEW_S = 30.0
 MAX_AD_BYTES = 4096
 MAX_SERVING = 8
@@ -184,6 +189,13 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
     checked against its own signature); None only when re-checking a relayed view,
     where the signature against the ad's own peer id is the whole proof.
     """
+    ad = decode_ad(value, sender=sender)
+    check_fresh(ad, time.time() if now is None else now)
+    return ad
+
+
+def decode_ad(value: bytes, *, sender: str | None) -> CapabilityAd:
+    """Signature and schema: what does not depend on the clock (parse_ad's first part)."""
     if not isinstance(value, bytes | bytearray):
         raise PeerMisbehaved("an ad must be bytes")
     value = bytes(value)
@@ -225,11 +237,14 @@ def parse_ad(value: bytes, *, sender: str | None, now: float | None = None) -> C
     )
     if ad.peer_id != claimed:
         raise PeerMisbehaved(f"ad names peer {ad.peer_id} but was signed by {claimed}")
-    now = time.time() if now is None else now
-    if ad.sent > now + MAX_CLOCK_SKEW_S:
-        raise PeerMisbehaved("ad sent in the future")
     if not (ad.sent < ad.expires <= ad.sent + MAX_AD_TTL_S):
         raise PeerMisbehaved(f"ad lifetime must be within (0, {MAX_AD_TTL_S:.0f}] s")
+    return ad
+
+
+def check_fresh(ad: CapabilityAd, now: float) -> None:
+    """Freshness: not from the future, not expired (parse_ad's second part)."""
+    if ad.sent > now + MAX_CLOCK_SKEW_S:
+        raise PeerMisbehaved("ad sent in the future")
     if not ad.is_live(now):
         raise PeerMisbehaved("ad has expired")
-    return ad

@@ -332,6 +332,12 @@ async def find_providers_fresh(dht: KadDHT, key: str) -> set[ID]:
     return set(await find_provider_infos_fresh(dht, key))
 
 
+async def find_model_providers(dht: KadDHT, model_id: str) -> list[PeerInfo]:
+    """The servers of `model_id` the DHT knows, with their addresses (gossip dials them
+    when the model's ad topic has too few neighbours)."""
+    return list((await find_provider_infos_fresh(dht, model_key(model_id))).values())
+
+
 async def find_provider_infos_fresh(dht: KadDHT, key: str) -> dict[ID, PeerInfo]:
     """Like find_providers_fresh, with the addresses each provider record carries."""
     key_bytes = bytes.fromhex(key)

@@ -1,14 +1,22 @@
 """GossipSub glue for capability ads, and the view protocol that hands them out.
 
 GossipSub v1.1 only (py-libp2p 0.8.1's v1.2 IDONTWANT path stalls under load), with
-pubsub-level signing on. A topic validator runs net/ads.parse_ad and the view's
-rate/replay rules on every ad before it is forwarded, so an invalid ad neither
-enters this node's view nor travels further through it.
+pubsub-level signing on. Ads travel on one topic per model (net/ad_intake.ad_topic):
+a node joins the topics of the models it serves (on its first publication) and of
+those it consumes (`follow`), and publishes only if it serves something, on the
+topic of each model it serves, at a period that stretches with the topic's size
+(net/ad_intake.ad_period). Before pubsub checks a message's signature, the early
+drops of net/ad_intake run (size, topic, sender pace); a topic validator then runs
+the cached ad checks and the view's rate/replay rules on every ad before it is
+forwarded, so an invalid ad neither enters this node's view nor travels further
+through it.
 
 `/compushare/view/1.0.0` lets a short-lived client (`compushare status`, a
 consumer choosing its route) ask any node for the ads it holds instead of waiting
-a whole period on the topic. The reply is the signed ads themselves: the client
-re-checks every signature and trusts the relaying node for nothing.
+a whole period on the topic; a request may name a model, and the reply then holds
+only the ads that serve it. The reply is the signed ads themselves: the client
+re-checks every signature (once per digest: net/ad_intake) and trusts the relaying
+node for nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +25,12 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
@@ -29,7 +38,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from .. import defences, wire
 from ..errors import PeerMisbehaved
-from .ads import AD_PERIOD_S, AD_TOPIC, MAX_AD_BYTES, CapabilityAd, parse_ad
+from .ad_intake import AdIntake, ad_period, ad_topic, model_of_topic, served_models
+from .ads import AD_PERIOD_S, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .limits import TokenBucket
 from .serve import GuardedHandler
@@ -50,45 +60,95 @@ DIAL_TIMEOUT_S = 5.0
 NEWCOMER_ADS_PER_S = 50.0
 NEWCOMER_ADS_BURST = 10 * NEWCOMER_ADS_PER_S
 EVIDENCE_PERIOD_S = 2.0
+# A topic short of D_low neighbours after the ads' peers were dialled: its model's
+# providers are looked up in the DHT, at most once per this (a small topic stays short).
+PROVIDER_LOOKUP_S = 60.0
+MAX_LEGACY_NOTED = 256  # peers still on revision 21's one ad topic, each logged once
+# The checks of relayed ads (view replies) in this process, cached by digest: the
+# same ads come back from every peer asked.
+RELAYED_ADS = AdIntake()
 
 
 class Gossip:
     """Publishes this node's ad every period (and on demand) and keeps `view` fed.
 
-    `make_ad` is called for every publication; None makes a listen-only member
-    (a consumer or `status`).
+    `make_ad` is called for every publication (its ad's lifetime should follow
+    `period_now`, the stretched period); None, or an ad serving nothing, makes a
+    listen-only member. `models`: topics to follow from the start. `find_providers`:
+    a model's providers from the DHT, dialled when a topic has too few neighbours.
     """
 
     def __init__(self, host: IHost, view: SwarmView, make_ad: Callable[[], CapabilityAd] | None = None,
-                 *, period_s: float = AD_PERIOD_S, on_ad: Callable[[CapabilityAd], None] | None = None) -> None:
+                 *, period_s: float = AD_PERIOD_S, on_ad: Callable[[CapabilityAd], None] | None = None,
+                 models: tuple[str, ...] = (),
+                 find_providers: Callable[[str], Awaitable[list[PeerInfo]]] | None = None) -> None:
         self.host = host
         self.view = view
         self.make_ad = make_ad
-        self.period_s = period_s
+        self.period_s = period_s  # the base period
+        self.period_now = period_s  # stretched by the size of the topics we publish on
         self.on_ad = on_ad
         self.pubsub: Pubsub | None = None
+        self.intake = AdIntake()
+        self._wanted: dict[str, None] = dict.fromkeys(models)  # model ids to follow, in order
+        self._follow_now = trio.Event()
         self._publish_now = trio.Event()
         self._last_publish = -float("inf")
+        self._serves: list[str] = []  # the models of our last ad: the topics we publish on
+        self._legacy_noted: set[ID] = set()
+        self.find_providers, self._looked_up = find_providers, -float("inf")
+        self._nursery: trio.Nursery | None = None  # run()'s, where each topic's subscription is read
         self.published = 0
 
     # ------------------------------------------------------------------ validation
 
     def _validate(self, _forwarder: ID, msg: rpc_pb2.Message) -> bool:
         """Topic validator: False drops the message here and stops its spread."""
-        now = time.time()
+        now, topic = time.time(), msg.topicIDs[0] if len(msg.topicIDs) == 1 else None
         try:
-            ad = parse_ad(msg.data, sender=ID(msg.from_id).to_base58(), now=now)
+            ad = self.intake.check(msg.data, sender=ID(msg.from_id).to_base58(), now=now, topic=topic)
         except (PeerMisbehaved, ValueError) as exc:
             self.view.rejected += 1
             log.info("rejected an ad from %s: %s", _short(msg.from_id), exc)
             return False
-        offer = self.view.offer(ad, now)
-        if not offer.accepted:
-            log.debug("ad from %s not taken: %s", ad.peer_id, offer.reason)
-            return False
-        if self.on_ad is not None:
-            self.on_ad(ad)
+        if not self.view.holds(ad):  # (the same ad on a second topic of its publisher: forwarded)
+            offer = self.view.offer(ad, now)
+            if not offer.accepted:
+                log.debug("ad from %s not taken: %s", ad.peer_id, offer.reason)
+                return False
+            if self.on_ad is not None:
+                self.on_ad(ad)
+        self.intake.accepted(msg.from_id, topic, trio.current_time())
         return True
+
+    # ------------------------------------------------------------------ topics
+
+    def follow(self, model_id: str) -> None:
+        """Join `model_id`'s ad topic (soon, in the background): a consumer does so when
+        it first plans a route for the model. Idempotent."""
+        if model_id not in self._wanted:
+            self._wanted[model_id] = None
+            self._follow_now.set()
+
+    def followed(self) -> set[str]:
+        return set(self.intake.followed)
+
+    async def _join(self, model_id: str) -> None:
+        if model_id in self.intake.followed or self.pubsub is None or self._nursery is None:
+            return
+        topic = ad_topic(model_id)
+        self.pubsub.set_topic_validator(topic, self._validate, is_async_validator=False)
+        self.intake.followed.add(model_id)
+        subscription = await self.pubsub.subscribe(topic)
+        self._nursery.start_soon(self._drain, subscription)
+        log.info("following the ads of %s", model_id[:12])
+
+    async def _follow_loop(self) -> None:
+        while True:
+            for model_id in list(self._wanted):
+                await self._join(model_id)
+            await self._follow_now.wait()
+            self._follow_now = trio.Event()
 
     # ------------------------------------------------------------------ tasks
 
@@ -101,8 +161,7 @@ class Gossip:
                            heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1,
                            adaptive_gossip_enabled=False)
         pubsub = Pubsub(self.host, router, strict_signing=True)
-        pubsub.set_topic_validator(AD_TOPIC, self._validate, is_async_validator=False)
-        pubsub.push_msg = _guarded_push(pubsub, self.view)  # looked up per message: the instance attribute wins
+        pubsub.push_msg = _guarded_push(pubsub, self.view, self.intake)  # the instance attribute wins
         self.host.set_stream_handler(PROTOCOL_ID_V11, _guarded(pubsub))
         # A view request is one small message: 4 at once per peer is plenty, and 64 in
         # all keeps a crowd of peers from holding the node's view streams open.
@@ -114,10 +173,12 @@ class Gossip:
             # before it started would never carry gossip. (Private in the pinned 0.8.1.)
             for peer in list(self.host.get_network().connections):
                 pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer)
-            subscription = await pubsub.subscribe(AD_TOPIC)
             self.pubsub = pubsub
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._drain, subscription)
+                self._nursery = nursery
+                for model_id in list(self._wanted):
+                    await self._join(model_id)
+                nursery.start_soon(self._follow_loop)
                 nursery.start_soon(self._expire_loop)
                 nursery.start_soon(self._evidence_loop)
                 nursery.start_soon(self._mesh_loop)
@@ -164,9 +225,16 @@ class Gossip:
             for peer in list(self.host.get_network().connections):
                 if pubsub is not None and peer not in pubsub.peers:  # private in the pinned 0.8.1
                     pubsub.manager.run_task(pubsub._handle_new_peer_with_retry, peer)
+            note_legacy_peers(self.pubsub, self._legacy_noted)
             missing = MESH_DEGREE[1] - len(self.subscribed_peers())
-            if missing > 0:
-                await dial_ad_peers(self.host, self.view, missing)
+            if missing > 0 and self.intake.followed:
+                missing -= await dial_ad_peers(self.host, self.view, missing)
+            now = trio.current_time()
+            if missing > 0 and self.find_providers is not None and now - self._looked_up >= PROVIDER_LOOKUP_S:
+                self._looked_up = now
+                with trio.move_on_after(3 * DIAL_TIMEOUT_S):
+                    infos = await self.find_providers(random.choice(sorted(self.intake.followed)))
+                    await dial_providers(self.host, infos, missing)
 
     def publish_soon(self) -> None:
         """Publish a fresh ad now (rate permitting), e.g. after a change of span."""
@@ -179,29 +247,49 @@ class Gossip:
                 await trio.sleep(wait)
             await self.publish_once()
             # Jitter keeps a swarm started at once from publishing in lockstep.
-            with trio.move_on_after(self.period_s * random.uniform(0.9, 1.1)):
+            with trio.move_on_after(self.period_now * random.uniform(0.9, 1.1)):
                 await self._publish_now.wait()
             self._publish_now = trio.Event()
 
+    def stretch_period(self) -> float:
+        """The period for the next ad: the base, stretched by the largest topic we
+        publish on (the providers in view, ourselves included)."""
+        now = time.time()
+        providers = max((self.view.providers(m, now) for m in self._serves), default=1)
+        self.period_now = ad_period(providers, self.period_s)
+        return self.period_now
+
     async def publish_once(self) -> None:
         assert self.pubsub is not None and self.make_ad is not None
+        self.stretch_period()
         ad = self.make_ad()
         self._last_publish = trio.current_time()
+        # Never longer than a third of the ad's own lifetime: a make_ad that ignores
+        # period_now must not see its ads expire between publications.
+        self.period_now = min(self.period_now, (ad.expires - ad.sent) / 3)
         try:  # pubsub would drop our own bad ad silently: say so instead
             parse_ad(ad.raw, sender=ad.peer_id)
         except PeerMisbehaved as exc:
             log.error("our own ad is invalid, not publishing it: %s", exc)
             return
-        try:
-            await self.pubsub.publish(AD_TOPIC, ad.raw)
-            self.published += 1
-        except Exception as exc:  # pubsub raises assorted errors while peers come and go
-            log.warning("publishing our ad failed: %s", exc)
+        self._serves = served_models(ad)
+        if not self._serves:  # serving nothing: nothing to say (and no topic to say it on)
+            return
+        for model_id in self._serves:
+            await self._join(model_id)
+            try:
+                await self.pubsub.publish(ad_topic(model_id), ad.raw)
+            except Exception as exc:  # pubsub raises assorted errors while peers come and go
+                log.warning("publishing our ad failed: %s", exc)
+                return
+        self.published += 1
 
     def subscribed_peers(self) -> set[ID]:
+        """The peers on any of the topics we follow."""
         if self.pubsub is None:
             return set()
-        return set(self.pubsub.peer_topics.get(AD_TOPIC, set()))
+        return {peer for model_id in self.intake.followed
+                for peer in self.pubsub.peer_topics.get(ad_topic(model_id), ())}
 
     # ------------------------------------------------------------------ view protocol
 
@@ -210,12 +298,15 @@ class Gossip:
         try:
             with trio.fail_after(VIEW_TIMEOUT_S):
                 request = await framed.receive()
-                if request is None or request.get("type") != "view":
+                model = request.get("model") if request is not None else None
+                if request is None or request.get("type") != "view" or (
+                        model is not None and (not isinstance(model, str) or model_of_topic(ad_topic(model)) is None)):
                     await framed.send({"type": "error", "code": "bad_request", "message": "expected a view request"})
                 else:
                     # Evidenced peers first, then a random sample of newcomers (net/view.py):
                     # keys ground to sort first no longer crowd the servers out.
-                    ads = [ad.raw for ad in self.view.ranked(time.time(), MAX_VIEW_ADS)]
+                    ranked = self.view.ranked(time.time(), MAX_VIEW_ADS)
+                    ads = [ad.raw for ad in ranked if model is None or ad.serving_of(model)]
                     await framed.send({"type": "view", "ads": ads})
                 await framed.close()
         except Exception as exc:  # a handler must not raise into py-libp2p's connection task
@@ -224,14 +315,14 @@ class Gossip:
                 await framed.reset()
 
 
-async def fetch_view(host: IHost, peer_id: ID, view: SwarmView) -> int:
-    """Ask `peer_id` for its ads and offer each to `view` after checking it; return
-    how many were taken."""
+async def fetch_view(host: IHost, peer_id: ID, view: SwarmView, model_id: str | None = None) -> int:
+    """Ask `peer_id` for its ads (those serving `model_id` only, if given) and offer
+    each to `view` after checking it; return how many were taken."""
     with trio.fail_after(VIEW_TIMEOUT_S):
         stream = await host.new_stream(peer_id, [VIEW_PROTOCOL])
         framed = FramedStream(stream, MAX_VIEW_FRAME)
         try:
-            await framed.send({"type": "view"})
+            await framed.send({"type": "view"} | ({"model": model_id} if model_id is not None else {}))
             reply = await framed.receive()
         finally:
             with contextlib.suppress(Exception):
@@ -242,23 +333,24 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView) -> int:
     now = time.time()
     for raw in reply["ads"][:MAX_VIEW_ADS]:
         try:
-            ad = parse_ad(raw, sender=None, now=now)
-        except PeerMisbehaved as exc:
+            ad = RELAYED_ADS.check(raw, sender=None, now=now)
+        except (PeerMisbehaved, TypeError) as exc:
             log.info("%s relayed a bad ad: %s", peer_id, exc)
             continue
         taken += view.replace(ad, now)
     return taken
 
 
-async def learn_views(host: IHost, view: SwarmView) -> int:
-    """Fill `view` from the views of every peer we are connected to; return how many
-    answered."""
+async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None) -> int:
+    """Fill `view` from the views of every peer we are connected to (the ads serving
+    `model_id` only, if given); return how many answered. A peer holds the ads of
+    the topics it follows: the models it serves or consumes."""
     answered = 0
 
     async def one(peer) -> None:
         nonlocal answered
         with contextlib.suppress(Exception):
-            await fetch_view(host, peer, view)
+            await fetch_view(host, peer, view, model_id)
             answered += 1
 
     async with trio.open_nursery() as nursery:
@@ -287,6 +379,35 @@ async def dial_ad_peers(host: IHost, view: SwarmView, want: int) -> int:
     async with trio.open_nursery() as nursery:
         for ad in candidates[:want]:
             nursery.start_soon(one, ad)
+    return dialed
+
+
+def note_legacy_peers(pubsub: Pubsub | None, noted: set[ID]) -> None:
+    """Say once per peer (of at most MAX_LEGACY_NOTED) that a neighbour still speaks
+    revision 21's one ad topic: neither hears the other's ads (protocol.md, revision 22)."""
+    for peer in list(pubsub.peer_topics.get(wire.AD_TOPIC_V1, ())) if pubsub is not None else []:
+        if peer not in noted and len(noted) < MAX_LEGACY_NOTED:
+            noted.add(peer)
+            log.warning("peer %s advertises on %s (protocol revision 21 or older): its ads are not heard here "
+                        "nor ours there; it must be upgraded to take part in gossip", peer, wire.AD_TOPIC_V1)
+
+
+async def dial_providers(host: IHost, infos: list[PeerInfo], want: int) -> int:
+    """Connect to up to `want` of a model's providers (found in the DHT) we are not
+    connected to, chosen at random; return how many answered."""
+    connected, me = set(host.get_network().connections), host.get_id()
+    fresh = [info for info in infos if info.peer_id not in connected and info.peer_id != me and info.addrs]
+    dialed = 0
+
+    async def one(info: PeerInfo) -> None:
+        nonlocal dialed
+        with contextlib.suppress(Exception), trio.fail_after(DIAL_TIMEOUT_S):
+            await host.connect(info)
+            dialed += 1
+
+    async with trio.open_nursery() as nursery:
+        for info in random.sample(fresh, min(want, len(fresh))):
+            nursery.start_soon(one, info)
     return dialed
 
 
@@ -324,7 +445,7 @@ def _guarded(pubsub: Pubsub):
     return handler
 
 
-def _guarded_push(pubsub: Pubsub, view: SwarmView):
+def _guarded_push(pubsub: Pubsub, view: SwarmView, intake: AdIntake):
     """py-libp2p checks each received message in its own pubsub task (push_msg), and its
     signature check raises on a `key` field that is not a public key (sent with a
     peer id that embeds none): the exception ends the pubsub service, and the node
@@ -335,12 +456,16 @@ def _guarded_push(pubsub: Pubsub, view: SwarmView):
     one budget of NEWCOMER_ADS_PER_S, and those over it are dropped before any
     check (nor forwarded). Ads of peers in the view are always checked. A newcomer
     publishes again every period, so under a flood its ad gets in within a few
-    tries; learn_views (a request, not gossip) is not budgeted."""
+    tries; learn_views (a request, not gossip) is not budgeted. Before all of that,
+    the early drops of net/ad_intake (size, topic, sender pace) cost no check at all."""
     push = pubsub.push_msg
     budget = TokenBucket(NEWCOMER_ADS_PER_S, NEWCOMER_ADS_BURST)
     unlimited = defences.disabled("view_policy")
 
     async def push_msg(forwarder: ID, msg: rpc_pb2.Message) -> None:
+        if forwarder != pubsub.my_id and intake.early_drop(len(msg.data), list(msg.topicIDs), msg.from_id,
+                                                           trio.current_time()) is not None:
+            return
         if not unlimited and forwarder != pubsub.my_id and not _in_view(view, msg.from_id):
             if budget.take(1, trio.current_time()):
                 view.newcomer_ads_dropped += 1

@@ -337,6 +337,15 @@ class SwarmView:
     def servers(self, model_id: str, now: float) -> list[tuple[CapabilityAd, Serving]]:
         return [(ad, s) for ad in self.live(now) for s in ad.serving_of(model_id)]
 
+    def providers(self, model_id: str, now: float) -> int:
+        """How many peers in view serve `model_id`: the size of its ad topic."""
+        return sum(1 for e in self._peers.values() if e.ad.is_live(now) and e.ad.serving_of(model_id))
+
+    def holds(self, ad: CapabilityAd) -> bool:
+        """Whether this very ad (same peer, same seq) is the one held for its peer."""
+        entry = self._peers.get(ad.peer_id)
+        return entry is not None and entry.ad.seq == ad.seq and entry.ad.raw == ad.raw
+
     def models(self, now: float) -> set[str]:
         return {s.model_id for ad in self.live(now) for s in ad.serving}
 

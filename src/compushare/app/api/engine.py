@@ -131,8 +131,13 @@ def describe_hops(route: list[Hop], view: SwarmView, *, private: bool) -> list[d
 
 class ChatEngine:
     def __init__(self, host, dht, data_dir: Path, *, torrent, default_model: str,
-                 spot_check_rate: float = DEFAULT_RATE, view: SwarmView | None = None) -> None:
+                 spot_check_rate: float = DEFAULT_RATE, view: SwarmView | None = None,
+                 follow: Callable[[str], None] | None = None,
+                 picture: Callable[[], SwarmView] | None = None) -> None:
         self.host, self.dht, self.data_dir, self.torrent = host, dht, data_dir, torrent
+        self.follow = follow  # joins a model's ad topic (net/gossip.Gossip.follow)
+        # The swarm beyond the models the node follows, for the model picker (net/directory.py).
+        self.picture = picture if picture is not None else (lambda: self.view)
         self.default_model = default_model
         self.view = view if view is not None else SwarmView()  # the node's own, fed by gossip
         self.spot_check_rate = spot_check_rate
@@ -151,9 +156,9 @@ class ChatEngine:
         return set(self._consumers)
 
     def swarm_models(self) -> list[dict]:
-        """Every model stored here or served in the swarm (as the node's ads tell it),
-        for the chat page's picker (/control/models)."""
-        now = time.time()
+        """Every model stored here or served in the swarm (as the node's ads, and its
+        neighbours' views, tell it), for the chat page's picker (/control/models)."""
+        now, view = time.time(), self.picture()
         store = ModelStore(self.data_dir)
         listed: dict[str, dict] = {}
         for name, model_id in self.models():
@@ -163,8 +168,8 @@ class ChatEngine:
                 "num_blocks": stored.num_blocks if stored else 0, "private": False,
                 "adapters": adapters_for(self.data_dir, model_id)})
             entry["names"].append(name)
-        for model_id in sorted(self.view.models(now)):
-            servers = self.view.servers(model_id, now)
+        for model_id in sorted(view.models(now)):
+            servers = view.servers(model_id, now)
             named = next((s.name for _, s in servers if s.name), None)
             entry = listed.setdefault(model_id, {
                 "name": named or model_id, "id": model_id, "names": [named] if named else [], "stored": False,
@@ -194,7 +199,7 @@ class ChatEngine:
 
             tokenizer, head = await trio.to_thread.run_sync(load)
             consumer = Consumer(self.host, self.dht, self.data_dir, model, tokenizer, head,
-                                spot_check_rate=self.spot_check_rate)
+                                spot_check_rate=self.spot_check_rate, follow=self.follow)
             self._consumers[model.model_id] = consumer
             return consumer
 

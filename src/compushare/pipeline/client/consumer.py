@@ -208,8 +208,10 @@ class Consumer:
     """A client of the swarm for one model: joined once, then any number of generations."""
 
     def __init__(self, host, dht, data_dir: Path, model, tokenizer, head: ConsumerHead, *,
-                 spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, hooks: ProgressHooks = ProgressHooks()) -> None:
+                 spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE, hooks: ProgressHooks = ProgressHooks(),
+                 follow: Callable[[str], None] | None = None) -> None:
         self.host, self.dht, self.data_dir, self.hooks = host, dht, data_dir, hooks
+        self.follow = follow  # in a node: joins the model's ad topic when a route is first planned
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.eos = eos_ids_of(tokenizer, model.path)
         self.spot_check_rate = spot_check_rate
@@ -246,7 +248,7 @@ class Consumer:
         stats = GenerateStats()
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
                                penalties=self.penalties, view=self.view, karma=self.karma, private=request.private,
-                               fmt=model.format.label)
+                               fmt=model.format.label, follow=self.follow)
         if request.private:
             await self._prepare_private()
         route = await planner.first_route()

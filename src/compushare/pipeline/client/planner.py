@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -65,8 +66,10 @@ class SwarmPlanner:
 
     def __init__(self, host, dht, model_id: str, num_blocks: int, *, needed_tokens: int = 0,
                  penalties: Penalties | None = None, view: SwarmView | None = None,
-                 karma: KarmaBook | None = None, private: bool = False, fmt: str | None = None) -> None:
+                 karma: KarmaBook | None = None, private: bool = False, fmt: str | None = None,
+                 follow: Callable[[str], None] | None = None) -> None:
         self.host, self.dht = host, dht
+        self.follow = follow  # joins the model's ad topic (a node's gossip), on the first plan
         self.fmt = fmt  # the model's weight format: records naming another are left out
         # Private mode: only servers whose live ad offers encrypted products, rated by
         # that (much slower) rate.
@@ -91,9 +94,10 @@ class SwarmPlanner:
         for record in await discover_servers(self.dht, self.model_id, self.num_blocks):
             if record.peer_id not in known or record.seq >= known[record.peer_id].seq:
                 known[record.peer_id] = record
-        # A restarted server listens on new addresses; its live ad (at most 15 s old,
-        # signed by it) has them before its next DHT record does.
-        await learn_views(self.host, self.view)
+        # A restarted server listens on new addresses; its live ad (at most three of its
+        # periods old, signed by it) has them before its next DHT record does. Only this
+        # model's ads are asked for: the servers met so far follow its topic.
+        await learn_views(self.host, self.view, self.model_id)
         records = []
         for record in known.values():
             ad = self.view.get(record.peer_id, now)
@@ -167,7 +171,10 @@ class SwarmPlanner:
 
     async def first_route(self, wait_s: float = DISCOVERY_WAIT_S) -> list[Hop]:
         """The first chain through every block: the servers looked up, then planned,
-        looking again for up to `wait_s` while a swarm settles."""
+        looking again for up to `wait_s` while a swarm settles. In a node, the model's
+        ad topic is joined from here on."""
+        if self.follow is not None:
+            self.follow(self.model_id)
         await self.refresh()
         return await self.plan(0, self.num_blocks, deadline=trio.current_time() + wait_s)
 
