@@ -222,8 +222,7 @@ class Node:
         span, length = await first_span(provider, config, memory, host, self.view, self.me)
         self._state = {"pid": os.getpid(), "peer_id": self.me, "addrs": advertised_addrs(host),
                        "model_id": model.model_id, "model_name": name, "num_blocks": model.num_blocks,
-                       "max_blocks": length,
-                       "placement": "fixed" if config.blocks is not None else "automatic",
+                       "max_blocks": length, "placement": "fixed" if config.blocks is not None else "automatic",
                        "block_rate": provider.block_rate, "device": memory.where, "started": time.time(),
                        "api": api_url}
         provider.on_change = self._provider_changed
