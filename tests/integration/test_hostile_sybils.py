@@ -45,11 +45,12 @@ RSS_GROWTH_LIMIT_MB = 50.0
 
 
 def dashboard_peers(state: dict, data_dir: Path) -> set[str]:
-    """The peers of T's own view, as its control API shows them."""
+    """The peers of T's own view, as its control API shows them (not the ads its
+    dashboard pulled from neighbours for display only: net/directory.py)."""
     token = (data_dir / TOKEN_FILE).read_text().strip()
     request = urllib.request.Request(f"{state['api']}/control/dashboard", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=20) as response:
-        return {peer["peer_id"] for peer in json.loads(response.read())["peers"]}
+        return {peer["peer_id"] for peer in json.loads(response.read())["peers"] if peer["heard"]}
 
 
 async def view_reply(host, state: dict, attempts: int = 5) -> list[str]:

@@ -375,10 +375,11 @@ class NodeControl:
     def dashboard(self) -> dict:
         """Everything the dashboard shows: this node, the swarm as its ads tell it
         (with each peer's karma as checked in the background), downloads."""
-        node = self.node
-        summary = summarize(node.directory.picture(), node.config.data_dir, node.last_state or None, now=time.time(), asked=0)
+        node, now = self.node, time.time()
+        summary = summarize(node.directory.picture(), node.config.data_dir, node.last_state or None, now=now, asked=0)
         for peer in summary["peers"]:
             peer["karma"] = node.karma_book.known(peer["peer_id"])
+            peer["heard"] = node.view.get(peer["peer_id"], now) is not None  # else pulled for the UI only
         downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in node.fetched]
         return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
                 "downloads": downloads + list(node.downloads.values()), "history": self.history.to_json()}

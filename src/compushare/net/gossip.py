@@ -230,7 +230,8 @@ class Gossip:
             if missing > 0 and self.intake.followed:
                 missing -= await dial_ad_peers(self.host, self.view, missing)
             now = trio.current_time()
-            if missing > 0 and self.find_providers is not None and now - self._looked_up >= PROVIDER_LOOKUP_S:
+            if missing > 0 and self.find_providers is not None and self.intake.followed \
+                    and now - self._looked_up >= PROVIDER_LOOKUP_S:
                 self._looked_up = now
                 with trio.move_on_after(3 * DIAL_TIMEOUT_S):
                     infos = await self.find_providers(random.choice(sorted(self.intake.followed)))
