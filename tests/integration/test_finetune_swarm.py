@@ -147,7 +147,8 @@ async def test_lying_server_caught_by_a_gradient_spot_check(processes, tiny_mode
     every answer checked, B is caught: a signed failure report names it (anyone can
     check it), B is replaced, and the step's gradients are the honest ones."""
     a, b, c = liar_and_honest_nodes(processes, tiny_model, liar_noise="0.05")
-    d = processes.node("d", tiny_model, "2:4", bootstrap=a["addrs"][:1])[1]
+    # D is slow like C (an honest verifier, never the route's choice over the fast B).
+    d = processes.node("d", tiny_model, "2:4", bootstrap=a["addrs"][:1], extra=["--debug-slowdown", "30"])[1]
     client = tmp_path / "client"
     import_path(tiny_model, client, alias="tiny")
     async with Consumer.connect(client, tuple(a["addrs"][:1]), "tiny", text_prompts=False) as consumer:
