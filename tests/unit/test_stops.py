@@ -13,9 +13,14 @@ pytestmark = pytest.mark.unit
 TEXT = st.text(alphabet="ab\nU:", max_size=40)
 
 
-def _expected(text: str, stops: list[str]) -> tuple[str, bool]:
-    cuts = [text.find(s) for s in stops if s and s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+def _expected(text: str, stops: list[str], bounds: list[int]) -> tuple[str, bool]:
+    """The text up to the earliest stop in the text so far, at the first piece after
+    which one is complete (the generation ends there: nothing later is produced)."""
+    for end in bounds[1:]:
+        cuts = [text[:end].find(s) for s in stops if s and s in text[:end]]
+        if cuts:
+            return text[:min(cuts)], True
+    return text, False
 
 
 @given(text=TEXT, stops=st.lists(st.text(alphabet="ab\nU:", min_size=1, max_size=5), max_size=4),
@@ -25,7 +30,7 @@ def test_any_split_releases_exactly_the_text_before_the_first_stop(text, stops, 
     matcher = StopText(tuple(stops))
     pieces = [matcher.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     pieces.append(matcher.flush())
-    expected, stopped = _expected(text, stops)
+    expected, stopped = _expected(text, stops, bounds)
     assert "".join(pieces) == matcher.released == expected
     assert matcher.stopped == stopped
     assert not any(s in piece for piece in pieces for s in stops)
@@ -38,6 +43,11 @@ def test_a_stop_split_over_tokens_is_held_then_dropped():
     assert matcher.feed("er: hi") == "" and matcher.stopped
     assert matcher.feed("more") == "" and matcher.flush() == ""
     assert matcher.released == "Hello there"
+
+
+def test_the_first_stop_completed_ends_it_even_where_a_longer_one_began_earlier():
+    matcher = StopText(("U", ":U:"))
+    assert matcher.feed(":::U") == ":::" and matcher.stopped  # ":U:" never completes: nothing follows
 
 
 def test_held_text_that_turns_out_not_to_be_a_stop_is_released():

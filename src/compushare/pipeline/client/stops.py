@@ -5,6 +5,9 @@ or inside one with text after it).
 
 A released piece never contains a stop, and nothing after the first stop is ever
 released: what a client sees is exactly the text up to (not including) the stop.
+The generation ends with the first piece after which some stop is complete, cut at
+the earliest stop in the text so far; a longer stop that would have completed later
+never does (nothing later is generated).
 """
 
 from __future__ import annotations
