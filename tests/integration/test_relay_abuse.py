@@ -143,10 +143,16 @@ async def relayed_peer(stack, relay_host, node_host):
     return host
 
 
-async def wait_punches_over(node: Traversal, timeout: float = 60.0) -> None:
+def decided(node: Traversal) -> int:
+    """The punches the node has taken up or refused (over its budget per peer)."""
+    stats = node.stats()["hole_punch"]
+    return stats["punches"] + stats["refused"].get("peer", 0)
+
+
+async def wait_punches_over(node: Traversal, since: int, count: int, timeout: float = 60.0) -> None:
+    """Until the node has decided `count` punches more than `since`, and made them all."""
     with trio.fail_after(timeout):
-        await trio.sleep(0.5)
-        while node.dcutr._in_progress:  # private in the pinned 0.8.1
+        while decided(node) < since + count or node.dcutr._in_progress:  # private in the pinned 0.8.1
             await trio.sleep(0.05)
 
 
@@ -174,23 +180,24 @@ async def test_a_punch_dials_only_the_punched_peers_own_addresses_within_a_budge
         store.add_addrs(ID.from_pubkey(other.public_key), [multiaddr.Multiaddr(a) for a in foreign], 600)
 
         # One punch dials the addresses its CONNECT names, 3 rounds at most, and nothing else.
+        since = decided(node)
         await punch_from(peer, node_host.get_id(), own)
-        await wait_punches_over(node)
+        await wait_punches_over(node, since, 1)
         assert 1 <= counted.total(own) <= 3 * len(own), counted.attempts
         # A second punch names another address: the first one's are not dialled again.
-        before = counted.total(own)
+        before, since = counted.total(own), decided(node)
         await punch_from(peer, node_host.get_id(), later)
-        await wait_punches_over(node)
+        await wait_punches_over(node, since, 1)
         assert 1 <= counted.total(later) <= 3, counted.attempts
         assert counted.total(own) == before, counted.attempts
         assert counted.total(planted) == 0 and counted.total(foreign) == 0, counted.attempts
 
         # A burst of 10 more from the same peer: past its budget of 2, no dial at all.
-        dialled = sum(counted.attempts.values())
+        dialled, since = sum(counted.attempts.values()), decided(node)
         async with trio.open_nursery() as burst:
             for _ in range(10):
                 burst.start_soon(punch_from, peer, node_host.get_id(), own)
-        await wait_punches_over(node)
+        await wait_punches_over(node, since, 10)
         assert sum(counted.attempts.values()) == dialled, counted.attempts
         stats = node.stats()["hole_punch"]
         assert stats["refused"]["peer"] >= 10, stats
@@ -199,9 +206,10 @@ async def test_a_punch_dials_only_the_punched_peers_own_addresses_within_a_budge
         # at 0.01 a second), whatever the number of peers.
         for _ in range(4):
             fresh = await relayed_peer(stack, relay_host, node_host)
+            since = decided(node)
             for _ in range(3):
                 await punch_from(fresh, node_host.get_id(), own + later)
-            await wait_punches_over(node)
+            await wait_punches_over(node, since, 3)
         assert sum(counted.attempts.values()) <= limits.dial_burst + 1, counted.attempts
         stats = node.stats()["hole_punch"]
         assert stats["dials"] <= limits.dial_burst + 1 and stats["refused"]["total"] >= 1, stats

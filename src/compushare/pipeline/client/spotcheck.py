@@ -73,6 +73,10 @@ class Penalties:
         """The peer answered again: its faults are forgiven (a wrong answer is not)."""
         self._faults.pop(peer, None)
 
+    def faulted(self, peer: str) -> bool:
+        """Whether the peer has faults not yet forgiven (however long ago)."""
+        return peer in self._faults
+
     def blacklisted(self, peer: str, now: float) -> bool:
         record = self._mismatches.get(peer)
         return record is not None and record.until > now
