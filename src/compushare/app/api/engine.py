@@ -249,3 +249,17 @@ def run_stats(outcome: RunOutcome, prompt_tokens: int, private: bool) -> dict:
     return {"first_token_s": round(outcome.first_token_s, 4), "decode_tok_s": round(outcome.decode_tok_s, 3),
             "tokens": len(outcome.tokens), "prompt_tokens": prompt_tokens, "failovers": len(outcome.failovers),
             "standby_takeovers": outcome.standby_takeovers, "private": private}
+
+
+def reply_extension(prepared: Prepared, gen: Generation, outcome: RunOutcome) -> dict:
+    """CompuShare's fields of a reply, both APIs': what ran encrypted where (private
+    requests), the route and its figures (`route`); {} for a plain request."""
+    ext: dict = {}
+    if gen.private:
+        ext = private_report(outcome, prepared.consumer.model.num_blocks)
+    if gen.route:
+        hops = describe_hops(outcome.route, prepared.consumer.view, private=gen.private)
+        for hop, private in zip(hops, ext.get("route", []), strict=False):
+            hop.update(layers=private["layers"], encrypted=private["encrypted"])
+        ext.update(route=hops, stats=run_stats(outcome, len(prepared.prompt), gen.private))
+    return {"compushare": ext} if ext else {}

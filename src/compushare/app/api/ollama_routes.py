@@ -23,10 +23,10 @@ from ...model.catalog import resolve_model
 from ...pipeline.client.consumer import RunOutcome
 from ...pipeline.client.produced import Piece
 from ...pipeline.client.sampling import TokenLogprob
-from .engine import ChatEngine, Prepared, describe_hops, private_report, run_stats, token_text
+from .engine import ChatEngine, Prepared, reply_extension, token_text
 from .openai_routes import failure, read_json
 from .requests import OLLAMA_DEFAULT_TAG, BadField, Generation, ollama_chat, ollama_generate
-from .streaming import Streamed, until_disconnect
+from .streaming import answer
 
 
 def ollama_error(exc: BaseException) -> JSONResponse:
@@ -88,18 +88,18 @@ class OllamaReply:
             body["response"] = text
         return {**body, "done": done, **self.logprobs(scored)}
 
-    def final(self, outcome: RunOutcome, text: str) -> dict:
+    def body(self, outcome: RunOutcome) -> dict:
+        """The whole reply, not streamed."""
+        return self.final(outcome, outcome.text, outcome.logprobs)
+
+    def final(self, outcome: RunOutcome, text: str, scored: list[TokenLogprob]) -> dict:
         total = time.perf_counter_ns() - self.began
         first = int(outcome.first_token_s * 1e9)
-        body = dict(self.message(text, outcome.logprobs if text else [], True),
+        body = dict(self.message(text, scored, True),
                     done_reason=outcome.finish_reason, total_duration=total, load_duration=0,
                     prompt_eval_count=len(self.prepared.prompt), prompt_eval_duration=first,
                     eval_count=len(outcome.tokens), eval_duration=max(0, total - first))
-        extension: dict = private_report(outcome, self.prepared.consumer.model.num_blocks) if self.gen.private else {}
-        if self.gen.route:
-            extension.update(route=describe_hops(outcome.route, self.prepared.consumer.view, private=self.gen.private),
-                             stats=run_stats(outcome, len(self.prepared.prompt), self.gen.private))
-        return dict(body, compushare=extension) if extension else body
+        return body | reply_extension(self.prepared, self.gen, outcome)
 
     async def produce(self, to_client: trio.MemorySendChannel[bytes]) -> None:
         def on_piece(piece: Piece) -> None:
@@ -109,7 +109,7 @@ class OllamaReply:
 
         try:
             outcome = await self.run(on_piece)
-            to_client.send_nowait(_line(self.final(outcome, "")))
+            to_client.send_nowait(_line(self.final(outcome, "", [])))
         except Exception as exc:  # the status line is sent already: the error goes in the stream
             to_client.send_nowait(ollama_error(exc).body + b"\n")
 
@@ -130,15 +130,7 @@ async def generate(engine: ChatEngine, request: Request) -> Response:
         reply = OllamaReply(engine, await engine.prepare(gen), gen)
     except Exception as exc:
         return ollama_error(exc)
-    if gen.stream:
-        return Streamed(reply.produce, "application/x-ndjson")
-    try:
-        outcome = await until_disconnect(request.receive, reply.run())
-    except Exception as exc:
-        return ollama_error(exc)
-    if outcome is None:
-        return Response(status_code=499)
-    return JSONResponse(reply.final(outcome, outcome.text) | reply.logprobs(outcome.logprobs))
+    return await answer(request, reply, stream=gen.stream, media_type="application/x-ndjson", fail=ollama_error)
 
 
 def _loaded(gen: Generation) -> dict:

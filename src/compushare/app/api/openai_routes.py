@@ -24,9 +24,9 @@ from ...errors import CompushareError, ModelUnavailable, RouteError, SwarmUnreac
 from ...pipeline.client.consumer import RunOutcome
 from ...pipeline.client.produced import Piece
 from ...pipeline.client.sampling import TokenLogprob
-from .engine import ChatEngine, Prepared, describe_hops, private_report, run_stats, token_text
+from .engine import ChatEngine, Prepared, describe_hops, reply_extension, token_text
 from .requests import BadField, Generation, openai_chat, openai_completion
-from .streaming import Streamed, until_disconnect
+from .streaming import answer
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +89,7 @@ class OpenAIReply:
         return describe_hops(route, self.prepared.consumer.view, private=self.gen.private)
 
     def extension(self, outcome: RunOutcome) -> dict:
-        """CompuShare's fields of a reply: only for private requests and `route`."""
-        ext: dict = {}
-        if self.gen.private:
-            ext = private_report(outcome, self.prepared.consumer.model.num_blocks)
-        if self.gen.route:
-            hops = self.hops(outcome.route)
-            for hop, private in zip(hops, ext.get("route", []), strict=False):
-                hop.update(layers=private["layers"], encrypted=private["encrypted"])
-            ext.update(route=hops, stats=run_stats(outcome, len(self.prepared.prompt), self.gen.private))
-        return {"compushare": ext} if ext else {}
+        return reply_extension(self.prepared, self.gen, outcome)
 
     def logprobs(self, scored: list[TokenLogprob], texts: list[str] | None = None):
         """The logprobs of `scored` tokens in this endpoint's shape (None when not asked)."""
@@ -120,7 +111,8 @@ class OpenAIReply:
                 "top_logprobs": [{token_text(self.tokenizer, t): lp for t, lp in s.top} for s in scored],
                 "text_offset": offsets}
 
-    def reply(self, outcome: RunOutcome) -> dict:
+    def body(self, outcome: RunOutcome) -> dict:
+        """The whole reply, not streamed."""
         choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": self.logprobs(outcome.logprobs)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": outcome.text}
@@ -176,12 +168,5 @@ async def complete(engine: ChatEngine, request: Request) -> Response:
         reply = OpenAIReply(engine, await engine.prepare(gen), gen)
     except Exception as exc:
         return failure(exc)
-    if gen.stream:
-        return Streamed(reply.produce, "text/event-stream; charset=utf-8")
-    try:
-        outcome = await until_disconnect(request.receive, reply.run())
-    except Exception as exc:
-        return failure(exc)
-    if outcome is None:  # the client left: nothing to answer
-        return Response(status_code=499)
-    return JSONResponse(reply.reply(outcome))
+    return await answer(request, reply, stream=gen.stream, media_type="text/event-stream; charset=utf-8",
+                        fail=failure)

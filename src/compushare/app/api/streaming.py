@@ -7,7 +7,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import trio
-from starlette.responses import Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +68,18 @@ class Streamed(Response):
             except Exception as exc:  # the client went away mid-send (Hypercorn's error types vary)
                 log.debug("stream ended early: %r", exc)
             nursery.cancel_scope.cancel()  # the watcher
+
+
+async def answer(request: Request, reply, *, stream: bool, media_type: str,
+                 fail: Callable[[BaseException], Response]) -> Response:
+    """A prepared generation (`reply`: produce, run, body) streamed, or run to one JSON
+    body; a failure as `fail` shapes it; a client that left gets nothing (499)."""
+    if stream:
+        return Streamed(reply.produce, media_type)
+    try:
+        outcome = await until_disconnect(request.receive, reply.run())
+    except Exception as exc:
+        return fail(exc)
+    if outcome is None:
+        return Response(status_code=499)
+    return JSONResponse(reply.body(outcome))
