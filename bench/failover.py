@@ -52,7 +52,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +63,7 @@ from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.proofs import TOLERANCES  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
-from local_swarm import LocalSwarm  # noqa: E402  (bench/local_swarm.py)
+from local_swarm import LocalSwarm, running_swarm  # noqa: E402  (bench/local_swarm.py)
 
 MODEL = "smollm2-135m"
 SPANS = {"a1": (0, 15), "a2": (0, 15), "b1": (15, 30), "b2": (15, 30)}
@@ -247,17 +246,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("compushare.pipeline.client.planner").setLevel(logging.INFO)  # why no standby
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
-    with tempfile.TemporaryDirectory(prefix="compushare-failover-") as tmp:
-        root = Path(tmp)
-        swarm = LocalSwarm(root, MODEL, SPANS)
-        try:
-            client_dir = root / "client"
-            resolve_model(MODEL, client_dir)  # converts SmolLM2 once into the shared cache
-            swarm.start_all()
-            print(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in SPANS.items())}", flush=True)
-            result = trio.run(run, args, swarm, client_dir)
-        finally:
-            swarm.close()
+    with running_swarm("compushare-failover-", MODEL, SPANS) as (swarm, client_dir):
+        result = trio.run(run, args, swarm, client_dir)
     print(json.dumps(result))
 
 

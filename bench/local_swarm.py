@@ -4,6 +4,8 @@
     swarm.start("a"); swarm.ready("a")      # the first one is the bootstrap of the others
     ...
     swarm.close()                           # SIGCONT + SIGTERM, then SIGKILL after 15 s
+
+or, for a whole run: `with running_swarm("compushare-x-", model, spans) as (swarm, client_dir):`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +66,24 @@ class LocalSwarm:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def running_swarm(prefix: str, model: str, spans: dict[str, tuple[int, int]]):
+    """A temp dir, the model converted once for a client there (the shared cache), every
+    provider started and serving: (swarm, client_dir); ended on every exit path."""
+    from compushare.model.catalog import resolve_model  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        swarm = LocalSwarm(Path(tmp), model, spans)
+        try:
+            client_dir = Path(tmp) / "client"
+            resolve_model(model, client_dir)
+            swarm.start_all()
+            print(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in spans.items())}", flush=True)
+            yield swarm, client_dir
+        finally:
+            swarm.close()
 
 
 def vm_rss_mb(pid: int) -> float:

@@ -30,7 +30,6 @@ import itertools
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,10 +37,9 @@ from _common import REPO, finish  # noqa: E402,F401  (this checkout's src/, the 
 
 import trio  # noqa: E402
 
-from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
-from local_swarm import LocalSwarm, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
+from local_swarm import LocalSwarm, running_swarm, vm_rss_mb  # noqa: E402  (bench/local_swarm.py)
 
 MODEL = "smollm2-135m"
 SPAN_LIST = ((0, 8), (8, 15), (15, 23), (23, 30))
@@ -169,17 +167,9 @@ def main() -> int:
     def log(line: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="compushare-soak-") as tmp:
-        root = Path(tmp)
-        swarm = LocalSwarm(root, MODEL, SPANS)
-        try:
-            client_dir = root / "client"
-            resolve_model(MODEL, client_dir)  # converts SmolLM2 once into the shared cache
-            swarm.start_all()
-            log(f"swarm: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in SPANS.items())}; churned: {', '.join(CHURNERS)}")
-            result = trio.run(run, args, swarm, client_dir, log)
-        finally:
-            swarm.close()
+    with running_swarm("compushare-soak-", MODEL, SPANS) as (swarm, client_dir):
+        log(f"churned: {', '.join(CHURNERS)}")
+        result = trio.run(run, args, swarm, client_dir, log)
     result["targets_met"] = result["failed"] == 0 and result["identical"] and result["max_rss_growth"] < RSS_TARGET
     return finish(result, args.results)
 
