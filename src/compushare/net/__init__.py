@@ -21,6 +21,7 @@
   directory.py  the swarm beyond the models a node follows, pulled for its UI only
   ad_intake.py  pure: ad topics per model, the ad period stretched by a topic's size,
                 early drops and the cache of checked ads
+  scale_model.py  pure: membership cost per node at scale, from measured unit costs
   reachability.py  pure: whether this node can be dialled, and how peers reach it if not
   traversal.py  NAT traversal for one host: AutoNAT, relay reservations, hole punching
   hole_punch.py  DCUtR hole punching that dials only the punched peer's own addresses

@@ -38,6 +38,11 @@ MIN_INTERVAL_S = MIN_AD_INTERVAL_S  # a sender's ads on one topic: at most one p
 MAX_VERIFIED = 8192  # digests of ads whose signature and schema passed
 MAX_REFUSED = 4096  # (digest, sender) pairs that failed them
 MAX_SENDERS = 8192  # (sender, topic) pairs whose last accepted ad time is kept
+# GossipSub as net/gossip.py runs it (here, not there, so pure cores such as
+# net/scale_model.py can read them without importing trio).
+HEARTBEAT_S = 1  # GossipSub's spec default; py-libp2p's own default is 120 s
+MESH_DEGREE = (6, 4, 12)  # D, D_low, D_high
+MAX_VIEW_ADS = 1024  # ads in one /compushare/view reply
 
 
 def ad_topic(model_id: str) -> str:
@@ -53,7 +58,7 @@ def model_of_topic(topic: str) -> str | None:
     return model_id if len(model_id) == 64 and all(c in "0123456789abcdef" for c in model_id) else None
 
 
-def ad_period(providers: int, base_s: float = AD_PERIOD_S, *, target_per_s: float = TARGET_ADS_PER_S,
+def ad_period(providers: float, base_s: float = AD_PERIOD_S, *, target_per_s: float = TARGET_ADS_PER_S,
               cap_s: float = MAX_STRETCHED_PERIOD_S) -> float:
     """A provider's ad period on a topic with `providers` publishers (itself included):
     max(base, providers / target), at most `cap_s` (and never below the base)."""

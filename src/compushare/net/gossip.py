@@ -38,7 +38,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from .. import defences, wire
 from ..errors import PeerMisbehaved
-from .ad_intake import AdIntake, ad_period, ad_topic, model_of_topic, served_models
+from .ad_intake import (HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, AdIntake, ad_period, ad_topic, model_of_topic,
+                        served_models)
 from .ads import AD_PERIOD_S, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .limits import TokenBucket
@@ -49,11 +50,8 @@ from .view import MAX_PEERS, PUBLISH_INTERVAL_S, SwarmView
 log = logging.getLogger(__name__)
 
 VIEW_PROTOCOL = wire.VIEW
-MAX_VIEW_ADS = 1024
 MAX_VIEW_FRAME = MAX_VIEW_ADS * (MAX_AD_BYTES + 16) + 1024
 VIEW_TIMEOUT_S = 5.0
-HEARTBEAT_S = 1  # GossipSub's spec default; py-libp2p's own default is 120 s
-MESH_DEGREE = (6, 4, 12)  # D, D_low, D_high
 DIAL_TIMEOUT_S = 5.0
 # Ads checked per second from peers not in the view, node-wide (and a burst of 10 s
 # worth): a 1,000-node swarm publishes 200 ads/s, nearly all from peers in view.
