@@ -146,7 +146,9 @@ class NodeConfig:
     model: str | None = None
     blocks: Span | None = None
     torch_threads: int = 1
-    record_ttl_s: float = 60.0  # a server record's lifetime, refreshed at a third of it
+    # A server record's lifetime, refreshed at a third of it (60 s before revision 23: each
+    # re-put is a look-up and k stores, the largest part of an idle node's DHT upkeep).
+    record_ttl_s: float = 300.0
     max_blocks: int | None = None  # automatic placement: at most this many blocks
     memory_budget_mb: int | None = None  # automatic placement: weights must fit (default: half the free RAM)
     # Where the span computes: "cuda" (weights, KV cache, activations on the GPU; the

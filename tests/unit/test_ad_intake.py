@@ -36,9 +36,10 @@ def test_a_topic_names_its_model_and_nothing_else_is_a_model_topic():
 
 
 def test_the_period_is_the_base_until_the_topic_outgrows_the_target():
-    assert ad_period(1) == ad_period(10) == 5.0
-    assert ad_period(40) == 40 / TARGET_ADS_PER_S
-    assert ad_period(10_000) == MAX_STRETCHED_PERIOD_S
+    assert (TARGET_ADS_PER_S, MAX_STRETCHED_PERIOD_S) == (1.0, 600.0)  # revision 23: 1 ad/s up to 600 providers
+    assert ad_period(1) == ad_period(5) == 5.0  # 5 providers at 1 ad/s: the base
+    assert (ad_period(6), ad_period(40), ad_period(600)) == (6.0, 40.0, 600.0)
+    assert ad_period(601) == ad_period(10_000) == MAX_STRETCHED_PERIOD_S
     assert ad_period(0, 2.0) == 2.0
     with pytest.raises(ValueError):
         ad_period(3, 0.0)

@@ -29,13 +29,11 @@ caps = st.sampled_from([MAX_STRETCHED_PERIOD_S, 600.0, 3600.0, 1e6])
 def test_the_protocol_parameters_are_the_codes_and_the_librarys():
     from libp2p.kad_dht.common import BUCKET_SIZE
     from libp2p.network.config import ConnectionConfig
-    from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 
     from compushare.pipeline.client.planner import SwarmPlanner
 
-    degree, low, high = gossip.MESH_DEGREE
-    router = GossipSub(protocols=[PROTOCOL_ID_V11], degree=degree, degree_low=low, degree_high=high,
-                       heartbeat_interval=gossip.HEARTBEAT_S, adaptive_gossip_enabled=False)
+    degree = gossip.MESH_DEGREE[0]
+    router = gossip.make_router()  # as every node runs it (test_gossip_topics: its heartbeat)
     assert router.mcache.window_size == scale_model.GOSSIP_WINDOW
     for topic_peers in range(0, 400):  # IHAVE goes to this many of the non-mesh topic peers
         outside = topic_peers - min(degree, topic_peers)
@@ -72,7 +70,7 @@ def test_the_period_agrees_with_ad_period_for_every_provider_count(providers, ca
 
 @given(st.integers(1, 20), st.data())
 def test_messages_stay_flat_while_the_stretch_holds_the_target(models, data):
-    low, high = AD_PERIOD_S * TARGET, MAX_STRETCHED_PERIOD_S * TARGET  # 10 and 120 providers a topic
+    low, high = AD_PERIOD_S * TARGET, MAX_STRETCHED_PERIOD_S * TARGET  # 5 and 600 providers a topic
     nodes = data.draw(st.integers(math.ceil(low * models), math.floor(high * models)))
     p, q = project(Swarm(nodes, models), COSTS), project(Swarm(math.ceil(low * models), models), COSTS)
     assert p.ads_per_s_per_topic == pytest.approx(TARGET)
@@ -80,10 +78,16 @@ def test_messages_stay_flat_while_the_stretch_holds_the_target(models, data):
         assert getattr(p, name) == pytest.approx(getattr(q, name), rel=1e-12), name
 
 
-@given(st.integers(121, 10**6))
+def test_the_cap_is_reached_at_600_providers():
+    assert (TARGET, MAX_STRETCHED_PERIOD_S) == (1.0, 600.0)  # revision 23
+    p = project(Swarm(600), COSTS)
+    assert (p.period_s, p.ads_per_s_per_topic) == (600, 1)
+
+
+@given(st.integers(601, 10**6))  # past 600 s × 1 ad/s
 def test_past_the_cap_the_rate_grows_linearly(nodes):
     p, q = project(Swarm(nodes), COSTS), project(Swarm(nodes + 1), COSTS)
-    assert p.period_s == MAX_STRETCHED_PERIOD_S
+    assert p.period_s == MAX_STRETCHED_PERIOD_S == 600
     assert p.ads_per_s_per_topic == pytest.approx(nodes / MAX_STRETCHED_PERIOD_S)
     assert q.msgs_per_node_s > p.msgs_per_node_s and q.cpu_share > p.cpu_share
 
@@ -134,35 +138,44 @@ def test_hops_and_rounds():
 
 def test_a_hand_computed_example():
     p = project(Swarm(1000, models=5, provider_fraction=0.5), COSTS)
-    # 200 subscribers, 100 providers a topic: period 100/2 = 50 s, 2 new ads/s, 8 copies
-    assert (p.topic_size, p.providers_per_topic, p.period_s, p.ads_per_s_per_topic) == (200, 100, 50, 2)
-    control = 3 * (1 - math.exp(-2 * 3 * 1))  # IHAVE only on heartbeats with ids in the 3-s window
+    # 200 subscribers, 100 providers a topic: period 100/1 = 100 s, 1 new ad/s, 4 copies
+    assert (p.topic_size, p.providers_per_topic, p.period_s, p.ads_per_s_per_topic) == (200, 100, 100, 1)
+    control = 3 * (1 - math.exp(-1 * 3 * 1))  # IHAVE only on heartbeats with ids in the 3-s window
     assert p.control_per_s == control
-    assert p.msgs_per_node_s == 8 + control
-    assert p.cpu_share == pytest.approx(0.002 + 8 * 150e-6 + 2 * 900e-6 + control * 80e-6, rel=1e-15)
-    assert p.bytes_per_node_s == pytest.approx(8 * 900 + control * 120, rel=1e-15)
+    assert p.msgs_per_node_s == 4 + control
+    assert p.cpu_share == pytest.approx(0.002 + 4 * 150e-6 + 1 * 900e-6 + control * 80e-6, rel=1e-15)
+    assert p.bytes_per_node_s == pytest.approx(4 * 900 + control * 120, rel=1e-15)
     # tree 1+6+30+150 = 187 < 200: 4 hops; 1000/20 = 50 -> ceil(log_20 50) + 1 = 3 rounds
     assert (p.gossip_hops, p.dht_hops) == (4, 3)
     # 300 connections: (40 + 300)·20/1000 = 6.8 copies among the peers asked: no fallback
     assert p.refresh_s == pytest.approx(7 * 0.01)
-    assert p.discover_via == "ads"
+    assert p.discover_via == "ads"  # 4 hops·0.02 = 0.08 s < 2·(3+1)·0.01 + 0.07 = 0.15 s
     assert p.discover_s == pytest.approx(4 * 0.02 + 0.95 * (5 + 0.07))
-    topic_peers = 300 * 199 / 999
+    topic_peers = 300 * 199 / 999  # 59.8: 53.8 outside the mesh
     assert p.topic_peers == pytest.approx(topic_peers)
-    assert p.ihave_per_s == 13  # floor((topic_peers - 6) / 4)
-    assert p.pull_bytes_s == pytest.approx(topic_peers * 100 / 5.07 * 900)
+    assert p.ihave_per_s == 6  # GOSSIP_LAZY, not floor(53.8 / 4) = 13 as py-libp2p's own rule
+    # a pull asks 8 of the ~60 topic peers, 100 ads each, every 5.07 s
+    assert p.pull_bytes_s == pytest.approx(8 * 100 / 5.07 * 900)
+    assert p.pull_cpu_share == pytest.approx(8 * 100 / 5.07 * 150e-6)
     # 10,000 nodes: 0.68 copies expected among the peers asked, a look-up follows
     assert refresh_s(Swarm(10_000), 0.01) == pytest.approx((4 + 4 + 5) * 0.01)
 
 
-def test_ihave_follows_connected_topic_peers_when_the_bench_says_how_many():
+def test_ihave_is_flat_past_a_mesh_and_gossip_lazy_topic_peers():
+    # D = 6 topic peers in the mesh, IHAVE to at most 6 of the rest: flat from 12 on
+    assert [ihave_per_s(t) for t in (0, 6, 7, 11, 12, 49, 300, 10**6)] == [0, 0, 1, 5, 6, 6, 6, 6]
     measured = dataclasses.replace(COSTS, bench_topic_peers=49)  # a 50-node bench, one model
     small, big = project(Swarm(50), measured), project(Swarm(10_000), measured)
     assert small.control_per_s == pytest.approx(project(Swarm(50), COSTS).control_per_s)
-    assert (small.ihave_per_s, big.ihave_per_s, big.topic_peers) == (10, 73, 300)
-    with_traffic = 1 - math.exp(-big.ads_per_s_per_topic * 3)
-    assert big.control_per_s == pytest.approx(with_traffic * (3 + 73 - 10))
-    assert project(Swarm(10_000, connections=49), measured).control_per_s == pytest.approx(with_traffic * 3)
+    assert (small.topic_peers, big.topic_peers) == (49, 300)
+    assert (small.ihave_per_s, big.ihave_per_s) == (6, 6)
+    # 10,000 nodes: the bench's control rate, scaled only by the share of heartbeats with traffic
+    with_traffic = 1 - math.exp(-big.ads_per_s_per_topic * 3)  # 10,000/600 ads/s
+    assert big.control_per_s == pytest.approx(with_traffic * 3)
+    assert project(Swarm(10_000, connections=49), measured).control_per_s == pytest.approx(big.control_per_s)
+    # a bench whose nodes had fewer topic peers than that sent fewer IHAVE: the projection adds the rest
+    few = dataclasses.replace(COSTS, bench_topic_peers=9)  # 3 outside the mesh: 3 IHAVE/s
+    assert project(Swarm(10_000), few).control_per_s == pytest.approx(with_traffic * (3 + 6 - 3))
 
 
 def test_the_idle_cpu_is_the_residual_of_a_measurement():

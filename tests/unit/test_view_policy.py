@@ -1,10 +1,12 @@
 """net/view.py's view policy (issue 20): a flood of fresh identities churns the
 newcomer part of the view and never touches a peer with evidence; replies put
-evidence first and sample newcomers at random, never by peer id."""
+evidence first and sample newcomers at random, never by peer id; a view pull asks a few
+peers, the model's servers first (revision 23)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 from unittest import mock
 
@@ -287,3 +289,64 @@ def test_a_newcomer_always_gets_in_unless_every_peer_has_evidence(flood, seed):
         view.offer(ad(sybil(i), NOW), NOW)
     assert view.offer(ad(honest(99), NOW + 1), NOW + 1).accepted
     assert len(view.live(NOW + 1)) <= MAX_PEERS and view.counts()["evidenced"] <= EVIDENCED_SLOTS
+
+
+# ------------------------------------------------------------------ a view pull's sample (revision 23)
+
+MODEL = SPAN.model_id
+OTHER_SPAN = Serving("cd" * 32, 0, 4, "float32", free_tokens=8192, load=0.0, block_rate=40.0)
+
+
+def other_ad(peer: str, now: float) -> CapabilityAd:
+    """A live ad that serves another model only."""
+    return CapabilityAd(peer, (), HW, (OTHER_SPAN,), "0.1.0", seq=int(now * 1e3), sent=now, expires=now + TTL)
+
+
+def pull_view(servers: int, others: int, stale: int, unknown: int, absent: int = 0) -> tuple[SwarmView, dict]:
+    """A view holding `servers` live ads of MODEL, `others` of another model, `stale` ads
+    of MODEL past their lifetime, and none of `unknown` peers; `absent` more servers of
+    MODEL are in the view but not connected (not among the peers to sample)."""
+    view, groups, n = SwarmView(policy=True), {}, itertools.count()
+    for name, count in (("servers", servers), ("others", others), ("stale", stale), ("unknown", unknown),
+                        ("absent", absent)):
+        groups[name] = [honest(next(n)) for _ in range(count)]
+    for peer in groups["servers"] + groups["absent"]:
+        assert view.offer(ad(peer, NOW), NOW).accepted
+    for peer in groups["others"]:
+        assert view.offer(other_ad(peer, NOW), NOW).accepted
+    for peer in groups["stale"]:  # offered a lifetime ago: held until expire(), never live
+        assert view.offer(ad(peer, NOW - TTL - 1), NOW - TTL - 1).accepted
+    return view, groups
+
+
+@given(st.integers(0, 12), st.integers(0, 12), st.integers(0, 4), st.integers(0, 12), st.integers(0, 4),
+       st.integers(0, 16), st.booleans())
+def test_a_pull_asks_at_most_size_peers_the_models_servers_first(servers, others, stale, unknown, absent, size,
+                                                                  named):
+    view, groups = pull_view(servers, others, stale, unknown, absent)
+    peers = groups["servers"] + groups["others"] + groups["stale"] + groups["unknown"]
+    random.shuffle(peers)
+    model_id = MODEL if named else None
+    sample = view.sample_for(list(peers), model_id, NOW, size)
+    assert len(sample) == len(set(sample)) == min(size, len(peers))  # all of them when fewer than size
+    assert set(sample) <= set(peers)  # never a peer not given (not even a server in view)
+    if named:
+        serving = [peer in groups["servers"] for peer in sample]
+        assert serving == sorted(serving, reverse=True)  # every server before any other peer
+        assert sum(serving) == min(size, servers)
+
+
+def test_the_sample_is_random_within_each_part_and_without_a_model_ignores_serving():
+    view, groups = pull_view(servers=4, others=10, stale=2, unknown=8)
+    servers = set(groups["servers"])
+    peers = groups["servers"] + groups["others"] + groups["stale"] + groups["unknown"]
+    named = [view.sample_for(peers, MODEL, NOW, 8) for _ in range(300)]
+    assert all(set(s[:4]) == servers for s in named)
+    assert len({tuple(s[:4]) for s in named}) > 1  # the servers in random order, not as given
+    assert set().union(*(s[4:] for s in named)) == set(peers) - servers  # any of the rest may fill up
+    assert view.sample_for(peers, MODEL, NOW, 3)[0] in servers
+    unnamed = [view.sample_for(peers, None, NOW, 8) for _ in range(300)]
+    assert set().union(*unnamed) == set(peers)  # a plain random sample: every peer can be asked
+    assert any(not servers <= set(s) for s in unnamed)
+    assert view.sample_for([], MODEL, NOW) == [] and view.sample_for(peers, MODEL, NOW, 0) == []
+    assert len(view.sample_for(peers, MODEL, NOW)) == view_module.VIEW_SAMPLE == 8

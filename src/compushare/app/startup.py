@@ -175,7 +175,7 @@ async def first_span(provider: Provider, config: NodeConfig, memory: SpanMemory,
     # The random warm-up starts after the benchmark: nodes started together
     # (and slowed alike) then choose one after another, each seeing the
     # claims published before it.
-    await learn_views(host, view)  # a newcomer sees the swarm at once
+    await learn_views(host, view, model.model_id)  # a newcomer sees the model's servers at once
     return await provider.choose_first_span(view, me, length, config.ad_period_s if config.bootstrap else 0.0), length
 
 

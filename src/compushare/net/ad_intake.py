@@ -1,7 +1,7 @@
 """What a node hears of capability ads, and at what cost. Pure, no I/O.
 
 Three rules keep a node's ad work proportional to the models it serves or uses,
-not to the size of the swarm (protocol revision 22, docs/architecture.md):
+not to the size of the swarm (protocol revisions 22 and 23, docs/architecture.md):
 
 - **A topic per model.** Ads travel on `AD_TOPIC_PREFIX + model_id` (`ad_topic`); a
   node joins the topics of the models it serves or consumes, and an ad must serve
@@ -33,7 +33,7 @@ from .ads import AD_PERIOD_S, MAX_AD_BYTES, MAX_STRETCHED_PERIOD_S, CapabilityAd
 from .view import MIN_AD_INTERVAL_S
 
 AD_TOPIC_PREFIX = wire.AD_TOPIC_PREFIX
-TARGET_ADS_PER_S = 2.0  # ads per second a member of one topic handles, whatever its size
+TARGET_ADS_PER_S = 1.0  # ads per second a member of one topic handles, whatever its size (2.0 before revision 23)
 MIN_INTERVAL_S = MIN_AD_INTERVAL_S  # a sender's ads on one topic: at most one per this
 MAX_VERIFIED = 8192  # digests of ads whose signature and schema passed
 MAX_REFUSED = 4096  # (digest, sender) pairs that failed them
@@ -42,6 +42,10 @@ MAX_SENDERS = 8192  # (sender, topic) pairs whose last accepted ad time is kept
 # net/scale_model.py can read them without importing trio).
 HEARTBEAT_S = 1  # GossipSub's spec default; py-libp2p's own default is 120 s
 MESH_DEGREE = (6, 4, 12)  # D, D_low, D_high
+# IHAVE goes to this many topic peers outside the mesh each heartbeat, however many
+# there are (py-libp2p's default adds a quarter of them: a cost that grew with a
+# node's connections, so with the swarm: revision 23).
+GOSSIP_LAZY = 6
 MAX_VIEW_ADS = 1024  # ads in one /compushare/view reply
 
 

@@ -32,8 +32,8 @@ from .signed import addrs_field, field, open_sealed, seal, signer_of
 AD_VERSION = 1
 AD_PERIOD_S = 5.0
 MIN_AD_PERIOD_S, MAX_AD_PERIOD_S = 1.0, 20.0  # the configured (base) period
-MAX_STRETCHED_PERIOD_S = 60.0  # the period as stretched by a crowded topic (net/ad_intake.ad_period)
-MAX_AD_TTL_S = 3 * MAX_STRETCHED_PERIOD_S  # revision 22; 60 s before
+MAX_STRETCHED_PERIOD_S = 600.0  # the period as stretched by a crowded topic (net/ad_intake.ad_period; 60 s before revision 23)
+MAX_AD_TTL_S = 3 * MAX_STRETCHED_PERIOD_S  # revision 23: 1,800 s (180 s in revision 22, 60 s before)
 AD_TTL_S = 3 * AD_PERIOD_S  # three missed periods and the peer is gone
 
 

@@ -64,6 +64,10 @@ INBOUND_PER_PEER = 12  # of which one peer may hold (what py-libp2p allowed ever
 INBOUND_IDLE_S = 10.0  # an inbound DHT stream silent this long is reset
 INBOUND_MAX_S = 120.0  # and none is served longer
 ROUTING_SYNC_PERIOD_S = 2.0
+# A connected DHT server the routing table turned away (its bucket full and the oldest
+# peer there answered a ping) is offered again only after this: offering it every sync
+# cost a ping each time, a cost that grew with the node's connections.
+REFUSED_RETRY_S = 300.0
 
 
 def block_key(model_id: str, block: int) -> str:
@@ -301,16 +305,25 @@ def _keep_clients_out(dht: KadDHT) -> None:
 
 
 async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
-    """Add every connected peer that identify says serves the DHT to the routing table,
-    and drop those that say they stopped (a node that found itself behind NAT: its
-    addresses would make every look-up wait on them)."""
+    """Add every connected peer that identify says serves the DHT to the routing table
+    (one the table turned away: again after REFUSED_RETRY_S), and drop those that say
+    they stopped (a node that found itself behind NAT: its addresses would make every
+    look-up wait on them)."""
+    refused: dict[ID, float] = dht.__dict__.setdefault("_compushare_refused", {})
+    now = trio.current_time()
+    for peer_id, when in list(refused.items()):
+        if now - when >= REFUSED_RETRY_S:
+            del refused[peer_id]
     for peer_id in list(host.get_network().connections):
         if peer_id == host.get_id():
             continue
         listed, serves = dht.routing_table.peer_in_table(peer_id), speaks_dht(host, peer_id)
-        if not listed and serves:
+        if not listed and serves and peer_id not in refused:
+            added = False
             with contextlib.suppress(Exception):
-                await dht.add_peer(peer_id)
+                added = await dht.add_peer(peer_id)
+            if not added and not dht.routing_table.peer_in_table(peer_id):
+                refused[peer_id] = now
         elif listed and not serves and identified(host, peer_id):
             dht.routing_table.remove_peer(peer_id)
 

@@ -38,8 +38,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from .. import defences, wire
 from ..errors import PeerMisbehaved
-from .ad_intake import (HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, AdIntake, ad_period, ad_topic, model_of_topic,
-                        served_models)
+from .ad_intake import (GOSSIP_LAZY, HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, AdIntake, ad_period, ad_topic,
+                        model_of_topic, served_models)
 from .ads import AD_PERIOD_S, MAX_AD_BYTES, CapabilityAd, parse_ad
 from .framing import FramedStream
 from .limits import TokenBucket
@@ -62,8 +62,7 @@ EVIDENCE_PERIOD_S = 2.0
 # providers are looked up in the DHT, at most once per this (a small topic stays short).
 PROVIDER_LOOKUP_S = 60.0
 MAX_LEGACY_NOTED = 256  # peers still on revision 21's one ad topic, each logged once
-# The checks of relayed ads (view replies) in this process, cached by digest: the
-# same ads come back from every peer asked.
+# The checks of relayed ads (view replies), cached by digest: every peer asked sends them.
 RELAYED_ADS = AdIntake()
 
 
@@ -151,13 +150,7 @@ class Gossip:
     # ------------------------------------------------------------------ tasks
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        degree, low, high = MESH_DEGREE
-        # Adaptive gossip off: with peer scoring unweighted its health score stays low
-        # and it stretches the heartbeat to 30-60 s, so meshes stop being pruned and
-        # the nodes everyone joined through fall behind (measured by bench/gossip.py).
-        router = GossipSub(protocols=[PROTOCOL_ID_V11], degree=degree, degree_low=low, degree_high=high,
-                           heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1,
-                           adaptive_gossip_enabled=False)
+        router = make_router()
         pubsub = Pubsub(self.host, router, strict_signing=True)
         pubsub.push_msg = _guarded_push(pubsub, self.view, self.intake)  # the instance attribute wins
         self.host.set_stream_handler(PROTOCOL_ID_V11, _guarded(pubsub))
@@ -341,9 +334,9 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView, model_id: str | 
 
 
 async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None) -> int:
-    """Fill `view` from the views of every peer we are connected to (the ads serving
-    `model_id` only, if given); return how many answered. A peer holds the ads of
-    the topics it follows: the models it serves or consumes."""
+    """Fill `view` from the views of a few connected peers (SwarmView.sample_for: the
+    model's servers first), the ads serving `model_id` only if given; return how many
+    answered. Asking every connection would cost more the bigger the swarm."""
     answered = 0
 
     async def one(peer) -> None:
@@ -352,9 +345,10 @@ async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None)
             await fetch_view(host, peer, view, model_id)
             answered += 1
 
+    connected = {peer.to_base58(): peer for peer in host.get_network().connections}
     async with trio.open_nursery() as nursery:
-        for peer in list(host.get_network().connections):
-            nursery.start_soon(one, peer)
+        for peer in view.sample_for(list(connected), model_id, time.time()):
+            nursery.start_soon(one, connected[peer])
     return answered
 
 
@@ -408,6 +402,19 @@ async def dial_providers(host: IHost, infos: list[PeerInfo], want: int) -> int:
         for info in random.sample(fresh, min(want, len(fresh))):
             nursery.start_soon(one, info)
     return dialed
+
+
+def make_router() -> GossipSub:
+    """GossipSub v1.1 as every node runs it. Adaptive gossip off: with peer scoring
+    unweighted its health score stays low and it stretches the heartbeat to 30-60 s, so
+    meshes stop being pruned and the nodes everyone joined through fall behind."""
+    degree, low, high = MESH_DEGREE
+    router = GossipSub(protocols=[PROTOCOL_ID_V11], degree=degree, degree_low=low, degree_high=high,
+                       heartbeat_interval=HEARTBEAT_S, heartbeat_initial_delay=0.1,
+                       adaptive_gossip_enabled=False)
+    # IHAVE to GOSSIP_LAZY peers a topic, not a quarter of the connected ones: flat in N.
+    router._get_adaptive_gossip_peers_count = lambda _topic, _peers: GOSSIP_LAZY  # private in 0.8.1
+    return router
 
 
 @contextlib.asynccontextmanager

@@ -46,6 +46,32 @@ def quiet_libp2p_logs() -> None:
 
 
 def build_host(key_pair: KeyPair) -> IHost:
+    host = _new_host(key_pair)
+    _throttle_tag_reaping(host)
+    return host
+
+
+REAP_PERIOD_S = 60.0
+
+
+def _throttle_tag_reaping(host: IHost) -> None:
+    """py-libp2p's pruner, run after every new connection, first walks (and copies)
+    every peer its tag store ever held: a cost per connection that grew with the swarm
+    (30 % of an idle node's CPU at 65 nodes). Its purpose, dropping stale entries,
+    needs doing once a minute, not per connection. (Private in the pinned 0.8.1.)"""
+    pruner = host.get_network().connection_pruner
+    reap, last = pruner._reap_stale_temp_entries, [-REAP_PERIOD_S]
+
+    def reap_now_and_then() -> None:
+        now = trio.current_time()
+        if now - last[0] >= REAP_PERIOD_S:
+            last[0] = now
+            reap()
+
+    pruner._reap_stale_temp_entries = reap_now_and_then
+
+
+def _new_host(key_pair: KeyPair) -> IHost:
     return new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)},

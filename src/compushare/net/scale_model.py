@@ -14,25 +14,26 @@ its model in its view, which holds at most MAX_PEERS ads shared by its t topics:
   n = min(P, MAX_PEERS/t), period = max(base, min(cap, n / TARGET_ADS_PER_S)).
   Publications wait period·U(0.9, 1.1): the period on average. `cap_s` asks "what if
   MAX_STRETCHED_PERIOD_S were raised" (MAX_AD_TTL_S = 3× it follows it in ads.py).
-New ads a member hears per topic: A = P / period, so P/base below 10 providers, 2/s up
-  to cap·2 providers, then P/cap (linear); a cap over MAX_PEERS/2 = 2,048 s leaves the
-  view's bound to stop the stretch: A = P/2048 past 4,096 providers.
+New ads a member hears per topic: A = P / period, so P/base below 5 providers, 1/s up
+  to cap·1 providers, then P/cap (linear); a cap over MAX_PEERS/1 = 4,096 s would leave
+  the view's bound to stop the stretch: A = P/4096 past 4,096 providers.
 Per node and second, over its t topics:
   copies = A·t·copies_per_ad, new ads = A·t, messages = copies + control,
   control = t·h·c: h = 1 - exp(-A·GOSSIP_WINDOW·HEARTBEAT_S), the share of heartbeats
     whose gossip window holds a message (py-libp2p sends IHAVE only then); c =
     control_per_s (measured), plus ihave(T) - ihave(T_bench) when the bench says how
-    many topic peers its nodes had (`bench_topic_peers`); else c is flat, which past
-    the bench's size is a floor (see IHAVE).
+    many topic peers its nodes had (`bench_topic_peers`; flat past GOSSIP_LAZY + D
+    topic peers, see IHAVE); else c is flat.
   cpu share = idle + copies·cpu_copy + new·cpu_new_ad + control·cpu_control
   bytes received = copies·bytes_per_ad + control·bytes_per_control
-IHAVE (py-libp2p 0.8.1 gossip_heartbeat, adaptive gossip off as gossip.py runs it):
-  each heartbeat, per topic with traffic, a node sends IHAVE to min(M, max(6, ⌊M/4⌋))
-  of its M connected topic peers outside its mesh, and by symmetry receives as many.
+IHAVE (py-libp2p 0.8.1 gossip_heartbeat as gossip.py runs it, revision 23): each
+  heartbeat, per topic with traffic, a node sends IHAVE to min(M, GOSSIP_LAZY) of its
+  M connected topic peers outside its mesh, and by symmetry receives as many. (py-libp2p's
+  own rule, max(6, ⌊M/4⌋), grew with the connections, so with N: gossip.py pins it.)
   T = connected topic peers = min(S-1, max(min(D, S-1), C·(S-1)/(N-1))), M = T - min(D, T),
   with C connections: assumed min(N-1, 300) (DHT look-ups and gossip dial peers, and
-  nothing closes a connection below py-libp2p's cap of 300). So IHAVE grows with C, to
-  about 73/s per topic at 300: the one part of control traffic that grows with N.
+  nothing closes a connection below py-libp2p's cap of 300). IHAVE is flat once a node
+  has GOSSIP_LAZY topic peers outside its mesh.
 Gossip hops: the depth of a tree whose root sends to D mesh peers and every other node
   to D-1 new ones (py-libp2p skips the forwarder and the origin): the least h with
   1 + D·((D-1)^h - 1)/(D-2) >= S, at least 1 (a perfect tree; stragglers of a random
@@ -57,9 +58,11 @@ Discovery: from a new provider serving to a consumer's planner holding it (the
   verifier found nobody; a consumer waiting for its first route looks again every
   RETRY_S (0.5 s) (the code's first_route/plan loop, not WANTED_S).
 View pull (apart from the per-node figures: a consumer while it generates): every
-  refresh asks each connected peer for the model's ads (learn_views); the T peers on
+  refresh asks up to VIEW_SAMPLE connected peers, those on the topic first, for the
+  model's ads (learn_views); the min(T, VIEW_SAMPLE) peers on
   the topic answer min(n, MAX_VIEW_ADS/t) each (the reply is the first MAX_VIEW_ADS of
-  the peer's whole view, then filtered): pulled = T·that / cycle ads a second, costed
+  the peer's whole view, then filtered): pulled = min(T, VIEW_SAMPLE)·that / cycle ads
+  a second, costed
   as duplicate copies (a digest look-up each: assumed).
 
 Left out: a provider's own publications (one signature a period); upload (forwarding
@@ -77,14 +80,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .ad_intake import HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, ad_period
+from .ad_intake import GOSSIP_LAZY, HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, ad_period
 from .ads import AD_PERIOD_S, MAX_STRETCHED_PERIOD_S
-from .view import MAX_PEERS
+from .view import MAX_PEERS, VIEW_SAMPLE
 
 # py-libp2p 0.8.1's (tests/unit/test_scale_model.py holds them to the library).
 GOSSIP_WINDOW = 3  # heartbeats of message ids an IHAVE carries (GossipSub's gossip_window)
-GOSSIP_LAZY = 6  # IHAVE goes to at least this many non-mesh topic peers...
-GOSSIP_FACTOR = 0.25  # ...or this share of them
 MAX_CONNECTIONS = 300  # ConnectionConfig.max_connections: no dial or accept past it
 DHT_K = 20  # BUCKET_SIZE: replies, replicas
 # SwarmPlanner's (pipeline/client/planner.py, a layer above net; the test holds them equal).
@@ -168,7 +169,7 @@ class Projection:
     cap_s: float = MAX_STRETCHED_PERIOD_S
     control_per_s: float = 0.0  # control messages received per node per second (in msgs_per_node_s)
     topic_peers: float = 0.0  # connected peers on one topic (T)
-    ihave_per_s: float = 0.0  # IHAVE per second per topic with traffic, by py-libp2p's rule
+    ihave_per_s: float = 0.0  # IHAVE per second per topic with traffic (GOSSIP_LAZY at most)
     discover_via: str = "ads"  # the faster path: "ads" or "dht"
     refresh_s: float = 0.0  # one planner refresh (R)
     pull_bytes_s: float = 0.0  # a generating consumer's view pulls, bytes/s (not in bytes_per_node_s)
@@ -208,7 +209,7 @@ def dht_rounds(nodes: float, k: int = DHT_K) -> int:
 def ihave_per_s(topic_peers: float, degree: int = MESH_DEGREE[0]) -> float:
     """IHAVE a node sends (and so receives) per second on a topic with traffic."""
     outside = max(topic_peers - min(degree, topic_peers), 0.0)
-    return min(outside, max(GOSSIP_LAZY, math.floor(GOSSIP_FACTOR * outside))) / HEARTBEAT_S
+    return min(outside, GOSSIP_LAZY) / HEARTBEAT_S
 
 
 def topic_peers(swarm: Swarm, degree: int = MESH_DEGREE[0]) -> float:
@@ -263,7 +264,7 @@ def project(swarm: Swarm, costs: UnitCosts, *, cap_s: float = MAX_STRETCHED_PERI
     ad_path, dht_path = hops * costs.hop_s, 2 * (rounds + 1) * costs.dht_rtt_s + refresh
     cycle = wait_s + refresh
     counted = counted_providers(providers, t)
-    pulled = peers * min(counted, MAX_VIEW_ADS / t) / cycle if cycle > 0 else 0.0
+    pulled = min(peers, VIEW_SAMPLE) * min(counted, MAX_VIEW_ADS / t) / cycle if cycle > 0 else 0.0
     return Projection(
         nodes=swarm.nodes, models=swarm.models, topic_size=swarm.topic_size, providers_per_topic=providers,
         period_s=period, ads_per_s_per_topic=ads, msgs_per_node_s=copies + control, cpu_share=cpu,

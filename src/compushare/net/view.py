@@ -47,6 +47,9 @@ from .reachability import PUBLIC, RelayCandidate, is_circuit
 MIN_AD_INTERVAL_S = 0.5
 PUBLISH_INTERVAL_S = 2 * MIN_AD_INTERVAL_S
 MAX_PEERS = 4096
+# A view pull (net/gossip.learn_views) asks at most this many connected peers, those
+# that serve the model first (revision 23; every connection before).
+VIEW_SAMPLE = 8
 NEWCOMER_SLOTS = 512
 EVIDENCED_SLOTS = MAX_PEERS - NEWCOMER_SLOTS
 AGED_SLOTS = MAX_PEERS // 2  # of the evidenced part, at most this many on age alone
@@ -310,6 +313,15 @@ class SwarmView:
             self._drop(peer)
         self.settle(now)
         return gone
+
+    def sample_for(self, peers: list[str], model_id: str | None, now: float, size: int = VIEW_SAMPLE) -> list[str]:
+        """Up to `size` of `peers` to ask for their views: those whose live ads serve
+        `model_id` first (they follow its topic, so hold its ads), each part in random order."""
+        def serves(peer: str) -> bool:
+            ad = self.get(peer, now) if model_id is not None else None
+            return ad is not None and bool(ad.serving_of(model_id))
+
+        return sorted(self.rng.sample(peers, len(peers)), key=lambda peer: not serves(peer))[:size]
 
     def get(self, peer_id: str, now: float) -> CapabilityAd | None:
         entry = self._peers.get(peer_id)

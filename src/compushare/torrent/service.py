@@ -28,7 +28,7 @@ from .storage import Library
 
 log = logging.getLogger(__name__)
 
-PROVIDE_INTERVAL_S = 300.0
+PROVIDE_INTERVAL_S = 1800.0  # 300 s before revision 23, as pipeline/server/announce.py
 CHECK_PERIOD_S = 2.0
 
 

@@ -108,11 +108,11 @@ class SwarmPlanner:
                 if ad.addrs and set(ad.addrs) != set(record.addrs):
                     record = dataclasses.replace(record, addrs=ad.addrs)
             records.append(record)
+        # Servers known only from their ads are pinged like the others: a crashed one's
+        # ad can outlive its DHT record by up to three (stretched) periods.
+        records += [record for record, _ in records_from_ads(self.view, self.model_id, time.time())
+                    if record.peer_id not in known]
         measures, unreachable = await measure_servers(self.host, records, self.view, learn=False)
-        for record, measure in records_from_ads(self.view, self.model_id, time.time()):
-            if record.peer_id not in known:
-                records.append(record)
-                measures[record.peer_id] = measure
         measures = {peer: dataclasses.replace(m, karma=self.karma.get(peer)) for peer, m in measures.items()}
         if self.private:
             records, measures = self._private_only(records, measures, time.time())

@@ -37,7 +37,7 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
     )
 
 
-PROVIDE_INTERVAL_S = 300.0
+PROVIDE_INTERVAL_S = 1800.0  # 300 s before revision 23 (a look-up and k stores per key)
 
 
 async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: Provider, ttl_s: float, *,
