@@ -23,9 +23,10 @@ windows    at `--first` light nodes, then at `--nodes` (the rest started, one pr
 discovery  at `--nodes`: a consumer (pipeline.client.consumer.Consumer, a DHT client
            that bootstraps from light nodes) generates through A/C and B; B is
            stopped and a fresh provider D of 15:30 started (new identity, bootstrapping
-           from light nodes); discover_s = from D's ready state to the first
-           generation whose route goes through D (the consumer retries every
-           RETRY_S while no route exists). Done `--rounds` times (D stopped and
+           from light nodes); discover_s = from D's ready state (its node.json,
+           written once it announced) to the end of the first generation (4 tokens)
+           whose route goes through D (the consumer retries every RETRY_S while no
+           route exists). Done `--rounds` times (D stopped and
            another fresh one started); the worst is reported. Every generation's tokens
            must equal the first's.
 projection net/scale_model.py, fed with unit costs measured here: the verify cost of
@@ -101,7 +102,7 @@ def snapshot(swarm: LightSwarm) -> dict:
         status = member.status() or {}
         rows[member.dir.name] = {"cpu": cpu_seconds(member.proc.pid), "quiet": member.quiet, "nodes": member.hosts,
                                  **{k: status.get(k, 0) for k in ("copies", "copy_bytes", "control", "control_bytes",
-                                                                  "verified", "published")}}
+                                                                  "verified", "published", "connected", "streams")}}
     return {"t": time.time(), "members": rows, "machine_cpu": machine_cpu_s()}
 
 
@@ -126,7 +127,8 @@ def window_costs(before: dict, after: dict) -> dict:
 
         out[kind] = {"nodes": nodes, "cpu": rate("cpu"), "copies_s": rate("copies"), "control_s": rate("control"),
                      "new_ads_s": rate("verified"), "copy_bytes_s": rate("copy_bytes"),
-                     "control_bytes_s": rate("control_bytes"), "published_s": rate("published")}
+                     "control_bytes_s": rate("control_bytes"), "published_s": rate("published"),
+                     "new_connections_s": rate("connected"), "streams_s": rate("streams")}
     return out
 
 
@@ -149,9 +151,9 @@ def delivery(swarm: LightSwarm, w0: float, w1: float) -> dict:
             "p50_s": _r(percentile(latencies, 0.5)), "p95_s": _r(percentile(latencies, 0.95))}
 
 
-def measure(swarm: LightSwarm, args, label: str) -> dict:
-    log(f"{label}: {swarm.nodes} light nodes; warming up {args.warmup:.0f} s")
-    time.sleep(args.warmup)
+def measure(swarm: LightSwarm, args, label: str, warmup: float) -> dict:
+    log(f"{label}: {swarm.nodes} light nodes; settling {warmup:.0f} s")
+    time.sleep(warmup)
     before = snapshot(swarm)
     time.sleep(args.window)
     after = snapshot(swarm)
@@ -167,7 +169,8 @@ def measure(swarm: LightSwarm, args, label: str) -> dict:
     costs["lag_max_s"] = max((member.status() or {}).get("lag_max_s", 0) for member in swarm.members)
     busy, d = costs["busy"], costs["delivery"]
     log(f"{label}: per busy node {100 * busy['cpu']:.2f} % of a core, {busy['copies_s']:.1f} ad copies/s + "
-        f"{busy['control_s']:.1f} control/s, {busy['new_ads_s']:.2f} new ads/s; quiet node "
+        f"{busy['control_s']:.1f} control/s, {busy['new_ads_s']:.2f} new ads/s, {busy['streams_s']:.1f} streams/s, "
+        f"{busy['new_connections_s']:.2f} new connections/s; quiet node "
         f"{100 * costs['quiet']['cpu']:.2f} %; delivered {d['arrived']}/{d['expected']} "
         f"(p50 {d['p50_s']} s, p95 {d['p95_s']} s); mesh {costs['mesh_mean']}, connections {costs['connections_mean']}, "
         f"machine {costs['machine_cores_busy']} cores busy")
@@ -317,13 +320,16 @@ def main() -> int:
     parser.add_argument("--per-process", type=int, default=25)
     parser.add_argument("--quiet", type=int, default=5, help="of the light nodes: quiet ones, in their own process")
     parser.add_argument("--models", type=int, default=4)
-    parser.add_argument("--warmup", type=float, default=45.0)
+    parser.add_argument("--warmup", type=float, default=45.0, help="seconds before the first window")
+    parser.add_argument("--settle", type=float, default=150.0,
+                        help="seconds between the last node's start and the second window: a node's start-up "
+                             "look-ups (a provider record per key) are over by then")
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--drain", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "scale.jsonl"))
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
+    signal.signal(signal.SIGTERM, _terminated)  # run the finally below
     from compushare.hardware import detect_hardware  # noqa: PLC0415
     from compushare.model.catalog import resolve_model  # noqa: PLC0415
 
@@ -341,9 +347,9 @@ def main() -> int:
         for name in REAL:
             real.ready(name)
         log(f"real providers ready: {', '.join(f'{n} {s[0]}:{s[1]}' for n, s in REAL.items())}")
-        first = measure(light, args, f"{args.first} nodes")
+        first = measure(light, args, f"{args.first} nodes", args.warmup)
         grow(light, args.nodes - args.first, args.per_process)
-        second = measure(light, args, f"{args.nodes} nodes")
+        second = measure(light, args, f"{args.nodes} nodes", args.settle)
         consumer = trio.run(consumer_phase, real, light, client_dir, args.rounds)
         result = report(args, first, second, consumer)
     finally:
@@ -353,13 +359,20 @@ def main() -> int:
     return finish(result, args.results)
 
 
+def _terminated(*_) -> None:
+    # Once: a second SIGTERM (a kill of both `timeout` and this process) must not cut
+    # the clean-up short and leave provider processes behind.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def grow(light: LightSwarm, nodes: int, per_process: int) -> None:
     """Start `nodes` more light nodes, one process at a time (each joins through the
     ones already up)."""
     while nodes > 0:
         light.add(min(per_process, nodes))
         nodes -= per_process
-        light.wait_ready(600)
+        light.wait_ready(900)
     log(f"{light.nodes} light nodes up")
 
 
@@ -384,6 +397,7 @@ def report(args, first: dict, second: dict, consumer: dict) -> dict:
     result = {
         "nodes": args.nodes + len(REAL) + 1,
         "light_nodes": args.nodes,
+        "light_nodes_first": args.first,  # the "_50" figures are at this many, the "_200" at light_nodes
         "models": args.models,
         "discover_s": max(r["discover_s"] for r in rounds),
         "discover_rounds": rounds,
