@@ -1,7 +1,7 @@
 """What membership costs one node at scale, from measured unit costs and the protocol's
 real parameters. Pure, no I/O.
 
-bench/scale.py measures `UnitCosts` on a real swarm (50 and 200 nodes) and prints this
+bench/scale.py measures `UnitCosts` on a real swarm at two sizes and prints this
 model's projection beside what it measured; `table` projects them to 100-10,000 nodes
 and 1-20 models. Every formula the model uses is here; what is not measured or read
 from the code is said to be assumed.
