@@ -80,6 +80,8 @@ bench: $(STAMP)
 	$(PY) bench/swarm_fetch.py $(if $(filter 0,$(shell id -u)),--wan,)
 	$(PY) bench/failover.py
 	$(PY) bench/soak.py --minutes 5
+	# 200 light nodes need more than 2 cores (docs/performance.md): 25 and 50 here.
+	$(PY) bench/scale.py --first 25 --nodes 50
 	$(PY) bench/hostile.py
 	$(PY) bench/he.py
 	$(PY) bench/batch_invariance.py
