@@ -54,7 +54,7 @@ if str(SRC) not in sys.path:
 FAKE_MODELS = [hashlib.sha256(f"compushare light model {i}".encode()).hexdigest() for i in range(64)]
 FAKE_SPAN = (0, 10)
 RECORD_TTL_S = 300.0  # a real node's default (config.record_ttl_s)
-PROVIDE_INTERVAL_S = 1800.0  # as pipeline/server/announce.py
+PROVIDE_INTERVAL_S = 600.0  # as pipeline/server/announce.py
 READY_FILE, STATUS_FILE, EVENTS_FILE = "ready.json", "status.json", "events.jsonl"
 STOP_TIMEOUT_S = 10.0
 HOST_START_GAP_S = 0.05  # between a process's node starts: a gentler join storm
@@ -69,7 +69,8 @@ def role(index: int, models: int, consumer_every: int, quiet: bool = False) -> t
     node's upkeep alone (DHT, heartbeats, connections)."""
     if quiet:
         return QUIET_MODEL, False
-    provider = consumer_every <= 0 or index % consumer_every != consumer_every - 1
+    # (index // models): consumers spread over every model, whatever their number.
+    provider = consumer_every <= 0 or (index // models) % consumer_every != consumer_every - 1
     return FAKE_MODELS[index % models], provider
 
 
@@ -241,7 +242,7 @@ def member_main(argv: list[str]) -> int:
     parser.add_argument("--dial", action="append", default=[], help="addresses of other processes' nodes")
     parser.add_argument("--hardware", required=True, help="a file holding Hardware.to_wire() as JSON")
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--max-lifetime", type=float, default=1800.0)
+    parser.add_argument("--max-lifetime", type=float, default=7200.0, help="a member outlives no run")
     args = parser.parse_args(argv)
     _die_with_parent()
     if os.getppid() != args.parent_pid:
@@ -438,7 +439,8 @@ class LightSwarm:
                 member.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 member.proc.kill()
-                member.proc.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    member.proc.wait(5)
 
 
 if __name__ == "__main__":

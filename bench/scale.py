@@ -48,6 +48,7 @@ ad_p95_s <= 3, discover_s <= 10, projected_msgs_per_node_s_10000 <= 20.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -204,9 +205,13 @@ class RealNodes:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
 
     def close(self) -> None:
+        for proc in self.procs.values():  # all at once, then each waited for
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for name in self.procs:
             self.stop(name)
 
@@ -329,6 +334,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "scale.jsonl"))
     args = parser.parse_args()
+    if not 1 <= args.quiet < args.first < args.nodes:
+        parser.error("need 1 <= --quiet < --first < --nodes (the quiet nodes measure a node's upkeep)")
     signal.signal(signal.SIGTERM, _terminated)  # run the finally below
     from compushare.hardware import detect_hardware  # noqa: PLC0415
     from compushare.model.catalog import resolve_model  # noqa: PLC0415
@@ -353,21 +360,29 @@ def main() -> int:
         try:
             consumer = trio.run(consumer_phase, real, light, client_dir, args.rounds)
         except Exception as exc:  # a consumer that found no route is a result too (a saturated machine)
+            if TERMINATED:
+                raise
             log(f"discovery failed: {type(exc).__name__}: {str(exc)[:200]}")
             consumer = {"rounds": [], "dht_lookup_s": None, "dht_nodes": light.nodes + len(real.procs),
                         "error": f"{type(exc).__name__}: {exc}"[:300]}
         result = report(args, first, second, consumer)
     finally:
-        real.close()
-        light.close()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            real.close()
+        finally:
+            light.close()
+            shutil.rmtree(root, ignore_errors=True)
     return finish(result, args.results)
+
+
+TERMINATED: list[bool] = []  # set by SIGTERM: whatever fails after it is no result
 
 
 def _terminated(*_) -> None:
     # Once: a second SIGTERM (a kill of both `timeout` and this process) must not cut
     # the clean-up short and leave provider processes behind.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    TERMINATED.append(True)
     sys.exit(143)
 
 
@@ -381,11 +396,21 @@ def grow(light: LightSwarm, nodes: int, per_process: int) -> None:
     log(f"{light.nodes} light nodes up")
 
 
+def targets_met(result: dict) -> bool:
+    return bool(
+        result["cpu_ratio_200_50"] is not None and result["cpu_ratio_200_50"] <= TARGETS["cpu_flat"]
+        and result["delivered_fraction"] >= TARGETS["delivered_fraction"]
+        and result["ad_p95_s"] <= TARGETS["ad_p95_s"]
+        and result["discover_s"] is not None and result["discover_s"] <= TARGETS["discover_s"]
+        and result["projected_msgs_per_node_s_10000"] <= TARGETS["projected_msgs_per_node_s_10000"]
+        and result["identical"])
+
+
 def report(args, first: dict, second: dict, consumer: dict) -> dict:
     from compushare.net.scale_model import RETRY_S as RETRY_WAIT_S  # noqa: PLC0415
     from compushare.net.scale_model import Swarm, project, table  # noqa: PLC0415
 
-    topic = args.first * 0.9 / args.models
+    topic = (args.first - args.quiet) / args.models  # a topic's followers at the first window
     costs = unit_costs(first, consumer, first["delivery"]["p50_s"] or 0.0, topic)
     predicted = {n: project(Swarm(nodes=n, models=args.models, provider_fraction=0.9), costs, wait_s=RETRY_WAIT_S)
                  for n in (args.first, args.nodes)}
@@ -419,7 +444,8 @@ def report(args, first: dict, second: dict, consumer: dict) -> dict:
         "predicted_msgs_per_node_s": {n: _r(p.msgs_per_node_s, 2) for n, p in predicted.items()},
         "predicted_cpu_per_node": {n: _r(p.cpu_share) for n, p in predicted.items()},
         "projected_msgs_per_node_s_10000": _r(headline.msgs_per_node_s, 2),
-        "projected_discover_s_10000": _r(headline.discover_s, 2),
+        # None when no DHT round trip was measured (the consumer's phase failed).
+        "projected_discover_s_10000": _r(headline.discover_s, 2) if consumer.get("dht_lookup_s") else None,
         "projected_cpu_per_node_10000": _r(headline.cpu_share),
         "projected_models_10000": HEADLINE_MODELS,
         "projected_worst_10000": {"models": worst.models, "msgs_per_node_s": _r(worst.msgs_per_node_s, 2),
@@ -438,13 +464,7 @@ def report(args, first: dict, second: dict, consumer: dict) -> dict:
         "machine_cores_busy_200": second.get("machine_cores_busy"),
         "saturated_200": (second.get("machine_cores_busy") or 0) >= 0.9 * (os.cpu_count() or 1),
     }
-    result["targets_met"] = bool(
-        result["cpu_ratio_200_50"] is not None and result["cpu_ratio_200_50"] <= TARGETS["cpu_flat"]
-        and result["delivered_fraction"] >= TARGETS["delivered_fraction"]
-        and result["ad_p95_s"] <= TARGETS["ad_p95_s"]
-        and result["discover_s"] is not None and result["discover_s"] <= TARGETS["discover_s"]
-        and result["projected_msgs_per_node_s_10000"] <= TARGETS["projected_msgs_per_node_s_10000"]
-        and result["identical"])
+    result["targets_met"] = targets_met(result)
     return result
 
 

@@ -42,7 +42,7 @@ async def fetch_from_swarm(data_dir: Path, bootstrap, model_id: str, *, blocks: 
             client_traversal(swarm.host):  # seeders behind NAT: through their relays
         view = SwarmView()
         with trio.move_on_after(5):
-            await learn_views(swarm.host, view)
+            await learn_views(swarm.host, view, model_id)
         torrent = Torrent(swarm.host, swarm.dht, data_dir, view, upload_limit=upload_limit)
         torrent.start_seeding()
         return await torrent.fetch(model_id, blocks=blocks, head=head, everything=everything, progress=progress,

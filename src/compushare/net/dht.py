@@ -319,9 +319,10 @@ async def sync_routing_table(host: IHost, dht: KadDHT) -> None:
             continue
         listed, serves = dht.routing_table.peer_in_table(peer_id), speaks_dht(host, peer_id)
         if not listed and serves and peer_id not in refused:
-            added = False
-            with contextlib.suppress(Exception):
+            try:
                 added = await dht.add_peer(peer_id)
+            except Exception:  # (no addresses yet, say): offered again at the next sync
+                continue
             if not added and not dht.routing_table.peer_in_table(peer_id):
                 refused[peer_id] = now
         elif listed and not serves and identified(host, peer_id):

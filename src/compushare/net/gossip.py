@@ -333,10 +333,10 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView, model_id: str | 
     return taken
 
 
-async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None) -> int:
-    """Fill `view` from the views of a few connected peers (SwarmView.sample_for: the
-    model's servers first), the ads serving `model_id` only if given; return how many
-    answered. Asking every connection would cost more the bigger the swarm."""
+async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None, *, sample: bool = False) -> int:
+    """Fill `view` from connected peers' views (the ads serving `model_id` only, if given);
+    return how many answered. `sample`: a few (SwarmView.sample_for, the model's servers
+    first), for a caller that asks again and again: a consumer's planner."""
     answered = 0
 
     async def one(peer) -> None:
@@ -347,7 +347,7 @@ async def learn_views(host: IHost, view: SwarmView, model_id: str | None = None)
 
     connected = {peer.to_base58(): peer for peer in host.get_network().connections}
     async with trio.open_nursery() as nursery:
-        for peer in view.sample_for(list(connected), model_id, time.time()):
+        for peer in view.sample_for(list(connected), model_id, time.time()) if sample else connected:
             nursery.start_soon(one, connected[peer])
     return answered
 

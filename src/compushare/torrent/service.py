@@ -28,7 +28,7 @@ from .storage import Library
 
 log = logging.getLogger(__name__)
 
-PROVIDE_INTERVAL_S = 1800.0  # 300 s before revision 23, as pipeline/server/announce.py
+PROVIDE_INTERVAL_S = 600.0  # as pipeline/server/announce.py: a third of what other nodes keep them
 CHECK_PERIOD_S = 2.0
 
 
@@ -99,7 +99,7 @@ class Torrent:
     async def announce_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Provide the seed key of every model held: again when that set changes, when a
         small routing table gains peers that have not had the records (should_provide),
-        and every 5 minutes.
+        and every 10 minutes.
         Started (task_status) after the first round."""
         provided: tuple[frozenset, frozenset] = (frozenset(), frozenset())
         last = -PROVIDE_INTERVAL_S

@@ -97,7 +97,7 @@ class SwarmPlanner:
         # A restarted server listens on new addresses; its live ad (at most three of its
         # periods old, signed by it) has them before its next DHT record does. Only this
         # model's ads are asked for: the servers met so far follow its topic.
-        await learn_views(self.host, self.view, self.model_id)
+        await learn_views(self.host, self.view, self.model_id, sample=True)
         records = []
         for record in known.values():
             ad = self.view.get(record.peer_id, now)

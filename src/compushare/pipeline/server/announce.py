@@ -37,7 +37,9 @@ def build_record(host: IHost, model_id: str, start: int, end: int, dtype: str, t
     )
 
 
-PROVIDE_INTERVAL_S = 1800.0  # 300 s before revision 23 (a look-up and k stores per key)
+# A look-up and k stores per key; other nodes keep a provider record 30 minutes
+# (net/store_bounds.PROVIDER_TTL_CAP_S), three of these periods.
+PROVIDE_INTERVAL_S = 600.0
 
 
 async def announce_loop(host: IHost, dht: KadDHT, key_pair: KeyPair, provider: Provider, ttl_s: float, *,
