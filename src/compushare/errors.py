@@ -15,7 +15,7 @@
         └── FrameError      a frame that fails decoding or validation
 
 Errors one module raises sit beside it, in this tree: net.dht.StoreRefused,
-pipeline.server.session.Rejected, pipeline.server.private_worker.WorkerCrashed,
+pipeline.server.session.Rejected, pipeline.server.private_pool.WorkerCrashed,
 pipeline.private_wire.PrivateRemoteError, he.ckks.HEError, torrent.fetch.FetchError.
 "Closed by us" (cancellation, shutdown) never raises one of these.
 """

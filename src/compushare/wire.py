@@ -7,7 +7,7 @@ that it documents exactly these. Constants only: no imports, the lowest layer.
 # Stream protocols (versioned: a new version is a new id).
 INFER = "/compushare/infer/1.5.0"
 TRAIN = "/compushare/train/1.0.0"
-PRIVATE = "/compushare/private/1.0.0"
+PRIVATE = "/compushare/private/2.0.0"
 PIECES = "/compushare/pieces/1.0.0"
 KARMA = "/compushare/karma/1.0.0"
 VIEW = "/compushare/view/1.0.0"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from compushare.errors import PeerMisbehaved
 from compushare.he.groups import GROUPS
-from compushare.pipeline.private_wire import (KEYS_CHUNK, MAX_CIPHERTEXT_BYTES, MAX_KEYS_BYTES,
+from compushare.pipeline.private_wire import (KEYS_CHUNK, MAX_CIPHERTEXT_BYTES, MAX_CTS_PER_REQUEST, MAX_KEYS_BYTES,
                                               MAX_TOKENS_PER_REQUEST, Open, PrivateProtocolError,
                                               PrivateRemoteError, Project, decode_keys_chunk, decode_open,
                                               decode_project, decode_projected, error)
@@ -25,8 +25,8 @@ from compushare.pipeline.private_wire import (KEYS_CHUNK, MAX_CIPHERTEXT_BYTES, 
 pytestmark = pytest.mark.unit
 
 DIGEST = hashlib.sha256(b"keys").hexdigest()
-FIELDS = ["type", "model_id", "start", "end", "params", "keys_digest", "keys_size", "data", "layer", "group", "cts",
-          "compute_s", "code", "message"]
+FIELDS = ["type", "model_id", "start", "end", "params", "keys_digest", "keys_size", "data", "layer", "group", "tokens",
+          "cts", "compute_s", "code", "message"]
 TYPES = ["open", "keys", "project", "projected", "error", "opened", "keys_ok"]
 
 # What msgpack can carry (ints within 64 bits, as the wire allows), edge cases included.
@@ -40,7 +40,7 @@ messages = st.dictionaries(st.one_of(st.sampled_from(FIELDS), st.text(max_size=6
 any_input = st.one_of(messages, values)
 
 VALID_OPEN = Open("ab" * 32, 0, 4, "ckks-8192-60-40-60", DIGEST, 1 << 20).to_wire()
-VALID_PROJECT = Project(2, "qkv", (b"\x5e\xa1" + bytes(30), b"x" * 100)).to_wire()
+VALID_PROJECT = Project(2, "qkv", 3, (b"\x5e\xa1" + bytes(30), b"x" * 100)).to_wire()
 VALID_KEYS = {"type": "keys", "data": b"k" * 1000}
 VALID_PROJECTED = {"type": "projected", "cts": [[b"a" * 10, b"b"], [b"c"]], "compute_s": 0.25}
 
@@ -70,7 +70,8 @@ def check_project(message) -> None:
     except PrivateProtocolError:
         return
     assert isinstance(request, Project) and request.group in GROUPS and type(request.layer) is int
-    assert 0 <= request.layer <= 1 << 16 and 1 <= len(request.cts) <= MAX_TOKENS_PER_REQUEST
+    assert 0 <= request.layer <= 1 << 16 and 1 <= len(request.cts) <= MAX_CTS_PER_REQUEST
+    assert type(request.tokens) is int and 1 <= request.tokens <= MAX_TOKENS_PER_REQUEST
     assert all(isinstance(c, bytes) and 0 < len(c) <= MAX_CIPHERTEXT_BYTES for c in request.cts)
 
 
@@ -82,12 +83,12 @@ def check_keys(message) -> None:
     assert isinstance(data, bytes) and 0 < len(data) <= KEYS_CHUNK
 
 
-def check_projected(message, tokens: int) -> None:
+def check_projected(message, groups: int) -> None:
     try:
-        cts, compute_s = decode_projected(message, tokens)
+        cts, compute_s = decode_projected(message, groups)
     except (PrivateProtocolError, PrivateRemoteError):
         return
-    assert isinstance(cts, list) and len(cts) == tokens
+    assert isinstance(cts, list) and len(cts) == groups
     assert all(isinstance(out, list) and out and all(isinstance(c, bytes) and len(c) <= MAX_CIPHERTEXT_BYTES
                                                      for c in out) for out in cts)
     assert isinstance(compute_s, float)
@@ -166,9 +167,10 @@ def test_open_round_trips(model_id, start, span, params, digest, keys_size):
 
 @settings(max_examples=200, derandomize=True)
 @given(layer=st.integers(0, 1 << 16), group=st.sampled_from(sorted(GROUPS)),
-       cts=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=MAX_TOKENS_PER_REQUEST))
-def test_project_round_trips(layer, group, cts):
-    request = Project(layer, group, tuple(cts))
+       tokens=st.integers(1, MAX_TOKENS_PER_REQUEST),
+       cts=st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=MAX_CTS_PER_REQUEST))
+def test_project_round_trips(layer, group, tokens, cts):
+    request = Project(layer, group, tokens, tuple(cts))
     assert decode_project(wire(request.to_wire())) == request
 
 
@@ -187,7 +189,11 @@ def test_the_bounds_are_enforced():
     with pytest.raises(PrivateProtocolError):
         decode_keys_chunk({"type": "keys", "data": b""})
     with pytest.raises(PrivateProtocolError):
-        decode_project({**VALID_PROJECT, "cts": [b"c"] * (MAX_TOKENS_PER_REQUEST + 1)})
+        decode_project({**VALID_PROJECT, "cts": [b"c"] * (MAX_CTS_PER_REQUEST + 1)})
+    with pytest.raises(PrivateProtocolError):
+        decode_project({**VALID_PROJECT, "tokens": MAX_TOKENS_PER_REQUEST + 1})
+    with pytest.raises(PrivateProtocolError):
+        decode_project({**VALID_PROJECT, "tokens": 0})
     with pytest.raises(PrivateProtocolError):
         decode_project({**VALID_PROJECT, "cts": [b"c" * (MAX_CIPHERTEXT_BYTES + 1)]})
     with pytest.raises(PrivateProtocolError):
@@ -203,9 +209,9 @@ def test_the_bounds_are_enforced():
     with pytest.raises(PrivateProtocolError):
         decode_projected({**VALID_PROJECTED, "cts": [[b"a" * (MAX_CIPHERTEXT_BYTES + 1)], [b"c"]]}, 2)
     with pytest.raises(PrivateProtocolError):
-        decode_projected({**VALID_PROJECTED, "cts": [[], [b"c"]]}, 2)  # a token without outputs
+        decode_projected({**VALID_PROJECTED, "cts": [[], [b"c"]]}, 2)  # a group without outputs
     with pytest.raises(PrivateProtocolError):
-        decode_projected(VALID_PROJECTED, 3)  # not the tokens asked for
+        decode_projected(VALID_PROJECTED, 3)  # not the plan's groups
 
 
 def test_an_error_reply_is_a_remote_error():

@@ -1,7 +1,9 @@
 """pipeline/server/private_worker.WorkerState, the HE worker process's pure request
 handler, on real CKKS and the tiny Llama's blocks 0:2: keys are checked (digest,
-every rotation the model's products need), requests outside the span refused, and
-a project round trip decrypts to the plaintext product, pre-encoded or not."""
+every rotation the model's products need), requests outside the span refused, a
+project round trip decrypts to the plaintext product, pre-encoded or not, in the
+decode plan and the prompt plan, and two workers' shares add up to one worker's
+answer byte for byte."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from compushare.pipeline.server.private_worker import WorkerState
 pytestmark = pytest.mark.unit
 
 PARAMS = "ckks-8192-60-40-60"
-TOKENS = 2
+TOKENS = 5  # more than a prompt plan's tokens a ciphertext: a full group and a partial one
 
 
 def load_request(model_dir, **extra) -> dict:
@@ -65,29 +67,72 @@ def inputs(config, group: str, seed: int) -> np.ndarray:
     return 100 * np.random.default_rng(seed).normal(0, 1, (TOKENS, cols))
 
 
+def encrypt(secret, plan, x: np.ndarray) -> list[bytes]:
+    """A request's input ciphertexts: per group of the plan's tokens, one a chunk."""
+    return [secret.encrypt(slots) for start in range(0, len(x), plan.tokens)
+            for slots in plan.input_slots(x[start:start + plan.tokens])]
+
+
+def request(keys, layer: int, group: str, tokens: int, cts: list[bytes]) -> dict:
+    return {"op": "project", "digest": keys_digest(keys), "layer": layer, "group": group, "tokens": tokens,
+            "cts": cts}
+
+
 def project(worker, secret, keys, config, layer: int, group: str, x: np.ndarray,
             cts: list[bytes] | None = None) -> tuple[np.ndarray, list]:
-    plan = choose(*group_shapes(config)[group], secret.slots)
-    cts = cts or [secret.encrypt(plan.input_slots(row)) for row in x]
-    reply = worker.handle({"op": "project", "digest": keys_digest(keys), "layer": layer, "group": group, "cts": cts})
-    assert len(reply["cts"]) == len(x) and all(len(out) == plan.outputs for out in reply["cts"])
+    plan = choose(*group_shapes(config)[group], secret.slots, len(x))
+    cts = cts or encrypt(secret, plan, x)
+    reply = worker.handle(request(keys, layer, group, len(x), cts))
+    outs = [[data for _, data in group] for group in reply["parts"]]
+    assert [[o for o, _ in group] for group in reply["parts"]] == [list(range(plan.outputs))] * plan.groups(len(x))
     assert reply["seconds"] >= 0
-    product = np.stack([plan.reduce(np.stack([secret.decrypt(ct) for ct in out])) for out in reply["cts"]])
-    return product, reply["cts"]
+    product = plan.reduce(np.stack([secret.decrypt(ct) for out in outs for ct in out]), len(x))
+    return product, outs
 
 
 def relative(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("tokens", [1, TOKENS])
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_a_project_round_trip_decrypts_to_the_plaintext_product(worker, secret, keys, config, weights, layer, group):
-    x = inputs(config, group, seed=layer * 10 + len(group))
+def test_a_project_round_trip_decrypts_to_the_plaintext_product(worker, secret, keys, config, weights, layer, group,
+                                                                 tokens):
+    x = inputs(config, group, seed=layer * 10 + len(group))[:tokens]
     product, _ = project(worker, secret, keys, config, layer, group, x)
     expected = x @ group_weight(weights, layer, group).T
-    assert product.shape == expected.shape == (TOKENS, group_shapes(config)[group][0])
+    assert product.shape == expected.shape == (tokens, group_shapes(config)[group][0])
     assert relative(product, expected) <= 1e-5
+
+
+def test_the_prompt_plan_packs_tokens_for_the_tiny_model(config, secret):
+    plans = {group: choose(*shape, secret.slots, TOKENS) for group, shape in group_shapes(config).items()}
+    assert any(plan.tokens > 1 for plan in plans.values())
+
+
+@pytest.mark.parametrize("tokens", [1, TOKENS])
+def test_two_workers_shares_add_up_to_one_workers_answer(tiny_model, worker, secret, keys, config, tokens):
+    shares = []
+    for index in range(2):
+        state = WorkerState()
+        state.handle(load_request(tiny_model, share=[index, 2]))
+        state.handle({"op": "keys", "digest": keys_digest(keys), "data": keys})
+        shares.append(state)
+    assert sum(s.handle(load_request(tiny_model, share=[s.share[0], 2]))["plaintexts"] for s in shares) == \
+        worker.handle(load_request(tiny_model))["plaintexts"]
+    worker.handle({"op": "keys", "digest": keys_digest(keys), "data": keys})
+    for group in sorted(GROUPS):
+        x = inputs(config, group, seed=3)[:tokens]
+        plan = choose(*group_shapes(config)[group], secret.slots, tokens)
+        cts = encrypt(secret, plan, x)
+        _, whole = project(worker, secret, keys, config, 1, group, x, cts)
+        parts = [share.handle(request(keys, 1, group, tokens, cts))["parts"] for share in shares]
+        for g in range(plan.groups(tokens)):
+            for o in range(plan.outputs):
+                pieces = [data for worker_parts in parts for at, data in worker_parts[g] if at == o]
+                joined = pieces[0] if len(pieces) == 1 else shares[0].handle({"op": "add", "parts": [pieces]})["cts"][0]
+                assert joined == whole[g][o]  # exact modular sums: the same ciphertext, byte for byte
 
 
 def test_encoding_per_request_gives_the_same_product(tiny_model, worker, secret, keys, config):
@@ -97,8 +142,8 @@ def test_encoding_per_request_gives_the_same_product(tiny_model, worker, secret,
     lazy.handle({"op": "keys", "digest": keys_digest(keys), "data": keys})
     for layer, group in [(0, "qkv"), (1, "down"), (1, "gate_up")]:
         x = inputs(config, group, seed=7)
-        plan = choose(*group_shapes(config)[group], secret.slots)
-        cts = [secret.encrypt(plan.input_slots(row)) for row in x]  # the same ciphertexts to both
+        plan = choose(*group_shapes(config)[group], secret.slots, len(x))
+        cts = encrypt(secret, plan, x)  # the same ciphertexts to both
         eager, eager_out = project(worker, secret, keys, config, layer, group, x, cts)
         per_request, lazy_out = project(lazy, secret, keys, config, layer, group, x, cts)
         assert lazy_out == eager_out  # the same plaintexts and operations: the same ciphertexts, byte for byte
@@ -109,7 +154,7 @@ def test_a_budget_too_small_for_the_encoded_weights_encodes_per_request(tiny_mod
     state = WorkerState()
     loaded = state.handle(load_request(tiny_model, budget_bytes=1))
     assert loaded["preencoded"] is False and loaded["preencode_bytes"] > 1
-    assert all(isinstance(w, np.ndarray) for w in state.weights.values())
+    assert all(isinstance(w, np.ndarray) for w in state.weights.values()) and not state.encoded
 
 
 def test_keys_with_a_wrong_digest_are_refused(tiny_model, keys):
@@ -140,22 +185,25 @@ def test_keys_lacking_a_rotation_are_refused(tiny_model, secret, config):
 
 def test_requests_outside_the_span_are_refused(worker, secret, keys, config):
     plan = choose(*group_shapes(config)["o"], secret.slots)
-    ct = secret.encrypt(plan.input_slots(np.ones(plan.cols)))
+    cts = encrypt(secret, plan, np.ones((1, plan.cols)))
     for layer, group in [(2, "o"), (3, "qkv"), (-1, "o"), (0, "q_proj"), (0, "nope")]:
         with pytest.raises(HEError, match="not served"):
-            worker.handle({"op": "project", "digest": keys_digest(keys), "layer": layer, "group": group, "cts": [ct]})
+            worker.handle(request(keys, layer, group, 1, cts))
 
 
 def test_unknown_keys_bad_ciphertexts_and_ops_are_heerrors(worker, secret, keys, config):
-    plan = choose(*group_shapes(config)["o"], secret.slots)
-    good = secret.encrypt(plan.input_slots(np.ones(plan.cols)))
-    base = {"op": "project", "digest": keys_digest(keys), "layer": 0, "group": "o"}
+    plan = choose(*group_shapes(config)["o"], secret.slots, 2)
+    good = encrypt(secret, plan, np.ones((2, plan.cols)))
+    assert len(good) == 1  # the tiny model's o packs two tokens a ciphertext
+    base = request(keys, 0, "o", 2, good)
     with pytest.raises(HEError, match="unknown keys"):
-        worker.handle({**base, "digest": "ab" * 32, "cts": [good]})
-    for bad in (good[:100], b"x" * 64, good[:8] + bytes(8) + good[16:]):
+        worker.handle({**base, "digest": "ab" * 32})
+    with pytest.raises(HEError, match="the plan takes 1"):
+        worker.handle({**base, "cts": good * 2})  # more ciphertexts than the tokens' plan
+    for bad in (good[0][:100], b"x" * 64, good[0][:8] + bytes(8) + good[0][16:]):
         with pytest.raises(HEError):
-            worker.handle({**base, "cts": [good, bad]})  # all checked before any work
-    wrong_input = worker.handle({**base, "cts": [good]})["cts"][0][0]  # a product, sent back as an input
+            worker.handle({**base, "tokens": 3, "cts": [good[0], bad]})  # all checked before any work
+    wrong_input = worker.handle(base)["parts"][0][0][1]  # a product, sent back as an input
     with pytest.raises(HEError, match="level"):
         worker.handle({**base, "cts": [wrong_input]})
     with pytest.raises(HEError, match="unknown op"):
@@ -170,5 +218,4 @@ def test_dropped_keys_are_gone(tiny_model, secret, keys, config):
     assert state.handle({"op": "drop", "digest": digest}) == {}
     plan = choose(*group_shapes(config)["o"], secret.slots)
     with pytest.raises(HEError, match="unknown keys"):
-        state.handle({"op": "project", "digest": digest, "layer": 0, "group": "o",
-                      "cts": [secret.encrypt(plan.input_slots(np.ones(plan.cols)))]})
+        state.handle(request(keys, 0, "o", 1, encrypt(secret, plan, np.ones((1, plan.cols)))))

@@ -46,7 +46,7 @@ from ..he.ckks import DEFAULT_PARAMETERS
 from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.private import PrivateServer
-from ..pipeline.server.private_worker import HEWorker
+from ..pipeline.server.private_pool import HEWorker
 from ..pipeline.server.provider import Provider, block_cost, memory_state
 from ..pipeline.server.inference import InferenceServer
 from ..pipeline.server.training import TrainingServer
@@ -255,7 +255,7 @@ class Node:
         if not config.private:
             return
         worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
-                          budget_bytes=private_budget, noise=self.faults.noise)
+                          workers=config.limits.compute_threads, budget_bytes=private_budget, noise=self.faults.noise)
         self.private = PrivateServer(provider, worker)
         provider.private_rate = self.private.rate
         self.swarm.host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)

@@ -185,8 +185,11 @@ class Context:
         self.max_ciphertext_bytes = 2 * len(p.coeff_bits) * poly_bytes + 1024
 
     def encode(self, values: np.ndarray, scale: float):
+        """Real or complex slot values (plan.py packs two columns a complex slot)."""
         plain = self.seal.Plaintext()
-        self.encoder.encode(np.asarray(values, dtype=np.float64).tolist(), scale, plain)
+        values = np.asarray(values)
+        kind = np.complex128 if np.iscomplexobj(values) else np.float64
+        self.encoder.encode(values.astype(kind).tolist(), scale, plain)
         return plain
 
     def ciphertext_from(self, data: bytes, *, output: bool = False):

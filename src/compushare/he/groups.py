@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import choose
+from .plan import plans
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -63,16 +63,19 @@ def group_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def required_steps(config, slots: int) -> frozenset[int]:
-    """Every rotation the products of a model need (the same for every layer): the
-    Galois keys a consumer makes and a provider requires."""
+    """Every rotation the products of a model need, in either plan (the same for
+    every layer): the Galois keys a consumer makes and a provider requires."""
     steps: set[int] = set()
     for rows, cols in group_shapes(config).values():
-        steps |= choose(rows, cols, slots).steps
+        for plan in plans(rows, cols, slots):
+            steps |= plan.steps
     return frozenset(steps)
 
 
 def preencoded_bytes(config, slots: int, poly_degree: int, data_primes: int) -> int:
     """Memory one layer's pre-encoded weights take: every plaintext of its four
-    products, one polynomial per data prime (8 bytes a coefficient)."""
-    plaintexts = sum(choose(rows, cols, slots).products for rows, cols in group_shapes(config).values())
+    products' plans (decode and prompt), one polynomial per data prime (8 bytes a
+    coefficient), all workers together."""
+    plaintexts = sum(plan.products for rows, cols in group_shapes(config).values()
+                     for plan in plans(rows, cols, slots))
     return plaintexts * poly_degree * 8 * data_primes

@@ -1,10 +1,16 @@
-"""The provider's encrypted matrix-vector product (plan.py's method on SEAL objects).
+"""The provider's encrypted matrix products (plan.py's method on SEAL objects).
 
-`EncodedMatrix` holds the plaintexts P[o, g, j] of one weight matrix, encoded once
-(at the weight scale, at the ciphertexts' level): encoding costs ~0.2 ms a plaintext,
-several times the product it serves, so a provider pays it when it loads, not per
-token. All-zero plaintexts are not kept (SEAL refuses a product that is all zero,
-and it would be wasted work anyway).
+`EncodedMatrix` holds the plaintexts P[q, o, g, j] of one weight matrix for one
+plan, encoded once (at the weight scale, at the inputs' level): encoding costs
+~0.4 ms a plaintext, three times the product it serves, so a provider pays it
+when it loads, not per token. All-zero plaintexts are not kept (SEAL refuses a
+product that is all zero, and it would be wasted work anyway).
+
+A provider may split a product among several worker processes (both cores):
+worker i of n holds only the (output, giant step) pairs i, i + n, ... and returns,
+for each output it touched, its part of the sum. Parts add exactly (modular
+integer sums), so the answer is the same ciphertext, byte for byte, whatever the
+split: `add` joins them.
 """
 
 from __future__ import annotations
@@ -12,58 +18,72 @@ from __future__ import annotations
 import numpy as np
 
 from .ckks import Context
-from .plan import Plan, choose
+from .plan import Plan
+
+
+def share_pairs(plan: Plan, index: int, workers: int) -> list[tuple[int, int]]:
+    """The (output, giant step) pairs worker `index` of `workers` computes."""
+    pairs = [(o, g) for o in range(plan.outputs) for g in range(plan.giant)]
+    return pairs[index::workers]
 
 
 class EncodedMatrix:
-    def __init__(self, context: Context, weight: np.ndarray) -> None:
-        rows, cols = weight.shape
-        self.plan: Plan = choose(rows, cols, context.slots)
-        diagonals = self.plan.diagonals(weight)
-        self.plain: dict[tuple[int, int, int], object] = {}
-        for index in np.ndindex(diagonals.shape[:3]):
-            values = diagonals[index]
-            if np.any(values):
-                self.plain[index] = context.encode(values, context.weight_scale)
-        self.plaintexts = len(self.plain)
-        for o in range(self.plan.outputs):
-            if not any(key[0] == o for key in self.plain):
-                raise ValueError(f"output {o} of a {rows} x {cols} product has no nonzero weight")
+    def __init__(self, context: Context, weight: np.ndarray, plan: Plan, share: tuple[int, int] = (0, 1)) -> None:
+        self.plan = plan
+        self.pairs = share_pairs(plan, *share)
+        self.plain: dict[tuple[int, int], list[tuple[int, int, object]]] = {}
+        for o in sorted({o for o, _ in self.pairs}):
+            diagonals = plan.diagonals(weight, o)  # [chunks, giant, baby, slots]
+            for g in (g for oo, g in self.pairs if oo == o):
+                self.plain[(o, g)] = [(q, j, context.encode(diagonals[q, g, j], context.weight_scale))
+                                      for q in range(plan.chunks) for j in range(plan.baby)
+                                      if np.any(diagonals[q, g, j])]
+        self.plaintexts = sum(len(v) for v in self.plain.values())
         self.nbytes = self.plaintexts * context.params.poly_degree * 8 * (len(context.params.coeff_bits) - 1)
+        self._babies = sorted({j for terms in self.plain.values() for _, j, _ in terms})
 
-    def apply(self, context: Context, keys, ct) -> list:
-        """The output ciphertexts (plan.outputs of them) for one input ciphertext."""
+    def apply(self, context: Context, keys, cts: list) -> dict[int, object]:
+        """This share's part of each output it touches, for one group's input
+        ciphertexts (one a chunk)."""
         seal, ev, plan = context.seal, context.evaluator, self.plan
-        rotated = [ct]
-        for j in range(1, plan.baby):
-            out = seal.Ciphertext()
-            ev.rotate_vector(ct, j, keys, out)
-            rotated.append(out)
-        outputs = []
-        for o in range(plan.outputs):
-            total = None
-            for g in range(plan.giant):
-                inner = None
-                for j in range(plan.baby):
-                    plain = self.plain.get((o, g, j))
-                    if plain is None:
-                        continue
-                    term = seal.Ciphertext()
-                    ev.multiply_plain(rotated[j], plain, term)
-                    if inner is None:
-                        inner = term
-                    else:
-                        ev.add_inplace(inner, term)
-                if inner is None:
-                    continue
-                # Rescaled first: the giant step's rotation then works on one prime,
-                # about half the cost of a rotation at the top level.
-                ev.rescale_to_next_inplace(inner)
-                if g:
-                    ev.rotate_vector_inplace(inner, g * plan.baby, keys)
-                if total is None:
-                    total = inner
+        if len(cts) != plan.chunks:
+            raise ValueError(f"{len(cts)} input ciphertexts for a plan of {plan.chunks} chunks")
+        rotated: dict[tuple[int, int], object] = {}
+        for q, ct in enumerate(cts):
+            for j in self._babies:
+                if j == 0:
+                    rotated[(q, 0)] = ct
                 else:
-                    ev.add_inplace(total, inner)
-            outputs.append(total)  # one prime less than the input: half the bytes back
-        return outputs
+                    out = seal.Ciphertext()
+                    ev.rotate_vector(ct, j, keys, out)
+                    rotated[(q, j)] = out
+        outputs: dict[int, object] = {}
+        for (o, g), terms in self.plain.items():
+            inner = None
+            for q, j, plain in terms:
+                term = seal.Ciphertext()
+                ev.multiply_plain(rotated[(q, j)], plain, term)
+                if inner is None:
+                    inner = term
+                else:
+                    ev.add_inplace(inner, term)
+            if inner is None:
+                continue
+            # Rescaled first: the giant step's rotation then works on one prime,
+            # about half the cost of a rotation at the top level.
+            ev.rescale_to_next_inplace(inner)
+            if g:
+                ev.rotate_vector_inplace(inner, g * plan.baby, keys)
+            if o in outputs:
+                ev.add_inplace(outputs[o], inner)
+            else:
+                outputs[o] = inner
+        return outputs  # one prime less than the input: half the bytes back
+
+
+def add(context: Context, parts: list) -> object:
+    """The sum of several workers' parts of one output (loaded ciphertexts)."""
+    total = parts[0]
+    for part in parts[1:]:
+        context.evaluator.add_inplace(total, part)
+    return total

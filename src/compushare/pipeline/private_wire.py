@@ -9,7 +9,7 @@ One stream is one private session (protocol.md, "Private sessions"):
     keys {data} ... (if need_keys; chunks ->
           of at most KEYS_CHUNK bytes)
                                           <-   keys_ok {bytes}
-    project {layer, group, cts}           ->
+    project {layer, group, tokens, cts}   ->
                                           <-   projected {cts, compute_s}
     ... (any number)
     close the stream
@@ -32,7 +32,9 @@ from ..he.groups import GROUPS
 PRIVATE_PROTOCOL = wire.PRIVATE
 KEYS_CHUNK = 1 << 20  # Galois keys travel in chunks of 1 MiB (a frame holds at most 16 MiB)
 MAX_KEYS_BYTES = 128 << 20  # all of a session's Galois keys (SmolLM2 needs ~24 MB)
-MAX_TOKENS_PER_REQUEST = 16  # 16 tokens x 5 output ciphertexts x 128 KiB fit a 16 MiB frame
+MAX_TOKENS_PER_REQUEST = 64
+MAX_CTS_PER_REQUEST = 128  # input ciphertexts (groups x chunks)
+MAX_OUTPUTS_PER_REPLY = 96  # output ciphertexts (groups x outputs): 96 x 128 KiB fit a 16 MiB frame
 MAX_CIPHERTEXT_BYTES = 256 << 10
 MAX_FRAME_BYTES = 16 << 20
 
@@ -60,10 +62,12 @@ class Open:
 class Project:
     layer: int
     group: str
-    cts: tuple[bytes, ...]
+    tokens: int
+    cts: tuple[bytes, ...]  # the plan's groups x chunks input ciphertexts (he/plan.py)
 
     def to_wire(self) -> dict:
-        return {"type": "project", "layer": self.layer, "group": self.group, "cts": list(self.cts)}
+        return {"type": "project", "layer": self.layer, "group": self.group, "tokens": self.tokens,
+                "cts": list(self.cts)}
 
 
 def _int(message: dict, key: str, low: int, high: int) -> int:
@@ -108,15 +112,16 @@ def decode_project(message: dict) -> Project:
     if not isinstance(group, str) or group not in GROUPS:  # a list or map would be unhashable
         raise PrivateProtocolError(f"unknown group {group!r}; known: {sorted(GROUPS)}")
     cts = message.get("cts")
-    if not isinstance(cts, list) or not 1 <= len(cts) <= MAX_TOKENS_PER_REQUEST:
-        raise PrivateProtocolError(f"cts must be a list of 1..{MAX_TOKENS_PER_REQUEST} ciphertexts")
+    if not isinstance(cts, list) or not 1 <= len(cts) <= MAX_CTS_PER_REQUEST:
+        raise PrivateProtocolError(f"cts must be a list of 1..{MAX_CTS_PER_REQUEST} ciphertexts")
     if not all(isinstance(ct, bytes) and 0 < len(ct) <= MAX_CIPHERTEXT_BYTES for ct in cts):
         raise PrivateProtocolError(f"each ciphertext must be 1..{MAX_CIPHERTEXT_BYTES} bytes")
-    return Project(_int(message, "layer", 0, 1 << 16), group, tuple(cts))
+    return Project(_int(message, "layer", 0, 1 << 16), group, _int(message, "tokens", 1, MAX_TOKENS_PER_REQUEST),
+                   tuple(cts))
 
 
-def decode_projected(message: dict, tokens: int) -> tuple[list[list[bytes]], float]:
-    """A provider's answer: per token, its output ciphertexts."""
+def decode_projected(message: dict, groups: int) -> tuple[list[list[bytes]], float]:
+    """A provider's answer: per group of the plan, its output ciphertexts."""
     if not isinstance(message, dict):
         raise PrivateProtocolError("reply is not a map")
     if message.get("type") == "error":
@@ -124,10 +129,10 @@ def decode_projected(message: dict, tokens: int) -> tuple[list[list[bytes]], flo
     if message.get("type") != "projected":
         raise PrivateProtocolError(f"expected projected, got {message.get('type')!r}")
     cts = message.get("cts")
-    if not isinstance(cts, list) or len(cts) != tokens or not all(
+    if not isinstance(cts, list) or len(cts) != groups or not all(
             isinstance(out, list) and out and all(isinstance(c, bytes) and len(c) <= MAX_CIPHERTEXT_BYTES
                                                   for c in out) for out in cts):
-        raise PrivateProtocolError(f"projected must hold {tokens} lists of ciphertexts")
+        raise PrivateProtocolError(f"projected must hold {groups} lists of ciphertexts")
     compute_s = message.get("compute_s", 0.0)
     return cts, float(compute_s) if isinstance(compute_s, (int, float)) else 0.0
 

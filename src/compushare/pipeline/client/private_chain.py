@@ -36,11 +36,12 @@ import trio
 from ...errors import CLOSED, FAILED, MISMATCH, HopFailed, RouteError
 from ...he.ckks import HEError, SecretContext, keys_digest
 from ...he.groups import group_shapes
-from ...he.plan import choose
+from ...he.plan import choose, request_tokens
 from ...net.dial import dial
 from ...net.framing import FramedStream
-from ..private_wire import (KEYS_CHUNK, MAX_FRAME_BYTES, MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project,
-                            PrivateProtocolError, PrivateRemoteError, decode_projected)
+from ..private_wire import (KEYS_CHUNK, MAX_CTS_PER_REQUEST, MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY,
+                            MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project, PrivateProtocolError,
+                            PrivateRemoteError, decode_projected)
 from .chain_plan import Failover
 from .routing import Hop
 
@@ -51,7 +52,7 @@ KEYS_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_PER_TOKEN_S = 5.0
 MAX_FAILOVERS = 4
-PIPELINE_CHUNK = 8  # a prefill longer than this runs as a pipeline of 8-token chunks over the hops
+PIPELINE_CHUNK = 12  # a prefill longer than this runs as a pipeline of 12-token chunks over the hops
 CHECK_TOLERANCE = 1e-4  # relative L2 difference two honest providers stay under (measured: ~1e-7)
 
 
@@ -73,6 +74,15 @@ class PrivateStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One `project` request: its tokens, their plan and input ciphertexts."""
+
+    tokens: int
+    plan: object  # he.plan.Plan
+    cts: tuple[bytes, ...]
 
 
 class PrivateSession:
@@ -110,13 +120,13 @@ class PrivateSession:
             stats.keys_sent += 1
             stats.bytes_sent += len(keys)
 
-    async def project(self, layer: int, group: str, cts: list[bytes]) -> tuple[list[list[bytes]], float]:
-        with trio.fail_after(REQUEST_TIMEOUT_S + REQUEST_TIMEOUT_PER_TOKEN_S * len(cts)):
-            await self.framed.send(Project(layer, group, tuple(cts)).to_wire())
+    async def project(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], float]:
+        with trio.fail_after(REQUEST_TIMEOUT_S + REQUEST_TIMEOUT_PER_TOKEN_S * request.tokens):
+            await self.framed.send(Project(layer, group, request.tokens, request.cts).to_wire())
             reply = await self.framed.receive()
         if reply is None:
             raise HopFailed(self.hop.peer_id, CLOSED, f"{self.hop.peer_id[-8:]} closed the private session")
-        return decode_projected(reply, len(cts))
+        return decode_projected(reply, request.plan.groups(request.tokens))
 
     async def close(self) -> None:
         with trio.move_on_after(2):
@@ -154,8 +164,10 @@ class PrivateChain:
         self.avoid: set[str] = set()
         self._check_this_step: tuple[int, str] | None = None
         self._tls = threading.local()  # per forward thread: time spent in products
-        self._plans = {group: choose(rows, cols, secret.slots)
-                       for group, (rows, cols) in group_shapes(layers.config).items()}
+        self._shapes = group_shapes(layers.config)
+        self._per_request = {group: request_tokens(rows, cols, secret.slots, max_tokens=MAX_TOKENS_PER_REQUEST,
+                                                   max_inputs=MAX_CTS_PER_REQUEST, max_outputs=MAX_OUTPUTS_PER_REPLY)
+                             for group, (rows, cols) in self._shapes.items()}
         layers.project = self._project
 
     @property
@@ -259,20 +271,30 @@ class PrivateChain:
         finally:
             self._tls.in_products = getattr(self._tls, "in_products", 0.0) + time.perf_counter() - entered
 
-    def _product(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
-        plan = self._plans[group]
-        values = x.double().numpy()
+    def _requests(self, group: str, values: np.ndarray) -> list[Request]:
+        """The rows of `values` encrypted, as requests that fit a frame each way."""
+        rows, cols = self._shapes[group]
+        step = self._per_request[group]
         began = time.perf_counter()
-        cts = [self.secret.encrypt(plan.input_slots(row)) for row in values]
+        out = []
+        for offset in range(0, len(values), step):
+            part = values[offset:offset + step]
+            plan = choose(rows, cols, self.secret.slots, len(part))
+            cts = [self.secret.encrypt(slots) for start in range(0, len(part), plan.tokens)
+                   for slots in plan.input_slots(part[start:start + plan.tokens])]
+            out.append(Request(len(part), plan, tuple(cts)))
         self.stats.encrypt_s += time.perf_counter() - began
+        return out
+
+    def _product(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        requests = self._requests(group, x.double().numpy())
         parts = []
-        for offset in range(0, len(cts), MAX_TOKENS_PER_REQUEST):
-            chunk = cts[offset:offset + MAX_TOKENS_PER_REQUEST]
+        for request in requests:
             for attempt in range(MAX_FAILOVERS + 1):
-                outs = trio.from_thread.run(self._roundtrip, layer, group, chunk)
+                outs = trio.from_thread.run(self._roundtrip, layer, group, request)
                 began = time.perf_counter()
                 try:
-                    parts += [decrypt_product(self.secret, plan, per_token) for per_token in outs]
+                    parts.append(decrypt_product(self.secret, request, outs))
                     break
                 except PrivateProtocolError as exc:  # the provider's answer is not a product
                     if attempt == MAX_FAILOVERS:
@@ -280,35 +302,35 @@ class PrivateChain:
                     trio.from_thread.run(self._fail_over, hop_index(self._route, layer), exc)
                 finally:
                     self.stats.decrypt_s += time.perf_counter() - began
-        result = np.stack(parts)
+        result = np.concatenate(parts)
         if self._check_this_step == (layer, group):
             self._check_this_step = None
-            if not trio.from_thread.run(self._spot_check, layer, group, cts, result, plan):
+            if not trio.from_thread.run(self._spot_check, layer, group, requests[0], parts[0]):
                 raise _Redo()
-        self.stats.products += len(cts)
-        self.stats.projections += len(cts) * {"qkv": 3, "gate_up": 2}.get(group, 1)
+        self.stats.products += len(result)
+        self.stats.projections += len(result) * {"qkv": 3, "gate_up": 2}.get(group, 1)
         return torch.from_numpy(result).to(x.dtype)
 
-    async def _roundtrip(self, layer: int, group: str, cts: list[bytes]) -> list[list[bytes]]:
+    async def _roundtrip(self, layer: int, group: str, request: Request) -> list[list[bytes]]:
         for attempt in range(MAX_FAILOVERS + 1):
             index = hop_index(self._route, layer)
             try:
                 if index not in self.sessions:
                     await self._open_hop(index)
-                return await self._ask(self.sessions[index], layer, group, cts)
+                return await self._ask(self.sessions[index], layer, group, request)
             except Exception as exc:  # py-libp2p's stream and dial errors have no common base
                 if attempt == MAX_FAILOVERS:
                     raise
                 await self._fail_over(index, exc)
         raise AssertionError("unreachable")
 
-    async def _ask(self, session: PrivateSession, layer: int, group: str, cts: list[bytes]) -> list[list[bytes]]:
+    async def _ask(self, session: PrivateSession, layer: int, group: str, request: Request) -> list[list[bytes]]:
         began = time.perf_counter()
-        outs, compute_s = await session.project(layer, group, cts)
+        outs, compute_s = await session.project(layer, group, request)
         s = self.stats
         s.roundtrip_s += time.perf_counter() - began
         s.provider_s += compute_s
-        s.bytes_sent += sum(len(c) for c in cts)
+        s.bytes_sent += sum(len(c) for c in request.cts)
         s.bytes_received += sum(len(c) for out in outs for c in out)
         return outs
 
@@ -332,7 +354,7 @@ class PrivateChain:
         self.failovers.append(Failover(hop.peer_id, hop.start, hop.end, str(exc)[:200] or type(exc).__name__,
                                        noticed, time.time(), tuple(h.peer_id for h in replacement)))
 
-    async def _spot_check(self, layer: int, group: str, cts: list[bytes], result: np.ndarray, plan) -> bool:
+    async def _spot_check(self, layer: int, group: str, request: Request, ours: np.ndarray) -> bool:
         """Ask another provider of `layer` for the same product and compare. On a
         mismatch a third provider (if any) decides who is wrong; with none, the
         route's provider is blamed. False when the route's provider was wrong (it is
@@ -341,17 +363,15 @@ class PrivateChain:
             return True
         index = hop_index(self._route, layer)
         served_by = self._route[index].peer_id
-        cts = cts[:MAX_TOKENS_PER_REQUEST]
-        ours = result[:len(cts)]
         verifier = random_verifier(self.planner, layer, {served_by} | self.avoid, self.rng)
         if verifier is None:
             return True
         self.checks += 1
-        theirs = await self._product_from(verifier, layer, group, cts, plan)
+        theirs = await self._product_from(verifier, layer, group, request)
         if theirs is None or _agree(ours, theirs):
             return True
         third = random_verifier(self.planner, layer, {served_by, verifier.peer_id} | self.avoid, self.rng)
-        decider = await self._product_from(third, layer, group, cts, plan) if third is not None else None
+        decider = await self._product_from(third, layer, group, request) if third is not None else None
         if decider is not None and _agree(ours, decider) and not _agree(theirs, decider):
             wrong = verifier.peer_id
         else:
@@ -368,28 +388,31 @@ class PrivateChain:
                                                                       f"{group}"))
         return False
 
-    async def _product_from(self, hop: Hop, layer: int, group: str, cts: list[bytes], plan) -> np.ndarray | None:
+    async def _product_from(self, hop: Hop, layer: int, group: str, request: Request) -> np.ndarray | None:
         """The same product from another provider, in a session of its own; None if
         it cannot answer (which proves nothing either way)."""
         try:
             session = await PrivateSession.open(self.host, Hop(hop.record, layer, layer + 1), self.model_id,
                                                 self.secret.params.name, self.keys, self.digest, self.stats)
             try:
-                outs, _ = await session.project(layer, group, cts)
+                outs, _ = await session.project(layer, group, request)
             finally:
                 await session.close()
-            return np.stack([decrypt_product(self.secret, plan, per_token) for per_token in outs])
+            return decrypt_product(self.secret, request, outs)
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
             return None
 
 
-def decrypt_product(secret: SecretContext, plan, per_token: list[bytes]) -> np.ndarray:
-    """A product's values from a provider's output ciphertexts for one token."""
-    if len(per_token) != plan.outputs:
-        raise PrivateProtocolError(f"{len(per_token)} output ciphertexts, the plan makes {plan.outputs}")
+def decrypt_product(secret: SecretContext, request: Request, outs: list[list[bytes]]) -> np.ndarray:
+    """[tokens, rows]: a request's products from a provider's output ciphertexts
+    (per group of the plan, its outputs)."""
+    plan = request.plan
+    if len(outs) != plan.groups(request.tokens) or any(len(group) != plan.outputs for group in outs):
+        raise PrivateProtocolError(f"{[len(g) for g in outs]} output ciphertexts, the plan makes "
+                                   f"{plan.groups(request.tokens)} groups of {plan.outputs}")
     try:
-        return plan.reduce(np.stack([secret.decrypt(ct) for ct in per_token]))
+        return plan.reduce(np.stack([secret.decrypt(ct) for group in outs for ct in group]), request.tokens)
     except HEError as exc:
         raise PrivateProtocolError(f"a provider's product did not decrypt: {exc}") from None
 

@@ -14,7 +14,9 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
   replaces its old);
 - compute: every request waits for a turn in the server's fair scheduler (the
   one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
-  product, so a peer's private work counts against its one fair share.
+  product, so a peer's private work counts against its one fair share; it then
+  runs on the node's HE workers (private_pool.py: one per compute thread);
+- answers: a request whose answer would not fit a frame is refused.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import trio
 from ... import wire
 from ...errors import FrameError, PeerMisbehaved
 from ...he.ckks import HEError, check_header, parameter_set
-from ...he.groups import required_steps
+from ...he.groups import group_shapes, required_steps
+from ...he.plan import choose
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
-from ..private_wire import (MAX_FRAME_BYTES, PrivateProtocolError, decode_keys_chunk, decode_open,
-                            decode_project, error)
-from .private_worker import HEWorker, WorkerCrashed
+from ..private_wire import (MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY, PrivateProtocolError, decode_keys_chunk,
+                            decode_open, decode_project, error)
+from .private_pool import HEWorker, WorkerCrashed
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class PrivateServer:
         self._peer_keys: dict[str, str] = {}
         self._uploads = trio.Semaphore(KEY_UPLOADS)
         self._keys_bound: dict[str, int] = {}  # per parameter set: the most key bytes this model needs
+        self.worker_slots = parameter_set(worker.params).slots
 
     def rate(self) -> float:
         """Encrypted layer-steps per second to advertise (0 until the worker measured some)."""
@@ -196,12 +200,16 @@ class PrivateServer:
     async def _project(self, peer: str, span_key: tuple[int, int], digest: str, request) -> dict:
         self.requests += 1
         server = self.provider.server
-        tokens = len(request.cts) * PRIVATE_TOKEN_COST
+        refused = self._too_large(request)
+        if refused is not None:
+            self.refused["ciphertext"] += 1
+            return error(wire.BAD_CIPHERTEXT, refused)
+        cost = request.tokens * PRIVATE_TOKEN_COST
         began = time.perf_counter()
         try:
-            async with server.compute.turn(peer, tokens) if server is not None else contextlib.nullcontext():
+            async with server.compute.turn(peer, cost) if server is not None else contextlib.nullcontext():
                 outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
-                                                          list(request.cts))
+                                                          request.tokens, list(request.cts))
         except HEError as exc:
             self.refused["ciphertext"] += 1
             return error(wire.BAD_CIPHERTEXT, str(exc))
@@ -210,10 +218,22 @@ class PrivateServer:
             log.warning("HE worker crashed on a request of %s (restarted on the next one): %s", peer[-8:], exc)
             return error(wire.WORKER_CRASHED, "the request crashed the HE worker; it is restarted")
         self.compute_s += seconds
-        self.products += len(request.cts)
+        self.products += request.tokens
         log.debug("private %s layer %d x%d: %.3fs compute, %.3fs in all", request.group, request.layer,
                   len(request.cts), seconds, time.perf_counter() - began)
         return {"type": "projected", "cts": outs, "compute_s": seconds}
+
+    def _too_large(self, request) -> str | None:
+        """Why a request's answer would not fit a frame (its plan's outputs), or None."""
+        server = self.provider.server
+        if server is None:
+            return None
+        rows, cols = group_shapes(server.runner.config)[request.group]
+        plan = choose(rows, cols, self.worker_slots, request.tokens)
+        if plan.groups(request.tokens) * plan.outputs > MAX_OUTPUTS_PER_REPLY:
+            return (f"{request.tokens} tokens make {plan.groups(request.tokens) * plan.outputs} output ciphertexts; "
+                    f"at most {MAX_OUTPUTS_PER_REPLY} a request")
+        return None
 
     def stats(self) -> dict:
         return {"sessions": self.sessions, "requests": self.requests, "refused": dict(self.refused),

@@ -10,12 +10,17 @@ node's event loop and out of its GIL.
 The node talks to it over stdin/stdout: frames of a 4-byte big-endian length and a
 msgpack map. Requests (one at a time):
 
-    {"op": "load", "model_dir", "start", "end", "params", "preencode", "budget_bytes"}
-        -> {"plaintexts", "bytes", "seconds", "preencoded"}
+    {"op": "load", "model_dir", "start", "end", "params", "preencode", "budget_bytes",
+     "share": [i, n]}                      -> {"plaintexts", "bytes", "seconds", "preencoded"}
     {"op": "keys", "digest", "data"}       -> {"bytes"}
     {"op": "drop", "digest"}               -> {}
-    {"op": "project", "digest", "layer", "group", "cts"}
-        -> {"cts": [[bytes, ...] per token], "seconds"}
+    {"op": "project", "digest", "layer", "group", "tokens", "cts"}
+        -> {"parts": [[[output, bytes], ...] per group], "seconds"}
+    {"op": "add", "parts": [[bytes, ...], ...]} -> {"cts": [bytes, ...]}
+
+A node runs n workers on one span (private_pool.py): worker i holds and computes
+share i of every product's (output, giant step) pairs (he/matvec.py), and the
+node has worker 0 add the parts.
 
 A failure is {"error": message}.
 """
@@ -26,18 +31,16 @@ import collections
 import logging
 import os
 import struct
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import msgpack
-import trio
+import numpy as np
 
-from ...errors import CompushareError
 from ...he.ckks import Context, HEError, keys_digest
 from ...he.groups import GROUPS, group_weight, layer_prefix, preencoded_bytes, required_steps
-from ...he.matvec import EncodedMatrix
+from ...he.matvec import EncodedMatrix, add
+from ...he.plan import choose, plans
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,9 @@ class WorkerState:
     def __init__(self) -> None:
         self.context: Context | None = None
         self.span: tuple[int, int] | None = None
-        self.weights: dict[tuple[int, str], object] = {}  # (layer, group) -> EncodedMatrix or raw weight
+        self.weights: dict[tuple[int, str], np.ndarray] = {}  # (layer, group) -> its weight, when not pre-encoded
+        self.encoded: dict[tuple[int, str, object], EncodedMatrix] = {}  # (layer, group, plan) -> this share's
+        self.share = (0, 1)
         self.preencode = True
         self.noise = 0.0  # fault injection (--debug-noise): a provider that lies
         self.steps: frozenset[int] = frozenset()
@@ -66,6 +71,8 @@ class WorkerState:
             return self._keys(request)
         if op == "project":
             return self._project(request)
+        if op == "add":
+            return self._add(request)
         if op == "drop":
             self.keys.pop(request.get("digest"), None)
             return {}
@@ -91,22 +98,30 @@ class WorkerState:
         # Pre-encoded weights come out of the node's memory budget: when the span's do
         # not fit what is left of it, the weights are encoded per request instead.
         p = self.context.params
+        index, workers = (int(v) for v in request.get("share", (0, 1)))
+        if not 0 <= index < workers:
+            raise HEError(f"share {index} of {workers}")
+        self.share = (index, workers)
         need = preencoded_bytes(config, self.context.slots, p.poly_degree, len(p.coeff_bits) - 1) * (end - start)
-        budget = request.get("budget_bytes")
-        self.preencode = bool(request.get("preencode", True)) and (budget is None or need <= budget)
+        budget = request.get("budget_bytes")  # this worker's part of the node's
+        self.preencode = bool(request.get("preencode", True)) and (budget is None or need <= budget * workers)
         self.weights.clear()
+        self.encoded.clear()
         plaintexts = nbytes = 0
         for layer in range(start, end):
             for group in GROUPS:
                 weight = group_weight(state, layer, group)
-                if self.preencode:
-                    encoded = EncodedMatrix(self.context, weight)
+                self.weights[(layer, group)] = weight
+                if not self.preencode:
+                    nbytes += weight.nbytes
+                    continue
+                for plan in plans(*weight.shape, self.context.slots):
+                    encoded = EncodedMatrix(self.context, weight, plan, self.share)
                     plaintexts += encoded.plaintexts
                     nbytes += encoded.nbytes
-                    self.weights[(layer, group)] = encoded
-                else:
-                    self.weights[(layer, group)] = weight
-                    nbytes += weight.nbytes
+                    self.encoded[(layer, group, plan)] = encoded
+        if self.preencode:
+            self.weights.clear()
         self.span = (start, end)
         self.noise = float(request.get("noise", 0.0))
         return {"plaintexts": plaintexts, "bytes": nbytes, "seconds": time.perf_counter() - began,
@@ -133,20 +148,44 @@ class WorkerState:
         if not self.span[0] <= layer < self.span[1] or group not in GROUPS:
             raise HEError(f"layer {layer} group {group!r} is not served here (span {self.span[0]}:{self.span[1]})")
         began = time.perf_counter()
-        matrix = self.weights[(layer, group)]
-        if not isinstance(matrix, EncodedMatrix):  # encoding on the fly: slower, far less memory
-            matrix = EncodedMatrix(self.context, matrix)
-        inputs = [self.context.ciphertext_from(data) for data in request["cts"]]  # all checked before any work
-        outs = [[self.context.dump(self._lie(ct)) for ct in matrix.apply(self.context, keys, ct)] for ct in inputs]
-        return {"cts": outs, "seconds": time.perf_counter() - began}
+        tokens, cts = request["tokens"], request["cts"]
+        rows, cols = self._shape(layer, group)
+        plan = choose(rows, cols, self.context.slots, tokens)
+        if len(cts) != plan.groups(tokens) * plan.chunks:
+            raise HEError(f"{len(cts)} ciphertexts for {tokens} tokens: the plan takes "
+                          f"{plan.groups(tokens) * plan.chunks}")
+        matrix = self.encoded.get((layer, group, plan))
+        if matrix is None:  # encoding on the fly: slower, far less memory
+            matrix = EncodedMatrix(self.context, self.weights[(layer, group)], plan, self.share)
+        inputs = [self.context.ciphertext_from(data) for data in cts]  # all checked before any work
+        parts = []
+        for start in range(0, len(inputs), plan.chunks):
+            outs = matrix.apply(self.context, keys, inputs[start:start + plan.chunks])
+            parts.append([[o, self.context.dump(self._lie(ct))] for o, ct in sorted(outs.items())])
+        return {"parts": parts, "seconds": time.perf_counter() - began}
+
+    def _shape(self, layer: int, group: str) -> tuple[int, int]:
+        weight = self.weights.get((layer, group))
+        if weight is not None:
+            return weight.shape
+        plan = next(p for (at, name, p) in self.encoded if (at, name) == (layer, group))
+        return plan.rows, plan.cols
+
+    def _add(self, request: dict) -> dict:
+        """Each output's parts from the workers, summed (they are this node's own)."""
+        if self.context is None:
+            raise HEError("no span loaded")
+        out = []
+        for parts in request["parts"]:
+            loaded = [self.context.ciphertext_from(data, output=True) for data in parts]
+            out.append(self.context.dump(add(self.context, loaded)))
+        return {"cts": out}
 
 
     def _lie(self, ct):
         """With fault injection on, add Gaussian noise of `noise` (absolute: a liar
         cannot see the values) to every slot of a product."""
         if self.noise > 0:
-            import numpy as np  # noqa: PLC0415
-
             context = self.context
             plain = context.seal.Plaintext()
             noise = np.random.default_rng().normal(0.0, self.noise, context.slots)
@@ -183,136 +222,6 @@ def serve_stdio() -> None:
         out = msgpack.packb(reply, use_bin_type=True)
         stdout.write(LENGTH.pack(len(out)) + out)
         stdout.flush()
-
-
-class WorkerCrashed(CompushareError):
-    """The HE worker process died (or broke the framing) during a request."""
-
-
-class HEWorker:
-    """The node's handle on its worker process: one request at a time, restarted
-    (and reloaded, with the key sets it held) after a crash."""
-
-    def __init__(self, model_dir, *, params: str, preencode: bool = True,
-                 budget_bytes: Callable[[tuple[int, int]], int | None] = lambda span: None,
-                 noise: float = 0.0) -> None:
-        self.model_dir, self.params, self.preencode = str(model_dir), params, preencode
-        self.noise = noise
-        self.budget_bytes = budget_bytes  # what the node's memory budget leaves for a span's encoded weights
-        self.process: trio.Process | None = None
-        self.span: tuple[int, int] | None = None
-        self.loaded: dict = {}
-        self.restarts = 0
-        self._buffer = bytearray()
-        self._lock = trio.Lock()
-        self._keys: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-
-    async def _spawn(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "compushare.pipeline.server.private_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._buffer.clear()
-
-    async def _call(self, request: dict, timeout_s: float) -> dict:
-        if self.process is None:
-            await self._spawn()
-        data = msgpack.packb(request, use_bin_type=True)
-        try:
-            with trio.fail_after(timeout_s):
-                await self.process.stdin.send_all(LENGTH.pack(len(data)) + data)
-                header = await self._receive(LENGTH.size)
-                (size,) = LENGTH.unpack(header)
-                if size > MAX_WORKER_FRAME:
-                    raise WorkerCrashed(f"worker sent a {size}-byte frame")
-                reply = msgpack.unpackb(await self._receive(size), raw=False)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, WorkerCrashed, trio.TooSlowError,
-                ValueError) as exc:
-            await self._kill()
-            self.restarts += 1
-            raise WorkerCrashed(f"HE worker lost during {request.get('op')}: {exc!r}") from None
-        if "error" in reply:
-            raise HEError(reply["error"])
-        return reply["ok"]
-
-    async def _receive(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            chunk = await self.process.stdout.receive_some(1 << 20)
-            if not chunk:
-                raise WorkerCrashed(f"worker exited (code {self.process.poll()})")
-            self._buffer += chunk
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return out
-
-    async def _kill(self) -> None:
-        process, self.process = self.process, None
-        self.span = None
-        if process is not None:
-            with trio.move_on_after(5):
-                process.kill()
-                await process.wait()
-
-    async def _ensure(self, span: tuple[int, int]) -> None:
-        if self.span == span and self.process is not None:
-            return
-        self.loaded = await self._call({"op": "load", "model_dir": self.model_dir, "start": span[0], "end": span[1],
-                                        "params": self.params, "preencode": self.preencode,
-                                        "budget_bytes": self.budget_bytes(span), "noise": self.noise},
-                                       timeout_s=600)
-        self.span = span
-        for digest, data in list(self._keys.items()):  # what a crashed worker held
-            await self._call({"op": "keys", "digest": digest, "data": data}, timeout_s=60)
-        log.info("HE worker holds blocks %d:%d %s: %d plaintexts, %.0f MB, in %.1fs", span[0], span[1],
-                 "pre-encoded" if self.loaded["preencoded"] else
-                 f"to encode per request (pre-encoding needs {self.loaded['preencode_bytes'] / 1e6:.0f} MB, "
-                 f"over the memory budget)", self.loaded["plaintexts"], self.loaded["bytes"] / 1e6,
-                 self.loaded["seconds"])
-
-    async def load(self, span: tuple[int, int]) -> dict:
-        async with self._lock:
-            await self._ensure(span)
-            return self.loaded
-
-    async def add_keys(self, span: tuple[int, int], digest: str, data: bytes) -> None:
-        async with self._lock:
-            await self._ensure(span)
-            await self._call({"op": "keys", "digest": digest, "data": data}, timeout_s=60)
-            self._keys[digest] = data
-            while len(self._keys) > MAX_KEY_SETS:  # least recently used out
-                await self._drop(next(iter(self._keys)))
-
-    def has_keys(self, digest: str) -> bool:
-        return digest in self._keys
-
-    async def forget_keys(self, digest: str) -> None:
-        """Drop a key set (its owner sent a newer one)."""
-        async with self._lock:
-            await self._drop(digest)
-
-    async def _drop(self, digest: str) -> None:
-        self._keys.pop(digest, None)
-        if self.process is not None:
-            await self._call({"op": "drop", "digest": digest}, timeout_s=30)
-
-    async def project(self, span: tuple[int, int], digest: str, layer: int, group: str,
-                      cts: list[bytes]) -> tuple[list[list[bytes]], float]:
-        async with self._lock:
-            await self._ensure(span)
-            if digest not in self._keys:
-                raise HEError("unknown keys: send them first")
-            self._keys.move_to_end(digest)
-            reply = await self._call({"op": "project", "digest": digest, "layer": layer, "group": group,
-                                      "cts": cts}, timeout_s=120 + 10 * len(cts))
-            return reply["cts"], reply["seconds"]
-
-    @property
-    def held_bytes(self) -> int:
-        """Memory the worker holds for this node: encoded weights and key sets."""
-        return int(self.loaded.get("bytes", 0)) + sum(len(k) for k in self._keys.values()) * 2
-
-    async def aclose(self) -> None:
-        await self._kill()
 
 
 def main() -> None:
