@@ -193,11 +193,11 @@ class Plan:
         weight = np.asarray(weight, dtype=np.float64)
         if weight.shape != (self.rows, self.cols):
             raise ValueError(f"weight of shape {weight.shape}, plan wants ({self.rows}, {self.cols})")
-        wc = np.conj(self._complex(weight))  # [rows, chunks, period]: W[r, c] - i W[r, c + h]
         rows, starts = self._places(output)
+        wc = np.conj(self._complex(weight[rows]))  # [its rows, chunks, period]: W[r, c] - i W[r, c + h]
         local = starts % self.block if self.tokens > 1 else starts  # a window's first element in its token
         out = np.zeros((self.chunks, self.giant, self.baby, self.slots), dtype=np.complex128)
-        r = np.broadcast_to(rows[:, None, None], starts.shape)
+        r = np.broadcast_to(np.arange(len(rows))[:, None, None], starts.shape)
         for g in range(self.giant):
             for j in range(self.baby):
                 column = (local + g * self.baby + j) % self.period

@@ -41,7 +41,7 @@ from .spotcheck import DEFAULT_RATE as DEFAULT_SPOT_CHECK_RATE, Penalties
 
 log = logging.getLogger(__name__)
 
-PRIVATE_STEP_TOKENS = 16  # a private prefill goes in chunks of 16 tokens (private_wire.MAX_TOKENS_PER_REQUEST)
+PRIVATE_STEP_TOKENS = 256  # a private prefill goes in steps of this many tokens, each pipelined over the hops
 REPORT_SUBMIT_TIMEOUT_S = 5.0
 
 

@@ -271,23 +271,10 @@ class PrivateChain:
         finally:
             self._tls.in_products = getattr(self._tls, "in_products", 0.0) + time.perf_counter() - entered
 
-    def _requests(self, group: str, values: np.ndarray) -> list[Request]:
-        """The rows of `values` encrypted, as requests that fit a frame each way."""
-        rows, cols = self._shapes[group]
-        step = self._per_request[group]
-        began = time.perf_counter()
-        out = []
-        for offset in range(0, len(values), step):
-            part = values[offset:offset + step]
-            plan = choose(rows, cols, self.secret.slots, len(part))
-            cts = [self.secret.encrypt(slots) for start in range(0, len(part), plan.tokens)
-                   for slots in plan.input_slots(part[start:start + plan.tokens])]
-            out.append(Request(len(part), plan, tuple(cts)))
-        self.stats.encrypt_s += time.perf_counter() - began
-        return out
-
     def _product(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
-        requests = self._requests(group, x.double().numpy())
+        began = time.perf_counter()
+        requests = encrypt_requests(self.secret, *self._shapes[group], self._per_request[group], x.double().numpy())
+        self.stats.encrypt_s += time.perf_counter() - began
         parts = []
         for request in requests:
             for attempt in range(MAX_FAILOVERS + 1):
@@ -402,6 +389,19 @@ class PrivateChain:
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
             return None
+
+
+def encrypt_requests(secret: SecretContext, rows: int, cols: int, step: int, values: np.ndarray) -> list[Request]:
+    """The token rows of `values` encrypted for a rows x cols product, as requests of
+    at most `step` tokens (so that each fits a frame, both ways)."""
+    out = []
+    for offset in range(0, len(values), step):
+        part = values[offset:offset + step]
+        plan = choose(rows, cols, secret.slots, len(part))
+        cts = [secret.encrypt(slots) for start in range(0, len(part), plan.tokens)
+               for slots in plan.input_slots(part[start:start + plan.tokens])]
+        out.append(Request(len(part), plan, tuple(cts)))
+    return out
 
 
 def decrypt_product(secret: SecretContext, request: Request, outs: list[list[bytes]]) -> np.ndarray:

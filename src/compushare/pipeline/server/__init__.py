@@ -14,7 +14,8 @@
   placement.py    pure: which span of blocks the swarm needs this server to hold
   announce.py     keeps this provider's DHT server record and provider records fresh
   private.py      /compushare/private: a peer's encrypted products, within fair shares
-  private_worker.py  the HE worker process (CKKS parsing and products) and the node's handle on it
+  private_worker.py  the HE worker process: CKKS parsing and its share of each product
+  private_pool.py    the node's HE worker processes (one per compute thread) and how their shares join
   training.py     /compushare/train: stateless training forwards and backwards, within fair shares
 
 How the features sit in the core (each a state, an event or a module of its own):

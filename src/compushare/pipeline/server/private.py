@@ -1,4 +1,4 @@
-"""Serving /compushare/private/1.0.0: a peer's encrypted projections.
+"""Serving /compushare/private/2.0.0: a peer's encrypted projections.
 
 The provider never sees a plaintext activation: it receives CKKS ciphertexts and
 public Galois keys, multiplies by its span's plaintext weights in its HE worker
