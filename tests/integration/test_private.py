@@ -13,6 +13,7 @@ from compushare.he.plan import choose
 from compushare.karma.record import karma_validators
 from compushare.model.arch import load_config
 from compushare.model.catalog import import_path
+from compushare.model.store import ModelStore
 from compushare.net.dial import dial
 from compushare.net.framing import FramedStream
 from compushare.net.peer import open_swarm_host
@@ -28,14 +29,18 @@ async def test_private_generation_through_three_providers_equals_plaintext(proce
     states = processes.nodes([("a", "0:2")], tiny_model)
     boot = states[0]["addrs"][:1]
     states += processes.nodes([("b", "2:3"), ("c", "3:4")], tiny_model, bootstrap=boot)
-    client = tmp_path / "client"
-    import_path(tiny_model, client, alias="tiny")
+    # The client holds nothing: it fetches the head with the norms file (every layer's
+    # norms, manifest.NORMS_FILE) from the providers, and no block.
+    client, model_id = tmp_path / "client", states[0]["model_id"]
     # 21 prompt tokens: a prefill pipelined over the 3 hops in chunks of 8.
     prompt, new = [1, 9, 8, 7, 6, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202, 203, 204, 205, 206], 10
     outcome = await run_prompt(client, tuple(boot), RunRequest(
-        model="tiny", prompt=prompt, private=True, params=SamplingParams(max_new_tokens=new, stop_at_eos=False)),
+        model=model_id, prompt=prompt, private=True, params=SamplingParams(max_new_tokens=new, stop_at_eos=False)),
         spot_check_rate=0.0)
     assert outcome.tokens == reference_greedy(tiny_model, prompt, new)
+    fetched = ModelStore(client).get(model_id)
+    assert fetched.holds(head=True) and fetched.held_blocks() == []
+    assert fetched.manifest.norms_file in fetched.held_files()
     assert [(h.start, h.end) for h in outcome.route] == [(0, 2), (2, 3), (3, 4)]
     assert [h.peer_id for h in outcome.route] == [s["peer_id"] for s in states]
     steps_tokens = len(prompt) + new - 1  # the last token is sampled, never run

@@ -12,13 +12,18 @@ from hypothesis import strategies as st
 
 from compushare.errors import FrameError
 from compushare.model.layout import lay_out
-from compushare.model.manifest import MIN_PIECE_SIZE, auto_piece_size, parse
+from compushare.model.manifest import MIN_PIECE_SIZE, NORMS_FILE, auto_piece_size, parse
 from compushare.torrent.protocol import decode_bitfield, encode_bitfield, parse_reply, parse_request
 
 
 @pytest.fixture(scope="module")
 def manifest(tiny_model, tmp_path_factory):
     return lay_out(tiny_model, tmp_path_factory.mktemp("laid") / "m")
+
+
+def _norms(doc: dict) -> dict:
+    [entry] = [f for f in doc["files"] if f["name"] == NORMS_FILE]
+    return entry
 
 
 def reencode(doc: dict) -> bytes:
@@ -31,6 +36,16 @@ def test_round_trip_and_id(manifest):
     assert [p.sha256 for p in again.pieces] == [p.sha256 for p in manifest.pieces]
     with pytest.raises(FrameError, match="does not hash"):
         parse(manifest.raw, expected_id="0" * 64)
+
+
+def test_a_manifest_without_a_norms_file_still_parses(manifest):
+    """Manifests laid out before the norms file (layout version 2) keep their ids and
+    parse: a private consumer fetches every block for them instead (consumer.private_fetch)."""
+    doc = json.loads(manifest.raw)
+    doc["files"] = [f for f in doc["files"] if f["name"] != NORMS_FILE]
+    old = parse(reencode(doc))
+    assert old.norms_file is None and manifest.norms_file is not None
+    assert old.tensors() == manifest.tensors()  # the norms file's copies are not counted twice
 
 
 def test_auto_piece_size():
@@ -61,6 +76,10 @@ def test_auto_piece_size():
     (lambda d: next(iter(d["files"][1]["tensors"].values())).update(offsets=[0, 10**9]), "offset"),
     (lambda d: next(iter(d["files"][1]["tensors"].values())).update(dtype="F8"), "dtype"),
     (lambda d: d.update(extra=1), "keys"),
+    # The norms file (model/layout.py) holds copies of block tensors, and only it of the meta files holds tensors.
+    (lambda d: next(iter(_norms(d)["tensors"].values())).update(shape=[3]), "not a block tensor"),
+    (lambda d: _norms(d)["tensors"].update(x={"dtype": "F32", "shape": [1], "offsets": [0, 4]}), "not a block"),
+    (lambda d: _norms(d).update(name="other.safetensors"), "only norms.safetensors"),
 ])
 def test_bad_manifests_are_rejected(manifest, edit, message):
     doc = json.loads(manifest.raw)

@@ -16,13 +16,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from compushare.errors import UsageError
+from compushare.model.sources import SMOLLM2_CONVERTED
 from compushare.model.train_data import (IGNORE, DataStats, Example, batches, count_targets, load_examples,
                                          split_examples)
 
 pytestmark = pytest.mark.unit
 
 EOS = 2
-SMOLLM2 = Path(os.environ["COMPUSHARE_CACHE"]) / "converted" / "smollm2-135m-fp32-v2"
+SMOLLM2 = Path(os.environ["COMPUSHARE_CACHE"]) / "converted" / SMOLLM2_CONVERTED
 # A chat template of words: what the prompt's ids must be is plain to see.
 WORD_TEMPLATE = ("{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}"
                  "{% if add_generation_prompt %}w12{% endif %}")

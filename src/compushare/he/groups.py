@@ -12,6 +12,8 @@ gate_up_proj) gives the group that matrix: the same rows in the same order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .plan import plans
@@ -51,8 +53,28 @@ def group_rows(state: dict, layer: int, group: str) -> list[int]:
     return [int(state[f"{layer_prefix(layer)}{name}.weight"].shape[0]) for name in group_members(state, layer, group)]
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeConfig:
+    """What group_shapes reads of a transformers config, taken from config.json's own map
+    (`of`): the HE worker computes with it without importing transformers."""
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: dict) -> ShapeConfig:
+        """From a config.json map; its defaults as transformers' configs fill them: K/V
+        heads as many as the query's, head_dim hidden / heads."""
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls(hidden, heads, int(config.get("num_key_value_heads") or heads), int(config["intermediate_size"]),
+                   int(config.get("head_dim") or hidden // heads))
+
+
 def group_shapes(config) -> dict[str, tuple[int, int]]:
-    """[rows, cols] of each group for a transformers config (every family: model/families.py)."""
+    """[rows, cols] of each group for a transformers config (every family: model/families.py)
+    or a ShapeConfig."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ModelUnavailable, UsageError
 from . import gguf_config, gguf_native
 from .formats import GGUF_TYPES, WeightFormat
-from .layout import ConvertedTensors, StoredSpec, lay_out
+from .layout import LAYOUT_VERSION, ConvertedTensors, StoredSpec, lay_out
 from .manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def import_gguf_cached(path: Path, cache_dir: Path, *, fmt: WeightFormat | None 
     stat = Path(path).stat()
     kept = "kept" if fmt is None else fmt.label.replace("/", "-")
     digest = hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir / "converted" / f"gguf-{kept}-v1-{digest}"
+    target = cache_dir / "converted" / f"gguf-{kept}-v{LAYOUT_VERSION}-{digest}"
     with file_lock(cache_dir / "locks" / f"gguf-{kept}-{digest}.lock"):
         if not (target / MANIFEST_FILE).exists():
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,12 @@ id, whatever the source's sharding or the installed safetensors version. The
 format is plain safetensors (any reader loads it): an 8-byte little-endian header
 length, a JSON header with sorted keys and no spaces padded with spaces to a
 multiple of 8, then the tensors' bytes packed in name order.
+
+Beside them goes `norms.safetensors` (manifest.NORMS_FILE), in the same format: every
+block's tensors but its weight matrices (norms, biases; 141 KiB for SmolLM2),
+the very bytes the block files hold, for private mode's consumer. LAYOUT_VERSION names
+this layout in cached conversions (model/sources.py, model/gguf_import.py): a new
+layout gives new ids, so a conversion laid out by an older one is not reused.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from typing import Protocol
 
 from ..errors import UsageError
 from .formats import WeightFormat, base_name
-from .manifest import HEAD_FILE, FileEntry, Manifest, TensorEntry, auto_piece_size, block_file_name
+from .manifest import HEAD_FILE, NORMS_FILE, FileEntry, Manifest, TensorEntry, auto_piece_size, block_file_name
 
 log = logging.getLogger(__name__)
 
 LAYER_PREFIX = "model.layers."
+# In cached conversions' names: bump when lay_out's bytes change (2: store layout; 3: NORMS_FILE).
+LAYOUT_VERSION = 3
 # config.json keys that say nothing about the computation.
 VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache"}
 META_SUFFIXES = (".json", ".jinja", ".model", ".txt")
@@ -39,6 +47,13 @@ def block_of(tensor_name: str) -> int | None:
     if not tensor_name.startswith(LAYER_PREFIX):
         return None
     return int(tensor_name[len(LAYER_PREFIX):].split(".", 1)[0])
+
+
+def is_norms_tensor(tensor_name: str) -> bool:
+    """A block's tensor other than its weight matrices (a `*_proj.weight` and its
+    quantized parts): what NORMS_FILE holds and a private-mode consumer runs with."""
+    base = base_name(tensor_name)
+    return block_of(base) is not None and not base.endswith("_proj.weight")
 
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -157,12 +172,19 @@ class ConvertedTensors:
         return self._cached[1][name]
 
 
+def tensor_files(directory: Path) -> list[Path]:
+    """A directory's safetensors files, each tensor in one of them: in store layout (a
+    manifest.json beside them), all but NORMS_FILE, whose tensors are block files' copies."""
+    laid_out = (Path(directory) / "manifest.json").exists()
+    return sorted(path for path in Path(directory).glob("*.safetensors") if not (laid_out and path.name == NORMS_FILE))
+
+
 def safetensors_source(source: Path, fmt: WeightFormat | None) -> ConvertedTensors:
     """lay_out's tensor source for a Hugging Face directory's safetensors files."""
     from safetensors import safe_open
 
     file_of, shapes = {}, {}
-    files = sorted(source.glob("*.safetensors"))
+    files = tensor_files(source)
     if not files:
         raise UsageError(f"{source} holds no .safetensors weights")
     for path in files:
@@ -210,6 +232,7 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
     meta = [(path.name, path.read_bytes()) for path in sorted(source.iterdir())
             if path.is_file() and path.name.endswith(META_SUFFIXES) and path.name not in NOT_META]
     total = sum(len(w[3]) + sum(s.nbytes for s in w[5].values()) for w in weight_files) + sum(len(m[1]) for m in meta)
+    total += _norms_file_size(tensors.specs())
     piece_size = piece_size or auto_piece_size(total)
     written = 0
 
@@ -220,11 +243,14 @@ def lay_out(source: Path, target: Path, *, piece_size: int | None = None,
             progress(written, total)
 
     files = []
+    kept: dict[str, bytes] = {}  # the norms file's tensors, kept as their block files are written
     target.mkdir(parents=True, exist_ok=True)
     for name, role, block, header, entries, group in weight_files:
-        pieces = _write_weight_file(target / name, header, group, tensors, piece_size, wrote)
+        pieces = _write_weight_file(target / name, header, group, tensors, piece_size, wrote, kept)
         size = len(header) + sum(s.nbytes for s in group.values())
         files.append(FileEntry(name, role, block, size, pieces, entries))
+    if kept:
+        files.append(_write_norms_file(target, kept, tensors.specs(), piece_size, wrote))
     for name, data in meta:
         files.append(FileEntry(name, "meta", None, len(data), piece_hashes(data, piece_size), {}))
         _write_file(target / name, data)
@@ -260,8 +286,9 @@ def _group_by_block(tensors: TensorSource, num_blocks: int) -> dict[int | None, 
 
 
 def _write_weight_file(path: Path, header: bytes, group: dict[str, StoredSpec], tensors: TensorSource,
-                       piece_size: int, wrote: Callable[[int], None]) -> tuple[str, ...]:
-    """Write the header, then each tensor (one in memory at a time); return the piece hashes."""
+                       piece_size: int, wrote: Callable[[int], None], kept: dict[str, bytes]) -> tuple[str, ...]:
+    """Write the header, then each tensor (one in memory at a time); return the piece
+    hashes. The norms file's tensors (is_norms_tensor) are copied into `kept` too."""
     hasher = PieceHasher(piece_size)
     with open(path, "wb") as handle:
         for chunk_name, chunk in [("", header)] + [(n, None) for n in sorted(group)]:
@@ -270,6 +297,8 @@ def _write_weight_file(path: Path, header: bytes, group: dict[str, StoredSpec], 
             if chunk_name and size != group[chunk_name].nbytes:
                 raise UsageError(f"tensor {chunk_name} holds {size} bytes, not the "
                                  f"{group[chunk_name].nbytes} of {group[chunk_name]}")
+            if chunk_name and is_norms_tensor(chunk_name):
+                kept[chunk_name] = memoryview(data).cast("B").tobytes()
             handle.write(data)
             hasher.update(data)
             del data
@@ -277,6 +306,21 @@ def _write_weight_file(path: Path, header: bytes, group: dict[str, StoredSpec], 
         handle.flush()
         os.fsync(handle.fileno())
     return hasher.finish()
+
+
+def _norms_file_size(specs: dict[str, StoredSpec]) -> int:
+    norms = {name: spec for name, spec in specs.items() if is_norms_tensor(name)}
+    return len(safetensors_header(norms)[0]) + sum(spec.nbytes for spec in norms.values()) if norms else 0
+
+
+def _write_norms_file(target: Path, kept: dict[str, bytes], specs: dict[str, StoredSpec], piece_size: int,
+                      wrote: Callable[[int], None]) -> FileEntry:
+    """NORMS_FILE: the kept tensors, with the bytes their block files hold, as a meta file."""
+    header, entries = safetensors_header({name: specs[name] for name in kept})
+    data = header + b"".join(kept[name] for name in sorted(kept))
+    _write_file(target / NORMS_FILE, data)
+    wrote(len(data))
+    return FileEntry(NORMS_FILE, "meta", None, len(data), piece_hashes(data, piece_size), entries)
 
 
 def write_config(target: Path, manifest: Manifest) -> None:

@@ -2,7 +2,9 @@
 
 A stored model is a set of files: `head.safetensors` (embeddings, final norm, LM
 head), one `block-NNNN.safetensors` per decoder block, and small `meta` files (the
-tokenizer). Each file is cut into pieces of `piece_size` bytes (the last one
+tokenizer; since layout version 3 also `norms.safetensors`: a copy of every block's
+small tensors, norms and biases, which a private-mode consumer runs itself, so it
+fetches those with the head instead of every block). Each file is cut into pieces of `piece_size` bytes (the last one
 shorter); pieces never cross files, so a provider fetches exactly the files of its
 span. The manifest lists every file's pieces by SHA-256 and, for the weight
 files, the byte range of every tensor.
@@ -33,6 +35,9 @@ MAX_FILES = 65536
 MAX_PIECES = 1 << 22
 MAX_TENSORS_PER_FILE = 4096
 HEAD_FILE = "head.safetensors"
+# A meta file: every decoder block's tensors but its weight matrices (norms, biases), the
+# bytes its block file holds for them (private mode's consumer, model/private_layers.py).
+NORMS_FILE = "norms.safetensors"
 # Names the store writes itself next to a model's files: a manifest may not use them.
 RESERVED_NAMES = {"manifest.json", "config.json"}
 ROLES = ("head", "block", "meta")
@@ -137,7 +142,13 @@ class Manifest:
                 if f.role == "block" and f.block is not None}
 
     def tensors(self) -> dict[str, TensorEntry]:
-        return {name: t for f in self.files for name, t in f.tensors.items()}
+        """Every stored tensor once: where its block or head file holds it (not the norms file's copy)."""
+        return {name: t for f in self.files if f.role != "meta" for name, t in f.tensors.items()}
+
+    @property
+    def norms_file(self) -> int | None:
+        """Index of the norms file (NORMS_FILE), or None: a manifest laid out before it."""
+        return next((i for i, f in enumerate(self.files) if f.role == "meta" and f.name == NORMS_FILE), None)
 
     @property
     def format(self) -> WeightFormat:
@@ -242,7 +253,22 @@ def _parse_files(value, num_blocks: int, piece_size: int) -> list[FileEntry]:
         raise _fail(f"blocks without a file: {sorted(set(range(num_blocks)) - blocks)[:8]}")
     if sum(f.role == "head" for f in files) != 1:
         raise _fail("exactly one head file is required")
+    _check_norms(files)
     return files
+
+
+def _check_norms(files: list[FileEntry]) -> None:
+    """The norms file's tensors must be block tensors of the same dtype and shape (their
+    bytes are the pieces' to check); every other meta file holds no tensors."""
+    in_blocks = {name: (t.dtype, t.shape) for f in files if f.role == "block" for name, t in f.tensors.items()}
+    for f in files:
+        if f.role != "meta" or not f.tensors:
+            continue
+        if f.name != NORMS_FILE:
+            raise _fail(f"{f.name}: only {NORMS_FILE} of the meta files holds tensors")
+        for name, t in f.tensors.items():
+            if in_blocks.get(name) != (t.dtype, t.shape):
+                raise _fail(f"{NORMS_FILE}: {name!r} is not a block tensor of that dtype and shape")
 
 
 def _parse_file(item, names: set[str], blocks: set[int], num_blocks: int, piece_size: int) -> FileEntry:

@@ -10,7 +10,9 @@ rows of the answer). So the layers are transformers' own, op for op, and only th
 products come from elsewhere (encrypted: pipeline/client/private_chain.py).
 
 The consumer holds no projection weight: per layer it reads the norms (Gemma's
-four and the QK-norms included) and any biases (Qwen2's q, k, v), a few kilobytes.
+four and the QK-norms included) and any biases (Qwen2's q, k, v), a few kilobytes,
+from the model's norms file (manifest.NORMS_FILE, fetched with the head) or, for a
+model laid out before that file, from its block files.
 Every family (model/families.py) runs so: its masks per layer type (sliding
 windows) and rotary tables come from model/lean.py, as a span runner's do. A family
 whose layers hold a projection no group covers is refused (PrivateModeUnsupported).
@@ -27,7 +29,9 @@ from ..errors import PrivateModeUnsupported
 from .arch import architecture_of, load_config
 from .families import layer_types
 from .kv_cache import new_cache
+from .layout import is_norms_tensor
 from .lean import attention_inputs
+from .manifest import NORMS_FILE
 from .weights import read_dense_tensors
 
 GROUP_OF = {
@@ -88,12 +92,15 @@ class PrivateLayers:
 
     @classmethod
     def load(cls, model_dir: Path, project: Project) -> PrivateLayers:
+        """The layers of the model in `model_dir`, their tensors read from its norms file
+        (NORMS_FILE: fetched with the head) where it holds one, else from its block files."""
         config = load_config(model_dir)
+        files = [NORMS_FILE] if (Path(model_dir) / NORMS_FILE).is_file() else None
 
         def local(names):
-            return [n for n in names if n.startswith("model.layers.") and not n.endswith("_proj.weight")]
+            return [n for n in names if is_norms_tensor(n)]
 
-        return cls(config, read_dense_tensors(model_dir, local), project)
+        return cls(config, read_dense_tensors(model_dir, local, files), project)
 
     def product(self, layer: int, group: str, part: int, x: torch.Tensor) -> torch.Tensor:
         """Rows of one projection: the group's product is asked for once per input."""

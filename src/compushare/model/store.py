@@ -3,7 +3,7 @@
 A model directory holds `manifest.json` (torrent/manifest.py: every file, piece and
 tensor of the model), a `config.json` derived from it, and whichever of the
 model's files this node holds in full: a provider holds only its span's block
-files, a consumer the head and tokenizer. The model id is the SHA-256 of the
+files, a consumer the head, tokenizer and norms file (manifest.NORMS_FILE). The model id is the SHA-256 of the
 manifest, so two differently converted copies of "the same" model get different
 ids and peers never mix them. Names like `smollm2-135m` are only local aliases.
 """

@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 
 from . import gguf_native
+from .layout import tensor_files
 
 
-def read_dense_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
+def read_dense_tensors(model_dir: Path, names_filter, files: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Like read_tensors, in float values whatever the format: `names_filter` sees the
     matrices' own names (not their "_scale" / "_min" parts), and a quantized matrix is
     dequantized to float32 (what private mode's encrypted products and the transformers
@@ -23,7 +24,7 @@ def read_dense_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]
         chosen = set(names_filter(sorted({base_name(n) for n in names})))
         return [n for n in names if base_name(n) in chosen]
 
-    raw = read_tensors(model_dir, wanted)
+    raw = read_tensors(model_dir, wanted, files)
     out = {name: tensor for name, tensor in raw.items() if base_name(name) == name and name + SCALE_SUFFIX not in raw}
     for name in {base_name(n) for n in raw if n.endswith(SCALE_SUFFIX)}:
         out[name] = dequantize({k: v for k, v in matrix_parts(raw, name).items()})
@@ -41,10 +42,14 @@ def gguf_types(model_dir: Path) -> dict[str, str]:
     return dict(parse(path.read_bytes()).format.types) if path.exists() else {}
 
 
-def read_tensors(model_dir: Path, names_filter) -> dict[str, torch.Tensor]:
-    """Read only the tensors selected by `names_filter(all_names)` from safetensors files."""
+def read_tensors(model_dir: Path, names_filter, files: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Read only the tensors selected by `names_filter(all_names)` from safetensors files:
+    `files` (names in `model_dir`), or every one holding its tensors once (a stored
+    model's but its norms file, copies of block files' tensors that private mode's
+    consumer reads by name: layout.tensor_files)."""
     out: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    paths = [Path(model_dir) / name for name in files] if files is not None else tensor_files(model_dir)
+    for path in paths:
         with safe_open(str(path), framework="pt") as handle:
             for name in names_filter(list(handle.keys())):
                 out[name] = handle.get_tensor(name)

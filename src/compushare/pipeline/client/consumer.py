@@ -175,6 +175,17 @@ class LocalParts:
         await Torrent(host, dht, self.data_dir).fetch(model_id, head=True, progress=self.hooks.progress)
 
 
+def private_fetch(model) -> dict | None:
+    """What a private-mode consumer must fetch for every layer's norms, as Torrent.fetch's
+    arguments; None when held. The norms file (NORMS_FILE, a meta file: it comes with the
+    head) where the manifest names one, else every block (a model laid out before it)."""
+    blocks = (0, model.num_blocks)
+    if model.manifest.norms_file is not None:
+        held = model.manifest.norms_file in model.held_files() or model.holds(blocks=blocks)
+        return None if held else {"head": True}
+    return None if model.holds(blocks=blocks) else {"blocks": blocks}
+
+
 def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, request: RunRequest) -> RunOutcome:
     times, private = produced.times, request.private
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
@@ -301,15 +312,19 @@ class Consumer:
 
     async def _prepare_private(self) -> None:
         """What private mode needs here, made once per consumer: every layer's norms
-        (fetched from the swarm with the blocks if this node lacks them), the CKKS
-        secret key and the Galois keys for the rotations the model's products use."""
+        (private_fetch: the model's norms file, else every block, from the swarm if this
+        node lacks them), the CKKS secret key and the Galois keys for the rotations the
+        model's products use."""
         if self._private is not None:
             return
         model = self.model
-        if not model.holds(blocks=(0, model.num_blocks)):
-            self.hooks.on_stage(f"fetching every block of {model.model_id[:12]} (private mode's norms)")
-            await Torrent(self.host, self.dht, self.data_dir).fetch(model.model_id, blocks=(0, model.num_blocks),
-                                                                    progress=self.hooks.progress)
+        wanted = private_fetch(model)
+        if wanted is not None:
+            what = "its norms file" if "head" in wanted else "every block (a manifest without a norms file)"
+            log.info("private mode: fetching %s of %s", what, model.model_id[:12])
+            self.hooks.on_stage(f"fetching {what} of {model.model_id[:12]} (private mode's norms)")
+            await Torrent(self.host, self.dht, self.data_dir).fetch(model.model_id, progress=self.hooks.progress,
+                                                                    **wanted)
 
         def build() -> dict:
             from ...he.ckks import SecretContext  # noqa: PLC0415

@@ -38,7 +38,7 @@ import msgpack
 import numpy as np
 
 from ...he.ckks import Context, HEError, keys_digest
-from ...he.groups import GROUPS, group_weight, layer_prefix, preencoded_bytes, required_steps
+from ...he.groups import GROUPS, ShapeConfig, group_weight, layer_prefix, preencoded_bytes, required_steps
 from ...he.matvec import EncodedMatrix, add
 from ...he.plan import choose, plans
 
@@ -80,14 +80,14 @@ class WorkerState:
 
     def _load(self, request: dict) -> dict:
         import torch  # noqa: PLC0415
-        from transformers import AutoConfig  # noqa: PLC0415
 
+        from ...model.families import read_config  # noqa: PLC0415
         from ...model.weights import read_dense_tensors  # noqa: PLC0415
 
         torch.set_num_threads(1)
         began = time.perf_counter()
         start, end = int(request["start"]), int(request["end"])
-        config = AutoConfig.from_pretrained(request["model_dir"])
+        config = ShapeConfig.of(read_config(request["model_dir"]))  # config.json: no transformers in this process
         self.context = Context(request["params"])
         self.steps = required_steps(config, self.context.slots)
         prefixes = tuple(layer_prefix(i) for i in range(start, end))
