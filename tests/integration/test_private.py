@@ -8,12 +8,13 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from compushare.he.ckks import ParameterSet, SecretContext
-from compushare.he.groups import group_shapes, required_steps
+from compushare.he.groups import group_shapes, group_weight, required_steps
 from compushare.he.plan import choose
 from compushare.karma.record import karma_validators
 from compushare.model.arch import load_config
 from compushare.model.catalog import import_path
 from compushare.model.store import ModelStore
+from compushare.model.weights import read_tensors
 from compushare.net.dial import dial
 from compushare.net.framing import FramedStream
 from compushare.net.peer import open_swarm_host
@@ -32,7 +33,7 @@ async def test_private_generation_through_three_providers_equals_plaintext(proce
     # The client holds nothing: it fetches the head with the norms file (every layer's
     # norms, manifest.NORMS_FILE) from the providers, and no block.
     client, model_id = tmp_path / "client", states[0]["model_id"]
-    # 21 prompt tokens: a prefill pipelined over the 3 hops in chunks of 8.
+    # 21 prompt tokens: a prefill pipelined over the 3 hops in chunks of 12.
     prompt, new = [1, 9, 8, 7, 6, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202, 203, 204, 205, 206], 10
     outcome = await run_prompt(client, tuple(boot), RunRequest(
         model=model_id, prompt=prompt, private=True, params=SamplingParams(max_new_tokens=new, stop_at_eos=False)),
@@ -46,6 +47,20 @@ async def test_private_generation_through_three_providers_equals_plaintext(proce
     steps_tokens = len(prompt) + new - 1  # the last token is sampled, never run
     assert outcome.private["projections"] == 7 * 4 * steps_tokens  # no layer in plaintext
     assert outcome.private["keys_sent"] == 3
+
+
+def _encrypt(secret, plan, x) -> list[bytes]:
+    """A request's input ciphertexts (x: [tokens, cols]): per group of the plan's
+    tokens, one a chunk."""
+    return [secret.encrypt(slots) for start in range(0, len(x), plan.tokens)
+            for slots in plan.input_slots(x[start:start + plan.tokens])]
+
+
+def _decrypt(secret, plan, tokens, reply) -> np.ndarray:
+    """[tokens, rows] from a projected reply: its cts are one list of outputs per group."""
+    assert reply["type"] == "projected", reply
+    assert [len(group) for group in reply["cts"]] == [plan.outputs] * plan.groups(tokens)
+    return plan.reduce(np.stack([secret.decrypt(ct) for group in reply["cts"] for ct in group]), tokens)
 
 
 async def _session(host, state, model_id, secret, keys, *, start=0, end=2, params=None):
@@ -65,7 +80,14 @@ async def test_forged_keys_and_ciphertexts_get_errors_and_the_provider_keeps_ser
     keys = secret.galois_keys(required_steps(config, secret.slots))
     rows, cols = group_shapes(config)["o"]
     plan = choose(rows, cols, secret.slots)
-    good = secret.encrypt(plan.input_slots(np.linspace(-1, 1, cols)))
+    (good,) = _encrypt(secret, plan, np.linspace(-1, 1, cols)[None])
+    # A prompt of 5 tokens: the prompt plan, a full group of packed tokens and a partial one.
+    prompt_x = np.random.default_rng(0).normal(0, 1, (5, cols))
+    prompt_plan = choose(rows, cols, secret.slots, len(prompt_x))
+    assert 1 < prompt_plan.tokens < len(prompt_x)
+    prompt_cts = _encrypt(secret, prompt_plan, prompt_x)
+    state_dict = read_tensors(tiny_model, lambda names: [n for n in names if n.endswith("o_proj.weight")])
+    weight = group_weight({k: v.float().numpy() for k, v in state_dict.items()}, 0, "o")
     async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=()) as swarm:
         host = swarm.host
@@ -96,28 +118,38 @@ async def test_forged_keys_and_ciphertexts_get_errors_and_the_provider_keeps_ser
             truncated = good[: len(good) // 2]
             wrong_header = b"\x00" * 16 + good[16:]
             other_params = SecretContext(ParameterSet("other", 8192, (60, 40, 40, 60), 36, 36))
-            other_context = other_params.encrypt(plan.input_slots(np.ones(cols)))
+            other_context = other_params.encrypt(plan.input_slots(np.ones((1, cols)))[0])
             oversized = good[:8] + (10**9).to_bytes(8, "little") + good[16:]
             for forged in (truncated, wrong_header, other_context, oversized, b"x" * 100):
-                await framed.send({"type": "project", "layer": 0, "group": "o", "cts": [forged]})
+                await framed.send({"type": "project", "layer": 0, "group": "o", "tokens": 1, "cts": [forged]})
                 reply = await framed.receive()
-                assert reply["type"] == "error", reply.get("type")
+                assert reply is not None and reply["type"] == "error", (len(forged), reply and reply.get("type"))
                 assert reply["code"] in ("bad_ciphertext", "worker_crashed"), reply
             # A flipped byte inside a compressed ciphertext may still decode to one that
             # is well formed: just another ciphertext (CKKS has no integrity), computed
             # on, which only its sender can decrypt. Either answer is right.
             flipped = bytearray(good)
             flipped[len(flipped) // 2] ^= 0xFF
-            await framed.send({"type": "project", "layer": 0, "group": "o", "cts": [bytes(flipped)]})
+            await framed.send({"type": "project", "layer": 0, "group": "o", "tokens": 1, "cts": [bytes(flipped)]})
             reply = await framed.receive()
             assert reply["type"] == "projected" or reply["code"] == "bad_ciphertext", reply
-            await framed.send({"type": "project", "layer": 0, "group": "o", "cts": [good]})
-            reply = await framed.receive()
-            assert reply["type"] == "projected", reply
-            product = plan.reduce(np.stack([secret.decrypt(ct) for ct in reply["cts"][0]]))
-            assert np.all(np.isfinite(product)) and product.shape == (rows,)
+            # Ciphertexts that are not what the tokens' plan takes: an error, the session goes on.
+            for tokens, cts in ((len(prompt_x), [good]), (1, [good, good]), (2, prompt_cts)):
+                await framed.send({"type": "project", "layer": 0, "group": "o", "tokens": tokens, "cts": cts})
+                reply = await framed.receive()
+                assert reply["type"] == "error" and reply["code"] == "bad_ciphertext", reply
+                assert "the plan takes" in reply["message"], reply
+            # A good ciphertext after all that is served, and right.
+            await framed.send({"type": "project", "layer": 0, "group": "o", "tokens": 1, "cts": [good]})
+            product = _decrypt(secret, plan, 1, await framed.receive())
+            assert product.shape == (1, rows)
+            np.testing.assert_allclose(product[0], weight @ np.linspace(-1, 1, cols), atol=1e-4)
+            await framed.send({"type": "project", "layer": 0, "group": "o", "tokens": len(prompt_x),
+                               "cts": prompt_cts})
+            product = _decrypt(secret, prompt_plan, len(prompt_x), await framed.receive())
+            np.testing.assert_allclose(product, prompt_x @ weight.T, atol=1e-4)
             # A layer outside the span, a group that does not exist.
-            await framed.send({"type": "project", "layer": 3, "group": "o", "cts": [good]})
+            await framed.send({"type": "project", "layer": 3, "group": "o", "tokens": 1, "cts": [good]})
             assert (await framed.receive())["code"] == "not_served"
             await framed.close()
 
@@ -134,8 +166,7 @@ async def test_a_crashed_he_worker_costs_one_request_not_the_node(processes, tin
     keys = secret.galois_keys(required_steps(config, secret.slots))
     rows, cols = group_shapes(config)["down"]
     plan = choose(rows, cols, secret.slots)
-    x = np.linspace(-2, 2, cols)
-    good = secret.encrypt(plan.input_slots(x))
+    good = _encrypt(secret, plan, np.linspace(-2, 2, cols)[None])
     async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
                                listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=()) as swarm:
         with trio.fail_after(120):
@@ -145,7 +176,7 @@ async def test_a_crashed_he_worker_costs_one_request_not_the_node(processes, tin
             assert (await framed.receive())["type"] == "keys_ok"
 
             async def ask():
-                await framed.send({"type": "project", "layer": 1, "group": "down", "cts": [good]})
+                await framed.send({"type": "project", "layer": 1, "group": "down", "tokens": 1, "cts": good})
                 return await framed.receive()
 
             first = await ask()
@@ -160,8 +191,8 @@ async def test_a_crashed_he_worker_costs_one_request_not_the_node(processes, tin
             again = await ask()
             assert again["type"] == "projected", again
             assert proc.poll() is None
-            first_y = plan.reduce(np.stack([secret.decrypt(c) for c in first["cts"][0]]))
-            again_y = plan.reduce(np.stack([secret.decrypt(c) for c in again["cts"][0]]))
+            first_y = _decrypt(secret, plan, 1, first)
+            again_y = _decrypt(secret, plan, 1, again)
             assert np.allclose(first_y, again_y, rtol=1e-5, atol=1e-5)
             await framed.close()
 

@@ -1,7 +1,8 @@
 """What a provider receives in a private session holds no secret key.
 
-A session of the tiny Llama (a 4-token prefill and one decode step, all 4 layers
-on one provider) is run as private mode runs it: the consumer's open message, its
+A session of the tiny Llama (a 4-token prefill, in the prompt plans: two groups of
+packed tokens a product, the second partial; and one decode step, all 4 layers on
+one provider) is run as private mode runs it: the consumer's open message, its
 Galois keys in 1 MiB chunks and its project messages go through the wire codec as
 frames; the provider decodes them, loads keys and ciphertexts in a fresh Context
 (no secret) and answers from them alone. Then everything the provider got is
@@ -23,7 +24,7 @@ import torch
 from compushare.he.ckks import SEAL_HEADER, SEAL_MAGIC, Context, HEError, SecretContext, keys_digest, scratch
 from compushare.he.groups import GROUPS, group_shapes, group_weight, required_steps
 from compushare.he.matvec import EncodedMatrix
-from compushare.he.plan import choose
+from compushare.he.plan import choose, decode_plan
 from compushare.model.arch import load_config
 from compushare.model.head import ConsumerHead
 from compushare.model.private_layers import PrivateLayers
@@ -35,6 +36,7 @@ from compushare.pipeline.private_wire import (KEYS_CHUNK, MAX_FRAME_BYTES, Open,
 pytestmark = pytest.mark.unit
 
 MODEL_ID = "c9" * 32
+PROMPT = [1, 9, 8, 7]  # more tokens than a prompt plan packs a ciphertext: a full group and a partial one
 SECRET_CLASSES = ("SecretKey", "Decryptor", "Encryptor", "KeyGenerator")
 
 
@@ -69,14 +71,18 @@ class Provider:
                 self.keys = self.context.galois_keys_from(data, required_steps(self.config, self.context.slots))
             return None
         request = decode_project(message)
-        key = (request.layer, request.group)
+        weight = group_weight(self.state, request.layer, request.group)
+        plan = choose(*weight.shape, self.context.slots, request.tokens)  # from the shape and token count alone
+        key = (request.layer, request.group, plan)
         if key not in self.matrices:
-            self.matrices[key] = EncodedMatrix(self.context, group_weight(self.state, *key))
-        answers = []
-        for data in request.cts:
-            ct = self.context.ciphertext_from(data)
-            self.inputs.append(ct)
-            answers.append([self.context.dump(out) for out in self.matrices[key].apply(self.context, self.keys, ct)])
+            self.matrices[key] = EncodedMatrix(self.context, weight, plan)
+        assert len(request.cts) == plan.groups(request.tokens) * plan.chunks
+        inputs = [self.context.ciphertext_from(data) for data in request.cts]
+        self.inputs += inputs
+        answers = []  # per group of the plan, its output ciphertexts
+        for start in range(0, len(inputs), plan.chunks):
+            outs = self.matrices[key].apply(self.context, self.keys, inputs[start:start + plan.chunks])
+            answers.append([self.context.dump(outs[o]) for o in range(plan.outputs)])
         return answers
 
 
@@ -90,7 +96,9 @@ class Session:
         self.provider = Provider(model_dir)
         self.frames: list[bytes] = []
         self.sent_cts: list[bytes] = []
-        self.plain_inputs: list[np.ndarray] = []  # the slots each sent ciphertext encrypts
+        self.plain_inputs: list[np.ndarray] = []  # the (complex) slots each sent ciphertext encrypts
+        self.plans: list = []  # each request's plan
+        self.products: list[tuple[int, str, np.ndarray, np.ndarray]] = []  # layer, group, inputs, decrypted product
         self.send(Open(MODEL_ID, 0, config.num_hidden_layers, self.secret.params.name, keys_digest(self.keys),
                        len(self.keys)).to_wire())
         for offset in range(0, len(self.keys), KEYS_CHUNK):
@@ -98,7 +106,7 @@ class Session:
         assert self.provider.keys is not None
         layers = PrivateLayers.load(model_dir, self.project)
         head = ConsumerHead.load(model_dir)
-        cache, tokens = layers.new_cache(), [1, 9, 8, 7]
+        cache, tokens = layers.new_cache(), PROMPT
         hidden = layers.forward(head.embed_tokens(tokens), cache, 0)
         layers.forward(head.embed_tokens([int(head.logits(hidden).argmax())]), cache, len(tokens))
 
@@ -108,15 +116,20 @@ class Session:
         return self.provider.receive(frame)
 
     def project(self, layer, group, x):
-        plan = choose(*group_shapes(self.provider.config)[group], self.secret.slots)  # from the shape alone
+        rows = x.double().numpy()
+        tokens = len(rows)
+        plan = choose(*group_shapes(self.provider.config)[group], self.secret.slots, tokens)  # from the shape alone
+        self.plans.append(plan)
         cts = []
-        for row in x.double().numpy():
-            slots = plan.input_slots(row)
-            cts.append(self.secret.encrypt(slots))
-            self.plain_inputs.append(slots)
+        for start in range(0, tokens, plan.tokens):
+            for slots in plan.input_slots(rows[start:start + plan.tokens]):
+                cts.append(self.secret.encrypt(slots))
+                self.plain_inputs.append(slots)
         self.sent_cts += cts
-        answers = self.send(Project(layer, group, tuple(cts)).to_wire())
-        out = np.stack([plan.reduce(np.stack([self.secret.decrypt(ct) for ct in per_token])) for per_token in answers])
+        answers = self.send(Project(layer, group, tokens, tuple(cts)).to_wire())
+        assert len(answers) == plan.groups(tokens)
+        out = plan.reduce(np.stack([self.secret.decrypt(ct) for per_group in answers for ct in per_group]), tokens)
+        self.products.append((layer, group, rows, out))
         return torch.from_numpy(out).to(x.dtype)
 
 
@@ -158,10 +171,11 @@ def secret_key_from(parms_id, values: np.ndarray, minor: int) -> bytes:
 
 
 def decrypts_to(context: Context, secret_key, ct) -> np.ndarray:
+    """Every slot, real and imaginary part (two columns a slot: plan.py)."""
     seal = context.seal
     plain = seal.Plaintext()
     seal.Decryptor(context.context, secret_key).decrypt(ct, plain)
-    return np.asarray(context.encoder.decode_double(plain))
+    return np.asarray(context.encoder.decode_complex(plain))
 
 
 def far(values: np.ndarray, truth: np.ndarray) -> bool:
@@ -171,8 +185,18 @@ def far(values: np.ndarray, truth: np.ndarray) -> bool:
 
 def test_the_session_ran_and_the_products_are_right(session):
     p = session.provider
-    assert p.opened.keys_size == len(session.keys) and len(p.inputs) == len(session.sent_cts) == 4 * 4 * (4 + 1)
+    shapes = group_shapes(p.config).values()
+    prefill = [choose(*shape, session.secret.slots, len(PROMPT)) for shape in shapes]
+    assert all(1 < plan.tokens < len(PROMPT) for plan in prefill)  # packed tokens, a partial group
+    assert sorted(session.plans, key=repr) == sorted(4 * prefill + 4 * [decode_plan(*s, session.secret.slots)
+                                                                        for s in shapes], key=repr)
+    sent = 4 * sum(plan.groups(len(PROMPT)) * plan.chunks + decode_plan(*shape, session.secret.slots).chunks
+                   for plan, shape in zip(prefill, shapes, strict=True))
+    assert p.opened.keys_size == len(session.keys) and len(p.inputs) == len(session.sent_cts) == sent
     assert len(session.frames) == 1 + -(-len(session.keys) // KEYS_CHUNK) + 4 * 4 * 2
+    worst = max(np.abs(out - rows @ group_weight(p.state, layer, group).T).max()
+                for layer, group, rows, out in session.products)
+    assert worst < 1e-4, worst  # CKKS's absolute error (test_he_ckks.py: ~1e-6)
     own = session.secret
     for ct, truth in list(zip(p.inputs, session.plain_inputs))[:8]:  # the control: the real key decrypts them
         assert np.allclose(decrypts_to(p.context, own._secret, ct), truth, atol=1e-6)
@@ -186,7 +210,7 @@ def test_every_received_piece_is_what_it_claims(session):
     decoder = FrameDecoder(MAX_FRAME_BYTES)
     key_bytes = bytearray()
     fields = {"open": {"type", "model_id", "start", "end", "params", "keys_digest", "keys_size"},
-              "keys": {"type", "data"}, "project": {"type", "layer", "group", "cts"}}
+              "keys": {"type", "data"}, "project": {"type", "layer", "group", "tokens", "cts"}}
     cts = 0
     for frame in session.frames:
         decoder.feed(frame)
@@ -200,7 +224,7 @@ def test_every_received_piece_is_what_it_claims(session):
             key_bytes += decode_keys_chunk(message)
         else:
             request = decode_project(message)
-            assert request.group in GROUPS and 0 <= request.layer < 4
+            assert request.group in GROUPS and 0 <= request.layer < 4 and request.tokens in (1, len(PROMPT))
             for data in request.cts:
                 ct = context.ciphertext_from(data)
                 assert isinstance(ct, seal.Ciphertext) and ct.size() == 2 and ct.parms_id() == context.input_level

@@ -124,15 +124,19 @@ class HEWorker:
 
     async def _each(self, call: Callable[[_Process], object]) -> list:
         """`call` on every process at once; their results in order. A crash of any
-        is counted and raised once the others are done."""
+        is counted and raised once the others are done, then a refusal (HEError):
+        one error, never a group, for the server to answer."""
         results: list = [None] * self.workers
         crashed: list[WorkerCrashed] = []
+        refused: list[HEError] = []  # a worker's answer to a bad request: the node's to give
 
         async def one(process: _Process) -> None:
             try:
                 results[process.index] = await call(process)
             except WorkerCrashed as exc:
                 crashed.append(exc)
+            except HEError as exc:
+                refused.append(exc)
 
         async with trio.open_nursery() as nursery:
             for process in self.processes:
@@ -140,6 +144,8 @@ class HEWorker:
         if crashed:
             self.restarts += len(crashed)
             raise crashed[0]
+        if refused:
+            raise refused[0]
         return results
 
     async def _ensure(self, span: tuple[int, int]) -> None:
