@@ -15,6 +15,10 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
 - compute: every request waits for a turn in the server's fair scheduler (the
   one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
   product, so a peer's private work counts against its one fair share.
+
+Every `projected` reply is signed with the node's key over the request's and the
+reply's ciphertext digests (private_proofs.py), so a failed private spot check
+makes a failure report anyone can check.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ...he.ckks import HEError, check_header, parameter_set
 from ...he.groups import required_steps
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
+from ...private_proofs import PrivateStatement
 from ..private_wire import (MAX_FRAME_BYTES, PrivateProtocolError, decode_keys_chunk, decode_open,
                             decode_project, error)
 from .private_worker import HEWorker, WorkerCrashed
@@ -47,7 +52,8 @@ KEY_UPLOADS = 2  # sessions receiving keys at once, all peers together (each buf
 
 
 class PrivateServer:
-    def __init__(self, provider, worker: HEWorker) -> None:
+    def __init__(self, provider, worker: HEWorker, key_pair) -> None:
+        self.key_pair = key_pair  # signs every product (libp2p KeyPair)
         self.provider = provider  # its span and server (with the fair scheduler) may change: read them per request
         self.worker = worker
         self.handler = GuardedHandler(self._serve, per_peer=2, total=16, defence="stream_caps")
@@ -113,7 +119,8 @@ class PrivateServer:
                 await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
                                                          f"{opened.start}:{opened.end}"))
                 continue
-            await framed.send(await self._project(peer, span_key, opened.keys_digest, request))
+            reply = await self._project(peer, span_key, opened.keys_digest, request)
+            await framed.send(await self._signed(opened, request, reply))
 
     async def _open(self, framed: FramedStream, peer: str, opened) -> tuple[int, int] | None:
         """Answer an `open`: the span's key, or None when it was refused (said on `framed`)."""
@@ -214,6 +221,15 @@ class PrivateServer:
         log.debug("private %s layer %d x%d: %.3fs compute, %.3fs in all", request.group, request.layer,
                   len(request.cts), seconds, time.perf_counter() - began)
         return {"type": "projected", "cts": outs, "compute_s": seconds}
+
+    async def _signed(self, opened, request, reply: dict) -> dict:
+        """A `projected` reply with its `sig` (private_proofs.py); an error as it is."""
+        if reply.get("type") != "projected":
+            return reply
+        statement = await trio.to_thread.run_sync(  # hashing ~10 MB of ciphertexts: off the event loop
+            lambda: PrivateStatement.of(opened.model_id, opened.params, opened.keys_digest, request.layer,
+                                        request.group, len(request.cts), request.cts, reply["cts"]))
+        return reply | {"sig": statement.sign(self.key_pair)}
 
     def stats(self) -> dict:
         return {"sessions": self.sessions, "requests": self.requests, "refused": dict(self.refused),
