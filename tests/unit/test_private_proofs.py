@@ -95,7 +95,7 @@ def test_a_claim_needs_the_providers_own_signature(sig):
 
 def test_the_consumer_takes_a_signed_reply_and_refuses_a_missing_or_forged_signature():
     good = statement().sign(KEYS[0])
-    taken = signed_reply(PEERS[0], SESSION, 4, "down", CTS, TRUE, good)
+    taken = signed_reply(PEERS[0], SESSION, 4, "down", len(CTS), CTS, TRUE, good)
     assert taken.claim == PrivateClaim(PEERS[0], output_digest(TRUE), good)
     for peer, outs, sig in [(PEERS[0], TRUE, None),  # no signature
                             (PEERS[0], TRUE, statement().sign(KEYS[1])),  # another provider's key
@@ -103,7 +103,7 @@ def test_the_consumer_takes_a_signed_reply_and_refuses_a_missing_or_forged_signa
                             (PEERS[0], WRONG, good),  # a signature of other outputs
                             (PEERS[0], TRUE, statement(layer=5).sign(KEYS[0]))]:  # of another request
         with pytest.raises(PrivateProtocolError):
-            signed_reply(peer, SESSION, 4, "down", CTS, outs, sig)
+            signed_reply(peer, SESSION, 4, "down", len(CTS), CTS, outs, sig)
 
 
 class _Framed:

@@ -124,7 +124,7 @@ class PrivateSession:
             raise HopFailed(self.hop.peer_id, CLOSED, f"{self.hop.peer_id[-8:]} closed the private session")
         outs, compute_s = decode_projected(reply, len(cts))
         return outs, compute_s, await trio.to_thread.run_sync(  # hashing ~10 MB: off the event loop
-            signed_reply, self.hop.peer_id, self.signed, layer, group, cts, outs, reply.get("sig"))
+            signed_reply, self.hop.peer_id, self.signed, layer, group, len(cts), cts, outs, reply.get("sig"))
 
     async def close(self) -> None:
         with trio.move_on_after(2):

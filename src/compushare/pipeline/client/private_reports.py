@@ -24,13 +24,13 @@ class Signed:
     claim: PrivateClaim
 
 
-def signed_reply(peer_id: str, session: tuple[str, str, str], layer: int, group: str, cts: list[bytes],
-                 outs: list[list[bytes]], sig: object) -> Signed:
-    """The claim of `peer_id`'s reply `outs` to `cts`, in a session opened with
-    `session` (model id, parameter set, keys digest); PrivateProtocolError unless
-    `sig` is its signature of that statement."""
+def signed_reply(peer_id: str, session: tuple[str, str, str], layer: int, group: str, tokens: int,
+                 cts: list[bytes], outs: list[list[bytes]], sig: object) -> Signed:
+    """The claim of `peer_id`'s reply `outs` to the `tokens` tokens of `cts`, in a
+    session opened with `session` (model id, parameter set, keys digest);
+    PrivateProtocolError unless `sig` is its signature of that statement."""
     model_id, params, keys_digest = session
-    statement = PrivateStatement.of(model_id, params, keys_digest, layer, group, len(cts), cts, outs)
+    statement = PrivateStatement.of(model_id, params, keys_digest, layer, group, tokens, cts, outs)
     try:
         return Signed(statement, statement.claim(peer_id, sig))
     except PeerMisbehaved as exc:
