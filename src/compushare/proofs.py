@@ -27,7 +27,8 @@ and `prefix` is c_position. So a proof
 Two such claims with the same statement up to `output`, whose outputs differ
 beyond TOLERANCES[mode], prove that one of the two servers computed wrongly: a
 failure report anyone can check. The reporter chooses nothing the verdict rests
-on: the tolerance is the protocol's, not the report's.
+on: the tolerance is the protocol's, not the report's. Private mode's signed products
+and reports are in private_proofs.py; parse_report reads every kind.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from libp2p.peer.id import ID
 
 from .errors import PeerMisbehaved
 from .net.dtypes import WIRE_NUMPY_DTYPES
+from .private_proofs import PRIVATE_REPORT_FORMAT, PrivateFailureReport
 
 STEP_DOMAIN = "compushare/step-proof/v2"
 REPORT_FORMAT = "compushare/failure-report/v2"
@@ -439,8 +441,8 @@ def _train_claim_wire(claim: TrainClaim) -> dict:
     return {"peer": claim.peer_id, "output": claim.output, "sig": claim.signature}
 
 
-def parse_report(data: bytes) -> FailureReport | TrainFailureReport:
-    """Either kind of failure report, parsed (not checked: call check())."""
+def parse_report(data: bytes) -> Report:
+    """Any kind of failure report, parsed (not checked: call check())."""
     if isinstance(data, bytes | bytearray) and len(data) <= MAX_REPORT_BYTES:
         try:
             body = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -448,7 +450,9 @@ def parse_report(data: bytes) -> FailureReport | TrainFailureReport:
             body = None
         if isinstance(body, dict) and body.get("format") == TRAIN_REPORT_FORMAT:
             return TrainFailureReport.from_wire(body)
+        if isinstance(body, dict) and body.get("format") == PRIVATE_REPORT_FORMAT:
+            return PrivateFailureReport.from_wire(data)  # private_proofs.py
     return FailureReport.from_wire(data)
 
 
-Report = FailureReport | TrainFailureReport  # what karma readers, stores and witnesses take
+Report = FailureReport | TrainFailureReport | PrivateFailureReport  # what karma readers, stores and witnesses take

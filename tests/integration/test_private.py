@@ -1,6 +1,9 @@
 """Private mode through real node processes: providers compute on CKKS ciphertexts."""
 
 import hashlib
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from compushare.he.ckks import ParameterSet, SecretContext
 from compushare.he.groups import group_shapes, group_weight, required_steps
 from compushare.he.plan import choose
 from compushare.karma.record import karma_validators
+from compushare.karma.service import karma_of
 from compushare.model.arch import load_config
 from compushare.model.catalog import import_path
 from compushare.model.store import ModelStore
@@ -21,6 +25,7 @@ from compushare.net.peer import open_swarm_host
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.pipeline.private_wire import KEYS_CHUNK, MAX_FRAME_BYTES, PRIVATE_PROTOCOL
+from compushare.private_proofs import PrivateFailureReport
 from helpers import reference_greedy
 
 pytestmark = pytest.mark.integration
@@ -197,11 +202,28 @@ async def test_a_crashed_he_worker_costs_one_request_not_the_node(processes, tin
             await framed.close()
 
 
+async def _reports_read_by_a_third_node(boot: list[str], accused: str, data_dir) -> int:
+    """The verified failure reports against `accused` as nodes that are neither its
+    reporter, itself nor the witness find them: a fresh host here (polled while the
+    witness's provider record spreads), then a separate process (`compushare karma`)."""
+    async with open_swarm_host(create_new_key_pair(), server=False, validators=karma_validators(),
+                               bootstrap=boot) as swarm:
+        with trio.fail_after(60):
+            while (await karma_of(swarm.host, swarm.dht, accused)).reports < 1:
+                await trio.sleep(1.0)
+    out = await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "compushare", "karma", accused, "--json", "--data-dir", str(data_dir),
+         "--bootstrap", boot[0]], capture_output=True, text=True, timeout=90))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["failure_reports"]
+
+
 async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_path):
     """Three providers of blocks 2:4, one adding noise to its products. With every step
     spot-checked (a random layer and product), the liar is found by a third opinion
-    and avoided; killing the route's provider of 2:4 mid-generation moves the layers
-    to another one with nothing to replay, and the generation completes."""
+    and avoided, and its signed product makes a failure report that its witness keeps
+    and another node verifies; killing the route's provider of 2:4 mid-generation
+    moves the layers to another one with nothing to replay, and the generation completes."""
     import signal
 
     from compushare.pipeline.client.consumer import Consumer
@@ -223,6 +245,13 @@ async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_
         assert liar_state["peer_id"] in outcome.private["check_failures"]
         assert liar_state["peer_id"] not in {h.peer_id for h in outcome.route}
         assert outcome.checks > 0
+        # The liar's signed product against an honest one: a report anyone can check.
+        assert outcome.reports and all(isinstance(r, PrivateFailureReport) for r in outcome.reports)
+        assert {r.accused.peer_id for r in outcome.reports} == {liar_state["peer_id"]}
+        assert {r.witness.peer_id for r in outcome.reports} <= {s["peer_id"] for s in honest_states}
+        for report in outcome.reports:
+            report.check()
+        assert await _reports_read_by_a_third_node(boot, liar_state["peer_id"], tmp_path / "reader") >= 1
 
         # Kill the honest provider of 2:4 the route uses, after a few tokens.
         by_peer = {s["peer_id"]: p for s, p in zip(honest_states, honest)}

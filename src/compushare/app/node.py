@@ -256,7 +256,7 @@ class Node:
             return
         worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
                           workers=config.limits.compute_threads, budget_bytes=private_budget, noise=self.faults.noise)
-        self.private = PrivateServer(provider, worker)
+        self.private = PrivateServer(provider, worker, self.key_pair)
         provider.private_rate = self.private.rate
         self.swarm.host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
 

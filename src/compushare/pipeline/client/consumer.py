@@ -27,7 +27,7 @@ from ...net.identity import load_or_create_identity
 from ...net.peer import open_swarm_host
 from ...net.traversal import client_traversal
 from ...net.view import SwarmView
-from ...proofs import FailureReport
+from ...proofs import Report
 from ...torrent.service import Torrent
 from .chain import Failover, open_chain
 from .discovery import name_from_swarm, peer_ids_of
@@ -71,7 +71,7 @@ class RunOutcome:
     first_token_s: float  # from the call to the first token
     decode_tok_s: float
     failovers: list[Failover] = dataclasses.field(default_factory=list)
-    reports: list[FailureReport] = dataclasses.field(default_factory=list)
+    reports: list[Report] = dataclasses.field(default_factory=list)
     checks: int = 0  # spot checks made
     private: dict | None = None  # private mode: PrivateStats.as_dict() (where the time went, bytes, keys)
     direct_steps: int = 0  # steps that went straight through the chain (direct return)
@@ -229,7 +229,7 @@ class Consumer:
         self.penalties = Penalties()  # shared by every generation of this consumer
         self.view = SwarmView()
         self.karma = KarmaBook()  # shared too: scores are rechecked at most once a minute
-        self.reports: list[FailureReport] = []
+        self.reports: list[Report] = []
         self._private: dict | None = None  # private mode's keys and local layers, made on first use
 
     @classmethod
@@ -338,7 +338,7 @@ class Consumer:
 
         self._private = await trio.to_thread.run_sync(build)
 
-    async def _keep_report(self, report: FailureReport) -> None:
+    async def _keep_report(self, report: Report) -> None:
         """Keep a failure report in the data dir (a node running there serves it) and
         hand it to its witness, a server that stays up after this client is gone and
         makes it findable (karma/service.py): the accused's karma readers apply it."""

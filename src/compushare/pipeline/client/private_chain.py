@@ -19,6 +19,9 @@ spot check. If that is the route's provider it is replaced and the step computed
 again from the last accepted position (the KV cache is cropped back). Without a
 third, the route's provider is blamed: a lying verifier can then make the
 consumer avoid an honest provider for a while, never accept a wrong product.
+Every reply is signed (private_proofs.py; one without a valid signature is a bad
+reply, failed over), so a mismatch also makes a PrivateFailureReport against the
+one found wrong, witnessed by the other, kept in `reports` like InferenceChain's.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from ...he.groups import group_shapes
 from ...he.plan import choose, request_tokens
 from ...net.dial import dial
 from ...net.framing import FramedStream
+from ...private_proofs import PrivateFailureReport
 from ..private_wire import (KEYS_CHUNK, MAX_CTS_PER_REQUEST, MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY,
                             MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project, PrivateProtocolError,
                             PrivateRemoteError, decode_projected)
 from .chain_plan import Failover
+from .private_reports import Signed, mismatch_report, signed_reply
 from .routing import Hop
 
 log = logging.getLogger(__name__)
@@ -88,8 +93,9 @@ class Request:
 class PrivateSession:
     """One provider's private session: its stream, opened with our key digest."""
 
-    def __init__(self, hop: Hop, framed: FramedStream) -> None:
+    def __init__(self, hop: Hop, framed: FramedStream, signed: tuple[str, str, str]) -> None:
         self.hop, self.framed = hop, framed
+        self.signed = signed  # (model_id, params, keys digest): what every reply's statement names
 
     @classmethod
     async def open(cls, host, hop: Hop, model_id: str, params: str, keys: bytes, digest: str,
@@ -97,7 +103,7 @@ class PrivateSession:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
             stream = await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL])
-        session = cls(hop, FramedStream(stream, MAX_FRAME_BYTES))
+        session = cls(hop, FramedStream(stream, MAX_FRAME_BYTES), (model_id, params, digest))
         try:
             await session._handshake(model_id, params, keys, digest, stats)
         except BaseException:
@@ -120,13 +126,16 @@ class PrivateSession:
             stats.keys_sent += 1
             stats.bytes_sent += len(keys)
 
-    async def project(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], float]:
+    async def project(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], float, Signed]:
         with trio.fail_after(REQUEST_TIMEOUT_S + REQUEST_TIMEOUT_PER_TOKEN_S * request.tokens):
             await self.framed.send(Project(layer, group, request.tokens, request.cts).to_wire())
             reply = await self.framed.receive()
         if reply is None:
             raise HopFailed(self.hop.peer_id, CLOSED, f"{self.hop.peer_id[-8:]} closed the private session")
-        return decode_projected(reply, request.plan.groups(request.tokens))
+        outs, compute_s = decode_projected(reply, request.plan.groups(request.tokens))
+        return outs, compute_s, await trio.to_thread.run_sync(  # hashing ~10 MB: off the event loop
+            signed_reply, self.hop.peer_id, self.signed, layer, group, request.tokens, request.cts, outs,
+            reply.get("sig"))
 
     async def close(self) -> None:
         with trio.move_on_after(2):
@@ -158,7 +167,7 @@ class PrivateChain:
         self.position = 0
         self.stats = PrivateStats(keys_bytes=len(keys))
         self.failovers: list = []
-        self.reports: list = []
+        self.reports: list[PrivateFailureReport] = []
         self.checks = 0
         self.check_failures: list[str] = []
         self.avoid: set[str] = set()
@@ -275,13 +284,14 @@ class PrivateChain:
         began = time.perf_counter()
         requests = encrypt_requests(self.secret, *self._shapes[group], self._per_request[group], x.double().numpy())
         self.stats.encrypt_s += time.perf_counter() - began
-        parts = []
+        parts, signed = [], []
         for request in requests:
             for attempt in range(MAX_FAILOVERS + 1):
-                outs = trio.from_thread.run(self._roundtrip, layer, group, request)
+                outs, claim = trio.from_thread.run(self._roundtrip, layer, group, request)
                 began = time.perf_counter()
                 try:
                     parts.append(decrypt_product(self.secret, request, outs))
+                    signed.append(claim)
                     break
                 except PrivateProtocolError as exc:  # the provider's answer is not a product
                     if attempt == MAX_FAILOVERS:
@@ -292,13 +302,13 @@ class PrivateChain:
         result = np.concatenate(parts)
         if self._check_this_step == (layer, group):
             self._check_this_step = None
-            if not trio.from_thread.run(self._spot_check, layer, group, requests[0], parts[0]):
+            if not trio.from_thread.run(self._spot_check, layer, group, requests[0], parts[0], signed[0]):
                 raise _Redo()
         self.stats.products += len(result)
         self.stats.projections += len(result) * {"qkv": 3, "gate_up": 2}.get(group, 1)
         return torch.from_numpy(result).to(x.dtype)
 
-    async def _roundtrip(self, layer: int, group: str, request: Request) -> list[list[bytes]]:
+    async def _roundtrip(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], Signed]:
         for attempt in range(MAX_FAILOVERS + 1):
             index = hop_index(self._route, layer)
             try:
@@ -311,15 +321,15 @@ class PrivateChain:
                 await self._fail_over(index, exc)
         raise AssertionError("unreachable")
 
-    async def _ask(self, session: PrivateSession, layer: int, group: str, request: Request) -> list[list[bytes]]:
+    async def _ask(self, session: PrivateSession, layer: int, group: str, request: Request) -> tuple[list, Signed]:
         began = time.perf_counter()
-        outs, compute_s = await session.project(layer, group, request)
+        outs, compute_s, signed = await session.project(layer, group, request)
         s = self.stats
         s.roundtrip_s += time.perf_counter() - began
         s.provider_s += compute_s
         s.bytes_sent += sum(len(c) for c in request.cts)
         s.bytes_received += sum(len(c) for out in outs for c in out)
-        return outs
+        return outs, signed
 
     async def _fail_over(self, index: int, exc: BaseException) -> None:
         hop = self._route[index]
@@ -341,11 +351,11 @@ class PrivateChain:
         self.failovers.append(Failover(hop.peer_id, hop.start, hop.end, str(exc)[:200] or type(exc).__name__,
                                        noticed, time.time(), tuple(h.peer_id for h in replacement)))
 
-    async def _spot_check(self, layer: int, group: str, request: Request, ours: np.ndarray) -> bool:
+    async def _spot_check(self, layer: int, group: str, request: Request, ours: np.ndarray, signed: Signed) -> bool:
         """Ask another provider of `layer` for the same product and compare. On a
-        mismatch a third provider (if any) decides who is wrong; with none, the
-        route's provider is blamed. False when the route's provider was wrong (it is
-        then replaced)."""
+        mismatch a third provider (if any) decides who is wrong (with none, the
+        route's provider, whose claim is `signed`), and is reported. False when the
+        route's provider was wrong (it is then replaced)."""
         if self.planner is None:
             return True
         index = hop_index(self._route, layer)
@@ -354,11 +364,11 @@ class PrivateChain:
         if verifier is None:
             return True
         self.checks += 1
-        theirs = await self._product_from(verifier, layer, group, request)
+        theirs, claimed = await self._product_from(verifier, layer, group, request)
         if theirs is None or _agree(ours, theirs):
             return True
         third = random_verifier(self.planner, layer, {served_by, verifier.peer_id} | self.avoid, self.rng)
-        decider = await self._product_from(third, layer, group, request) if third is not None else None
+        decider = (await self._product_from(third, layer, group, request))[0] if third is not None else None
         if decider is not None and _agree(ours, decider) and not _agree(theirs, decider):
             wrong = verifier.peer_id
         else:
@@ -367,6 +377,7 @@ class PrivateChain:
                     layer, group, served_by[-8:], verifier.peer_id[-8:], _difference(ours, theirs),
                     f", {third.peer_id[-8:]} decided" if decider is not None else "", wrong[-8:])
         self.check_failures.append(wrong)
+        self.reports += mismatch_report(signed, claimed, ours_wrong=wrong == served_by)
         self.avoid.add(wrong)
         self.planner.penalties.mismatch(wrong, time.monotonic())
         if wrong != served_by:
@@ -375,20 +386,20 @@ class PrivateChain:
                                                                       f"{group}"))
         return False
 
-    async def _product_from(self, hop: Hop, layer: int, group: str, request: Request) -> np.ndarray | None:
-        """The same product from another provider, in a session of its own; None if
-        it cannot answer (which proves nothing either way)."""
+    async def _product_from(self, hop: Hop, layer: int, group: str, request: Request) -> tuple:
+        """The same product from another provider, in a session of its own, and its
+        signed claim; (None, None) if it cannot answer (which proves nothing)."""
         try:
             session = await PrivateSession.open(self.host, Hop(hop.record, layer, layer + 1), self.model_id,
                                                 self.secret.params.name, self.keys, self.digest, self.stats)
             try:
-                outs, _ = await session.project(layer, group, request)
+                outs, _, signed = await session.project(layer, group, request)
             finally:
                 await session.close()
-            return decrypt_product(self.secret, request, outs)
+            return decrypt_product(self.secret, request, outs), signed
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
-            return None
+            return None, None
 
 
 def encrypt_requests(secret: SecretContext, rows: int, cols: int, step: int, values: np.ndarray) -> list[Request]:

@@ -17,6 +17,10 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
   product, so a peer's private work counts against its one fair share; it then
   runs on the node's HE workers (private_pool.py: one per compute thread);
 - answers: a request whose answer would not fit a frame is refused.
+
+Every `projected` reply is signed with the node's key over the request's and the
+reply's ciphertext digests (private_proofs.py), so a failed private spot check
+makes a failure report anyone can check.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ...he.groups import group_shapes, required_steps
 from ...he.plan import choose
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
+from ...private_proofs import PrivateStatement
 from ..private_wire import (MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY, PrivateProtocolError, decode_keys_chunk,
                             decode_open, decode_project, error)
 from .private_pool import HEWorker, WorkerCrashed
@@ -50,7 +55,8 @@ KEY_UPLOADS = 2  # sessions receiving keys at once, all peers together (each buf
 
 
 class PrivateServer:
-    def __init__(self, provider, worker: HEWorker) -> None:
+    def __init__(self, provider, worker: HEWorker, key_pair) -> None:
+        self.key_pair = key_pair  # signs every product (libp2p KeyPair)
         self.provider = provider  # its span and server (with the fair scheduler) may change: read them per request
         self.worker = worker
         self.handler = GuardedHandler(self._serve, per_peer=2, total=16, defence="stream_caps")
@@ -117,7 +123,8 @@ class PrivateServer:
                 await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
                                                          f"{opened.start}:{opened.end}"))
                 continue
-            await framed.send(await self._project(peer, span_key, opened.keys_digest, request))
+            reply = await self._project(peer, span_key, opened.keys_digest, request)
+            await framed.send(await self._signed(opened, request, reply))
 
     async def _open(self, framed: FramedStream, peer: str, opened) -> tuple[int, int] | None:
         """Answer an `open`: the span's key, or None when it was refused (said on `framed`)."""
@@ -234,6 +241,15 @@ class PrivateServer:
             return (f"{request.tokens} tokens make {plan.groups(request.tokens) * plan.outputs} output ciphertexts; "
                     f"at most {MAX_OUTPUTS_PER_REPLY} a request")
         return None
+
+    async def _signed(self, opened, request, reply: dict) -> dict:
+        """A `projected` reply with its `sig` (private_proofs.py); an error as it is."""
+        if reply.get("type") != "projected":
+            return reply
+        statement = await trio.to_thread.run_sync(  # hashing ~10 MB of ciphertexts: off the event loop
+            lambda: PrivateStatement.of(opened.model_id, opened.params, opened.keys_digest, request.layer,
+                                        request.group, request.tokens, request.cts, reply["cts"]))
+        return reply | {"sig": statement.sign(self.key_pair)}
 
     def stats(self) -> dict:
         return {"sessions": self.sessions, "requests": self.requests, "refused": dict(self.refused),
