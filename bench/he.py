@@ -344,7 +344,8 @@ def start_swarm(root: Path, model: str, spans: dict, threads: int, found_workers
     return swarm
 
 
-async def swarm_bench(args, swarm: LocalSwarm, client_dir: Path, threads: int, found_workers: set[int]) -> dict:
+async def swarm_bench(args, swarm: LocalSwarm, client_dir: Path, threads: int, found_workers: set[int],
+                      fetch: bool) -> dict:
     out: dict = {"threads": threads}
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_at_eos=False)
     async with Consumer.connect(client_dir, tuple(swarm.addrs()), MODEL) as consumer:
@@ -376,6 +377,8 @@ async def swarm_bench(args, swarm: LocalSwarm, client_dir: Path, threads: int, f
                                 "workers_mb": round(sum(vm_rss_mb(w) for w in worker_pids(swarm.procs[name].pid)), 1)}
                          for name in swarm.spans}
         plain, plain_times = await generate_timed(consumer, RunRequest(model=MODEL, prompt=ids, params=params), 300)
+    if fetch:
+        out.update(await fetch_bench(swarm, swarm.root, ids))
     prefill = [s for s in steps if s["tokens"] > 1]
     decode = [s for s in steps if s["tokens"] == 1]
     decode_steps = len(times) - 1
@@ -405,6 +408,25 @@ async def swarm_bench(args, swarm: LocalSwarm, client_dir: Path, threads: int, f
         "plain_prefill_s": plain.first_token_s,
         "route": [f"{h.start}:{h.end}" for h in private.route], "failovers": len(private.failovers),
     })
+    return out
+
+
+def disk_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+
+
+async def fetch_bench(swarm: LocalSwarm, root: Path, ids: list[int]) -> dict:
+    """What a consumer holding nothing fetches from the swarm for one private token,
+    and for one plaintext token (the head: embeddings, LM head, tokenizer, meta)."""
+    model_id = next(iter(swarm.states.values()))["model_id"]
+    out = {}
+    for label, private in (("consumer_fetch_mb", True), ("head_fetch_mb", False)):
+        data_dir = root / f"fetch-{label}"
+        async with Consumer.connect(data_dir, tuple(swarm.addrs()), model_id, text_prompts=False) as consumer:
+            consumer.spot_check_rate = 0.0
+            await generate_timed(consumer, RunRequest(model=model_id, prompt=ids[:WARMUP_PROMPT_TOKENS], private=private,
+                                                      params=SamplingParams(max_new_tokens=1, stop_at_eos=False)), 600)
+        out[label] = round(disk_mb(data_dir), 3)
     return out
 
 
@@ -466,6 +488,10 @@ def report(p: dict, layer: dict, runs: dict, qwen: dict) -> None:
               f"{t['encrypt_s']:.2f} s, decrypt {t['decrypt_s']:.2f} s, local {t['local_s']:.2f} s; CPU: HE workers "
               f"{t['workers_cpu_s']:.2f} s, consumer {t['consumer_cpu_s']:.2f} s; "
               f"{s['bytes_sent_per_token'] / 1e6:.1f} MB sent, {s['bytes_received_per_token'] / 1e6:.1f} MB received")
+    for s in runs.values():
+        if "consumer_fetch_mb" in s:
+            print(f"a consumer holding nothing fetched {s['consumer_fetch_mb']:.1f} MB for a private token, "
+                  f"{s['head_fetch_mb']:.1f} MB for a plaintext one (the head)")
     if qwen:
         print(f"qwen05 (3 layers of Qwen2.5-0.5B's widths): private tokens {qwen['qwen05_tokens']}, plaintext "
               f"{qwen['qwen05_plain_tokens']}: ok {qwen['qwen05_private_ok']} in {qwen['qwen05_private_s']} s")
@@ -510,13 +536,18 @@ def summary(p: dict, layer: dict, runs: dict, qwen: dict) -> dict:
             "provider_preencode_mb": best["provider_preencode_mb"],
             "rss_mb": best["rss_mb"], "warmup_s": round(best["warmup_s"], 1),
         })
+    for s in runs.values():
+        for key in ("consumer_fetch_mb", "head_fetch_mb"):
+            if key in s:
+                result[key] = s[key]
     result.update({k: v for k, v in qwen.items() if k != "qwen05_load"})
     met = {"speedup_vs_naive": result["speedup_vs_naive"] >= TARGETS["speedup_vs_naive"],
            "rel_err": p["rel_err"] <= TARGETS["rel_err"],
            "prefill_s_per_token": result.get("prefill_s_per_token", 1e9) <= TARGETS["prefill_s_per_token"],
            "decode_s_per_token_2threads": result.get("decode_s_per_token_2threads", 1e9)
            <= TARGETS["decode_s_per_token_2threads"],
-           "tokens_match": bool(result.get("tokens_match")), "qwen05_private_ok": bool(qwen.get("qwen05_private_ok"))}
+           "tokens_match": bool(result.get("tokens_match")), "qwen05_private_ok": bool(qwen.get("qwen05_private_ok")),
+           "consumer_fetch_mb": result.get("consumer_fetch_mb", 1e9) <= result.get("head_fetch_mb", 0) + 1.0}
     result["targets"] = met
     result["targets_met"] = all(met.values())
     return result
@@ -562,7 +593,7 @@ def main() -> None:
 
                 async def bounded(swarm=swarm, threads=threads):
                     with trio.fail_after(max(60.0, TIME_BUDGET_S - (time.monotonic() - began))):
-                        return await swarm_bench(args, swarm, client_dir, threads, found_workers)
+                        return await swarm_bench(args, swarm, client_dir, threads, found_workers, fetch=not runs)
 
                 runs[threads] = trio.run(bounded)
                 swarm.close()
