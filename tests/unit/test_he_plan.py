@@ -206,3 +206,21 @@ def test_layout_functions_check_their_shapes(monkeypatch):
         assert prompt_plan(10, 7, SLOTS) is None and plans(10, 7, SLOTS) == (decode_plan(10, 7, SLOTS),)
     finally:
         prompt_plan.cache_clear()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_workers_shares_partition_every_products_pairs_evenly(workers):
+    """he/matvec.share_pairs: each (output, giant step) pair to exactly one worker,
+    whole outputs where every worker can have one (nothing to add up), shares within
+    one output's giant steps of each other."""
+    from compushare.he.matvec import share_pairs  # noqa: PLC0415
+
+    for shape in SMOL + QWEN05 + TINY:
+        for plan in plans(*shape, SLOTS):
+            shares = [share_pairs(plan, i, workers) for i in range(workers)]
+            pairs = sorted(p for share in shares for p in share)
+            assert pairs == [(o, g) for o in range(plan.outputs) for g in range(plan.giant)]
+            sizes = [len(share) for share in shares]
+            assert max(sizes) - min(sizes) <= plan.giant
+            split = [o for o in range(plan.outputs) if sum(any(q == o for q, _ in s) for s in shares) > 1]
+            assert len(split) <= plan.outputs % workers

@@ -7,8 +7,9 @@ when it loads, not per token. All-zero plaintexts are not kept (SEAL refuses a
 product that is all zero, and it would be wasted work anyway).
 
 A provider may split a product among several worker processes (both cores):
-worker i of n holds only the (output, giant step) pairs i, i + n, ... and returns,
-for each output it touched, its part of the sum. Parts add exactly (modular
+worker i of n holds only its share of the (output, giant step) pairs (whole
+outputs where there are enough, else giant steps) and returns, for each output it
+touched, its part of the sum. Parts add exactly (modular
 integer sums), so the answer is the same ciphertext, byte for byte, whatever the
 split: `add` joins them.
 """
@@ -22,9 +23,13 @@ from .plan import Plan
 
 
 def share_pairs(plan: Plan, index: int, workers: int) -> list[tuple[int, int]]:
-    """The (output, giant step) pairs worker `index` of `workers` computes."""
-    pairs = [(o, g) for o in range(plan.outputs) for g in range(plan.giant)]
-    return pairs[index::workers]
+    """The (output, giant step) pairs worker `index` of `workers` computes: whole
+    outputs in turn while every worker can have one (nothing to add up after), the
+    giant steps of the rest in turn."""
+    whole = plan.outputs - plan.outputs % workers
+    mine = [(o, g) for o in range(index, whole, workers) for g in range(plan.giant)]
+    rest = [(o, g) for o in range(whole, plan.outputs) for g in range(plan.giant)]
+    return mine + rest[index::workers]
 
 
 class EncodedMatrix:
