@@ -197,26 +197,54 @@ def naive_bench(weight, x, plain64, out: dict, args) -> None:
 # -- 2. one layer, decode and prompt plans, 1 and 2 workers, beside the cost model -----------------
 
 
-def unit_s(secret, keys) -> float:
-    """This machine's plaintext product + add at the inputs' level: the cost model's unit."""
-    data = secret.encrypt(np.linspace(-1, 1, secret.slots))
+def op_times(secret, keys) -> dict[str, float]:
+    """This machine's seconds for each kind of operation plan.group_ops counts, as a
+    provider's HE worker does them: the cost model's figures, measured here."""
+    seal, ev = secret.seal, secret.evaluator
+    data = secret.encrypt(np.linspace(-1, 1, secret.slots) * (1 + 0.5j))
     ct = secret.ciphertext_from(data)
-    plain = secret.encode(np.full(secret.slots, 0.01), secret.weight_scale)
-    acc, term = secret.seal.Ciphertext(), secret.seal.Ciphertext()
-    secret.evaluator.multiply_plain(ct, plain, acc)
+    plain = secret.encode(np.full(secret.slots, 0.01 - 0.02j), secret.weight_scale)
+    acc, term, out = seal.Ciphertext(), seal.Ciphertext(), seal.Ciphertext()
+    ev.multiply_plain(ct, plain, acc)
+    low = seal.Ciphertext()
+    ev.multiply_plain(ct, plain, low)
+    ev.rescale_to_next_inplace(low)
+    step = min(s for s in keys_steps(secret, keys) if s > 0)
 
-    def run():
-        for _ in range(200):
-            secret.evaluator.multiply_plain(ct, plain, term)
-            secret.evaluator.add_inplace(acc, term)
+    def rescale():
+        fresh = seal.Ciphertext()
+        ev.multiply_plain(ct, plain, fresh)
+        ev.rescale_to_next_inplace(fresh)
 
-    seconds, _ = median_time(run, 5)
-    return seconds / 200
+    def each(fn, n):
+        seconds, _ = median_time(lambda: [fn() for _ in range(n)], 5)
+        return seconds / n
+
+    times = {"products": each(lambda: (ev.multiply_plain(ct, plain, term), ev.add_inplace(acc, term)), 200),
+             "baby_rotations": each(lambda: ev.rotate_vector(ct, step, keys, out), 20),
+             "giant_rotations": each(lambda: ev.rotate_vector(low, step, keys, out), 20),
+             "inputs": each(lambda: secret.ciphertext_from(data), 20),
+             "outputs": each(lambda: secret.dump(low), 20)}
+    times["rescales"] = max(0.0, each(rescale, 50) - each(lambda: ev.multiply_plain(ct, plain, term), 200))
+    return times
+
+
+def keys_steps(secret, keys) -> list[int]:
+    from compushare.he.ckks import galois_element  # noqa: PLC0415
+
+    return [s for s in range(1, 64) if keys.has_key(galois_element(s, secret.params.poly_degree))]
+
+
+def predict(plan, threads: int, times: dict[str, float]) -> float:
+    """The cost model's seconds for one group on the slowest of `threads` workers."""
+    return sum(times[kind] * n for kind, n in plan.ops(threads).items())
 
 
 def layer_bench(state, config, secret, keys) -> dict:
-    unit = unit_s(secret, keys)
-    out: dict = {"unit_ms": round(unit * 1e3, 4), "plans": {}}
+    times = op_times(secret, keys)
+    unit = times["products"]
+    out: dict = {"unit_ms": round(unit * 1e3, 4), "op_ms": {k: round(v * 1e3, 4) for k, v in times.items()},
+                 "plans": {}}
     rng = np.random.default_rng(0)
     for kind in ("decode", "prompt"):
         share_s = {1: 0.0, 2: 0.0}
@@ -236,7 +264,7 @@ def layer_bench(state, config, secret, keys) -> dict:
                     seconds, parts = median_time(lambda m=matrix: m.apply(secret, keys, cts), 3)
                     times.append(seconds)
                 share_s[threads] += max(times) / plan.tokens
-                predicted[threads] += plan.cost(threads) * unit / plan.tokens
+                predicted[threads] += predict(plan, threads, times) / plan.tokens
             products += plan.products * unit / plan.tokens
             if kind == "prompt":
                 whole = EncodedMatrix(secret, w, plan).apply(secret, keys, cts)
@@ -470,7 +498,7 @@ def report(p: dict, layer: dict, runs: dict, qwen: dict) -> None:
           f"{p['speedup_vs_naive_cpu']:.0f}x), rel err {p['rel_err']:.1e}; on the fly {p['on_the_fly_s'] * 1e3:.1f} ms")
     print(f"  consumer: encrypt {p['encrypt_s'] * 1e3:.2f} ms, decrypt + reduce {p['decrypt_s'] * 1e3:.2f} ms; "
           f"keys for {p['rotation_steps']} rotations {p['context_mb']:.1f} MB")
-    print(f"layer {LAYER} (unit {layer['unit_ms']} ms a product + add; plans {layer['plans']})")
+    print(f"layer {LAYER}: operations (ms) {layer['op_ms']}; plans {layer['plans']}")
     for kind in ("decode", "prompt"):
         for label in ("1thread", "2threads"):
             print(f"  {kind}, {label}: {layer[f'layer_{kind}_s_per_token_{label}'] * 1e3:.1f} ms per token "
@@ -507,8 +535,8 @@ def summary(p: dict, layer: dict, runs: dict, qwen: dict) -> dict:
     result["input_parse_s"] = r(p["provider_load_s"], 5)
     result["rel_err"] = float(f"{p['rel_err']:.3g}")
     result["naive_rel_err"] = float(f"{p['naive_rel_err']:.3g}")
-    result.update({k: r(v, 4) for k, v in layer.items() if k != "plans"})
-    result["plans"] = layer["plans"]
+    result.update({k: r(v, 4) for k, v in layer.items() if k not in ("plans", "op_ms")})
+    result["plans"], result["op_ms"] = layer["plans"], layer["op_ms"]
     for threads, s in runs.items():
         label = "1thread" if threads == 1 else "2threads"
         for key in ("prefill_s_per_token", "decode_s_per_token"):

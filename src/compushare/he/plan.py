@@ -150,6 +150,10 @@ class Plan:
         work (each rotating the inputs itself)."""
         return _group_cost(self.chunks, self.baby, self.giant, self.outputs, workers)
 
+    def ops(self, workers: int = 1) -> dict[str, float]:
+        """One group's operations on each of `workers` workers (COSTS weighs them)."""
+        return group_ops(self.chunks, self.baby, self.giant, self.outputs, workers)
+
     # -- the layout --
 
     def _complex(self, real: np.ndarray) -> np.ndarray:
@@ -249,10 +253,21 @@ def _rows_per_output(slots: int, period: int, window: int, tokens: int) -> int:
     return (min(top, r) + 1) * (q + 1) + max(0, top - r) * q
 
 
+COSTS = {"inputs": INPUT_COST, "baby_rotations": BABY_ROTATION_COST, "products": 1.0,
+         "giant_rotations": GIANT_ROTATION_COST, "rescales": RESCALE_COST, "outputs": OUTPUT_COST}
+
+
+def group_ops(chunks: int, baby: int, giant: int, outputs: int, workers: int = 1) -> dict[str, float]:
+    """The operations of one group on each of `workers` workers: every worker loads
+    and rotates the inputs, and does its share of the outputs' work."""
+    return {"inputs": chunks, "baby_rotations": chunks * (baby - 1),
+            "products": outputs * chunks * baby * giant / workers,
+            "giant_rotations": outputs * (giant - 1) / workers, "rescales": outputs * giant / workers,
+            "outputs": outputs / workers}
+
+
 def _group_cost(chunks: int, baby: int, giant: int, outputs: int, workers: int) -> float:
-    shared = chunks * (INPUT_COST + (baby - 1) * BABY_ROTATION_COST)
-    per_output = chunks * baby * giant + (giant - 1) * GIANT_ROTATION_COST + giant * RESCALE_COST + OUTPUT_COST
-    return shared + outputs * per_output / workers
+    return sum(COSTS[kind] * n for kind, n in group_ops(chunks, baby, giant, outputs, workers).items())
 
 
 def _search(rows: int, cols: int, slots: int, *, prompt: bool) -> Plan:
