@@ -25,6 +25,7 @@ SLOTS = 4096  # N = 8192 (ckks.PARAMETER_SETS)
 SMOL = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 QWEN05 = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
 TINY = [(64, 64), (128, 64), (256, 64), (64, 128)]
+LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3.1-8B's groups
 
 shapes = st.tuples(st.integers(1, 300), st.integers(1, 700))
 
@@ -174,7 +175,7 @@ def test_the_model_shapes_plans_are_pinned():
 
 
 def test_a_request_fits_its_frame_whichever_plan_it_gets():
-    for shape in SMOL + QWEN05:
+    for shape in SMOL + QWEN05 + LLAMA8B:  # every family's widths: 8B's down reads 14,336 columns
         most = request_tokens(*shape, SLOTS, max_tokens=64, max_inputs=128, max_outputs=96)
         assert 1 <= most <= 64
         for tokens in range(1, most + 1):
