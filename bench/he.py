@@ -67,7 +67,7 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 
 from compushare.he.ckks import SecretContext  # noqa: E402
-from compushare.he.groups import GROUPS, group_weight, required_steps  # noqa: E402
+from compushare.he.groups import GROUPS, group_weight, preencoded_bytes, required_steps  # noqa: E402
 from compushare.he.matvec import EncodedMatrix  # noqa: E402
 from compushare.he.plan import choose, decode_plan, prompt_plan  # noqa: E402
 from compushare.model.arch import load_config  # noqa: E402
@@ -248,13 +248,14 @@ def predict(plan, threads: int, times: dict[str, float]) -> float:
 
 
 def layer_bench(state, config, secret, keys) -> dict:
-    times = op_times(secret, keys)
-    unit = times["products"]
-    out: dict = {"unit_ms": round(unit * 1e3, 4), "op_ms": {k: round(v * 1e3, 4) for k, v in times.items()},
+    op = op_times(secret, keys)
+    unit = op["products"]
+    out: dict = {"unit_ms": round(unit * 1e3, 4), "op_ms": {k: round(v * 1e3, 4) for k, v in op.items()},
                  "plans": {}}
     rng = np.random.default_rng(0)
     for kind in ("decode", "prompt"):
         share_s = {1: 0.0, 2: 0.0}
+        per_group = {}
         predicted = {1: 0.0, 2: 0.0}
         products = 0.0
         for group in GROUPS:
@@ -271,7 +272,9 @@ def layer_bench(state, config, secret, keys) -> dict:
                     seconds, parts = median_time(lambda m=matrix: m.apply(secret, keys, cts), 3)
                     times.append(seconds)
                 share_s[threads] += max(times) / plan.tokens
-                predicted[threads] += predict(plan, threads, times) / plan.tokens
+                if threads == 1:
+                    per_group[group] = round(max(times) / plan.tokens, 4)
+                predicted[threads] += predict(plan, threads, op) / plan.tokens
             products += plan.products * unit / plan.tokens
             if kind == "prompt":
                 whole = EncodedMatrix(secret, w, plan).apply(secret, keys, cts)
@@ -283,6 +286,9 @@ def layer_bench(state, config, secret, keys) -> dict:
             out[f"layer_{kind}_s_per_token_{label}"] = share_s[threads]
             out[f"predicted_layer_{kind}_s_per_token_{label}"] = predicted[threads]
         out[f"floor_{kind}_s_per_token_2threads"] = LAYERS * products / 2  # products alone, on both cores
+        out[f"layer_{kind}_products_s"] = per_group
+    p = secret.params
+    out["layer_preencode_mb"] = preencoded_bytes(config, secret.slots, p.poly_degree, len(p.coeff_bits) - 1) / 1e6
     return out
 
 
@@ -428,6 +434,12 @@ async def swarm_bench(args, swarm: LocalSwarm, client_dir: Path, threads: int, f
         "prefill_consumer_cpu_s_per_token": sum(s["consumer_cpu_s"] for s in prefill) / len(ids),
         "decode_s_per_token": (times[-1] - times[0]) / decode_steps,
         "decode_steps": decode_steps,
+        "new_tokens": len(private.tokens),
+        "prefill_provider_s": sum(s["provider_s"] for s in prefill),
+        "prefill_workers_cpu_s": sum(s["workers_cpu_s"] for s in prefill),
+        "provider_load_s": max((v["s"] for v in out["provider_load"].values()), default=None),
+        "consumer_rss_mb": round(vm_rss_mb(os.getpid()), 1),
+        "private_totals": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in private.private.items()},
         "per_token": {"encrypt_s": per_token("encrypt_s"), "decrypt_s": per_token("decrypt_s"),
                       "provider_s": per_token("provider_s"),
                       "transfer_s": per_token("roundtrip_s") - per_token("provider_s"),
@@ -538,12 +550,17 @@ def summary(p: dict, layer: dict, runs: dict, qwen: dict) -> dict:
                                       "encrypt_s", "decrypt_s", "provider_dump_s", "speedup_vs_naive",
                                       "speedup_vs_on_the_fly", "context_mb", "rotation_steps", "tenseal_context_mb",
                                       "naive_cpu_s", "naive_default_threads_s", "naive_default_threads_threads",
-                                      "packed_cpu_s", "speedup_vs_naive_cpu", "plain_s", "product")}
+                                      "naive_default_threads_cpu_s", "naive_threads",
+                                      "speedup_vs_naive_default_threads", "packed_cpu_s", "speedup_vs_naive_cpu",
+                                      "plain_s", "product")}
     result["input_parse_s"] = r(p["provider_load_s"], 5)
     result["rel_err"] = float(f"{p['rel_err']:.3g}")
     result["naive_rel_err"] = float(f"{p['naive_rel_err']:.3g}")
     result.update({k: r(v, 4) for k, v in layer.items() if k not in ("plans", "op_ms")})
     result["plans"], result["op_ms"] = layer["plans"], layer["op_ms"]
+    # today's names (revision 23's bench) for the decode plan on one worker
+    result["layer_product_s"] = round(layer["layer_decode_s_per_token_1thread"], 4)
+    result["layer_products_s"] = layer["layer_decode_products_s"]
     for threads, s in runs.items():
         label = "1thread" if threads == 1 else "2threads"
         for key in ("prefill_s_per_token", "decode_s_per_token"):
@@ -572,7 +589,17 @@ def summary(p: dict, layer: dict, runs: dict, qwen: dict) -> dict:
             "keys_mb": round(best["keys_mb"], 1), "failovers": best["failovers"],
             "provider_preencode_mb": best["provider_preencode_mb"],
             "rss_mb": best["rss_mb"], "warmup_s": round(best["warmup_s"], 1),
+            "per_token": {k: round(v, 3) for k, v in best["per_token"].items()},
+            "new_tokens": best["new_tokens"], "prefill_provider_s": round(best["prefill_provider_s"], 1),
+            "prefill_workers_cpu_s": round(best["prefill_workers_cpu_s"], 1),
+            "consumer_setup_s": round(best["consumer_setup_s"], 1), "provider_load_s": best["provider_load_s"],
+            "worker_rss_mb": {n: r["workers_mb"] for n, r in best["rss_mb"].items()},
+            "node_rss_mb": {n: r["node_mb"] for n, r in best["rss_mb"].items()},
+            "consumer_rss_mb": best["consumer_rss_mb"], "private_totals": best["private_totals"],
         })
+        one = runs.get(1)
+        if one:  # what the HE worker reports per layer and token (parsing and serialising included)
+            result["layer_worker_s"] = round(one["per_token"]["provider_s"] / LAYERS, 4)
     for s in runs.values():
         for key in ("consumer_fetch_mb", "head_fetch_mb"):
             if key in s:
