@@ -160,7 +160,7 @@ class NodeConfig:
     # cannot send one): off by default; docs/security.md says what it exposes.
     api_ollama_open: bool = False
     # Private mode (/compushare/private): serve encrypted products; keep the span's
-    # weights pre-encoded as CKKS plaintexts (~126 MB a SmolLM2 block, ~2x faster)
+    # weights pre-encoded as CKKS plaintexts (~264 MB a SmolLM2 block, both plans; ~2x faster)
     # rather than encoding them for every request.
     private: bool = True
     private_preencode: bool = True

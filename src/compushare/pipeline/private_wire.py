@@ -31,7 +31,7 @@ from ..he.groups import GROUPS
 
 PRIVATE_PROTOCOL = wire.PRIVATE
 KEYS_CHUNK = 1 << 20  # Galois keys travel in chunks of 1 MiB (a frame holds at most 16 MiB)
-MAX_KEYS_BYTES = 128 << 20  # all of a session's Galois keys (SmolLM2 needs ~24 MB)
+MAX_KEYS_BYTES = 128 << 20  # all of a session's Galois keys (SmolLM2 needs 13.5 MB)
 MAX_TOKENS_PER_REQUEST = 64
 MAX_CTS_PER_REQUEST = 128  # input ciphertexts (groups x chunks)
 MAX_OUTPUTS_PER_REPLY = 96  # output ciphertexts (groups x outputs): 96 x 128 KiB fit a 16 MiB frame

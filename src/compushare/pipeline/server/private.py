@@ -7,7 +7,7 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
 
 - streams: at most 2 private sessions per peer and 16 in all (GuardedHandler);
 - keys: a session's Galois keys (at most what the model's rotations can take,
-  ~39 MB for SmolLM2, announced before a byte is sent; streamed in 1 MiB chunks,
+  ~29 MB for SmolLM2, announced before a byte is sent; streamed in 1 MiB chunks,
   at most KEY_UPLOADS sessions' at once; cached by their sha256 so a consumer's
   next session sends only the digest); the worker holds at most MAX_KEY_SETS
   sets, least recently used first out, and each peer at most one (its new set

@@ -29,7 +29,7 @@ from .private_worker import LENGTH, MAX_WORKER_FRAME
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_SETS = 8  # Galois key sets held at once (~19 MB each for SmolLM2)
+MAX_KEY_SETS = 8  # Galois key sets held at once (13.5 MB each for SmolLM2)
 MAX_WORKERS = 16
 
 

@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 LENGTH = struct.Struct(">I")
 MAX_WORKER_FRAME = 64 << 20
-MAX_KEY_SETS = 8  # Galois key sets held at once (~24 MB each for SmolLM2)
 
 
 class WorkerState:
@@ -134,7 +133,7 @@ class WorkerState:
         digest = request["digest"]
         if keys_digest(data) != digest:
             raise HEError("Galois keys do not match their digest")
-        if digest not in self.keys:  # the node bounds how many (HEWorker: MAX_KEY_SETS)
+        if digest not in self.keys:  # the node bounds how many (private_pool.MAX_KEY_SETS)
             self.keys[digest] = self.context.galois_keys_from(data, self.steps)
         return {"bytes": len(data)}
 
