@@ -39,7 +39,7 @@ import trio
 from ...errors import CLOSED, FAILED, MISMATCH, HopFailed, RouteError
 from ...he.ckks import HEError, SecretContext, keys_digest
 from ...he.groups import group_shapes
-from ...he.plan import choose, request_tokens
+from ...he.plan import Plan, choose, request_tokens
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...private_proofs import PrivateFailureReport
@@ -86,7 +86,7 @@ class Request:
     """One `project` request: its tokens, their plan and input ciphertexts."""
 
     tokens: int
-    plan: object  # he.plan.Plan
+    plan: Plan
     cts: tuple[bytes, ...]
 
 

@@ -152,14 +152,13 @@ class HEWorker:
         if all(p.span == span and p.process is not None for p in self.processes):
             return
         budget = self.budget_bytes(span)
-        share = None if budget is None else budget // self.workers
 
         async def load(process: _Process) -> None:
             if process.span == span and process.process is not None:
                 return
             process.loaded = await process.call(
                 {"op": "load", "model_dir": self.model_dir, "start": span[0], "end": span[1], "params": self.params,
-                 "preencode": self.preencode, "budget_bytes": share, "noise": self.noise,
+                 "preencode": self.preencode, "budget_bytes": budget, "noise": self.noise,
                  "share": [process.index, self.workers]}, timeout_s=600)
             process.span = span
             for digest, data in list(self._keys.items()):  # what a crashed worker held

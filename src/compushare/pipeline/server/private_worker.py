@@ -56,6 +56,7 @@ class WorkerState:
         self.span: tuple[int, int] | None = None
         self.weights: dict[tuple[int, str], np.ndarray] = {}  # (layer, group) -> its weight, when not pre-encoded
         self.encoded: dict[tuple[int, str, object], EncodedMatrix] = {}  # (layer, group, plan) -> this share's
+        self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
         self.share = (0, 1)
         self.preencode = True
         self.noise = 0.0  # fault injection (--debug-noise): a provider that lies
@@ -102,15 +103,17 @@ class WorkerState:
             raise HEError(f"share {index} of {workers}")
         self.share = (index, workers)
         need = preencoded_bytes(config, self.context.slots, p.poly_degree, len(p.coeff_bits) - 1) * (end - start)
-        budget = request.get("budget_bytes")  # this worker's part of the node's
-        self.preencode = bool(request.get("preencode", True)) and (budget is None or need <= budget * workers)
+        budget = request.get("budget_bytes")  # the node's, for all its workers' shares together
+        self.preencode = bool(request.get("preencode", True)) and (budget is None or need <= budget)
         self.weights.clear()
         self.encoded.clear()
+        self.shapes.clear()
         plaintexts = nbytes = 0
         for layer in range(start, end):
             for group in GROUPS:
                 weight = group_weight(state, layer, group)
                 self.weights[(layer, group)] = weight
+                self.shapes[(layer, group)] = weight.shape
                 if not self.preencode:
                     nbytes += weight.nbytes
                     continue
@@ -148,8 +151,7 @@ class WorkerState:
             raise HEError(f"layer {layer} group {group!r} is not served here (span {self.span[0]}:{self.span[1]})")
         began = time.perf_counter()
         tokens, cts = request["tokens"], request["cts"]
-        rows, cols = self._shape(layer, group)
-        plan = choose(rows, cols, self.context.slots, tokens)
+        plan = choose(*self.shapes[(layer, group)], self.context.slots, tokens)
         if len(cts) != plan.groups(tokens) * plan.chunks:
             raise HEError(f"{len(cts)} ciphertexts for {tokens} tokens: the plan takes "
                           f"{plan.groups(tokens) * plan.chunks}")
@@ -162,13 +164,6 @@ class WorkerState:
             outs = matrix.apply(self.context, keys, inputs[start:start + plan.chunks])
             parts.append([[o, self.context.dump(self._lie(ct))] for o, ct in sorted(outs.items())])
         return {"parts": parts, "seconds": time.perf_counter() - began}
-
-    def _shape(self, layer: int, group: str) -> tuple[int, int]:
-        weight = self.weights.get((layer, group))
-        if weight is not None:
-            return weight.shape
-        plan = next(p for (at, name, p) in self.encoded if (at, name) == (layer, group))
-        return plan.rows, plan.cols
 
     def _add(self, request: dict) -> dict:
         """Each output's parts from the workers, summed (they are this node's own)."""
