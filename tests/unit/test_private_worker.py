@@ -219,3 +219,60 @@ def test_dropped_keys_are_gone(tiny_model, secret, keys, config):
     plan = choose(*group_shapes(config)["o"], secret.slots)
     with pytest.raises(HEError, match="unknown keys"):
         state.handle(request(keys, 0, "o", 1, encrypt(secret, plan, np.ones((1, plan.cols)))))
+
+
+def test_the_pool_joins_parts_in_frames_a_worker_accepts_and_checks_every_output(monkeypatch):
+    """private_pool.HEWorker._join: parts to add go to worker 0 in calls of at most
+    half a worker frame (8 workers' parts of a large request would pass the frame
+    otherwise), and an answer missing one of the plan's outputs is an HEError."""
+    import trio
+
+    from compushare.pipeline.server import private_pool
+
+    monkeypatch.setattr(private_pool, "MAX_WORKER_FRAME", 4000)
+    pool = private_pool.HEWorker("unused", params=PARAMS, workers=2)
+    calls = []
+
+    async def call(request, timeout_s):
+        calls.append(sum(len(d) for parts in request["parts"] for d in parts))
+        return {"cts": [b"sum" + parts[0][:1] for parts in request["parts"]]}
+
+    monkeypatch.setattr(pool.processes[0], "call", call)
+    groups = 6  # both workers computed part of both outputs of every group: 1,820 bytes to add a group
+    parts = [[[[0, bytes([g]) * 900], [1, b"x" * 10]] for g in range(groups)],
+             [[[0, b"z" * 900], [1, b"y" * 10]] for _ in range(groups)]]
+    out = trio.run(pool._join, parts, 2)
+    assert len(calls) > 1 and max(calls) <= 2000  # several calls, each under half a frame
+    assert out == [[b"sum" + bytes([g]), b"sumx"] for g in range(groups)]
+    with pytest.raises(HEError, match="makes 3"):
+        trio.run(pool._join, [[[[0, b"a"], [1, b"b"]]], [[]]], 3)  # the plan's third output missing
+
+
+def test_the_pool_never_evicts_a_key_set_an_open_session_uses(monkeypatch):
+    """private_pool.HEWorker.add_keys: past MAX_KEY_SETS the least recently used set
+    goes, unless an open session uses it (`keep`): that one stays, the next goes."""
+    import trio
+
+    from compushare.pipeline.server import private_pool
+
+    pool = private_pool.HEWorker("unused", params=PARAMS, workers=2)
+    dropped = []
+
+    async def call(request, timeout_s):
+        if request["op"] == "drop":
+            dropped.append(request["digest"])
+        return {}
+
+    for process in pool.processes:
+        monkeypatch.setattr(process, "call", call)
+        process.process, process.span = object(), (0, 2)  # loaded: no worker to start
+    digests = [f"{i:064x}" for i in range(private_pool.MAX_KEY_SETS + 2)]
+
+    async def main():
+        for digest in digests:
+            await pool.add_keys((0, 2), digest, b"k", keep={digests[0]})
+
+    trio.run(main)
+    assert pool.has_keys(digests[0]) and not pool.has_keys(digests[1]) and not pool.has_keys(digests[2])
+    assert dropped == [digests[1]] * 2 + [digests[2]] * 2  # from both workers
+    assert len([d for d in digests if pool.has_keys(d)]) == private_pool.MAX_KEY_SETS

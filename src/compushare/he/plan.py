@@ -290,8 +290,10 @@ def _search(rows: int, cols: int, slots: int, *, prompt: bool) -> Plan:
                     continue
                 groups = -(-PROMPT_TOKENS // tokens) if prompt else 1
                 for baby in (d for d in range(1, window + 1) if window % d == 0):
-                    # A prompt's groups are shared out whole among the workers; a decode
-                    # step's one group has its outputs shared out.
+                    # A prompt plan is costed for its CPU on one worker: a prompt keeps
+                    # every provider of the route busy at once, so the cores are shared
+                    # anyway. A decode step's one group is costed for its wall time, its
+                    # outputs shared out among PLAN_WORKERS workers.
                     cost = groups * _group_cost(chunks, baby, window // baby, outputs, 1 if prompt else PLAN_WORKERS)
                     if best is None or cost < best[0]:
                         best = (cost, Plan(rows, cols, slots, baby, window // baby, tokens, chunks))

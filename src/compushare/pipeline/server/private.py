@@ -10,8 +10,9 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
   ~29 MB for SmolLM2, announced before a byte is sent; streamed in 1 MiB chunks,
   at most KEY_UPLOADS sessions' at once; cached by their sha256 so a consumer's
   next session sends only the digest); the worker holds at most MAX_KEY_SETS
-  sets, least recently used first out, and each peer at most one (its new set
-  replaces its old);
+  sets, least recently used first out but never one an open session uses (so at
+  most 16 past the cap: the sessions' cap), and each peer at most one (its new
+  set replaces its old);
 - compute: every request waits for a turn in the server's fair scheduler (the
   one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
   product, so a peer's private work counts against its one fair share; it then
@@ -66,6 +67,7 @@ class PrivateServer:
         self.compute_s = 0.0
         self.products = 0
         self._peer_keys: dict[str, str] = {}
+        self._in_use: collections.Counter[str] = collections.Counter()  # key digests of open sessions
         self._uploads = trio.Semaphore(KEY_UPLOADS)
         self._keys_bound: dict[str, int] = {}  # per parameter set: the most key bytes this model needs
         self.worker_slots = parameter_set(worker.params).slots
@@ -109,22 +111,28 @@ class PrivateServer:
         if message is None:
             return
         opened = decode_open(message)
-        span_key = await self._open(framed, peer, opened)
-        if span_key is None:
-            return
-        self.sessions += 1
-        while True:
-            with trio.fail_after(IDLE_TIMEOUT_S):
-                message = await framed.receive()
-            if message is None:
+        self._in_use[opened.keys_digest] += 1  # an open session's key set is never evicted
+        try:
+            span_key = await self._open(framed, peer, opened)
+            if span_key is None:
                 return
-            request = decode_project(message)
-            if not opened.start <= request.layer < opened.end:
-                await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
-                                                         f"{opened.start}:{opened.end}"))
-                continue
-            reply = await self._project(peer, span_key, opened.keys_digest, request)
-            await framed.send(await self._signed(opened, request, reply))
+            self.sessions += 1
+            while True:
+                with trio.fail_after(IDLE_TIMEOUT_S):
+                    message = await framed.receive()
+                if message is None:
+                    return
+                request = decode_project(message)
+                if not opened.start <= request.layer < opened.end:
+                    await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
+                                                             f"{opened.start}:{opened.end}"))
+                    continue
+                reply = await self._project(peer, span_key, opened.keys_digest, request)
+                await framed.send(await self._signed(opened, request, reply))
+        finally:
+            self._in_use[opened.keys_digest] -= 1
+            if not self._in_use[opened.keys_digest]:
+                del self._in_use[opened.keys_digest]
 
     async def _open(self, framed: FramedStream, peer: str, opened) -> tuple[int, int] | None:
         """Answer an `open`: the span's key, or None when it was refused (said on `framed`)."""
@@ -166,14 +174,14 @@ class PrivateServer:
             try:
                 # SEAL's header first, here: junk costs no worker start nor span encoding.
                 check_header(data, max_size=bound, what="Galois keys")
-                await self.worker.add_keys(span_key, opened.keys_digest, data)
+                await self.worker.add_keys(span_key, opened.keys_digest, data, keep=set(self._in_use))
             except (HEError, WorkerCrashed) as exc:
                 self.refused["keys"] += 1
                 await framed.send(error(wire.BAD_KEYS, str(exc)))
                 return False
             del data
         previous = self._peer_keys.get(peer)
-        if previous is not None and previous != opened.keys_digest:
+        if previous is not None and previous != opened.keys_digest and previous not in self._in_use:
             await self.worker.forget_keys(previous)  # one key set per peer
         self._peer_keys[peer] = opened.keys_digest
         # Only owners of key sets still held are remembered (at most MAX_KEY_SETS).

@@ -62,10 +62,16 @@ class _Process:
                 if size > MAX_WORKER_FRAME:
                     raise WorkerCrashed(f"worker sent a {size}-byte frame")
                 reply = msgpack.unpackb(await self._receive(size), raw=False)
+            if not isinstance(reply, dict) or ("ok" not in reply and "error" not in reply):
+                raise WorkerCrashed("worker sent no answer")
         except (trio.BrokenResourceError, trio.ClosedResourceError, WorkerCrashed, trio.TooSlowError,
                 ValueError) as exc:
             await self.kill()
             raise WorkerCrashed(f"HE worker {self.index} lost during {request.get('op')}: {exc!r}") from None
+        except BaseException:  # cancelled mid-request: its answer would answer the next one
+            with trio.CancelScope(shield=True):
+                await self.kill()
+            raise
         if "error" in reply:
             raise HEError(reply["error"])
         return reply["ok"]
@@ -137,6 +143,9 @@ class HEWorker:
                 crashed.append(exc)
             except HEError as exc:
                 refused.append(exc)
+            except Exception as exc:  # a worker that could not start, or a reply not as agreed
+                await process.kill()
+                crashed.append(WorkerCrashed(f"HE worker {process.index}: {exc!r}"))
 
         async with trio.open_nursery() as nursery:
             for process in self.processes:
@@ -156,6 +165,7 @@ class HEWorker:
         async def load(process: _Process) -> None:
             if process.span == span and process.process is not None:
                 return
+            process.span = None  # until this load succeeds: a failed one may leave it half loaded
             process.loaded = await process.call(
                 {"op": "load", "model_dir": self.model_dir, "start": span[0], "end": span[1], "params": self.params,
                  "preencode": self.preencode, "budget_bytes": budget, "noise": self.noise,
@@ -176,13 +186,16 @@ class HEWorker:
             await self._ensure(span)
             return self.loaded
 
-    async def add_keys(self, span: tuple[int, int], digest: str, data: bytes) -> None:
+    async def add_keys(self, span: tuple[int, int], digest: str, data: bytes, keep: set[str] = frozenset()) -> None:
+        """Install a key set; past MAX_KEY_SETS the least recently used ones not in
+        `keep` (the open sessions') go."""
         async with self._lock:
             await self._ensure(span)
             await self._each(lambda p: p.call({"op": "keys", "digest": digest, "data": data}, timeout_s=60))
             self._keys[digest] = data
-            while len(self._keys) > MAX_KEY_SETS:  # least recently used out
-                await self._drop(next(iter(self._keys)))
+            spare = [d for d in self._keys if d not in keep and d != digest]  # least recently used first
+            for old in spare[:max(0, len(self._keys) - MAX_KEY_SETS)]:
+                await self._drop(old)
 
     def has_keys(self, digest: str) -> bool:
         return digest in self._keys
@@ -214,11 +227,13 @@ class HEWorker:
                        "cts": cts}
             timeout = 120 + 10 * len(cts)
             replies = await self._each(lambda p: p.call(request, timeout_s=timeout))
-            return await self._join([r["parts"] for r in replies]), max(r["seconds"] for r in replies)
+            return (await self._join([r["parts"] for r in replies], replies[0]["outputs"]),
+                    max(r["seconds"] for r in replies))
 
-    async def _join(self, parts: list[list[list]]) -> list[list[bytes]]:
-        """Each group's outputs from every worker's parts: worker 0 adds an output's
-        parts where more than one worker computed some of it."""
+    async def _join(self, parts: list[list[list]], outputs: int) -> list[list[bytes]]:
+        """Each group's `outputs` ciphertexts from every worker's parts: worker 0 adds
+        an output's parts where more than one worker computed some of it, in calls
+        of at most half a worker frame each."""
         groups = len(parts[0])
         by_output: list[dict[int, list[bytes]]] = [collections.defaultdict(list) for _ in range(groups)]
         for worker_parts in parts:
@@ -226,17 +241,14 @@ class HEWorker:
                 for o, data in group:
                     by_output[g][o].append(data)
         sums = [(g, o) for g in range(groups) for o, datas in by_output[g].items() if len(datas) > 1]
-        if sums:
-            added = await self.processes[0].call({"op": "add", "parts": [by_output[g][o] for g, o in sums]},
+        for batch in _batches(sums, lambda key: sum(len(d) for d in by_output[key[0]][key[1]]), MAX_WORKER_FRAME // 2):
+            added = await self.processes[0].call({"op": "add", "parts": [by_output[g][o] for g, o in batch]},
                                                  timeout_s=60)
-            for (g, o), data in zip(sums, added["cts"], strict=True):
+            for (g, o), data in zip(batch, added["cts"], strict=True):
                 by_output[g][o] = [data]
-        out = []
-        for outputs in by_output:
-            if sorted(outputs) != list(range(len(outputs))):
-                raise HEError("a product output has no nonzero weight")
-            out.append([outputs[o][0] for o in range(len(outputs))])
-        return out
+        if any(sorted(found) != list(range(outputs)) for found in by_output):
+            raise HEError(f"a product output has no nonzero weight (the plan makes {outputs})")
+        return [[found[o][0] for o in range(outputs)] for found in by_output]
 
     @property
     def held_bytes(self) -> int:
@@ -246,3 +258,18 @@ class HEWorker:
     async def aclose(self) -> None:
         for process in self.processes:
             await process.kill()
+
+
+def _batches(items: list, size_of: Callable[[object], int], most: int) -> list[list]:
+    """`items` in order, in batches whose sizes add up to at most `most` (an item
+    larger than that alone)."""
+    out: list[list] = []
+    total = 0
+    for item in items:
+        size = size_of(item)
+        if not out or total + size > most:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += size
+    return out

@@ -11,11 +11,12 @@ The node talks to it over stdin/stdout: frames of a 4-byte big-endian length and
 msgpack map. Requests (one at a time):
 
     {"op": "load", "model_dir", "start", "end", "params", "preencode", "budget_bytes",
-     "share": [i, n]}                      -> {"plaintexts", "bytes", "seconds", "preencoded"}
+     "share": [i, n], "noise"}             -> {"plaintexts", "bytes", "seconds", "preencoded",
+                                               "preencode_bytes"}
     {"op": "keys", "digest", "data"}       -> {"bytes"}
     {"op": "drop", "digest"}               -> {}
     {"op": "project", "digest", "layer", "group", "tokens", "cts"}
-        -> {"parts": [[[output, bytes], ...] per group], "seconds"}
+        -> {"parts": [[[output, bytes], ...] per group], "outputs", "seconds"}
     {"op": "add", "parts": [[bytes, ...], ...]} -> {"cts": [bytes, ...]}
 
 A node runs n workers on one span (private_pool.py): worker i holds and computes
@@ -86,6 +87,7 @@ class WorkerState:
 
         torch.set_num_threads(1)
         began = time.perf_counter()
+        self.span = None  # until this load succeeds: one that fails part-way serves nothing
         start, end = int(request["start"]), int(request["end"])
         config = ShapeConfig.of(read_config(request["model_dir"]))  # config.json: no transformers in this process
         self.context = Context(request["params"])
@@ -163,7 +165,7 @@ class WorkerState:
         for start in range(0, len(inputs), plan.chunks):
             outs = matrix.apply(self.context, keys, inputs[start:start + plan.chunks])
             parts.append([[o, self.context.dump(self._lie(ct))] for o, ct in sorted(outs.items())])
-        return {"parts": parts, "seconds": time.perf_counter() - began}
+        return {"parts": parts, "outputs": plan.outputs, "seconds": time.perf_counter() - began}
 
     def _add(self, request: dict) -> dict:
         """Each output's parts from the workers, summed (they are this node's own)."""
