@@ -94,3 +94,21 @@ def test_the_loop_never_waits_for_a_writer_holding_the_lock(pieces):
     with pieces._lock:  # as a download's pwrite holds it
         assert pieces.read_cached(0) is None  # the seeder falls back to a thread
     assert pieces.read_cached(0) is not None
+
+
+def test_a_part_file_complete_at_start_is_renamed_into_place(tiny_model, tmp_path):
+    """A download killed between a file's last piece and its rename leaves a complete,
+    verified part file: the next run's storage finishes it (no piece will come again
+    to trigger that), so the model is held whole."""
+    from compushare.torrent.storage import part_path
+
+    model_id = import_path(tiny_model, tmp_path / "home", alias="tiny").model_id
+    model = ModelStore(tmp_path / "home").get(model_id)
+    entry = model.manifest.files[-1]
+    os.replace(model.path / entry.name, part_path(model, entry.name))
+    model = ModelStore(tmp_path / "home").get(model_id)
+    assert not model.holds(blocks=(0, model.num_blocks), head=True)
+    pieces = ModelPieces(model)
+    assert (model.path / entry.name).exists() and not part_path(model, entry.name).exists()
+    assert set(model.manifest.file_pieces(len(model.manifest.files) - 1)) <= pieces.have
+    assert ModelStore(tmp_path / "home").get(model_id).holds(blocks=(0, model.num_blocks), head=True)

@@ -56,7 +56,11 @@ class ModelPieces:
                 self.have.update(pieces)
                 part_path(model, entry.name).unlink(missing_ok=True)  # a stale copy
             elif part_path(model, entry.name).exists():
-                self.have.update(self._verified_in_part(f))
+                verified = self._verified_in_part(f)
+                self.have.update(verified)
+                if len(verified) == len(pieces):  # killed between its last piece and the rename
+                    self._finishing.add(f)
+                    self._finish(f)
 
     def _verified_in_part(self, file_index: int) -> list[int]:
         """Pieces of a part file (left by an earlier run) that match their hashes."""
