@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,6 +52,16 @@ def dashboard_peers(state: dict, data_dir: Path) -> set[str]:
     request = urllib.request.Request(f"{state['api']}/control/dashboard", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=20) as response:
         return {peer["peer_id"] for peer in json.loads(response.read())["peers"] if peer["heard"]}
+
+
+def polled_peers(state: dict, data_dir: Path) -> set[str]:
+    """dashboard_peers while waiting for a condition: a node taking in a flood may drop
+    a dashboard connection now and then (RemoteDisconnected once, make_test run 17),
+    which is "not yet", not a failure; the wait's deadline bounds it."""
+    try:
+        return dashboard_peers(state, data_dir)
+    except (OSError, urllib.error.URLError):  # ConnectionError and TimeoutError are OSErrors
+        return set()
 
 
 async def view_reply(host, state: dict, attempts: int = 5) -> list[str]:
@@ -114,7 +125,7 @@ async def flood_and_join(processes, tiny_model, monkeypatch, *, policy: bool) ->
             # with the policy on; the whole view without it, which then refuses B).
             full = NEWCOMER_SLOTS if policy else MAX_PEERS
             with trio.fail_after(FLOOD_TIMEOUT_S):
-                while len(await trio.to_thread.run_sync(dashboard_peers, target, processes.root / "t")) < full:
+                while len(await trio.to_thread.run_sync(polled_peers, target, processes.root / "t")) < full:
                     await trio.sleep(0.5)
             # A new real server joins through T while the Sybils stay advertised.
             _, b = await trio.to_thread.run_sync(lambda: processes.node("b", tiny_model, "2:4", bootstrap=boot))
