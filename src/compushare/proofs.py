@@ -28,7 +28,8 @@ Two such claims with the same statement up to `output`, whose outputs differ
 beyond TOLERANCES[mode], prove that one of the two servers computed wrongly: a
 failure report anyone can check. The reporter chooses nothing the verdict rests
 on: the tolerance is the protocol's, not the report's. Private mode's signed products
-and reports are in private_proofs.py; parse_report reads every kind.
+and reports are in private_proofs.py, DiLoCo's signed contributions and reports in
+diloco_proofs.py; parse_report reads every kind.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from .diloco_proofs import DILOCO_REPORT_FORMAT, DilocoFailureReport
 from .errors import PeerMisbehaved
 from .net.dtypes import WIRE_NUMPY_DTYPES
 from .private_proofs import PRIVATE_REPORT_FORMAT, PrivateFailureReport
@@ -452,7 +454,9 @@ def parse_report(data: bytes) -> Report:
             return TrainFailureReport.from_wire(body)
         if isinstance(body, dict) and body.get("format") == PRIVATE_REPORT_FORMAT:
             return PrivateFailureReport.from_wire(data)  # private_proofs.py
+        if isinstance(body, dict) and body.get("format") == DILOCO_REPORT_FORMAT:
+            return DilocoFailureReport.from_wire(data)  # diloco_proofs.py
     return FailureReport.from_wire(data)
 
 
-Report = FailureReport | TrainFailureReport | PrivateFailureReport  # what karma readers, stores and witnesses take
+Report = FailureReport | TrainFailureReport | PrivateFailureReport | DilocoFailureReport  # what karma readers, stores and witnesses take
