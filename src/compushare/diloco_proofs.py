@@ -52,9 +52,10 @@ DILOCO_REPORT_FORMAT = "compushare/diloco-failure-report/v1"
 # The relative L2 error, ‖accused − witness‖₂ / ‖witness‖₂ over the dequantized parts,
 # beyond which the two cannot both be honest. Int8 rounding with one absmax scale per
 # 256 values costs 0.7% of a part's norm for Gaussian values, 1.7% for heavy-tailed ones
-# (Student t, 3 degrees of freedom), and two parts 1e-3 apart before rounding (another
-# CPU's kernels over a round of H fp32 steps, same seeds and data) end 0.5% apart after
-# it (numpy, 2^18 values). 0.1 is several times that, and still catches what a free
+# (Student t, 3 degrees of freedom), and two parts 1e-3 apart before rounding end 0.5%
+# apart after it (numpy, 2^18 values). 1e-3 stands for another CPU's kernels over a
+# round of H fp32 steps from the same seeds and data: assumed, not yet measured on the
+# trainer. 0.1 is several times both together, and still catches what a free
 # rider or a poisoner sends: zeros (error 1), noise or a stale or another peer's
 # pseudo-gradient (1.4), or the true one scaled by under 0.9.
 TOLERANCE = 0.1
