@@ -5,6 +5,7 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   app/         the surfaces: cli, chat, tray, status, swarm, node, seed, api/
   pipeline/    inference sessions: server/ (provider) and client/ (consumer), which
                never import each other, over the shared protocol
+  diloco/      training a model together: DiLoCo rounds averaged peer to peer
   torrent/     BitTorrent-style weight distribution
   karma/       contribution ledger, karma records and the karma protocol
   proofs.py    signed step outputs, input digests, failure reports

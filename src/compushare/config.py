@@ -17,6 +17,8 @@ from .errors import UsageError
 
 APP_NAME = "compushare"
 STATE_FILE = "node.json"  # a running node's state in its data dir
+TRAIN_DIR = "train"  # `compushare train`'s participant: its own identity and state, beside the node's
+TRAIN_STATE_FILE = "diloco.json"  # in TRAIN_DIR: the run, round, loss, members (status and the dashboard read it)
 LISTEN_FILE = "node.listen.json"  # pid, peer id and addresses, as soon as the node can be dialled
 
 

@@ -11,7 +11,8 @@ PRIVATE = "/compushare/private/2.0.0"
 PIECES = "/compushare/pieces/1.0.0"
 KARMA = "/compushare/karma/1.0.0"
 VIEW = "/compushare/view/1.0.0"
-PROTOCOLS = (INFER, TRAIN, PRIVATE, PIECES, KARMA, VIEW)
+DILOCO = "/compushare/diloco/1.0.0"
+PROTOCOLS = (INFER, TRAIN, PRIVATE, PIECES, KARMA, VIEW, DILOCO)
 
 # GossipSub: one topic per model, AD_TOPIC_PREFIX + the model id (protocol revision 22).
 # The version is part of the topic: AD_TOPIC_V1, the one topic of every ad up to
@@ -22,11 +23,14 @@ AD_TOPIC_V1 = "/compushare/ads/1"
 # DHT records: keys /<namespace>/...; provider keys: sha256(prefix + ...).
 SERVER_RECORDS = "csserver"  # /csserver/<model_id>/<peer_id>
 KARMA_RECORDS = "cskarma"  # /cskarma/<peer_id>
+RUN_RECORDS = "csrun"  # /csrun/<run_id>: a training run's signed record (diloco/run.py)
 MODEL_KEY = "compushare/model/v1/"  # + model_id
 BLOCK_KEY = "compushare/block/v1/"  # + model_id + "/" + block
 SEED_KEY = "compushare/seed/v1/"  # + model_id
 REPORTS_KEY = "compushare/reports/v1/"  # + peer_id
-PROVIDER_KEYS = (MODEL_KEY, BLOCK_KEY, SEED_KEY, REPORTS_KEY)
+RUN_KEY = "compushare/run/v1/"  # + run_id: the run's participants
+ROUND_KEY = "compushare/round/v1/"  # + run_id + "/" + round: who is ready to average that round
+PROVIDER_KEYS = (MODEL_KEY, BLOCK_KEY, SEED_KEY, REPORTS_KEY, RUN_KEY, ROUND_KEY)
 
 # Error codes of any framed stream: the frame and the tensors in it.
 BAD_FRAME = "bad_frame"
@@ -77,3 +81,12 @@ NOT_HELD = "not_held"
 TOO_MANY_REQUESTS = "too_many_requests"
 PIECES_ERRORS = (UNKNOWN_MODEL, BUSY, BAD_MESSAGE, BAD_FRAME, FRAME_TOO_LARGE)
 PIECES_REJECTS = (NOT_HELD, TOO_MANY_REQUESTS)
+
+# Error codes of /compushare/diloco ({"type": "error", "code": ...}; the frame codes too).
+UNKNOWN_RUN = "unknown_run"  # not a run this peer takes part in
+WRONG_ROUND = "wrong_round"  # another round, or another base (outer weights) than the receiver's
+NOT_LEADER = "not_leader"  # a join sent to a peer that does not lead the round (with "leader": the one it knows)
+WRONG_GROUP = "wrong_group"  # a part for another group, index or size than the owner's
+EXCLUDED = "excluded"  # a peer against whom a verified failure report is held
+TOO_LATE = "too_late"  # the owner's deadline passed, its part already averaged
+DILOCO_ERRORS = (BAD_REQUEST, UNKNOWN_RUN, WRONG_ROUND, NOT_LEADER, WRONG_GROUP, EXCLUDED, TOO_LATE)

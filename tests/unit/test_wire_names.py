@@ -34,7 +34,7 @@ def test_every_stream_protocol_has_its_section_and_no_other_is_documented():
 
 
 def test_dht_namespaces_and_provider_keys_are_documented():
-    assert set(re.findall(r"key `/(cs\w+)/", SPEC)) == {wire.SERVER_RECORDS, wire.KARMA_RECORDS}
+    assert set(re.findall(r"key `/(cs\w+)/", SPEC)) == {wire.SERVER_RECORDS, wire.KARMA_RECORDS, wire.RUN_RECORDS}
     assert set(re.findall(r'sha256\("(compushare/\w+/v\d+/)"', SPEC)) == set(wire.PROVIDER_KEYS)
 
 
@@ -81,3 +81,9 @@ def test_the_train_error_table_is_the_codes_servers_send():
     table = table[table.index("Error reply:"):]
     table = table[:table.index("### ")]
     assert codes_of(table) == set(wire.FRAME_ERRORS) | set(wire.TRAIN_ERRORS)
+
+
+def test_the_diloco_error_table_is_the_codes_participants_send():
+    table = section("`/compushare/diloco/")
+    table = table[table.index("Error reply:"):]
+    assert codes_of(table) == {wire.BAD_FRAME, wire.FRAME_TOO_LARGE} | set(wire.DILOCO_ERRORS)

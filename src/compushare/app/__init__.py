@@ -1,8 +1,8 @@
 """The surfaces users meet; everything below (pipeline, torrent, karma, net, model)
 knows nothing of them.
 
-  cli.py, cli_swarm.py, cli_models.py, cli_finetune.py, cli_doctor.py, cli_common.py
-               the typer command line: run, chat, node, status, karma, id, swarm, models, finetune, doctor
+  cli.py, cli_swarm.py, cli_models.py, cli_finetune.py, cli_train.py, cli_doctor.py, cli_common.py
+               the typer command line: run, chat, node, status, karma, id, swarm, models, finetune, train, doctor
   doctor.py    `compushare doctor`'s checks, pure: facts in, verdicts (ok, warn, FAIL) out
   chat.py      `compushare chat`: the interactive consumer REPL
   node.py      the daemon: one trio nursery owning every task of a node

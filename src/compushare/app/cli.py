@@ -4,6 +4,7 @@
   cli_swarm.py   status, karma, id; swarm up|down
   cli_models.py  models list|fetch|seed|import
   cli_finetune.py finetune
+  cli_train.py   train start|join|status
   cli_doctor.py  doctor (its checks: doctor.py)
   cli_common.py  shared options, logging, error reporting
 """
@@ -26,12 +27,14 @@ from .cli_doctor import doctor
 from .cli_finetune import finetune
 from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
 from .cli_models import models_app
+from .cli_train import train_app
 from .debug import FaultInjection
 from .cli_swarm import karma, show_id, status, swarm_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
+app.add_typer(train_app, name="train")
 
 
 # Fault injection (debug.py), for tests: hidden from --help.

@@ -53,7 +53,7 @@ from ..pipeline.server.training import TrainingServer
 from ..runtime import stop_on_signal, write_json, write_state
 from .startup import (SpanMemory, ad_maker, api_app, check_span, first_span, held_model, model_id_from_swarm,
                       self_benchmark, serve_training, span_memory)
-from .status import summarize
+from .status import summarize, training_summary
 from ..torrent.service import Torrent
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,8 @@ class NodeControl:
             peer["heard"] = node.view.get(peer["peer_id"], now) is not None  # else pulled for the UI only
         downloads = [dict(d, finished=True, done=d["bytes"], total=d["bytes"]) for d in node.fetched]
         return {"node": self.status(), "peers": summary["peers"], "models": summary["models"],
-                "downloads": downloads + list(node.downloads.values()), "history": self.history.to_json()}
+                "downloads": downloads + list(node.downloads.values()), "history": self.history.to_json(),
+                "training": training_summary(node.config.data_dir)}
 
     def sample(self, now: float) -> Sample:
         """What the dashboard's charts follow, now: this node's served steps and tokens,

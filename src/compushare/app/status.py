@@ -18,7 +18,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from .api.client import call as control_call
-from ..config import STATE_FILE
+from ..config import STATE_FILE, TRAIN_DIR, TRAIN_STATE_FILE
 from ..errors import SwarmUnreachable
 from ..model.store import ModelStore
 from ..net.gossip import learn_views
@@ -126,6 +126,7 @@ async def gather_status(data_dir: Path, bootstrap: tuple[str, ...]) -> dict:
                 for peer in peers:
                     nursery.start_soon(one, peer)
     status = summarize(view, data_dir, local, now=time.time(), asked=asked)
+    status["training"] = training_summary(data_dir)
     for peer in status["peers"]:
         peer["karma"] = scores.get(peer["peer_id"])
     if local is not None and local.get("api"):  # the daemon's own figures, through its control API
@@ -143,6 +144,24 @@ async def read_karma(bootstrap: tuple[str, ...], peer_id: str, timeout_s: float 
         with trio.fail_after(timeout_s):
             await swarm.join()
             return await karma_of(swarm.host, swarm.dht, peer_id)
+
+
+def training_summary(data_dir: Path) -> dict | None:
+    """The training run of this data dir's participant (`compushare train`), if any:
+    its state file and a line saying where it stands."""
+    try:
+        state = json.loads((Path(data_dir) / TRAIN_DIR / TRAIN_STATE_FILE).read_text())
+        return {"state": state, "line": train_line(state)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def train_line(state: dict) -> str:
+    loss = f"{state['loss']:.4f}" if state.get("loss") is not None else "-"
+    return (f"run {state['run'][:12]} ({state['name']}): round {state['round']} of {state['rounds']}"
+            f"{' (finished)' if state.get('finished') else ''}, loss {loss}, {len(state['members'])} members, "
+            f"{state['averaged']} rounds averaged, {state['alone']} alone, {len(state['excluded'])} excluded, "
+            f"{state['sent_bytes'] / 1e6:.1f} MB sent")
 
 
 def ready_line(state: dict) -> str:
@@ -244,6 +263,8 @@ def render(status: dict, console) -> None:
             console.print(f"  {net_line(daemon['net'])}", highlight=False, soft_wrap=False)
         if daemon.get("memory"):
             console.print(f"  {memory_line(daemon['memory'])}", highlight=False, soft_wrap=False)
+    if status.get("training"):
+        console.print(f"  training: {status['training']['line']}", highlight=False, soft_wrap=False)
     console.print(peers_table(status))
     console.print(spans_table(status))
     for model_id, model in status["models"].items():

@@ -47,6 +47,7 @@ DASHBOARD_HTML = """<!doctype html>
 <table><thead><tr><th>peer</th><th>karma</th><th>serves</th><th>state</th><th>load</th><th>free KV</th>
 <th>version</th><th>private</th><th>reach</th></tr></thead><tbody id="peers"></tbody></table>
 <h2>Downloads</h2><div id="downloads"></div>
+<h2>Training</h2><div id="training"></div>
 <script src="/static/charts.js"></script>
 <script>
 "use strict";
@@ -112,6 +113,8 @@ function render(d) {
                            (f.finished ? " (done)" : "")));
     downloads.append(line);
   }
+  const training = document.getElementById("training");
+  training.replaceChildren(el("p", d.training ? d.training.line : "no training run on this data dir"));
 }
 function renderCharts(h) {
   if (!h || typeof lineChart !== "function") return;

@@ -1,0 +1,145 @@
+"""Re-running other participants' rounds, and what a mismatch leads to.
+
+Minibatches derive from public seeds and the inner optimizer starts fresh every
+round, so a round is a function of the outer weights, the recipe, the run id, the
+peer id and the round number: anyone can re-run it. After each round, group.checks
+names (checker, target) pairs; a checker re-runs its target's round in a worker
+thread and compares the part of the target's contribution it received (as that
+part's owner) with its own recomputation. Beyond diloco_proofs.TOLERANCE it signs a
+DilocoFailureReport, keeps it with its karma (the witness serves it), excludes the
+target from later rounds and sends the report to the round's members.
+
+A report proves that two peers disagree, not which one lied. So a member that
+receives one re-runs the part itself (it keeps the last rounds' starting weights)
+and excludes whichever of the two its own recomputation contradicts: a witness that
+accuses an honest peer only gets itself excluded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from ..diloco_proofs import TOLERANCE, DilocoFailureReport, part_error
+from ..errors import PeerMisbehaved
+from . import messages
+from .allreduce import Attempt, OwnerSlot, ask
+from .group import checks
+from .inner import build_model, train_round
+from .parts import bounds
+from .quant import Quantized, quantize
+
+if TYPE_CHECKING:
+    from .participant import Participant
+
+log = logging.getLogger(__name__)
+
+KEEP_STARTS = 4  # rounds whose starting weights are kept, to re-run them
+
+
+class Checker:
+    def __init__(self, participant: Participant) -> None:
+        self.participant = participant
+        self.nursery: trio.Nursery | None = None  # the participant's, set when it starts
+        self.starts: dict[int, torch.Tensor] = {}  # round -> the outer weights it started from
+        self.lock = trio.Lock()  # one re-run at a time: it costs a whole round of compute
+        self.model = None
+        self.checked = 0
+        self.mismatches = 0
+
+    def schedule(self, round_: int, start: torch.Tensor, attempt: Attempt, slot: OwnerSlot | None) -> None:
+        p = self.participant
+        self.starts[round_] = start
+        for old in [r for r in self.starts if r <= round_ - KEEP_STARTS]:
+            del self.starts[old]
+        if slot is None or self.nursery is None:
+            return
+        for checker, target in checks(p.run.run_id, round_, attempt.members, p.run.check_rate):
+            entry = slot.entries.get(target)
+            if checker == p.me and entry is not None and entry.contribution.tokens > 0:
+                self.nursery.start_soon(self._check, round_, slot, target)
+
+    async def _rerun_part(self, round_: int, peer: str, index: int, parts: int) -> Quantized | None:
+        """`peer`'s part `index` of `parts` in `round_`, recomputed here (None: its start is gone)."""
+        p = self.participant
+        start = self.starts.get(round_)
+        if start is None:
+            return None
+        async with self.lock:
+            if self.model is None:
+                self.model = build_model(p.run.recipe)
+            result = await trio.to_thread.run_sync(lambda: train_round(
+                p.run.recipe, p.corpus, start, run_id=p.run.run_id, peer=peer, round=round_, model=self.model))
+        a, b = bounds(result.pseudo_grad.numel(), parts)[index]
+        return quantize(result.pseudo_grad[a:b])
+
+    async def _check(self, round_: int, slot: OwnerSlot, target: str) -> None:
+        p, entry = self.participant, slot.entries[target]
+        mine = await self._rerun_part(round_, target, slot.index, len(slot.attempt.members))
+        if mine is None:
+            return
+        self.checked += 1
+        error = part_error(entry.part.q, entry.part.scales, mine.q, mine.scales)
+        log.info("round %d: checked %s: relative error %.3g", round_, target[:12], error)
+        if error <= TOLERANCE:
+            return
+        self.mismatches += 1
+        claim = entry.contribution.claim(entry.signature, entry.part.q, entry.part.scales)
+        report = DilocoFailureReport.witnessed(p.key_pair, entry.contribution, claim, mine.q, mine.scales)
+        report.check()
+        self._exclude(target, report)
+        await self._tell_members(report, {target})
+
+    def _exclude(self, peer: str, report: DilocoFailureReport) -> None:
+        p = self.participant
+        if peer not in p.excluded:
+            log.warning("excluding %s from run %s: %s", peer[:12], p.run.run_id[:12], "its round does not re-run")
+        p.excluded.add(peer)
+        p.members.discard(peer)
+        if p.karma.keep_report(report):
+            p.stats["reports"] += 1
+        p.write_state()
+
+    async def _tell_members(self, report: DilocoFailureReport, skip: set[str]) -> None:
+        p = self.participant
+        request = messages.report_request(report.to_wire())
+
+        async def one(peer: str) -> None:
+            try:
+                await ask(p.host, p.addrs, peer, request, 30.0, p.dht)
+            except Exception as exc:
+                log.info("report to %s: %s", peer[:12], exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in sorted(p.members - skip - {p.me}):
+                nursery.start_soon(one, peer)
+
+    async def take_report(self, data: object) -> dict:
+        """A report from a peer: checked, then judged by re-running the part here."""
+        if not isinstance(data, bytes):
+            raise PeerMisbehaved("'report' must be bytes")
+        report = DilocoFailureReport.from_wire(data)
+        await trio.to_thread.run_sync(report.check)
+        p = self.participant
+        if report.run != p.run.run_id or self.nursery is None:
+            return {"type": "ok", "new": p.karma.keep_report(report)}
+        self.nursery.start_soon(self._judge, report)
+        return {"type": "ok", "new": True}
+
+    async def _judge(self, report: DilocoFailureReport) -> None:
+        accused, witness = report.accused.peer_id, report.witness.peer_id
+        if accused in self.participant.excluded or witness in self.participant.excluded:
+            return
+        mine = await self._rerun_part(report.round, accused, report.index, report.parts)
+        if mine is None:
+            log.info("a report on round %d: its start is no longer kept; not judged", report.round)
+            return
+        if part_error(report.accused.q, report.accused.scales, mine.q, mine.scales) > TOLERANCE:
+            self._exclude(accused, report)
+        elif part_error(report.witness.q, report.witness.scales, mine.q, mine.scales) > TOLERANCE:
+            log.warning("the witness %s accused %s wrongly", witness[:12], accused[:12])
+            self.participant.excluded.add(witness)
+            self.participant.members.discard(witness)

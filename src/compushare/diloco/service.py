@@ -1,0 +1,94 @@
+"""The `/compushare/diloco/1.0.0` handler: what a participant answers its peers.
+
+`state` (the round and the outer weights' torrent ids, for joiners), `join` (the
+round's leader lists the group), `part` (an owner averages its part) and `report` (a
+failure report against a participant, checked here before anything acts on it).
+Every request is checked by diloco/messages.py first; a bad one is answered
+`bad_request`, and the stream ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p.abc import INetStream
+
+from .. import wire
+from ..diloco_proofs import Contribution
+from ..errors import FrameError, PeerMisbehaved
+from ..net.framing import FramedStream
+from ..net.serve import GuardedHandler, peer_of
+from . import messages
+from .allreduce import Entry, LateError
+from .quant import Quantized
+
+if TYPE_CHECKING:
+    from .participant import Participant
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0
+STREAMS_PER_PEER = 8  # a member sends one part per attempt, and may join and report meanwhile
+
+
+def diloco_handler(participant: Participant) -> GuardedHandler:
+    async def serve(stream: INetStream) -> None:
+        framed = FramedStream(stream, messages.MAX_FRAME)
+        with contextlib.suppress(Exception):
+            try:
+                with trio.fail_after(REQUEST_TIMEOUT_S):
+                    request = await framed.receive()
+                reply = await _answer(participant, peer_of(stream), request)
+            except (PeerMisbehaved, FrameError) as exc:
+                reply = messages.error(wire.BAD_REQUEST, str(exc))
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                await framed.send(reply)
+                await framed.close()
+
+    return GuardedHandler(serve, per_peer=STREAMS_PER_PEER, total=4 * 16 * STREAMS_PER_PEER)
+
+
+async def _answer(participant: Participant, peer: str, request: dict | None) -> dict:
+    if not isinstance(request, dict):
+        raise PeerMisbehaved("a request is a map")
+    kind = request.get("type")
+    if kind == "report":
+        return await participant.take_report(request.get("report"))
+    run = messages._run(request)
+    if run != participant.run.run_id:
+        return messages.error(wire.UNKNOWN_RUN, "not a run this peer takes part in")
+    if peer in participant.excluded:
+        return messages.error(wire.EXCLUDED, "a verified failure report against you is held here")
+    if kind == "state":
+        state = participant.state_reply()
+        return state if state is not None else messages.error(wire.WRONG_ROUND, "no outer weights published yet")
+    if kind == "join":
+        return await participant.rounds.answer_join(peer, *messages.parse_join(request))
+    if kind == "part":
+        return await _part(participant, peer, request)
+    raise PeerMisbehaved(f"unknown request type {kind!r}")
+
+
+async def _part(participant: Participant, peer: str, request: dict) -> dict:
+    run_id, round_, attempt, members, contribution_wire, signature, part_wire = messages.parse_part(request)
+    contribution = Contribution.from_wire(contribution_wire)
+    averaging = participant.averaging
+    slot = await averaging.slot_for(contribution.group, participant.run.part_wait_s)
+    if slot is None:
+        return messages.error(wire.WRONG_GROUP, "this peer has no such all-reduce attempt (yet)")
+    if tuple(members) != slot.attempt.members or attempt != slot.attempt.attempt:
+        return messages.error(wire.WRONG_GROUP, "the group differs from this owner's")
+    part = Quantized.from_wire(part_wire, expected_size=slot.size)
+    try:
+        slot.admit(peer, Entry(contribution, signature, part))
+    except LateError as exc:
+        return messages.error(wire.TOO_LATE, str(exc))
+    result = await slot.close()
+    if peer not in slot.entries:
+        return messages.error(wire.TOO_LATE, "the part was averaged before this contribution came")
+    receipt = participant.receipt_for(peer, slot, contribution.tokens)
+    participant.stats["sent_bytes"] += len(result.q) + len(result.scales)  # the average of its slice, sent back
+    return messages.averaged_reply(result.to_wire(), receipt)

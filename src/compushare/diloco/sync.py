@@ -1,0 +1,102 @@
+"""A joiner's (or a diverged member's) way to the run's current outer state.
+
+Ask up to STATE_ASKED participants (the run's DHT provider key) for the round and
+its outer state's torrent ids; take the answer most of them give (the leader's, when
+resyncing after a `wrong_round`); fetch both stored models through the torrent layer
+(every piece hash-verified against its manifest); check that the weights hash to the
+round's base digest before using them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from ..errors import PeerMisbehaved
+from ..net.dht import find_provider_infos_fresh
+from . import messages
+from .allreduce import ask
+from .group import participants_key
+from .weights import load_flat_from, weights_digest
+
+if TYPE_CHECKING:
+    from .participant import Participant
+
+log = logging.getLogger(__name__)
+
+STATE_ASKED = 4
+SYNC_TIMEOUT_S = 300.0
+RETRY_S = 2.0
+
+
+async def fetch_state(participant: Participant, prefer: str | None = None
+                      ) -> tuple[int, torch.Tensor, torch.Tensor, list[str], set[str]]:
+    """(round, outer weights, outer momentum, members, excluded peers) as the run's
+    participants hold them: a peer is excluded when most of those giving the state
+    taken exclude it (each of them re-ran the evidence against it, or trusted a
+    majority in turn)."""
+    with trio.fail_after(SYNC_TIMEOUT_S):
+        while True:
+            answers, exclusions = await _ask_state(participant, prefer)
+            log.info("the run's state from %d participants", len(answers))
+            for (round_, base, weights_id, momentum_id, members), _votes in _ranked(answers, prefer):
+                voters = [exclusions[p] for p, answer in answers.items() if answer[:2] == (round_, base)]
+                try:
+                    # Ready for that round before the download: its leader then waits for this peer.
+                    await participant.rounds.announce(round_)
+                    weights = await _fetch_flat(participant, weights_id)
+                    if weights_digest(weights) != base:
+                        raise PeerMisbehaved(f"the weights of round {round_} do not hash to its base digest")
+                    momentum = await _fetch_flat(participant, momentum_id)
+                    log.info("synced to round %d of run %s", round_, participant.run.run_id[:12])
+                    counts = collections.Counter(peer for listed in voters for peer in set(listed))
+                    excluded = {peer for peer, n in counts.items() if 2 * n > len(voters)}
+                    return round_, weights, momentum, list(members), excluded
+                except Exception as exc:
+                    log.warning("the state of round %d: %s", round_, exc)
+            await trio.sleep(RETRY_S)
+
+
+async def _ask_state(participant: Participant, prefer: str | None) -> tuple[dict[str, tuple], dict[str, list]]:
+    found = await find_provider_infos_fresh(participant.dht, participants_key(participant.run.run_id))
+    for peer_id, info in found.items():
+        if info.addrs:
+            participant.addrs[peer_id.to_string()] = list(info.addrs)
+    peers = [p.to_string() for p in found if p.to_string() not in participant.excluded | {participant.me}]
+    peers = ([prefer] if prefer else []) + [p for p in peers if p != prefer][:STATE_ASKED]
+    answers: dict[str, tuple] = {}
+    exclusions: dict[str, list] = {}
+
+    async def one(peer: str) -> None:
+        try:
+            reply = await ask(participant.host, participant.addrs, peer,
+                              messages.state_request(participant.run.run_id), 15.0, participant.dht)
+            answer = messages.parse_state_reply(reply) + (tuple(messages.members_field(reply)),)
+            exclusions[peer] = messages.excluded_field(reply)
+            answers[peer] = answer
+        except Exception as exc:
+            log.info("state from %s: %s", peer[:12], exc)
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            nursery.start_soon(one, peer)
+    return answers, exclusions
+
+
+def _ranked(answers: dict[str, tuple], prefer: str | None) -> list[tuple[tuple, int]]:
+    """Answers by votes (the preferred peer's first), then by round."""
+    votes = collections.Counter(answers.values())
+    first = answers.get(prefer) if prefer else None
+    return sorted(votes.items(), key=lambda item: (item[0] != first, -item[1], -item[0][0]))
+
+
+async def _fetch_flat(participant: Participant, model_id: str) -> torch.Tensor:
+    torrent = participant.torrent
+    torrent.library.only.add(model_id)
+    stored = await torrent.obtain_manifest(model_id, attempts=3, wait_s=2.0)
+    await torrent.fetch(model_id, everything=True)
+    return await trio.to_thread.run_sync(load_flat_from, stored, participant.run.recipe, participant.model)
