@@ -105,21 +105,51 @@ class Lab:
             return ""
 
 
-def run_single(args) -> None:
-    """The baseline, in its own process (--single)."""
-    import torch
-
-    sys.path.insert(0, str(REPO / "src"))
+def _recipe(args):
     from compushare.diloco.corpus import Corpus
-    from compushare.diloco.inner import eval_loss, train_single
     from compushare.diloco.recipe import Recipe
 
-    torch.set_num_threads(1)
     corpus = Corpus.load(CORPUS)
-    recipe = Recipe.default_small(corpus.digest)
-    recipe = dataclasses.replace(recipe, steps=args.steps, rounds=args.rounds, batch=args.batch)
+    recipe = dataclasses.replace(Recipe.default_small(corpus.digest), steps=args.steps, rounds=args.rounds,
+                                 batch=args.batch)
+    return recipe, corpus
+
+
+def warm_start(args, root: Path) -> tuple[str, Path, float]:
+    """Both runs' starting point: --warm-steps of the one-process training (global batch),
+    laid out in A's store (the run's `init`) and saved for the baseline."""
+    import torch
+    from safetensors.torch import save_file
+
+    from compushare.diloco.inner import eval_loss, train_single
+    from compushare.diloco.weights import store_flat
+    from compushare.model.store import ModelStore
+
+    torch.set_num_threads(1)
+    recipe, corpus = _recipe(args)
+    weights, _loss = train_single(recipe, corpus, global_batch=NODES * args.batch, steps=args.warm_steps,
+                                  seed_label="warm")
+    store = root / "a" / "train"
+    store.mkdir(parents=True, exist_ok=True)
+    model_id = store_flat(ModelStore(store), recipe, weights).model_id
+    path = root / "warm.safetensors"
+    save_file({"weights": weights}, str(path))
+    return model_id, path, eval_loss(recipe, corpus, weights)
+
+
+def run_single(args) -> None:
+    """The baseline, in its own process (--single): from the warm start, if any."""
+    import torch
+    from safetensors.torch import load_file
+
+    from compushare.diloco.inner import eval_loss, train_single
+
+    torch.set_num_threads(1)
+    recipe, corpus = _recipe(args)
+    start = load_file(args.init)["weights"] if args.init else None
     began = time.monotonic()
-    weights, _loss = train_single(recipe, corpus, global_batch=NODES * args.batch, steps=args.steps * args.rounds)
+    weights, _loss = train_single(recipe, corpus, global_batch=NODES * args.batch, steps=args.steps * args.rounds,
+                                  weights=start)
     result = {"loss": eval_loss(recipe, corpus, weights), "seconds": time.monotonic() - began,
               "params": weights.numel(), "tokens": NODES * args.batch * recipe.seq_len * args.steps * args.rounds}
     Path(args.out).write_text(json.dumps(result))
@@ -128,6 +158,11 @@ def run_single(args) -> None:
 def run_swarm(args, lab: Lab) -> dict:
     common = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch", str(args.batch),
               "--check-rate", str(args.check_rate), "--gather-s", str(args.gather_s)]
+    init, warm_path, warm_loss = ("", None, None)
+    if args.warm_steps:
+        init, warm_path, warm_loss = warm_start(args, lab.root)
+        log(f"warm start: {args.warm_steps} one-process steps, eval loss {warm_loss:.4f}, model {init[:12]}")
+        common += ["--init", init]
     lab.start("a", _cli(lab.root / "a", "start", "--name", "bench", "--start-in", str(args.start_in), *common))
     listen = _wait(lambda: _state(lab.root / "a", "node.listen.json"), "A listening", 120)
     boot = next(a for a in listen["addrs"] if "/ip4/127.0.0.1/" in a)
@@ -139,7 +174,8 @@ def run_swarm(args, lab: Lab) -> dict:
     lab.start("e", _cli(lab.root / "e", "join", run_id, "--bootstrap", boot, "--debug-noise", str(args.noise)))
     single_out = lab.root / "single.json"
     lab.start("single", [sys.executable, __file__, "--single", "--out", str(single_out), "--steps", str(args.steps),
-                         "--rounds", str(args.rounds), "--batch", str(args.batch)])
+                         "--rounds", str(args.rounds), "--batch", str(args.batch)]
+              + (["--init", str(warm_path)] if warm_path else []))
     killed = joined = False
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
@@ -162,7 +198,7 @@ def run_swarm(args, lab: Lab) -> dict:
         if lab.procs[name].returncode != 0:
             raise RuntimeError(f"{name} exited {lab.procs[name].returncode}:\n{lab.tail(name)}")
     states = {n: _state(lab.root / n) for n in ("a", "b", "d", "e", "f")}
-    return {"states": states, "single": json.loads(single_out.read_text()), "run": run_id}
+    return {"states": states, "single": json.loads(single_out.read_text()), "run": run_id, "warm_loss": warm_loss}
 
 
 def summarize(args, outcome: dict, seconds: float) -> dict:
@@ -187,6 +223,7 @@ def summarize(args, outcome: dict, seconds: float) -> dict:
         "averaged_rounds": [s["averaged"] for s in honest], "alone_rounds": [s["alone"] for s in honest],
         "reports": sum(s["reports"] for s in honest), "receipts": [s["receipts"] for s in honest],
         "seconds": round(seconds, 1), "single_seconds": round(single["seconds"], 1),
+        "warm_steps": args.warm_steps, "loss_warm": round(outcome["warm_loss"], 4) if outcome["warm_loss"] else None,
     }
 
 
@@ -204,7 +241,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1080.0)
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "diloco.jsonl"))
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--warm-steps", type=int, default=300, help="start both runs from this many one-process steps")
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.single:

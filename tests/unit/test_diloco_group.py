@@ -42,7 +42,8 @@ def test_a_run_record_is_named_by_its_hash_and_checks_out_anywhere():
 
 
 @pytest.mark.parametrize("change", [{"aggregator": "median"}, {"gather_s": 0.0}, {"check_rate": 1.5},
-                                    {"max_group": 1}, {"max_group": 99}, {"name": "x" * 65}])
+                                    {"max_group": 1}, {"max_group": 99}, {"name": "x" * 65}, {"init": "not-an-id"},
+                                    {"start_in_s": -5.0}, {"start_in_s": 2e5}])
 def test_a_run_record_out_of_range_is_refused(change):
     with pytest.raises(PeerMisbehaved):
         make_run(Recipe.default_small(CORPUS), create_new_key_pair(), **{"name": "r", **change})

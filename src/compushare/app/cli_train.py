@@ -58,6 +58,9 @@ def start(
                                                                   "re-runs, each round."),
     gather_s: float = typer.Option(20.0, help="How long a round waits for its participants."),
     start_in: float = typer.Option(30.0, min=0.0, help="Seconds until round 0 begins (participants join before)."),
+    init: str = typer.Option("", help="Start from these weights: a model id in this data dir's training store (an "
+                                      "earlier run's outer weights, or a base model laid out there); default: the "
+                                      "recipe's seeded initialisation."),
     data_dir: Path = DATA_DIR, bootstrap: list[str] = BOOTSTRAP, swarm_home: Path = SWARM_HOME,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
     leave_after: int = ROUNDS, threads: int = THREADS, debug_noise: float = DEBUG_NOISE,
@@ -78,7 +81,7 @@ def start(
         digest = Corpus.load(corpus).digest
         recipe = dataclasses.replace(Recipe.default_small(digest), steps=steps, rounds=rounds, batch=batch, seed=seed)
         new = NewRun(recipe, name, {"aggregator": aggregator, "check_rate": check_rate, "gather_s": gather_s,
-                                    "part_wait_s": gather_s, "start_in_s": start_in})
+                                    "part_wait_s": gather_s, "start_in_s": start_in, "init": init})
         config = _config(data_dir, corpus, bootstrap, swarm_home, listen, leave_after, debug_noise, threads,
                          first=True)
 

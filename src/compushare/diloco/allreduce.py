@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DILOCO_PROTOCOL = wire.DILOCO
 REPLY_MARGIN_S = 10.0  # a contributor waits this much past the owner's deadline for its answer
+AVERAGE_BOUND = 8.0  # an owner's average may be at most this many times a member's own part (L2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,11 @@ class OwnerSlot:
         else:
             self._closing = True
             entries = [self.entries[p] for p in sorted(self.entries)]
-            self.result = await trio.to_thread.run_sync(_average, entries, self.method)
+            try:
+                self.result = await trio.to_thread.run_sync(_average, entries, self.method)
+            except BaseException:
+                self._closing = False  # cancelled before it averaged: the next caller does it
+                raise
             self.closed.set()
         assert self.result is not None
         return self.result
@@ -117,6 +122,10 @@ class OwnerSlot:
 
 class LateError(Exception):
     pass
+
+
+def _norm(part: Quantized) -> float:
+    return float(torch.linalg.vector_norm(dequantize(part).double()))
 
 
 def _average(entries: list[Entry], method: str) -> Quantized:
@@ -206,7 +215,11 @@ class AllReduce:
                 reply = await ask(self.host, self.addrs, members[i], request, self.wait_s + REPLY_MARGIN_S, self.dht)
                 if reply.get("type") != "averaged" or not isinstance(reply.get("part"), dict):
                     raise PeerMisbehaved(f"owner answered {reply.get('type')!r}: {reply.get('message')}")
-                results[i] = Quantized.from_wire(reply["part"], expected_size=cuts[i][1] - cuts[i][0])
+                result = Quantized.from_wire(reply["part"], expected_size=cuts[i][1] - cuts[i][0])
+                if tokens > 0 and _norm(result) > AVERAGE_BOUND * _norm(quantized[i]) + 1e-12:
+                    # An average is within its contributions' spread: this owner replaced it.
+                    raise PeerMisbehaved(f"the owner's average is over {AVERAGE_BOUND}× this member's own part")
+                results[i] = result
                 if isinstance(reply.get("receipt"), bytes) and reply["receipt"]:
                     receipts.append((members[i], reply["receipt"]))
             except Exception as exc:  # a dead, slow or misbehaving owner fails its part

@@ -31,6 +31,7 @@ from .group import checks
 from .inner import build_model, train_round
 from .parts import bounds
 from .quant import Quantized, quantize
+from .weights import weights_digest
 
 if TYPE_CHECKING:
     from .participant import Participant
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEEP_STARTS = 4  # rounds whose starting weights are kept, to re-run them
+MAX_PENDING_JUDGES = 2  # reports waiting for (or in) a re-run at once; more are refused
 
 
 class Checker:
@@ -45,6 +47,10 @@ class Checker:
         self.participant = participant
         self.nursery: trio.Nursery | None = None  # the participant's, set when it starts
         self.starts: dict[int, torch.Tensor] = {}  # round -> the outer weights it started from
+        self.bases: dict[int, bytes] = {}  # round -> their digest
+        self.members: dict[int, set[str]] = {}  # round -> the members of its all-reduce
+        self.judged: set[tuple[int, str]] = set()  # (round, accused) re-run for a report already
+        self.pending = 0
         self.lock = trio.Lock()  # one re-run at a time: it costs a whole round of compute
         self.model = None
         self.checked = 0
@@ -52,15 +58,23 @@ class Checker:
 
     def schedule(self, round_: int, start: torch.Tensor, attempt: Attempt, slot: OwnerSlot | None) -> None:
         p = self.participant
-        self.starts[round_] = start
+        self.starts[round_], self.bases[round_] = start, weights_digest(start)
+        self.members[round_] = set(attempt.members)
         for old in [r for r in self.starts if r <= round_ - KEEP_STARTS]:
-            del self.starts[old]
+            del self.starts[old], self.bases[old], self.members[old]
         if slot is None or self.nursery is None:
             return
         for checker, target in checks(p.run.run_id, round_, attempt.members, p.run.check_rate):
             entry = slot.entries.get(target)
             if checker == p.me and entry is not None and entry.contribution.tokens > 0:
-                self.nursery.start_soon(self._check, round_, slot, target)
+                self.nursery.start_soon(self._guarded, self._check, round_, slot, target)
+
+    async def _guarded(self, fn, *args) -> None:
+        """A check or a judgement that fails (a bad re-run, a full disk) costs only itself."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            log.warning("a check failed: %s", exc)
 
     async def _rerun_part(self, round_: int, peer: str, index: int, parts: int) -> Quantized | None:
         """`peer`'s part `index` of `parts` in `round_`, recomputed here (None: its start is gone)."""
@@ -117,19 +131,34 @@ class Checker:
             for peer in sorted(p.members - skip - {p.me}):
                 nursery.start_soon(one, peer)
 
-    async def take_report(self, data: object) -> dict:
-        """A report from a peer: checked, then judged by re-running the part here."""
+    async def take_report(self, sender: str, data: object) -> dict:
+        """A report from its witness, a member of the round it is about, on a round whose
+        start this peer keeps and started from too: checked, then judged by re-running the
+        part here (once per round and accused, a few at a time). Anything else is refused:
+        a re-run costs a whole round of compute."""
         if not isinstance(data, bytes):
             raise PeerMisbehaved("'report' must be bytes")
         report = DilocoFailureReport.from_wire(data)
+        accused, witness, round_ = report.accused.peer_id, report.witness.peer_id, report.round
+        if (report.run != self.participant.run.run_id or sender != witness or report.tokens <= 0
+                or not {accused, witness} <= self.members.get(round_, set()) or self.bases.get(round_) != report.base):
+            raise PeerMisbehaved("a report this peer does not judge: another run or round, not from its witness, "
+                                 "or on members or weights it did not average with")
+        if (round_, accused) in self.judged or self.pending >= MAX_PENDING_JUDGES or self.nursery is None:
+            return {"type": "ok", "new": False}
         await trio.to_thread.run_sync(report.check)
-        p = self.participant
-        if report.run != p.run.run_id or self.nursery is None:
-            return {"type": "ok", "new": p.karma.keep_report(report)}
-        self.nursery.start_soon(self._judge, report)
+        self.judged.add((round_, accused))
+        self.pending += 1
+        self.nursery.start_soon(self._guarded, self._judge, report)
         return {"type": "ok", "new": True}
 
     async def _judge(self, report: DilocoFailureReport) -> None:
+        try:
+            await self._judged(report)
+        finally:
+            self.pending -= 1
+
+    async def _judged(self, report: DilocoFailureReport) -> None:
         accused, witness = report.accused.peer_id, report.witness.peer_id
         if accused in self.participant.excluded or witness in self.participant.excluded:
             return

@@ -153,16 +153,20 @@ def eval_loss(recipe: Recipe, corpus: Corpus, weights: torch.Tensor, *, batches:
 
 
 def train_single(recipe: Recipe, corpus: Corpus, *, global_batch: int, steps: int,
-                 on_step: Callable[[int, float], None] | None = None) -> tuple[torch.Tensor, float]:
+                 on_step: Callable[[int, float], None] | None = None, weights: torch.Tensor | None = None,
+                 seed_label: str = "single") -> tuple[torch.Tensor, float]:
     """The one-process baseline: AdamW with the recipe's inner settings (warmup once, at the
-    start) on batches of `global_batch` sequences for `steps` steps, from the recipe's
-    initial weights. Returns the final flat weights and the mean loss of the last 10 steps."""
+    start) on batches of `global_batch` sequences for `steps` steps, from `weights` (default:
+    the recipe's initial weights), batches drawn under `seed_label`. Returns the final flat
+    weights and the mean loss of the last 10 steps."""
     model = build_model(recipe)
+    if weights is not None:
+        load_flat(model, weights)
     model.train()
     opt = _adamw(recipe, model)
     losses: list[float] = []
     for step in range(steps):
-        batch = single_minibatch(corpus, recipe, global_batch=global_batch, step=step)
+        batch = single_minibatch(corpus, recipe, global_batch=global_batch, step=step, seed_label=seed_label)
         losses.append(_inner_step(recipe, model, opt, batch, step))
         if on_step is not None:
             on_step(step, losses[-1])

@@ -97,6 +97,7 @@ class Participant:
             # Round 0's weights are the recipe's own: a peer there from the start trains it.
             self.stats["joined_at"], zero = self.round, self.round > 0
         else:
+            self.weights = await self.initial_weights()
             await self.publish([self.me])
         last = self.run.recipe.rounds if rounds is None else min(self.run.recipe.rounds, self.round + rounds)
         if self.round == 0:
@@ -185,6 +186,15 @@ class Participant:
                     continue
                 self.torrent.library.only.discard(model_id)
 
+    async def initial_weights(self) -> torch.Tensor:
+        """W_0: the run's init model (held here or fetched from its seeders), or the
+        recipe's seeded initialisation."""
+        if not self.run.init:
+            return flat_params(build_model(self.run.recipe))
+        from .sync import fetch_flat
+
+        return await fetch_flat(self, self.run.init)
+
     def state_reply(self) -> dict | None:
         p = self.published
         if p is None:
@@ -197,6 +207,8 @@ class Participant:
         from .sync import fetch_state
 
         round_, weights, momentum, members, excluded = await fetch_state(self, prefer)
+        if round_ == 0 and self.run.init and weights_digest(weights) != weights_digest(await self.initial_weights()):
+            raise PeerMisbehaved("round 0's weights are not the run's init model")
         self.excluded.update(excluded)
         self.weights, self.round = weights, round_
         self.outer.load_state(momentum)
@@ -229,8 +241,8 @@ class Participant:
             except PeerMisbehaved as exc:
                 log.info("a round receipt from %s refused: %s", owner[:12], exc)
 
-    async def take_report(self, report_wire: object) -> dict:
-        return await self.checker.take_report(report_wire)
+    async def take_report(self, sender: str, report_wire: object) -> dict:
+        return await self.checker.take_report(sender, report_wire)
 
     # -- status ----------------------------------------------------------------------------------
 

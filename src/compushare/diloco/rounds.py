@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 LATE_FACTOR = 3  # a leader waits at most this many gather_s for a majority of the peers it expects
+LONELY_FACTOR = 10  # the first peer ready waits at most this many gather_s for a second
 DIAL_TIMEOUT_S = 10.0
 
 
@@ -77,13 +78,15 @@ class Rounds:
         self.current = round_
         key = round_key(self.run.run_id, round_)
         await self.announce(round_)
-        deadline = trio.current_time() + self.run.gather_s
-        view = await self._gather(key, expected, deadline)
+        view, deadline = await self._gather(key, expected)
         chosen = leader(self.run.run_id, round_, view)
         self._decide(round_, chosen)
         if chosen == self.me:
             self.leads[round_] = lead = Lead(round_, base, {self.me})
             members = await self._lead(lead, key, expected, deadline)
+            if len(members) < 2:  # nobody came (it was early, say): later comers choose again
+                self.decided.pop(round_, None)
+                self.leads.pop(round_, None)
             return Formed(members, leader=self.me)
         return await self._join(chosen, round_, base, deadline + LATE_FACTOR * self.run.gather_s)
 
@@ -102,12 +105,21 @@ class Rounds:
                 self.addrs[peer_id.to_string()] = list(info.addrs)
         return {p.to_string() for p in found} - self.excluded | {self.me}
 
-    async def _gather(self, key: str, expected: set[str], deadline: float) -> set[str]:
+    async def _gather(self, key: str, expected: set[str]) -> tuple[set[str], float]:
+        """The peers ready for the round, once every expected one is, or gather_s after a
+        second one was (the first ready waits for company: a joiner, or a fast member, is
+        early), or at LONELY_FACTOR gather_s; and the deadline the round's leader keeps."""
         want = expected - self.excluded
+        now = trio.current_time()
+        deadline, cap = now + self.run.gather_s, now + LONELY_FACTOR * self.run.gather_s
+        company = False
         while True:
             view = await self._look(key)
-            if view >= want or trio.current_time() >= deadline:
-                return view
+            if len(view) >= 2 and not company:
+                company, deadline = True, trio.current_time() + self.run.gather_s
+            now = trio.current_time()
+            if view >= want or (company and now >= deadline) or now >= cap:
+                return view, min(deadline, cap) if company else now
             await trio.sleep(POLL_S)
 
     async def _lead(self, lead: Lead, key: str, expected: set[str], deadline: float) -> list[str]:
@@ -125,14 +137,15 @@ class Rounds:
                     break
                 with trio.move_on_after(POLL_S):
                     await lead.changed.wait()
-        ordered = sorted(lead.joined - self.excluded)[:self.run.max_group]
-        lead.members = sorted(set(ordered) | {self.me}) if self.me not in ordered else ordered
+        # The expected first (the last round's members), then newcomers; the leader always.
+        others = sorted(lead.joined - self.excluded - {self.me}, key=lambda p: (p not in expected, p))
+        lead.members = sorted(others[:self.run.max_group - 1] + [self.me])
         lead.closed.set()
         return lead.members
 
     async def answer_join(self, peer: str, run_id: str, round_: int, base: bytes) -> dict:
         """A `join` of `peer`: answered once this peer's group for the round closes."""
-        with trio.move_on_after(self.run.gather_s):
+        with trio.move_on_after(LATE_FACTOR * self.run.gather_s):
             while round_ not in self.decided and self.current <= round_:
                 await self.decided_changed.wait()
         chosen = self.decided.get(round_)
@@ -155,14 +168,14 @@ class Rounds:
     async def _join(self, chosen: str, round_: int, base: bytes, deadline: float) -> Formed:
         for _redirect in range(2):
             try:
-                with trio.fail_after(max(1.0, deadline - trio.current_time()) + self.run.gather_s):
-                    reply = await self.ask(chosen, messages.join_request(self.run.run_id, round_, base))
-            except Exception as exc:
+                budget = max(1.0, deadline - trio.current_time()) + self.run.gather_s
+                reply = await self.ask(chosen, messages.join_request(self.run.run_id, round_, base), budget)
+                if reply.get("type") == "group":
+                    members = messages.members_field(reply)
+                    return Formed(members if self.me in members else None, leader=chosen)
+            except Exception as exc:  # no leader, a dead one, or a malformed group: this round alone
                 log.info("round %d: join to %s failed: %s", round_, chosen[:12], exc)
                 return Formed(None, leader=chosen)
-            if reply.get("type") == "group":
-                members = messages.members_field(reply)
-                return Formed(members if self.me in members else None, leader=chosen)
             code = reply.get("code")
             if code == wire.NOT_LEADER and isinstance(reply.get("leader"), str) and reply["leader"] != chosen:
                 chosen = reply["leader"]

@@ -7,9 +7,10 @@ record is immutable and anyone holding the id can check any copy of it. The body
 
     {"v": 1, "peer": starter, "name": str, "created": unix s, "recipe": Recipe.to_wire(),
      "aggregator": "mean" | "centered_clip", "gather_s": float, "part_wait_s": float,
-     "check_rate": float, "max_group": int, "start": unix s}
+     "check_rate": float, "max_group": int, "start": unix s, "init": model id | ""}
 
-start is when round 0 begins (participants join before it: round 0's group expects
+init names the initial weights as a stored model (a base model, or an earlier run's
+outer weights; "" = the recipe's seeded initialisation); start is when round 0 begins (participants join before it: round 0's group expects
 every peer that announced itself by then); gather_s bounds how long a round waits for its participants (stragglers then sit it
 out), part_wait_s how long an owner waits for the parts of its slice, check_rate the
 share of each round's participants whose work another participant re-runs.
@@ -61,11 +62,12 @@ class RunRecord:
     check_rate: float = 0.25
     max_group: int = MAX_GROUP
     start: float = 0.0  # unix seconds: round 0 begins then
+    init: str = ""  # the initial weights' model id ("": the model built from the recipe's seed)
 
 
 def make_run(recipe: Recipe, key_pair: KeyPair, *, name: str, aggregator: str = "centered_clip",
              gather_s: float = 20.0, part_wait_s: float = 20.0, check_rate: float = 0.25,
-             max_group: int = MAX_GROUP, start_in_s: float = 0.0,
+             max_group: int = MAX_GROUP, start_in_s: float = 0.0, init: str = "",
              now: float | None = None) -> tuple[RunRecord, bytes]:
     """A new run's record and its sealed bytes (checked as a reader would); round 0
     begins `start_in_s` after now."""
@@ -75,7 +77,7 @@ def make_run(recipe: Recipe, key_pair: KeyPair, *, name: str, aggregator: str = 
     body = {"v": RUN_VERSION, "peer": ID.from_pubkey(key_pair.public_key).to_base58(), "name": name,
             "created": created, "recipe": recipe.to_wire(), "aggregator": aggregator, "gather_s": gather_s,
             "part_wait_s": part_wait_s, "check_rate": check_rate, "max_group": max_group,
-            "start": created + start_in_s}
+            "start": created + start_in_s, "init": init}
     value = seal(body, key_pair)
     run_id = run_id_of(value)
     return parse_run(run_key(run_id), value, now=now), value
@@ -103,9 +105,10 @@ def parse_run(key: str, value: bytes, *, now: float | None = None) -> RunRecord:
         gather_s=float(field(body, "gather_s", (int, float), what)),
         part_wait_s=float(field(body, "part_wait_s", (int, float), what)),
         check_rate=float(field(body, "check_rate", (int, float), what)),
-        max_group=field(body, "max_group", int, what), start=float(field(body, "start", (int, float), what)))
+        max_group=field(body, "max_group", int, what), start=float(field(body, "start", (int, float), what)),
+        init=field(body, "init", str, what))
     if set(body) != {"v", "peer", "name", "created", "recipe", "aggregator", "gather_s", "part_wait_s",
-                     "check_rate", "max_group", "start"}:
+                     "check_rate", "max_group", "start", "init"}:
         raise PeerMisbehaved("run record has unknown fields")
     _check_ranges(record, time.time() if now is None else now)
     return record
@@ -127,6 +130,8 @@ def _check_ranges(record: RunRecord, now: float) -> None:
         raise PeerMisbehaved(f"max_group must be within 2..{MAX_GROUP}")
     if record.created > now + CLOCK_SKEW_S:
         raise PeerMisbehaved("run record created in the future")
+    if record.init and (len(record.init) != 64 or not set(record.init) <= set("0123456789abcdef")):
+        raise PeerMisbehaved("a run's init is a model id (64 hex digits) or empty")
     if not record.created <= record.start <= record.created + MAX_START_DELAY_S:
         raise PeerMisbehaved("a run starts between its creation and a day later")
 

@@ -55,13 +55,13 @@ async def _answer(participant: Participant, peer: str, request: dict | None) -> 
     if not isinstance(request, dict):
         raise PeerMisbehaved("a request is a map")
     kind = request.get("type")
+    if peer in participant.excluded:
+        return messages.error(wire.EXCLUDED, "a verified failure report against you is held here")
     if kind == "report":
-        return await participant.take_report(request.get("report"))
+        return await participant.take_report(peer, request.get("report"))
     run = messages._run(request)
     if run != participant.run.run_id:
         return messages.error(wire.UNKNOWN_RUN, "not a run this peer takes part in")
-    if peer in participant.excluded:
-        return messages.error(wire.EXCLUDED, "a verified failure report against you is held here")
     if kind == "state":
         state = participant.state_reply()
         return state if state is not None else messages.error(wire.WRONG_ROUND, "no outer weights published yet")
@@ -75,18 +75,26 @@ async def _answer(participant: Participant, peer: str, request: dict | None) -> 
 async def _part(participant: Participant, peer: str, request: dict) -> dict:
     run_id, round_, attempt, members, contribution_wire, signature, part_wire = messages.parse_part(request)
     contribution = Contribution.from_wire(contribution_wire)
+    if peer not in members or not participant.round <= round_ <= participant.round + 1:
+        # Only a member of a round this peer is at (or about to reach) may hold a stream open.
+        return messages.error(wire.WRONG_ROUND, f"this peer is at round {participant.round}")
     averaging = participant.averaging
     slot = await averaging.slot_for(contribution.group, participant.run.part_wait_s)
     if slot is None:
         return messages.error(wire.WRONG_GROUP, "this peer has no such all-reduce attempt (yet)")
     if tuple(members) != slot.attempt.members or attempt != slot.attempt.attempt:
         return messages.error(wire.WRONG_GROUP, "the group differs from this owner's")
+    if contribution.base != slot.attempt.base:
+        return messages.error(wire.WRONG_ROUND, "the contribution starts from other outer weights than this owner's")
     part = Quantized.from_wire(part_wire, expected_size=slot.size)
     try:
         slot.admit(peer, Entry(contribution, signature, part))
     except LateError as exc:
         return messages.error(wire.TOO_LATE, str(exc))
-    result = await slot.close()
+    with trio.move_on_after(2 * participant.run.part_wait_s + REQUEST_TIMEOUT_S):
+        result = await slot.close()
+    if not slot.closed.is_set():
+        return messages.error(wire.TOO_LATE, "this owner did not average its part in time")
     if peer not in slot.entries:
         return messages.error(wire.TOO_LATE, "the part was averaged before this contribution came")
     receipt = participant.receipt_for(peer, slot, contribution.tokens)

@@ -43,18 +43,21 @@ async def fetch_state(participant: Participant, prefer: str | None = None
         while True:
             answers, exclusions = await _ask_state(participant, prefer)
             log.info("the run's state from %d participants", len(answers))
-            for (round_, base, weights_id, momentum_id, members), _votes in _ranked(answers, prefer):
+            for (round_, base, weights_id, momentum_id, members), _votes in _ranked(answers, participant.round):
                 voters = [exclusions[p] for p, answer in answers.items() if answer[:2] == (round_, base)]
                 try:
                     # Ready for that round before the download: its leader then waits for this peer.
                     await participant.rounds.announce(round_)
-                    weights = await _fetch_flat(participant, weights_id)
+                    weights = await fetch_flat(participant, weights_id)
                     if weights_digest(weights) != base:
                         raise PeerMisbehaved(f"the weights of round {round_} do not hash to its base digest")
-                    momentum = await _fetch_flat(participant, momentum_id)
+                    momentum = await fetch_flat(participant, momentum_id)
                     log.info("synced to round %d of run %s", round_, participant.run.run_id[:12])
+                    if not (torch.isfinite(weights).all() and torch.isfinite(momentum).all()):
+                        raise PeerMisbehaved(f"the state of round {round_} is not finite")
                     counts = collections.Counter(peer for listed in voters for peer in set(listed))
-                    excluded = {peer for peer, n in counts.items() if 2 * n > len(voters)}
+                    # One participant's word excludes nobody: it takes two, and most of those asked.
+                    excluded = {peer for peer, n in counts.items() if n >= 2 and 2 * n > len(voters)}
                     return round_, weights, momentum, list(members), excluded
                 except Exception as exc:
                     log.warning("the state of round %d: %s", round_, exc)
@@ -87,16 +90,20 @@ async def _ask_state(participant: Participant, prefer: str | None) -> tuple[dict
     return answers, exclusions
 
 
-def _ranked(answers: dict[str, tuple], prefer: str | None) -> list[tuple[tuple, int]]:
-    """Answers by votes (the preferred peer's first), then by round."""
-    votes = collections.Counter(answers.values())
-    first = answers.get(prefer) if prefer else None
-    return sorted(votes.items(), key=lambda item: (item[0] != first, -item[1], -item[0][0]))
+def _ranked(answers: dict[str, tuple], at_least: int) -> list[tuple[tuple, int]]:
+    """Answers by votes, then by round; none from before round `at_least` (a member
+    resyncing never goes back). The peer that sent this one here (`prefer`) is asked,
+    but its answer counts as one vote like any other."""
+    votes = collections.Counter(a for a in answers.values() if a[0] >= at_least)
+    return sorted(votes.items(), key=lambda item: (-item[1], -item[0][0]))
 
 
-async def _fetch_flat(participant: Participant, model_id: str) -> torch.Tensor:
+async def fetch_flat(participant: Participant, model_id: str) -> torch.Tensor:
+    """The flat weights of a stored model of the run's shape: held here, or fetched."""
     torrent = participant.torrent
-    torrent.library.only.add(model_id)
-    stored = await torrent.obtain_manifest(model_id, attempts=3, wait_s=2.0)
-    await torrent.fetch(model_id, everything=True)
+    torrent.library.only.add(model_id)  # seeded from here on
+    stored = torrent.library.models.get(model_id)
+    if stored is None or stored.missing_files(blocks=(0, stored.num_blocks), head=True):
+        stored = await torrent.obtain_manifest(model_id, attempts=3, wait_s=2.0)
+        await torrent.fetch(model_id, everything=True)
     return await trio.to_thread.run_sync(load_flat_from, stored, participant.run.recipe, participant.model)
