@@ -188,7 +188,8 @@ def run_swarm(args, lab: Lab) -> dict:
             lab.start("f", _cli(lab.root / "f", "join", run_id, "--bootstrap", boot))
             joined = True
             log(f"round {round_}: F joins")
-        running = [n for n in ("a", "b", "d", "e", "f", "single") if n in lab.procs and lab.procs[n].poll() is None]
+        # Not the cheater: excluded, it waits alone for company every round (its state is read as it stands).
+        running = [n for n in ("a", "b", "d", "f", "single") if n in lab.procs and lab.procs[n].poll() is None]
         if joined and not running:
             break
         time.sleep(1.0)

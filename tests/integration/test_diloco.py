@@ -15,6 +15,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from compushare.diloco.allreduce import DILOCO_PROTOCOL, Attempt
 from compushare.diloco.corpus import Corpus
 from compushare.diloco.participant import Faults, Participant
+from compushare.diloco.parts import bounds
 from compushare.diloco.quant import error_bound, quantize
 from compushare.diloco.recipe import Recipe
 from compushare.diloco.run import make_run, run_validators
@@ -96,6 +97,34 @@ async def _provide_participation(dht, run_id: str) -> None:
     await trio.sleep_forever()
 
 
+@pytest.mark.parametrize("n", [2, 5, 8])
+async def test_the_allreduce_over_hosts_gives_every_peer_the_mean_within_int8_rounding(tmp_path, corpus, n):
+    torch.manual_seed(n)
+    run = _run(corpus, wait_s=10.0)
+    vectors = [torch.randn(3001) * (i + 1) for i in range(n)]
+    outcomes: dict[int, object] = {}
+    async with trio.open_nursery() as nursery:
+        lab = Peers(nursery, tmp_path, run, corpus)
+        peers = [await lab.add() for _ in range(n)]
+        for p in peers:
+            p.addrs.update({q.me: full_addrs(q.host) for q in peers if q is not p})
+        attempt = Attempt(run.run_id, 0, 0, tuple(sorted(p.me for p in peers)), bytes(32))
+
+        async def average(i: int) -> None:
+            outcomes[i] = await peers[i].averaging.run(attempt, vectors[i], tokens=1)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as reduce:
+                for i in range(n):
+                    reduce.start_soon(average, i)
+        nursery.cancel_scope.cancel()
+    exact = torch.stack(vectors).mean(0)
+    bound = _int8_bound(vectors, exact, n)
+    assert all(o.attempt.attempt == 0 and o.average is not None for o in outcomes.values())
+    assert bool(((outcomes[0].average - exact).abs() <= bound).all())
+    assert all(torch.equal(o.average, outcomes[0].average) for o in outcomes.values())
+
+
 async def test_a_peer_killed_mid_allreduce_leaves_the_others_the_mean_of_the_rest(tmp_path, corpus):
     torch.manual_seed(1)
     run = _run(corpus, wait_s=4.0)
@@ -140,9 +169,18 @@ async def test_a_peer_killed_mid_allreduce_leaves_the_others_the_mean_of_the_res
     assert all(set(o.attempt.members) == {p.me for p in peers[:3]} for o in rest)
     assert all(o.failed == () for o in rest)
     exact = torch.stack(vectors[:3]).mean(0)
-    bound = sum(error_bound(quantize(v)) for v in vectors[:3]) / 3 + error_bound(quantize(exact)) * 1.01 + 1e-5
+    bound = _int8_bound(vectors[:3], exact, 3)
     assert bool(((rest[0].average - exact).abs() <= bound).all())
     assert all(torch.equal(o.average, rest[0].average) for o in rest)  # every member holds the same mean
+
+
+def _int8_bound(vectors, exact, parts: int) -> torch.Tensor:
+    """Element-wise: the contributions' int8 rounding (per slice, as sent) over their count,
+    plus the average's own (a hair of slack for float32 sums)."""
+    def per_slice(v):
+        return torch.cat([error_bound(quantize(v[a:b])) for a, b in bounds(v.numel(), parts)])
+
+    return sum(per_slice(v) for v in vectors) / len(vectors) + per_slice(exact) * 1.01 + 1e-5
 
 
 async def _take_part(participant: Participant, done: dict, *, join: bool = False) -> None:
