@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Sequence
 
 import msgpack
 import numpy as np
@@ -47,7 +46,6 @@ from .errors import PeerMisbehaved
 
 CONTRIBUTION_DOMAIN = "compushare/diloco-contribution/v1"
 RECOMPUTATION_DOMAIN = "compushare/diloco-recomputation/v1"
-GROUP_DOMAIN = "compushare/diloco-group/v1"
 DILOCO_REPORT_FORMAT = "compushare/diloco-failure-report/v1"
 # The relative L2 error, ‖accused − witness‖₂ / ‖witness‖₂ over the dequantized parts,
 # beyond which the two cannot both be honest. Int8 rounding with one absmax scale per
@@ -88,11 +86,6 @@ def check_part(q: bytes, scales: bytes) -> None:
 def part_digest(q: bytes, scales: bytes) -> bytes:
     """The digest a contribution signs: SHA-256(q || scales), as they travel."""
     return hashlib.sha256(bytes(q) + bytes(scales)).digest()
-
-
-def group_digest(members: Sequence[str]) -> bytes:
-    """The digest of an all-reduce group: its members' peer ids, sorted."""
-    return hashlib.sha256(msgpack.packb([GROUP_DOMAIN, sorted(members)], use_bin_type=True)).digest()
 
 
 def dequantize(q: bytes, scales: bytes) -> np.ndarray:
@@ -147,7 +140,7 @@ class Contribution:
     round: int
     base: bytes  # SHA-256 of the outer weights' flat fp32 bytes
     peer: str  # the contributor
-    group: bytes  # group_digest of the attempt's members
+    group: bytes  # the all-reduce attempt's digest (diloco/group.py's group_digest)
     index: int
     parts: int
     tokens: int

@@ -45,7 +45,7 @@ def test_two_processes_train_a_run_and_status_shows_it(processes, tmp_path):
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 3000)
     small = ["--steps", "2", "--rounds", "2", "--batch", "1", "--gather-s", "20"]
     a_home, b_home = tmp_path / "a", tmp_path / "b"
-    a = start_node(_train(a_home, "start", "--corpus", str(corpus), "--start-in", "30", *small), a_home)
+    a = start_node(_train(a_home, "start", "--corpus", str(corpus), "--start-in", "15", *small), a_home)
     processes.procs.append(a)
     listen = wait_ready(a, a_home, timeout=120, file=f"{TRAIN_DIR}/{LISTEN_FILE}")
     run = _wait(lambda: (_state(a_home) or {}).get("run"), "the run's id")
