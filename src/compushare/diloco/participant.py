@@ -119,6 +119,9 @@ class Participant:
                 recipe, self.corpus, start_weights, run_id=self.run.run_id, peer=self.me, round=started_at,
                 model=self.model))
             pseudo, tokens, loss = result.pseudo_grad, result.tokens, result.loss
+            if not torch.isfinite(pseudo).all():  # diverged: nothing of it is worth averaging
+                log.warning("round %d: the inner steps diverged; contributing nothing", started_at)
+                pseudo, tokens = torch.zeros_like(self.weights), 0
             if self.faults.noise:
                 pseudo = torch.randn_like(pseudo) * (self.faults.noise * float(pseudo.norm()) / pseudo.numel() ** .5)
         expected = (self.members or await self._participants()) - self.excluded
