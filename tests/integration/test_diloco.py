@@ -20,7 +20,8 @@ from compushare.diloco.quant import error_bound, quantize
 from compushare.diloco.recipe import Recipe
 from compushare.diloco.run import make_run, run_validators
 from compushare.diloco.service import diloco_handler
-from compushare.diloco.weights import weights_digest
+from compushare.diloco.weights import KEEP_ROUNDS, weights_digest
+from compushare.model.store import ModelStore
 from compushare.diloco_proofs import DilocoFailureReport
 from compushare.karma.record import karma_validators
 from compushare.karma.service import KARMA_PROTOCOL
@@ -207,6 +208,10 @@ async def test_a_joiner_receives_weights_equal_to_the_others(tmp_path, corpus):
     assert joiner.stats["joined_at"] >= 1 and joiner.stats["averaged"] >= 1
     assert len(done) == 4 and len(set(done.values())) == 1  # one set of outer weights, the joiner's too
     assert all(p.round == 6 for p in first + [joiner])
+    # Old rounds' outer state is deleted: the last rounds' weights and momentum stay, seeded.
+    held = ModelStore(first[0].data_dir).list()
+    assert 2 <= len(held) <= 2 * (KEEP_ROUNDS + 1)
+    assert {first[0].published.weights, first[0].published.momentum} <= {m.model_id for _, m in held}
 
 
 async def test_a_rerun_check_catches_a_peer_that_sends_noise(tmp_path, corpus):

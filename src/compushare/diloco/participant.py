@@ -180,14 +180,15 @@ class Participant:
         self.write_state()
 
     def _forget_old(self, previous: Published | None) -> None:
+        """Seed the last KEEP_ROUNDS rounds' outer state; delete older ones (not the run's init)."""
         if previous is not None:
             self._seeded.append(previous)
         while len(self._seeded) > KEEP_ROUNDS:
             old = self._seeded.pop(0)
-            for model_id in (old.weights, old.momentum):
-                if self.published is not None and model_id in (self.published.weights, self.published.momentum):
-                    continue
-                self.torrent.library.only.discard(model_id)
+            current = {self.published.weights, self.published.momentum} if self.published is not None else set()
+            kept = current | {p.weights for p in self._seeded} | {p.momentum for p in self._seeded} | {self.run.init}
+            for model_id in {old.weights, old.momentum} - kept:
+                self.torrent.library.forget(model_id)
 
     async def initial_weights(self) -> torch.Tensor:
         """W_0: the run's init model (held here or fetched from its seeders), or the

@@ -245,3 +245,15 @@ class Library:
 
     def model_ids(self) -> list[str]:
         return [m.model_id for _names, m in self.models.list() if self.only is None or m.model_id in self.only]
+
+    def forget(self, model_id: str) -> None:
+        """Stop seeding `model_id` and delete its files (a training run's old outer state):
+        a peer fetching it then finds it not held here."""
+        import shutil
+
+        if self.only is not None:
+            self.only.discard(model_id)
+        self._open.pop(model_id, None)
+        model = self.models.get(model_id)
+        if model is not None and len(model_id) == 64:
+            shutil.rmtree(model.path, ignore_errors=True)
