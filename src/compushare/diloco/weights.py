@@ -24,7 +24,7 @@ from ..model.weights import read_tensors
 from .inner import build_model, flat_params, load_flat
 from .recipe import Recipe
 
-KEEP_ROUNDS = 2  # rounds of outer state a participant keeps seeding
+KEEP_ROUNDS = 2  # earlier rounds of outer state a participant keeps seeding beside the current one
 
 
 def weights_digest(flat: torch.Tensor) -> bytes:
