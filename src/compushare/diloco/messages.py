@@ -22,7 +22,7 @@ MAX_EXCLUDED = 64  # peers a state reply names as excluded
 _RUN_HEX = frozenset("0123456789abcdef")
 
 
-def _run(message: dict) -> str:
+def run_field(message: dict) -> str:
     run = field(message, "run", str, "request")
     if len(run) != 64 or not set(run) <= _RUN_HEX:
         raise PeerMisbehaved("'run' must be a run id (64 hex digits)")
@@ -93,7 +93,7 @@ def join_request(run_id: str, round_: int, base: bytes) -> dict:
 
 
 def parse_join(message: dict) -> tuple[str, int, bytes]:
-    return _run(message), _round(message), _digest(message, "base")
+    return run_field(message), _round(message), _digest(message, "base")
 
 
 def group_reply(members: list[str]) -> dict:
@@ -115,7 +115,7 @@ def parse_part(message: dict) -> tuple[str, int, int, list[str], dict, bytes, di
     signature = field(message, "sig", bytes, "part")
     if len(signature) > 1024:
         raise PeerMisbehaved("'sig' too long")
-    return (_run(message), _round(message), attempt, members_field(message),
+    return (run_field(message), _round(message), attempt, members_field(message),
             field(message, "contribution", dict, "part"), signature, field(message, "part", dict, "part"))
 
 

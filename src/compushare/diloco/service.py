@@ -59,7 +59,7 @@ async def _answer(participant: Participant, peer: str, request: dict | None) -> 
         return messages.error(wire.EXCLUDED, "a verified failure report against you is held here")
     if kind == "report":
         return await participant.take_report(peer, request.get("report"))
-    run = messages._run(request)
+    run = messages.run_field(request)
     if run != participant.run.run_id:
         return messages.error(wire.UNKNOWN_RUN, "not a run this peer takes part in")
     if kind == "state":
