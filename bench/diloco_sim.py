@@ -57,6 +57,16 @@ def diloco(recipe: Recipe, corpus: Corpus, start: torch.Tensor, keep: bool) -> l
     return history
 
 
+def rerun_threads(recipe: Recipe, corpus: Corpus, start: torch.Tensor) -> None:
+    runs = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        runs[threads] = inner.train_round(recipe, corpus, start, run_id="sim", peer="w0", round=0).pseudo_grad
+    torch.set_num_threads(1)
+    error = float((runs[2] - runs[1]).norm() / runs[1].norm())
+    print(json.dumps({"rerun_threads": [1, 2], "relative_error": error, "bit_equal": torch.equal(runs[1], runs[2])}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
@@ -66,6 +76,9 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--rerun-threads", action="store_true",
+                        help="only re-run one round on 1 and on 2 torch threads and compare (what a checker on "
+                             "another thread count would see)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     corpus = Corpus.load(_common.REPO / "bench" / "data" / "diloco" / "corpus.txt.gz")
@@ -73,6 +86,9 @@ def main() -> None:
                                  outer_lr=args.outer_lr, outer_momentum=args.momentum, lr=args.lr)
     began = time.monotonic()
     start = inner.flat_params(inner.build_model(recipe))
+    if args.rerun_threads:
+        rerun_threads(recipe, corpus, start)
+        return
     if args.warm_steps:
         start, _ = inner.train_single(recipe, corpus, global_batch=WORKERS * recipe.batch, steps=args.warm_steps,
                                       seed_label="warm")
