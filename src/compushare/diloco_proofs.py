@@ -43,6 +43,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from .errors import PeerMisbehaved
+from .net.signed import signed_by
 
 CONTRIBUTION_DOMAIN = "compushare/diloco-contribution/v1"
 RECOMPUTATION_DOMAIN = "compushare/diloco-recomputation/v1"
@@ -107,14 +108,6 @@ def part_error(q: bytes, scales: bytes, ref_q: bytes, ref_scales: bytes) -> floa
     return error if np.isfinite(error) else float("inf")
 
 
-def _verify(peer_id: str, message: bytes, signature: bytes) -> bool:
-    try:
-        key = ID.from_base58(peer_id).extract_public_key()
-        return key is not None and bool(key.verify(message, signature))
-    except Exception:  # a malformed peer id or signature is simply not valid
-        return False
-
-
 @dataclasses.dataclass(frozen=True)
 class DilocoClaim:
     """One peer's signed part, as a report carries it: the part's bytes and the signature."""
@@ -166,7 +159,7 @@ class Contribution:
 
     def verify(self, signature: bytes) -> bool:
         """Signed by `peer` (its public key is in its peer id)."""
-        return _verify(self.peer, self.encode(), signature)
+        return signed_by(self.peer, self.encode(), signature)
 
     def claim(self, signature: object, q: bytes, scales: bytes) -> DilocoClaim:
         """The received part as a claim; PeerMisbehaved unless `q` and `scales` are a part,
@@ -216,7 +209,7 @@ class Recomputation:
         return key_pair.private_key.sign(self.encode())
 
     def verify(self, signature: bytes) -> bool:
-        return _verify(self.peer, self.encode(), signature)
+        return signed_by(self.peer, self.encode(), signature)
 
 
 @dataclasses.dataclass(frozen=True)

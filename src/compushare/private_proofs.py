@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import msgpack
 from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
 from .errors import PeerMisbehaved
+from .net.signed import signed_by
 
 PRIVATE_DOMAIN = "compushare/private-proof/v1"
 PRIVATE_REPORT_FORMAT = "compushare/private-failure-report/v1"
@@ -92,11 +92,7 @@ class PrivateStatement:
         return key_pair.private_key.sign(self.encode())
 
     def verify(self, peer_id: str, signature: bytes) -> bool:
-        try:
-            key = ID.from_base58(peer_id).extract_public_key()
-            return key is not None and bool(key.verify(self.encode(), signature))
-        except Exception:  # a malformed peer id or signature is simply not valid
-            return False
+        return signed_by(peer_id, self.encode(), signature)
 
     def claim(self, peer_id: str, signature: object) -> PrivateClaim:
         """`peer_id`'s claim of this statement; PeerMisbehaved unless `signature` is its."""

@@ -40,11 +40,11 @@ import hashlib
 import msgpack
 import numpy as np
 from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
 from .diloco_proofs import DILOCO_REPORT_FORMAT, DilocoFailureReport
 from .errors import PeerMisbehaved
 from .net.dtypes import WIRE_NUMPY_DTYPES
+from .net.signed import signed_by
 from .private_proofs import PRIVATE_REPORT_FORMAT, PrivateFailureReport
 
 STEP_DOMAIN = "compushare/step-proof/v2"
@@ -161,11 +161,7 @@ class Statement:
         return key_pair.private_key.sign(self.encode())
 
     def verify(self, peer_id: str, signature: bytes) -> bool:
-        try:
-            key = ID.from_base58(peer_id).extract_public_key()
-            return key is not None and bool(key.verify(self.encode(), signature))
-        except Exception:  # a malformed peer id or signature is simply not valid
-            return False
+        return signed_by(peer_id, self.encode(), signature)
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:

@@ -32,6 +32,8 @@ from compushare.torrent.protocol import PIECES_PROTOCOL
 
 pytestmark = pytest.mark.integration
 
+POLL_S = 0.05
+
 TINY = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32, "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5, "initializer_range": 0.02, "tie_word_embeddings": True}
@@ -160,8 +162,9 @@ async def test_a_peer_killed_mid_allreduce_leaves_the_others_the_mean_of_the_res
                     reduce.start_soon(average, i)
                 reduce.start_soon(average, 3)
                 # The doomed member dies holding everyone's part of its slice, unanswered.
-                while not any(s.full.is_set() for s in doomed.averaging.slots.values()):
-                    await trio.sleep(0.01)
+                while not doomed.averaging.slots:
+                    await doomed.averaging.slot_added.wait()
+                await next(iter(doomed.averaging.slots.values())).full.wait()
                 doomed_scope.cancel()
                 lab.kill(doomed, peers)
         nursery.cancel_scope.cancel()
@@ -184,6 +187,13 @@ def _int8_bound(vectors, exact, parts: int) -> torch.Tensor:
     return sum(per_slice(v) for v in vectors) / len(vectors) + per_slice(exact) * 1.01 + 1e-5
 
 
+async def _until(check) -> None:
+    """Poll `check` until it holds: the test's trio.fail_after bounds the wait, so a slow
+    machine only takes more polls."""
+    while not check():
+        await trio.sleep(POLL_S)
+
+
 async def _take_part(participant: Participant, done: dict, *, join: bool = False) -> None:
     await participant.take_part(join=join)
     done[participant.me] = weights_digest(participant.weights)
@@ -200,8 +210,7 @@ async def test_a_joiner_receives_weights_equal_to_the_others(tmp_path, corpus):
                 training.start_soon(lambda: _take_part(first[0], done))
                 for p in first[1:]:
                     training.start_soon(lambda p=p: _take_part(p, done, join=True))
-                while first[0].round < 2:
-                    await trio.sleep(0.05)
+                await _until(lambda: first[0].round >= 2)
                 joiner = await lab.add()
                 training.start_soon(lambda: _take_part(joiner, done, join=True))
             nursery.cancel_scope.cancel()
@@ -227,8 +236,7 @@ async def test_a_rerun_check_catches_a_peer_that_sends_noise(tmp_path, corpus):
                 for p in honest[1:] + [cheater]:
                     training.start_soon(lambda p=p: _take_part(p, done, join=True))
             # Reports still in flight are judged by re-running: wait for every honest verdict.
-            while not all(cheater.me in p.excluded for p in honest):
-                await trio.sleep(0.05)
+            await _until(lambda: all(cheater.me in p.excluded for p in honest))
             nursery.cancel_scope.cancel()
     assert all(cheater.me in p.excluded and cheater.me not in p.members for p in honest)
     assert not any(h.me in p.excluded for p in honest for h in honest)  # no honest peer is accused

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from compushare.app.swarm import start_node, wait_ready
 from compushare.config import LISTEN_FILE, TRAIN_DIR, TRAIN_STATE_FILE
+
+from helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,16 +31,6 @@ def _state(home) -> dict | None:
         return None
 
 
-def _wait(check, what: str, timeout: float = TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"waited {timeout:.0f}s for {what}")
-
-
 def test_two_processes_train_a_run_and_status_shows_it(processes, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 3000)
@@ -48,7 +39,7 @@ def test_two_processes_train_a_run_and_status_shows_it(processes, tmp_path):
     a = start_node(_train(a_home, "start", "--corpus", str(corpus), "--start-in", "15", *small), a_home)
     processes.procs.append(a)
     listen = wait_ready(a, a_home, timeout=120, file=f"{TRAIN_DIR}/{LISTEN_FILE}")
-    run = _wait(lambda: (_state(a_home) or {}).get("run"), "the run's id")
+    run = wait_until(lambda: (_state(a_home) or {}).get("run"), "the run's id", timeout=TIMEOUT_S)
     boot = next(x for x in listen["addrs"] if "/ip4/127.0.0.1/" in x)
     b = start_node(_train(b_home, "join", run, "--corpus", str(corpus), "--bootstrap", boot), b_home)
     processes.procs.append(b)

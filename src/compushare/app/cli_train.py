@@ -15,6 +15,7 @@ train_app = typer.Typer(no_args_is_help=True, help="Train a model together: DiLo
 CORPUS = typer.Option(..., help="The run's training text (UTF-8; .gz read as gzip): every participant needs the "
                                 "same bytes, checked against the run's corpus digest.")
 ROUNDS = typer.Option(None, min=1, help="Leave after this many rounds (default: stay to the run's last).")
+LISTEN = typer.Option(None, help="Listen multiaddr (repeatable; default: 127.0.0.1, any port).")
 THREADS = typer.Option(1, min=1, help="Torch threads for training (every participant re-running another's "
                                        "round should use as many as it did: float sums then agree).")
 DEBUG_NOISE = typer.Option(0.0, hidden=True, help="Fault injection: send Gaussian noise of this many times the "
@@ -62,7 +63,7 @@ def start(
                                       "earlier run's outer weights, or a base model laid out there); default: the "
                                       "recipe's seeded initialisation."),
     data_dir: Path = DATA_DIR, bootstrap: list[str] = BOOTSTRAP, swarm_home: Path = SWARM_HOME,
-    listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
+    listen: list[str] = LISTEN,
     leave_after: int = ROUNDS, threads: int = THREADS, debug_noise: float = DEBUG_NOISE,
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -107,7 +108,7 @@ def join(
     run: str = typer.Argument(..., help="The run id (64 hex digits)."),
     corpus: Path = CORPUS,
     data_dir: Path = DATA_DIR, bootstrap: list[str] = BOOTSTRAP, swarm_home: Path = SWARM_HOME,
-    listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
+    listen: list[str] = LISTEN,
     leave_after: int = ROUNDS, threads: int = THREADS, debug_noise: float = DEBUG_NOISE,
     log_level: str = typer.Option("info"),
 ) -> None:

@@ -14,10 +14,8 @@ contributor that dies only leaves the parts it had not sent out of the average.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 
 import torch
 import trio
@@ -29,7 +27,7 @@ from .. import wire
 from ..diloco_proofs import Contribution, part_digest
 from ..errors import PeerMisbehaved
 from ..net.dial import dial
-from ..net.framing import FramedStream
+from ..net.framing import request_reply
 from . import messages
 from .aggregate import aggregate
 from .group import group_digest, owners
@@ -255,19 +253,8 @@ async def ask(host: IHost, addrs: dict[str, list], peer: str, request: dict, tim
                 known = list(info.addrs) if info is not None else []
             if known:
                 await dial(host, peer_id, known, timeout=timeout)
-        stream = await host.new_stream(peer_id, [DILOCO_PROTOCOL])
-        framed = FramedStream(stream, messages.MAX_FRAME)
-        try:
-            await framed.send(request)
-            reply = await framed.receive()
-        finally:
-            with contextlib.suppress(Exception):
-                await framed.close()
+        reply = await request_reply(host, peer_id, DILOCO_PROTOCOL, request, messages.MAX_FRAME)
     if reply is None:
         raise PeerMisbehaved("the peer closed the stream without answering")
     return reply
 
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    denominator = float(torch.linalg.vector_norm(b))
-    return float(torch.linalg.vector_norm(a - b)) / denominator if denominator > 0 else math.inf

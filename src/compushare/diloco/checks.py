@@ -53,8 +53,6 @@ class Checker:
         self.pending = 0
         self.lock = trio.Lock()  # one re-run at a time: it costs a whole round of compute
         self.model = None
-        self.checked = 0
-        self.mismatches = 0
 
     def schedule(self, round_: int, start: torch.Tensor, attempt: Attempt, slot: OwnerSlot | None) -> None:
         p = self.participant
@@ -95,12 +93,10 @@ class Checker:
         mine = await self._rerun_part(round_, target, slot.index, len(slot.attempt.members))
         if mine is None:
             return
-        self.checked += 1
         error = part_error(entry.part.q, entry.part.scales, mine.q, mine.scales)
         log.info("round %d: checked %s: relative error %.3g", round_, target[:12], error)
         if error <= TOLERANCE:
             return
-        self.mismatches += 1
         claim = entry.contribution.claim(entry.signature, entry.part.q, entry.part.scales)
         report = DilocoFailureReport.witnessed(p.key_pair, entry.contribution, claim, mine.q, mine.scales)
         report.check()

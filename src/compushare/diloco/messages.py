@@ -8,7 +8,6 @@ otherwise (the handler answers `bad_request`).
 
 from __future__ import annotations
 
-from .. import wire
 from ..errors import PeerMisbehaved
 from ..net.signed import field
 from .group import DIGEST_BYTES
@@ -128,5 +127,3 @@ def averaged_reply(part: dict, receipt: bytes = b"") -> dict:
 def report_request(report: bytes) -> dict:
     return {"type": "report", "report": report}
 
-
-ERRORS = wire.DILOCO_ERRORS

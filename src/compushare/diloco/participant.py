@@ -158,10 +158,7 @@ class Participant:
         return False
 
     async def _participants(self) -> set[str]:
-        from ..net.dht import find_provider_infos_fresh
-
-        found = await find_provider_infos_fresh(self.dht, participants_key(self.run.run_id))
-        return {p.to_string() for p in found} | {self.me}
+        return await self.rounds.providers(participants_key(self.run.run_id)) | {self.me}
 
     # -- outer state: published for joiners, fetched by them --------------------------------
 

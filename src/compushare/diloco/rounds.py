@@ -36,7 +36,6 @@ DIAL_TIMEOUT_S = 10.0
 
 @dataclasses.dataclass
 class Lead:
-    round: int
     base: bytes
     joined: set[str]
     closed: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -82,7 +81,7 @@ class Rounds:
         chosen = leader(self.run.run_id, round_, view)
         self._decide(round_, chosen)
         if chosen == self.me:
-            self.leads[round_] = lead = Lead(round_, base, {self.me})
+            self.leads[round_] = lead = Lead(base, {self.me})
             members = await self._lead(lead, key, expected, deadline)
             if len(members) < 2:  # nobody came (it was early, say): later comers choose again
                 self.decided.pop(round_, None)
@@ -98,12 +97,16 @@ class Rounds:
         self.decided_changed.set()
         self.decided_changed = trio.Event()
 
-    async def _look(self, key: str) -> set[str]:
+    async def providers(self, key: str) -> set[str]:
+        """The peers providing `key` (a round's, or the run's), their addresses noted."""
         found = await find_provider_infos_fresh(self.dht, key)
         for peer_id, info in found.items():
             if info.addrs:
                 self.addrs[peer_id.to_string()] = list(info.addrs)
-        return {p.to_string() for p in found} - self.excluded | {self.me}
+        return {p.to_string() for p in found}
+
+    async def _look(self, key: str) -> set[str]:
+        return await self.providers(key) - self.excluded | {self.me}
 
     async def _gather(self, key: str, expected: set[str]) -> tuple[set[str], float]:
         """The peers ready for the round, once every expected one is, or gather_s after a

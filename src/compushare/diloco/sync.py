@@ -17,7 +17,6 @@ import torch
 import trio
 
 from ..errors import PeerMisbehaved
-from ..net.dht import find_provider_infos_fresh
 from . import messages
 from .allreduce import ask
 from .group import participants_key
@@ -65,11 +64,8 @@ async def fetch_state(participant: Participant, prefer: str | None = None
 
 
 async def _ask_state(participant: Participant, prefer: str | None) -> tuple[dict[str, tuple], dict[str, list]]:
-    found = await find_provider_infos_fresh(participant.dht, participants_key(participant.run.run_id))
-    for peer_id, info in found.items():
-        if info.addrs:
-            participant.addrs[peer_id.to_string()] = list(info.addrs)
-    peers = [p.to_string() for p in found if p.to_string() not in participant.excluded | {participant.me}]
+    found = await participant.rounds.providers(participants_key(participant.run.run_id))
+    peers = sorted(found - participant.excluded - {participant.me})
     peers = ([prefer] if prefer else []) + [p for p in peers if p != prefer][:STATE_ASKED]
     answers: dict[str, tuple] = {}
     exclusions: dict[str, list] = {}

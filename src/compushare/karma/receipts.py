@@ -18,10 +18,9 @@ import math
 
 import msgpack
 from libp2p.crypto.keys import PrivateKey
-from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
-from ..net.signed import field
+from ..net.signed import field, signed_by
 
 RECEIPT_VERSION = 1
 CONSUMER_DOMAIN = "compushare/receipt/consumer/v1"
@@ -109,9 +108,9 @@ def parse_receipt(wire: bytes, *, countersigned: bool = True) -> Receipt:
         compute_ms=float(field(body, "compute_ms", (int, float), what)),
         wall_ms=float(field(body, "wall_ms", (int, float), what)), time=float(field(body, "time", (int, float), what)),
     )
-    if not _verify(receipt.consumer, _consumer_statement(body_bytes), csig):
+    if not signed_by(receipt.consumer, _consumer_statement(body_bytes), csig):
         raise PeerMisbehaved(f"receipt not signed by its consumer {receipt.consumer}")
-    if countersigned and not _verify(receipt.server, _server_statement(body_bytes, csig), ssig):
+    if countersigned and not signed_by(receipt.server, _server_statement(body_bytes, csig), ssig):
         raise PeerMisbehaved(f"receipt not countersigned by its server {receipt.server}")
     if not (0 <= receipt.start < receipt.end and receipt.seq >= 0 and receipt.tokens >= 1
             and len(receipt.session) == SESSION_ID_BYTES
@@ -134,9 +133,3 @@ def _envelope(wire: bytes) -> dict:
     return envelope
 
 
-def _verify(peer_id: str, message: bytes, signature: bytes) -> bool:
-    try:
-        key = ID.from_base58(peer_id).extract_public_key()
-        return key is not None and bool(key.verify(message, signature))
-    except Exception:  # a malformed peer id or signature is simply not valid
-        return False

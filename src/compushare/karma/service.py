@@ -26,7 +26,7 @@ from .. import wire
 from ..errors import FrameError, PeerMisbehaved
 from ..net.dht import find_provider_infos_fresh, get_value_fresh
 from ..net.dial import dial
-from ..net.framing import FramedStream
+from ..net.framing import FramedStream, request_reply
 from ..net.host import advertised_addrs
 from ..net.serve import GuardedHandler
 from ..proofs import Report, parse_report
@@ -197,14 +197,7 @@ async def _ask(host: IHost, peer: ID, request: dict, addrs: tuple[str, ...] = ()
                 with contextlib.suppress(Exception):
                     await dial(host, peer, [addr], timeout=REQUEST_TIMEOUT_S)
                     break
-        stream = await host.new_stream(peer, [KARMA_PROTOCOL])
-        framed = FramedStream(stream, MAX_FRAME)
-        try:
-            await framed.send(request)
-            reply = await framed.receive()
-        finally:
-            with contextlib.suppress(Exception):
-                await framed.close()
+        reply = await request_reply(host, peer, KARMA_PROTOCOL, request, MAX_FRAME)
     if reply is None or reply.get("type") == "error":
         raise PeerMisbehaved(f"{peer} refused a karma request: {reply and reply.get('message')}")
     return reply

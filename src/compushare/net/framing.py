@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from libp2p.abc import INetStream
+import contextlib
+
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
 from libp2p.network.stream.exceptions import StreamEOF
 
 from .codec import FrameDecoder, encode_frame
@@ -57,3 +60,16 @@ class FramedStream:
 
     async def reset(self) -> None:
         await self.stream.reset()
+
+
+async def request_reply(host: IHost, peer_id: ID, protocol: str, request: dict, max_frame_bytes: int) -> dict | None:
+    """One request frame and its one reply on a new stream (the protocols whose every
+    request has a stream of its own); None if the peer closed without answering.
+    The caller bounds the time and dials first where needed."""
+    framed = FramedStream(await host.new_stream(peer_id, [protocol]), max_frame_bytes)
+    try:
+        await framed.send(request)
+        return await framed.receive()
+    finally:
+        with contextlib.suppress(Exception):
+            await framed.close()

@@ -41,7 +41,7 @@ from ..errors import PeerMisbehaved
 from .ad_intake import (GOSSIP_LAZY, HEARTBEAT_S, MAX_VIEW_ADS, MESH_DEGREE, AdIntake, ad_period, ad_topic,
                         model_of_topic, served_models)
 from .ads import AD_PERIOD_S, MAX_AD_BYTES, CapabilityAd, parse_ad
-from .framing import FramedStream
+from .framing import FramedStream, request_reply
 from .limits import TokenBucket
 from .serve import GuardedHandler
 from .dial import dial
@@ -311,14 +311,8 @@ async def fetch_view(host: IHost, peer_id: ID, view: SwarmView, model_id: str | 
     """Ask `peer_id` for its ads (those serving `model_id` only, if given) and offer
     each to `view` after checking it; return how many were taken."""
     with trio.fail_after(VIEW_TIMEOUT_S):
-        stream = await host.new_stream(peer_id, [VIEW_PROTOCOL])
-        framed = FramedStream(stream, MAX_VIEW_FRAME)
-        try:
-            await framed.send({"type": "view"} | ({"model": model_id} if model_id is not None else {}))
-            reply = await framed.receive()
-        finally:
-            with contextlib.suppress(Exception):
-                await framed.close()
+        request = {"type": "view"} | ({"model": model_id} if model_id is not None else {})
+        reply = await request_reply(host, peer_id, VIEW_PROTOCOL, request, MAX_VIEW_FRAME)
     if reply is None or reply.get("type") != "view" or not isinstance(reply.get("ads"), list):
         raise PeerMisbehaved(f"{peer_id} answered a view request with {reply and reply.get('type')}")
     taken = 0

@@ -53,6 +53,16 @@ def open_sealed(value: bytes, signer: str, *, max_bytes: int, what: str) -> dict
     return body
 
 
+def signed_by(peer_id: str, message: bytes, signature: bytes) -> bool:
+    """Whether `signature` over `message` is the key's that `peer_id` embeds (a malformed
+    peer id or signature is simply not valid)."""
+    try:
+        key = ID.from_base58(peer_id).extract_public_key()
+        return key is not None and bool(key.verify(message, signature))
+    except Exception:
+        return False
+
+
 def signer_of(value: bytes) -> str | None:
     """The "peer" field a sealed body claims, unverified (to pick the key to check)."""
     try:
