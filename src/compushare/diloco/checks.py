@@ -18,23 +18,23 @@ accuses an honest peer only gets itself excluded.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import trio
+from libp2p.crypto.keys import KeyPair
 
 from ..diloco_proofs import TOLERANCE, DilocoFailureReport, part_error
 from ..errors import PeerMisbehaved
 from . import messages
 from .allreduce import Attempt, OwnerSlot, ask
+from .corpus import Corpus
 from .group import checks
 from .inner import build_model, train_round
 from .parts import bounds
 from .quant import Quantized, quantize
+from .rounds import Rounds
 from .weights import weights_digest
-
-if TYPE_CHECKING:
-    from .participant import Participant
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,15 @@ MAX_PENDING_JUDGES = 2  # reports waiting for (or in) a re-run at once; more are
 
 
 class Checker:
-    def __init__(self, participant: Participant) -> None:
-        self.participant = participant
+    """A participant's checks and judgements. It is handed what they read (the run,
+    through `rounds` the peers and how to reach them, the current `members`) and
+    `exclude`, which drops a peer from the participant's rounds and keeps the report
+    that proves it wrong, if any."""
+
+    def __init__(self, rounds: Rounds, corpus: Corpus, key_pair: KeyPair, members: Callable[[], set[str]],
+                 exclude: Callable[[str, DilocoFailureReport | None], None]) -> None:
+        self.rounds, self.run, self.corpus, self.key_pair = rounds, rounds.run, corpus, key_pair
+        self._members, self._exclude_from_rounds = members, exclude
         self.nursery: trio.Nursery | None = None  # the participant's, set when it starts
         self.starts: dict[int, torch.Tensor] = {}  # round -> the outer weights it started from
         self.bases: dict[int, bytes] = {}  # round -> their digest
@@ -55,16 +62,15 @@ class Checker:
         self.model = None
 
     def schedule(self, round_: int, start: torch.Tensor, attempt: Attempt, slot: OwnerSlot | None) -> None:
-        p = self.participant
         self.starts[round_], self.bases[round_] = start, weights_digest(start)
         self.members[round_] = set(attempt.members)
         for old in [r for r in self.starts if r <= round_ - KEEP_STARTS]:
             del self.starts[old], self.bases[old], self.members[old]
         if slot is None or self.nursery is None:
             return
-        for checker, target in checks(p.run.run_id, round_, attempt.members, p.run.check_rate):
+        for checker, target in checks(self.run.run_id, round_, attempt.members, self.run.check_rate):
             entry = slot.entries.get(target)
-            if checker == p.me and entry is not None and entry.contribution.tokens > 0:
+            if checker == self.rounds.me and entry is not None and entry.contribution.tokens > 0:
                 self.nursery.start_soon(self._guarded, self._check, round_, slot, target)
 
     async def _guarded(self, fn, *args) -> None:
@@ -76,20 +82,20 @@ class Checker:
 
     async def _rerun_part(self, round_: int, peer: str, index: int, parts: int) -> Quantized | None:
         """`peer`'s part `index` of `parts` in `round_`, recomputed here (None: its start is gone)."""
-        p = self.participant
         start = self.starts.get(round_)
         if start is None:
             return None
         async with self.lock:
             if self.model is None:
-                self.model = build_model(p.run.recipe)
+                self.model = build_model(self.run.recipe)
             result = await trio.to_thread.run_sync(lambda: train_round(
-                p.run.recipe, p.corpus, start, run_id=p.run.run_id, peer=peer, round=round_, model=self.model))
+                self.run.recipe, self.corpus, start, run_id=self.run.run_id, peer=peer, round=round_,
+                model=self.model))
         a, b = bounds(result.pseudo_grad.numel(), parts)[index]
         return quantize(result.pseudo_grad[a:b])
 
     async def _check(self, round_: int, slot: OwnerSlot, target: str) -> None:
-        p, entry = self.participant, slot.entries[target]
+        entry = slot.entries[target]
         mine = await self._rerun_part(round_, target, slot.index, len(slot.attempt.members))
         if mine is None:
             return
@@ -98,33 +104,28 @@ class Checker:
         if error <= TOLERANCE:
             return
         claim = entry.contribution.claim(entry.signature, entry.part.q, entry.part.scales)
-        report = DilocoFailureReport.witnessed(p.key_pair, entry.contribution, claim, mine.q, mine.scales)
+        report = DilocoFailureReport.witnessed(self.key_pair, entry.contribution, claim, mine.q, mine.scales)
         report.check()
         self._exclude(target, report)
         await self._tell_members(report, {target})
 
     def _exclude(self, peer: str, report: DilocoFailureReport) -> None:
-        p = self.participant
-        if peer not in p.excluded:
-            log.warning("excluding %s from run %s: %s", peer[:12], p.run.run_id[:12], "its round does not re-run")
-        p.excluded.add(peer)
-        p.members.discard(peer)
-        if p.karma.keep_report(report):
-            p.stats["reports"] += 1
-        p.write_state()
+        if peer not in self.rounds.excluded:
+            log.warning("excluding %s from run %s: %s", peer[:12], self.run.run_id[:12], "its round does not re-run")
+        self._exclude_from_rounds(peer, report)
 
     async def _tell_members(self, report: DilocoFailureReport, skip: set[str]) -> None:
-        p = self.participant
+        rounds = self.rounds
         request = messages.report_request(report.to_wire())
 
         async def one(peer: str) -> None:
             try:
-                await ask(p.host, p.addrs, peer, request, 30.0, p.dht)
+                await ask(rounds.host, rounds.addrs, peer, request, 30.0, rounds.dht)
             except Exception as exc:
                 log.info("report to %s: %s", peer[:12], exc)
 
         async with trio.open_nursery() as nursery:
-            for peer in sorted(p.members - skip - {p.me}):
+            for peer in sorted(self._members() - skip - {rounds.me}):
                 nursery.start_soon(one, peer)
 
     async def take_report(self, sender: str, data: object) -> dict:
@@ -136,7 +137,7 @@ class Checker:
             raise PeerMisbehaved("'report' must be bytes")
         report = DilocoFailureReport.from_wire(data)
         accused, witness, round_ = report.accused.peer_id, report.witness.peer_id, report.round
-        if (report.run != self.participant.run.run_id or sender != witness or report.tokens <= 0
+        if (report.run != self.run.run_id or sender != witness or report.tokens <= 0
                 or not {accused, witness} <= self.members.get(round_, set()) or self.bases.get(round_) != report.base):
             raise PeerMisbehaved("a report this peer does not judge: another run or round, not from its witness, "
                                  "or on members or weights it did not average with")
@@ -156,7 +157,7 @@ class Checker:
 
     async def _judged(self, report: DilocoFailureReport) -> None:
         accused, witness = report.accused.peer_id, report.witness.peer_id
-        if accused in self.participant.excluded or witness in self.participant.excluded:
+        if accused in self.rounds.excluded or witness in self.rounds.excluded:
             return
         mine = await self._rerun_part(report.round, accused, report.index, report.parts)
         if mine is None:
@@ -166,5 +167,4 @@ class Checker:
             self._exclude(accused, report)
         elif part_error(report.witness.q, report.witness.scales, mine.q, mine.scales) > TOLERANCE:
             log.warning("the witness %s accused %s wrongly", witness[:12], accused[:12])
-            self.participant.excluded.add(witness)
-            self.participant.members.discard(witness)
+            self._exclude_from_rounds(witness, None)

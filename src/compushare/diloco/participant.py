@@ -24,6 +24,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from ..config import TRAIN_STATE_FILE
+from ..diloco_proofs import DilocoFailureReport
 from ..errors import PeerMisbehaved
 from ..karma.receipts import Receipt, parse_receipt, sign_receipt
 from ..karma.service import KarmaService
@@ -37,6 +38,7 @@ from .group import owners, participants_key, session_of
 from .inner import OuterOptimizer, build_model, eval_loss, flat_params, train_round
 from .rounds import Rounds
 from .run import RunRecord
+from .sync import fetch_flat, fetch_state
 from .weights import KEEP_ROUNDS, store_flat, weights_digest
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class Participant:
         self.rounds = Rounds(self.host, self.dht, run, self.excluded, self.addrs)
         self.torrent = Torrent(self.host, self.dht, data_dir, only=set())
         self.karma = KarmaService(self.host, self.dht, key_pair, data_dir)
-        self.checker = Checker(self)
+        self.checker = Checker(self.rounds, corpus, key_pair, lambda: self.members, self.exclude)
         self.model = build_model(run.recipe)
         self.outer = OuterOptimizer(run.recipe, flat_params(self.model).numel())
         self.weights = flat_params(self.model)
@@ -192,9 +194,11 @@ class Participant:
         recipe's seeded initialisation."""
         if not self.run.init:
             return flat_params(build_model(self.run.recipe))
-        from .sync import fetch_flat
+        return await self.fetch_flat(self.run.init)
 
-        return await fetch_flat(self, self.run.init)
+    async def fetch_flat(self, model_id: str) -> torch.Tensor:
+        """The flat weights of a stored model of the run's shape: held here, or fetched."""
+        return await fetch_flat(self.torrent, model_id, self.run.recipe, self.model)
 
     def state_reply(self) -> dict | None:
         p = self.published
@@ -205,9 +209,8 @@ class Participant:
 
     async def sync(self, prefer: str | None = None) -> None:
         """Take the outer state most of the participants asked seed now."""
-        from .sync import fetch_state
-
-        round_, weights, momentum, members, excluded = await fetch_state(self, prefer)
+        round_, weights, momentum, members, excluded = await fetch_state(self.rounds, self.fetch_flat, self.round,
+                                                                          prefer)
         if round_ == 0 and self.run.init and weights_digest(weights) != weights_digest(await self.initial_weights()):
             raise PeerMisbehaved("round 0's weights are not the run's init model")
         self.excluded.update(excluded)
@@ -244,6 +247,15 @@ class Participant:
 
     async def take_report(self, sender: str, report_wire: object) -> dict:
         return await self.checker.take_report(sender, report_wire)
+
+    def exclude(self, peer: str, report: DilocoFailureReport | None) -> None:
+        """Leave `peer` out of every later round; keep `report`, the evidence against it
+        (served with this peer's karma), if there is one."""
+        self.excluded.add(peer)
+        self.members.discard(peer)
+        if report is not None and self.karma.keep_report(report):
+            self.stats["reports"] += 1
+        self.write_state()
 
     # -- status ----------------------------------------------------------------------------------
 

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import torch
 import trio
 
 from ..errors import PeerMisbehaved
+from ..torrent.service import Torrent
 from . import messages
 from .allreduce import ask
 from .group import participants_key
+from .recipe import Recipe
+from .rounds import Rounds
 from .weights import load_flat_from, weights_digest
-
-if TYPE_CHECKING:
-    from .participant import Participant
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +32,27 @@ SYNC_TIMEOUT_S = 300.0
 RETRY_S = 2.0
 
 
-async def fetch_state(participant: Participant, prefer: str | None = None
-                      ) -> tuple[int, torch.Tensor, torch.Tensor, list[str], set[str]]:
+async def fetch_state(rounds: Rounds, fetch: Callable[[str], Awaitable[torch.Tensor]], at_least: int,
+                      prefer: str | None = None) -> tuple[int, torch.Tensor, torch.Tensor, list[str], set[str]]:
     """(round, outer weights, outer momentum, members, excluded peers) as the run's
-    participants hold them: a peer is excluded when most of those giving the state
-    taken exclude it (each of them re-ran the evidence against it, or trusted a
-    majority in turn)."""
+    participants hold them, from round `at_least` on, the weights read with `fetch`
+    (a stored model's id to its flat weights): a peer is excluded when most of those
+    giving the state taken exclude it (each of them re-ran the evidence against it,
+    or trusted a majority in turn)."""
     with trio.fail_after(SYNC_TIMEOUT_S):
         while True:
-            answers, exclusions = await _ask_state(participant, prefer)
+            answers, exclusions = await _ask_state(rounds, prefer)
             log.info("the run's state from %d participants", len(answers))
-            for (round_, base, weights_id, momentum_id, members), _votes in _ranked(answers, participant.round):
+            for (round_, base, weights_id, momentum_id, members), _votes in _ranked(answers, at_least):
                 voters = [exclusions[p] for p, answer in answers.items() if answer[:2] == (round_, base)]
                 try:
                     # Ready for that round before the download: its leader then waits for this peer.
-                    await participant.rounds.announce(round_)
-                    weights = await fetch_flat(participant, weights_id)
+                    await rounds.announce(round_)
+                    weights = await fetch(weights_id)
                     if weights_digest(weights) != base:
                         raise PeerMisbehaved(f"the weights of round {round_} do not hash to its base digest")
-                    momentum = await fetch_flat(participant, momentum_id)
-                    log.info("synced to round %d of run %s", round_, participant.run.run_id[:12])
+                    momentum = await fetch(momentum_id)
+                    log.info("synced to round %d of run %s", round_, rounds.run.run_id[:12])
                     if not (torch.isfinite(weights).all() and torch.isfinite(momentum).all()):
                         raise PeerMisbehaved(f"the state of round {round_} is not finite")
                     counts = collections.Counter(peer for listed in voters for peer in set(listed))
@@ -63,17 +64,17 @@ async def fetch_state(participant: Participant, prefer: str | None = None
             await trio.sleep(RETRY_S)
 
 
-async def _ask_state(participant: Participant, prefer: str | None) -> tuple[dict[str, tuple], dict[str, list]]:
-    found = await participant.rounds.providers(participants_key(participant.run.run_id))
-    peers = sorted(found - participant.excluded - {participant.me})
+async def _ask_state(rounds: Rounds, prefer: str | None) -> tuple[dict[str, tuple], dict[str, list]]:
+    found = await rounds.providers(participants_key(rounds.run.run_id))
+    peers = sorted(found - rounds.excluded - {rounds.me})
     peers = ([prefer] if prefer else []) + [p for p in peers if p != prefer][:STATE_ASKED]
     answers: dict[str, tuple] = {}
     exclusions: dict[str, list] = {}
 
     async def one(peer: str) -> None:
         try:
-            reply = await ask(participant.host, participant.addrs, peer,
-                              messages.state_request(participant.run.run_id), 15.0, participant.dht)
+            reply = await ask(rounds.host, rounds.addrs, peer, messages.state_request(rounds.run.run_id), 15.0,
+                              rounds.dht)
             answer = messages.parse_state_reply(reply) + (tuple(messages.members_field(reply)),)
             exclusions[peer] = messages.excluded_field(reply)
             answers[peer] = answer
@@ -94,12 +95,12 @@ def _ranked(answers: dict[str, tuple], at_least: int) -> list[tuple[tuple, int]]
     return sorted(votes.items(), key=lambda item: (-item[1], -item[0][0]))
 
 
-async def fetch_flat(participant: Participant, model_id: str) -> torch.Tensor:
-    """The flat weights of a stored model of the run's shape: held here, or fetched."""
-    torrent = participant.torrent
+async def fetch_flat(torrent: Torrent, model_id: str, recipe: Recipe, model: torch.nn.Module) -> torch.Tensor:
+    """The flat weights of a stored model of `recipe`'s shape (read through `model`):
+    held here, or fetched."""
     torrent.library.only.add(model_id)  # seeded from here on
     stored = torrent.library.models.get(model_id)
     if stored is None or stored.missing_files(blocks=(0, stored.num_blocks), head=True):
         stored = await torrent.obtain_manifest(model_id, attempts=3, wait_s=2.0)
         await torrent.fetch(model_id, everything=True)
-    return await trio.to_thread.run_sync(load_flat_from, stored, participant.run.recipe, participant.model)
+    return await trio.to_thread.run_sync(load_flat_from, stored, recipe, model)

@@ -24,6 +24,7 @@
   scale_model.py  pure: membership cost per node at scale, from measured unit costs
   reachability.py  pure: whether this node can be dialled, and how peers reach it if not
   traversal.py  NAT traversal for one host: AutoNAT, relay reservations, hole punching
+  relayed_dialers.py  which host dials NAT'd peers through whom (dial reads it, traversal registers)
   hole_punch.py  DCUtR hole punching that dials only the punched peer's own addresses
   punch_budget.py  pure: how many hole punches (per peer) and dials (in all) a node makes
   relay.py      circuit relay v2 with CompuShare's quotas

@@ -5,7 +5,8 @@ suffix (server records, capability ads and karma records carry full addresses;
 `--bootstrap` must). These are the only conversions from such strings to what
 py-libp2p dials, and `dial` is every connection a CompuShare process opens: a
 peer behind NAT advertises circuit addresses (net/reachability.py), which are
-dialled through the relay at once (net/traversal.py); the hole punch that may
+dialled through the relay at once (by the host's net/traversal, found through
+net/relayed_dialers); the hole punch that may
 follow is DCUtR's.
 """
 
@@ -22,7 +23,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from ..errors import UsageError
 from .reachability import is_circuit
-from .traversal import traversal_of
+from .relayed_dialers import relayed_dialer_of
 
 
 def peer_info(peer_id: str | ID, addrs: Iterable[str | multiaddr.Multiaddr]) -> PeerInfo:
@@ -68,12 +69,12 @@ async def dial(host: IHost, peer_id: str | ID, addrs: Iterable[str | multiaddr.M
     # A circuit address ends in the peer's id (/p2p-circuit/p2p/<id>): py-libp2p needs it.
     suffix = f"/p2p/{info.peer_id.to_base58()}"
     relayed = [a if a.endswith(suffix) else a + suffix for a in map(str, info.addrs) if is_circuit(a)]
-    traversal = traversal_of(host)
+    relaying = relayed_dialer_of(host)
     with trio.fail_after(timeout):
-        if relayed and traversal is not None:
+        if relayed and relaying is not None:
             # The peer found itself unreachable (AutoNAT) and said so by advertising
             # circuits: its direct addresses would only time out.
-            await traversal.dial_relayed(info.peer_id, relayed)
+            await relaying.dial_relayed(info.peer_id, relayed)
         else:
             await host.connect(PeerInfo(info.peer_id, direct))
     return info

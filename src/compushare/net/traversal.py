@@ -16,8 +16,8 @@ off). NAT'd, it holds reservations on WANT_RELAYS relays from the swarm's view,
 replaces one within RELAY_CHECK_S of losing it, and advertises circuit addresses
 through them (`addrs()`, read by ads, server records and karma records).
 
-Every process's dials go through net/dial.dial, which looks up its host's
-Traversal here: a peer that advertises circuit addresses is dialled through its
+Every process's dials go through net/dial.dial, which finds its host's running
+Traversal through net/relayed_dialers (where `run` registers it): a peer that advertises circuit addresses is dialled through its
 relay at once; DCUtR then upgrades the connection (both ends drive it: the library
 tries each relayed peer every 2 s), and new streams prefer the direct connection.
 """
@@ -45,6 +45,8 @@ from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from . import relayed_dialers
+from .dial import dial
 from .hole_punch import DCUTR_DIAL_TIMEOUT_S, PatientDCUtR
 from .punch_budget import PunchLimits
 from .reachability import (
@@ -83,12 +85,13 @@ PROTECT_TAG = "compushare-relay"  # connections to our relays are never pruned b
 PUNCH_WAIT_S = 3.0
 PUNCH_MARGIN_S = 0.5
 
-_BY_HOST: dict[int, Traversal] = {}
 _ASKER: contextvars.ContextVar[ID | None] = contextvars.ContextVar("autonat_asker", default=None)  # per handler task
 
 
 def traversal_of(host: IHost) -> Traversal | None:
-    return _BY_HOST.get(id(host))
+    """The Traversal running for `host`, if any (the one relayed_dialers holds)."""
+    dialer = relayed_dialers.relayed_dialer_of(host)
+    return dialer if isinstance(dialer, Traversal) else None
 
 
 @contextlib.asynccontextmanager
@@ -227,7 +230,7 @@ class Traversal:
         return out
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        _BY_HOST[id(self.host)] = self
+        relayed_dialers.register(self.host, self)
         try:
             async with contextlib.AsyncExitStack() as services:
                 await services.enter_async_context(background_trio_service(self.protocol))
@@ -241,8 +244,7 @@ class Traversal:
                 task_status.started()
                 await trio.sleep_forever()
         finally:
-            if _BY_HOST.get(id(self.host)) is self:
-                del _BY_HOST[id(self.host)]
+            relayed_dialers.unregister(self.host, self)
 
     # -- dialling -------------------------------------------------------------
 
@@ -383,8 +385,6 @@ class Traversal:
             self.host.get_network().unprotect(ID.from_base58(relay), PROTECT_TAG)
 
     async def _reserve(self, relay: str, addrs: list[str]) -> bool:
-        from .dial import dial  # noqa: PLC0415  (dial imports this module)
-
         peer = ID.from_base58(relay)
         try:
             await dial(self.host, peer, [a for a in addrs if not is_circuit(a)], timeout=RESERVE_TIMEOUT_S)

@@ -2,6 +2,7 @@
 
   chain.py          InferenceChain, open_chain: the trio driver performing the core's actions
   chain_core.py     ChainCore: the chain's pure state machine, its (phase, event kind) table; its summary
+  chain_state.py    the chain's state and what every transition does with it (pure)
   chain_steps.py    a step hop by hop: links, each hop's request and answer, receipts (pure)
   chain_direct.py   direct steps: every hop at once, answers taken while proofs link (pure)
   chain_rebuild.py  opening a route; failover: a standby takes over, or plan, open, replay (pure)

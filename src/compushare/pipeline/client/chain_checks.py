@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...proofs import relative_error
@@ -17,10 +17,8 @@ from .chain_events import (
     count_answered,
 )
 from .chain_plan import Verifier, catch_up_plan, judge
+from .chain_state import ChainState
 from .spotcheck import SpotCheckSchedule
-
-if TYPE_CHECKING:
-    from .chain_core import ChainCore
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +66,7 @@ class Arbitration:
     session: HopSession
 
 
-def check_due(core: ChainCore, session: HopSession) -> bool:
+def check_due(core: ChainState, session: HopSession) -> bool:
     """Whether this step of `session` is to be checked (draws from its span's
     schedule: once per step and hop)."""
     if not (core.can_fail_over and core.spot_check_rate > 0):
@@ -80,7 +78,7 @@ def check_due(core: ChainCore, session: HopSession) -> bool:
     return schedule.should_check()
 
 
-def start_check(core: ChainCore, session: HopSession) -> None:
+def start_check(core: ChainState, session: HopSession) -> None:
     """Begin checking this step of `session`: a verifier is being found, or the
     step is sent to both."""
     span = session.span
@@ -91,7 +89,7 @@ def start_check(core: ChainCore, session: HopSession) -> None:
     core.request([FindVerifier(*span, exclude)], Phase.FINDING_VERIFIER, VerifierSearch(session))
 
 
-def verifier_found(core: ChainCore, search: VerifierSearch, events: list) -> None:
+def verifier_found(core: ChainState, search: VerifierSearch, events: list) -> None:
     [event] = events
     if event.hop is None:
         return core.send_hop(None)
@@ -99,7 +97,7 @@ def verifier_found(core: ChainCore, search: VerifierSearch, events: list) -> Non
     core.request([OpenSession(session)], Phase.OPENING_VERIFIER, VerifierOpening(search.hop, session))
 
 
-def verifier_opened(core: ChainCore, opening: VerifierOpening, events: list) -> None:
+def verifier_opened(core: ChainState, opening: VerifierOpening, events: list) -> None:
     [event] = events
     span, session = opening.hop.span, opening.session
     if isinstance(event, Failed):
@@ -114,7 +112,7 @@ def verifier_opened(core: ChainCore, opening: VerifierOpening, events: list) -> 
     core.send_hop(verifier)
 
 
-def catch_up(core: ChainCore, span: Span, fed: int):
+def catch_up(core: ChainState, span: Span, fed: int):
     """The requests bringing a verifier that has seen `fed` steps up to this step,
     then computing it."""
     step = core.step
@@ -122,7 +120,7 @@ def catch_up(core: ChainCore, span: Span, fed: int):
                          core.replay_max_tokens)
 
 
-def checked(core: ChainCore, checked: CheckedStep, events: list) -> None:
+def checked(core: ChainState, checked: CheckedStep, events: list) -> None:
     session, verifier = checked.hop, checked.verifier
     primary, check = events
     span = session.span
@@ -147,7 +145,7 @@ def checked(core: ChainCore, checked: CheckedStep, events: list) -> None:
     core.request([FindVerifier(*span, exclude)], Phase.FINDING_ARBITER, dispute)
 
 
-def arbiter_found(core: ChainCore, dispute: Dispute, events: list) -> None:
+def arbiter_found(core: ChainState, dispute: Dispute, events: list) -> None:
     [event] = events
     if event.hop is None:
         return verdict(core, dispute, None)
@@ -155,7 +153,7 @@ def arbiter_found(core: ChainCore, dispute: Dispute, events: list) -> None:
     core.request([OpenSession(session)], Phase.OPENING_ARBITER, Arbitration(dispute, session))
 
 
-def arbiter_opened(core: ChainCore, arbitration: Arbitration, events: list) -> None:
+def arbiter_opened(core: ChainState, arbitration: Arbitration, events: list) -> None:
     [event] = events
     dispute, session = arbitration.dispute, arbitration.session
     if isinstance(event, Failed):
@@ -165,7 +163,7 @@ def arbiter_opened(core: ChainCore, arbitration: Arbitration, events: list) -> N
     core.request([SendSteps(session, catch_up(core, dispute.span, 0))], Phase.ARBITRATING, arbitration)
 
 
-def arbitrated(core: ChainCore, arbitration: Arbitration, events: list) -> None:
+def arbitrated(core: ChainState, arbitration: Arbitration, events: list) -> None:
     [event] = events
     dispute = arbitration.dispute
     core.effect(Close(arbitration.session))
@@ -175,7 +173,7 @@ def arbitrated(core: ChainCore, arbitration: Arbitration, events: list) -> None:
     verdict(core, dispute, event.replies[-1].output)
 
 
-def verdict(core: ChainCore, dispute: Dispute, arbiter: Any) -> None:
+def verdict(core: ChainState, dispute: Dispute, arbiter: Any) -> None:
     """Judge the dispute (with the third opinion `arbiter`, if any): report and
     penalise the blamed, then the hop is done or failed over."""
     span, hop, verifier = dispute.span, dispute.hop, dispute.verifier
@@ -201,7 +199,7 @@ def verdict(core: ChainCore, dispute: Dispute, arbiter: Any) -> None:
         f"{'' if arbiter is None else ', a third server agreeing'})"))
 
 
-def drop_verifier(core: ChainCore, span: Span, error: HopFailed) -> None:
+def drop_verifier(core: ChainState, span: Span, error: HopFailed) -> None:
     verifier = core.verifiers.pop(span, None)
     if verifier is not None:
         core.retired.append(verifier.session)

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 from .. import protocol
 from . import chain_checks, chain_standby
 from .chain_events import Answered, Failed, HopSession, HopStepRequest, Phase, SendSteps, count_answered
 from .chain_plan import proof_links
-
-if TYPE_CHECKING:
-    from .chain_core import ChainCore, ChainStep
+from .chain_state import ChainState, ChainStep
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +24,7 @@ class DirectStep:
     hops: list[HopSession]
 
 
-def direct_ok(core: ChainCore, step: ChainStep) -> bool:
+def direct_ok(core: ChainState, step: ChainStep) -> bool:
     """Whether this step goes straight through the chain: every hop took its link,
     the step is small enough to push, and no hop is spot-checked this step (a
     checked step is relayed, its check beside it)."""
@@ -41,7 +38,7 @@ def direct_ok(core: ChainCore, step: ChainStep) -> bool:
     return True
 
 
-def send_direct(core: ChainCore) -> None:
+def send_direct(core: ChainState) -> None:
     """Every hop's request at once: the first carries the input, the others take
     theirs from their upstream's push; each answers with its output and proof."""
     step = core.step
@@ -55,7 +52,7 @@ def send_direct(core: ChainCore) -> None:
     core.request(requests, Phase.STEPPING_DIRECTLY, DirectStep(list(core.hops)), side=True)
 
 
-def direct_answered(core: ChainCore, direct: DirectStep, events: list) -> None:
+def direct_answered(core: ChainState, direct: DirectStep, events: list) -> None:
     """Take the hops' answers in chain order while each one's proof links to the
     previous one's; from the first that failed, did not get its push or does not
     link, the step goes on hop by hop from the consumer's copy (a failed hop is
@@ -74,7 +71,7 @@ def direct_answered(core: ChainCore, direct: DirectStep, events: list) -> None:
     core.enter_hop()
 
 
-def take_linked(core: ChainCore, hops: list[HopSession], events: list) -> int:
+def take_linked(core: ChainState, hops: list[HopSession], events: list) -> int:
     """Take the answers while they link up, as hops done; the index of the first
     hop not taken."""
     step = core.step

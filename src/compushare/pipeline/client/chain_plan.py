@@ -11,7 +11,7 @@ from typing import Any
 
 from ...errors import PeerMisbehaved
 from ...proofs import DEFAULT_MODE, TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
-from .chain_events import FileReport, HopSession, HopStepRequest
+from .chain_events import FileReport, HopSession, HopStepRequest, SendSteps, Span
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,17 @@ class Verifier:
 
     session: HopSession
     fed: int = 0  # steps of the history it has seen
+
+
+@dataclasses.dataclass
+class StandbyFeed:
+    """A standby's feed, sent beside a step's requests: once answered, it has seen
+    `steps` steps of the history."""
+
+    span: Span
+    standby: Verifier
+    steps: int
+    request: SendSteps
 
 
 def group_steps(sizes: list[int], limit: int = REPLAY_MAX_TOKENS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import HopFailed
 from . import chain_standby
@@ -19,10 +19,8 @@ from .chain_events import (
     Abort, Failed, FindRoute, HopSession, OpenSession, Phase, SendSteps, SessionOpened, count_answered,
 )
 from .chain_plan import Failover, Verifier, catch_up_plan, kept_inputs, replay_plan
+from .chain_state import ChainState
 from .routing import Hop
-
-if TYPE_CHECKING:
-    from .chain_core import ChainCore
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ class Replacement:
 
 # -- opening -------------------------------------------------------------------------------
 
-def opened(core: ChainCore, opening: Opening, events: list) -> None:
+def opened(core: ChainState, opening: Opening, events: list) -> None:
     core.hops = []
     for session, event in zip(opening.sessions, events):
         if isinstance(event, SessionOpened):
@@ -90,7 +88,7 @@ def opened(core: ChainCore, opening: Opening, events: list) -> None:
     keep_opened(core, opening)
 
 
-def keep_opened(core: ChainCore, opening: Opening) -> None:
+def keep_opened(core: ChainState, opening: Opening) -> None:
     """The opened hops into the route, in order; a hop that failed is rebuilt in place."""
     while opening.index < len(opening.sessions):
         session, event = opening.sessions[opening.index], opening.events[opening.index]
@@ -107,7 +105,7 @@ def keep_opened(core: ChainCore, opening: Opening) -> None:
 
 # -- failover ------------------------------------------------------------------------------
 
-def fail_over(core: ChainCore, error: HopFailed) -> None:
+def fail_over(core: ChainState, error: HopFailed) -> None:
     """The current hop failed: its standby takes over, or its span is rebuilt."""
     if not core.can_fail_over:
         raise error
@@ -126,7 +124,7 @@ def fail_over(core: ChainCore, error: HopFailed) -> None:
         replace(core, failing)
 
 
-def take_over(core: ChainCore, failing: FailingOver) -> bool:
+def take_over(core: ChainState, failing: FailingOver) -> bool:
     """Ask the failed hop's standby, if it has one, for the steps it missed and this
     one; whether there was one."""
     span = failing.failed.span
@@ -139,7 +137,7 @@ def take_over(core: ChainCore, failing: FailingOver) -> bool:
     return True
 
 
-def taken_over(core: ChainCore, taking: TakingOver, events: list) -> None:
+def taken_over(core: ChainState, taking: TakingOver, events: list) -> None:
     [event] = events
     failing, standby, step = taking.failing, taking.standby, core.step
     span = failing.failed.span
@@ -160,7 +158,7 @@ def taken_over(core: ChainCore, taking: TakingOver, events: list) -> None:
     core.enter_hop()
 
 
-def replace(core: ChainCore, failing: FailingOver) -> None:
+def replace(core: ChainState, failing: FailingOver) -> None:
     """Rebuild the failed hop's span with its history plus this step's input."""
     step, history = core.step, core.history
     start, end = failing.failed.span
@@ -168,7 +166,7 @@ def replace(core: ChainCore, failing: FailingOver) -> None:
                                history.computed + [step.tokens], failing))
 
 
-def replaced(core: ChainCore, failing: FailingOver, new: list[HopSession], outputs: list) -> None:
+def replaced(core: ChainState, failing: FailingOver, new: list[HopSession], outputs: list) -> None:
     """The new hops in the failed one's place; the step goes on after them."""
     step = core.step
     step.due = None  # drawn per hop of the old route
@@ -183,24 +181,24 @@ def replaced(core: ChainCore, failing: FailingOver, new: list[HopSession], outpu
 
 # -- rebuild -------------------------------------------------------------------------------
 
-def rebuild_span(core: ChainCore, rebuild: Rebuild) -> None:
+def rebuild_span(core: ChainState, rebuild: Rebuild) -> None:
     """Servers covering rebuild.start..end-1 with its steps (the inputs at `start`,
     one per step) replayed through them; then `rebuild.then` goes on."""
     rebuild.position = rebuild.start
     find_route(core, rebuild, fresh=True)
 
 
-def find_route(core: ChainCore, rebuild: Rebuild, *, fresh: bool) -> None:
+def find_route(core: ChainState, rebuild: Rebuild, *, fresh: bool) -> None:
     core.request([FindRoute(rebuild.position, rebuild.end, fresh)], Phase.REPLANNING, rebuild)
 
 
-def route_found(core: ChainCore, rebuild: Rebuild, events: list) -> None:
+def route_found(core: ChainState, rebuild: Rebuild, events: list) -> None:
     [event] = events
     rebuild.route = list(event.hops)
     next_replacement(core, rebuild)
 
 
-def next_replacement(core: ChainCore, rebuild: Rebuild) -> None:
+def next_replacement(core: ChainState, rebuild: Rebuild) -> None:
     if rebuild.position >= rebuild.end:
         core.history.inputs.update(rebuild.boundaries)
         return rebuilt(core, rebuild)
@@ -210,7 +208,7 @@ def next_replacement(core: ChainCore, rebuild: Rebuild) -> None:
     core.request([OpenSession(replacement.session)], Phase.OPENING_REPLACEMENT, replacement)
 
 
-def replacement_opened(core: ChainCore, replacement: Replacement, events: list) -> None:
+def replacement_opened(core: ChainState, replacement: Replacement, events: list) -> None:
     [event] = events
     rebuild, session = replacement.rebuild, replacement.session
     if isinstance(event, Failed):
@@ -222,7 +220,7 @@ def replacement_opened(core: ChainCore, replacement: Replacement, events: list) 
     core.request([SendSteps(session, plan)], Phase.REPLAYING, replacement)
 
 
-def replay_for(core: ChainCore, replacement: Replacement) -> tuple:
+def replay_for(core: ChainState, replacement: Replacement) -> tuple:
     """The replacement's replay: the history as computed (bit-identical); with the
     chain's fast_replay, in few forwards (within tolerance), and for the hop ending
     the span, where only the step under way's output goes on (no new boundary), the
@@ -237,7 +235,7 @@ def replay_for(core: ChainCore, replacement: Replacement) -> tuple:
     return catch_up_plan(kept[:-1], rebuild.sizes[:-1], 0, kept[-1], rebuild.sizes[-1], core.replay_max_tokens)
 
 
-def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> None:
+def replay_answered(core: ChainState, replacement: Replacement, events: list) -> None:
     [event] = events
     count_answered(replacement.session, event)
     if isinstance(event, Failed):
@@ -245,7 +243,7 @@ def replay_answered(core: ChainCore, replacement: Replacement, events: list) -> 
     replayed(core, replacement, [event.replies[-1].output] if replacement.last_only else list(event.parts))
 
 
-def replayed(core: ChainCore, replacement: Replacement, outputs: list[Any]) -> None:
+def replayed(core: ChainState, replacement: Replacement, outputs: list[Any]) -> None:
     rebuild, session = replacement.rebuild, replacement.session
     rebuild.new.append(session)
     rebuild.position = session.hop.end
@@ -255,7 +253,7 @@ def replayed(core: ChainCore, replacement: Replacement, outputs: list[Any]) -> N
     next_replacement(core, rebuild)
 
 
-def replacement_failed(core: ChainCore, rebuild: Rebuild, session: HopSession | None, error: HopFailed) -> None:
+def replacement_failed(core: ChainState, rebuild: Rebuild, session: HopSession | None, error: HopFailed) -> None:
     log.warning("%s; replanning blocks %d:%d", error, rebuild.position, rebuild.end)
     core.penalise(error)
     if session is not None:  # opened, then failed in the replay
@@ -264,7 +262,7 @@ def replacement_failed(core: ChainCore, rebuild: Rebuild, session: HopSession | 
     find_route(core, rebuild, fresh=False)
 
 
-def rebuilt(core: ChainCore, rebuild: Rebuild) -> None:
+def rebuilt(core: ChainState, rebuild: Rebuild) -> None:
     """The span is covered: its new hops go into the route being opened, or in the
     failed hop's place."""
     then = rebuild.then

@@ -19,16 +19,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING
 
 from .chain_events import (
     Abort, Close, Failed, FindVerifier, HopSession, HopStepRequest, OpenSession, Phase, SendSteps, Span,
     count_answered,
 )
-from .chain_plan import Verifier, replay_plan
-
-if TYPE_CHECKING:
-    from .chain_core import ChainCore
+from .chain_plan import StandbyFeed, Verifier, replay_plan
+from .chain_state import ChainState
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +44,7 @@ class StandbySearch:
     found: list[tuple[Span, HopSession]] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
-class StandbyFeed:
-    """A standby's feed, sent beside a step's requests: once answered, it has seen
-    `steps` steps of the history."""
-
-    span: Span
-    standby: Verifier
-    steps: int
-    request: SendSteps
-
-
-def look_for_standbys(core: ChainCore) -> bool:
+def look_for_standbys(core: ChainState) -> bool:
     """Before a step: close the standbys of spans gone from the route, look for
     standbys for spans without one (again every STANDBY_RETRY_STEPS steps); whether
     that is under way (else every standby's feed is queued)."""
@@ -82,7 +68,7 @@ def look_for_standbys(core: ChainCore) -> bool:
     return True
 
 
-def standbys_found(core: ChainCore, search: StandbySearch, events: list) -> None:
+def standbys_found(core: ChainState, search: StandbySearch, events: list) -> None:
     search.found = [(span, HopSession(event.hop)) for span, event in zip(search.spans, events)
                     if event.hop is not None]
     if not search.found:
@@ -91,7 +77,7 @@ def standbys_found(core: ChainCore, search: StandbySearch, events: list) -> None
     core.request([OpenSession(session) for _, session in search.found], Phase.OPENING_STANDBYS, search)
 
 
-def standbys_opened(core: ChainCore, search: StandbySearch, events: list) -> None:
+def standbys_opened(core: ChainState, search: StandbySearch, events: list) -> None:
     for (span, session), event in zip(search.found, events):
         if isinstance(event, Failed):
             log.info("no standby for blocks %d:%d now: %s", *span, event.error)
@@ -104,7 +90,7 @@ def standbys_opened(core: ChainCore, search: StandbySearch, events: list) -> Non
     core.link_and_step()
 
 
-def feed_plan(core: ChainCore, span: Span, fed: int) -> tuple[HopStepRequest, ...]:
+def feed_plan(core: ChainState, span: Span, fed: int) -> tuple[HopStepRequest, ...]:
     """The requests bringing a standby that has seen `fed` steps up to the history."""
     history = core.history
     return replay_plan(history.at(span[0])[fed:], history.sizes[fed:], core.replay_max_tokens,
@@ -112,7 +98,7 @@ def feed_plan(core: ChainCore, span: Span, fed: int) -> tuple[HopStepRequest, ..
                        last_only=True)
 
 
-def queue_feeds(core: ChainCore) -> None:
+def queue_feeds(core: ChainState) -> None:
     """Every standby's missed steps, sent beside the step's first requests."""
     steps = len(core.history.sizes)
     for span, standby in core.standbys.items():
@@ -121,7 +107,7 @@ def queue_feeds(core: ChainCore) -> None:
             core.side_feeds.append(StandbyFeed(span, standby, steps, request))
 
 
-def feed_current(core: ChainCore, session: HopSession) -> None:
+def feed_current(core: ChainState, session: HopSession) -> None:
     """The step's input to `session`'s standby beside the hop's own request, when
     it is known before the hop answers (a relayed hop, the first hop): no lag."""
     standby = core.standbys.get(session.span)
@@ -134,7 +120,7 @@ def feed_current(core: ChainCore, session: HopSession) -> None:
     core.side_feeds.append(StandbyFeed(session.span, standby, steps + 1, SendSteps(standby.session, (request,))))
 
 
-def fed(core: ChainCore, feed: StandbyFeed, event) -> None:
+def fed(core: ChainState, feed: StandbyFeed, event) -> None:
     """A feed's answer: the standby has seen its steps, or is dropped."""
     count_answered(feed.standby.session, event)
     if isinstance(event, Failed):
@@ -145,14 +131,14 @@ def fed(core: ChainCore, feed: StandbyFeed, event) -> None:
     feed.standby.fed = feed.steps
 
 
-def drop_standby(core: ChainCore, span: Span, standby: Verifier) -> None:
+def drop_standby(core: ChainState, span: Span, standby: Verifier) -> None:
     if core.standbys.get(span) is standby:
         del core.standbys[span]
     core.retired.append(standby.session)
     core.effect(Abort(standby.session))
 
 
-def takeover_plan(core: ChainCore, span: Span, standby: Verifier) -> tuple[HopStepRequest, ...]:
+def takeover_plan(core: ChainState, span: Span, standby: Verifier) -> tuple[HopStepRequest, ...]:
     """What a standby taking over `span` computes: the steps it missed and this one,
     as first computed. It may have this step already (fed beside the hop): the
     rollback drops it, and it computes the step again, the same way."""

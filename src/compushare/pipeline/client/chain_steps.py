@@ -6,14 +6,12 @@ the end. Functions of the chain core (chain_core.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import chain_checks, chain_direct, chain_rebuild, chain_standby
 from .chain_events import Failed, HopSession, HopStepRequest, Link, Phase, SendReceipt, SendSteps, count_answered
 from .chain_plan import Verifier
-
-if TYPE_CHECKING:
-    from .chain_core import ChainCore
+from .chain_state import ChainState
 
 
 @dataclasses.dataclass
@@ -30,7 +28,7 @@ class Linking:
     links: list[Link]
 
 
-def link_then_step(core: ChainCore) -> None:
+def link_then_step(core: ChainState) -> None:
     links = changed_links(core) if core.push else []
     if links:
         core.request(links, Phase.LINKING, Linking(links))
@@ -38,7 +36,7 @@ def link_then_step(core: ChainCore) -> None:
         enter_hop(core)
 
 
-def changed_links(core: ChainCore) -> list[Link]:
+def changed_links(core: ChainState) -> list[Link]:
     """The hops whose neighbours changed since they were last told (opened, failed over)."""
     links = []
     for index, session in enumerate(core.hops):
@@ -50,13 +48,13 @@ def changed_links(core: ChainCore) -> list[Link]:
     return links
 
 
-def linked(core: ChainCore, linking: Linking, events: list) -> None:
+def linked(core: ChainState, linking: Linking, events: list) -> None:
     for link, event in zip(linking.links, events):
         link.session.link_ok = event.ok
     enter_hop(core)
 
 
-def enter_hop(core: ChainCore) -> None:
+def enter_hop(core: ChainState) -> None:
     """The step at its next hop: sent (checked, direct or not), failed over, or done."""
     step = core.step
     if step.index >= len(core.hops):
@@ -73,7 +71,7 @@ def enter_hop(core: ChainCore) -> None:
         send_hop(core, None)
 
 
-def send_hop(core: ChainCore, verifier: Verifier | None) -> None:
+def send_hop(core: ChainState, verifier: Verifier | None) -> None:
     """Send the step to the current hop (and to `verifier`, a spot check)."""
     step = core.step
     session = core.hops[step.index]
@@ -87,7 +85,7 @@ def send_hop(core: ChainCore, verifier: Verifier | None) -> None:
     core.request([primary, check], Phase.STEPPING_CHECKED, chain_checks.CheckedStep(session, verifier), side=True)
 
 
-def hop_answered(core: ChainCore, asked: HopAsked, events: list) -> None:
+def hop_answered(core: ChainState, asked: HopAsked, events: list) -> None:
     [event] = events
     count_answered(asked.hop, event)
     if isinstance(event, Failed):
@@ -95,7 +93,7 @@ def hop_answered(core: ChainCore, asked: HopAsked, events: list) -> None:
     hop_done(core, event.replies[0].output)
 
 
-def hop_done(core: ChainCore, output: Any) -> None:
+def hop_done(core: ChainState, output: Any) -> None:
     """The current hop's answer is taken: on to the next hop."""
     step = core.step
     session = core.hops[step.index]
@@ -106,7 +104,7 @@ def hop_done(core: ChainCore, output: Any) -> None:
     enter_hop(core)
 
 
-def finish_step(core: ChainCore) -> None:
+def finish_step(core: ChainState) -> None:
     step = core.step
     core.history.append(step.tokens)
     core.position += step.tokens
@@ -119,5 +117,5 @@ def finish_step(core: ChainCore) -> None:
     core.request([SendReceipt(session) for session in due], Phase.RECEIPTS)
 
 
-def receipted(core: ChainCore, operation: None, events: list) -> None:
+def receipted(core: ChainState, operation: None, events: list) -> None:
     """The receipts are sent: the step is over."""
