@@ -25,13 +25,14 @@ from ..gc_policy import pause_during_startup
 from ..malloc_policy import bound_retention
 from .cli_doctor import doctor
 from .cli_finetune import finetune
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
+from .cli_common import (BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, command_app, err, out, run_or_exit,
+                         setup_logging)
 from .cli_models import models_app
 from .cli_train import train_app
 from .debug import FaultInjection
 from .cli_swarm import karma, show_id, status, swarm_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Peer-to-peer LLM inference over libp2p.")
+app = command_app("Peer-to-peer LLM inference over libp2p.")
 app.add_typer(swarm_app, name="swarm")
 app.add_typer(models_app, name="models")
 app.add_typer(train_app, name="train")

@@ -1,8 +1,9 @@
-"""What the command modules share: the consoles, the common options, logging, and
-running a command with CompuShare's errors reported as one line each."""
+"""What the command modules share: the typer apps, the consoles, the common options,
+logging, and running a command with CompuShare's errors reported as one line each."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -10,10 +11,32 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from ..config import load_toml, resolve_data_dir
 from ..errors import CompushareError
 from ..gc_policy import startup_done
+
+
+class _Group(TyperGroup):
+    """Lists each command with the whole first paragraph of its help, reflowed (click
+    would cut it short with "...")."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = [(name, cmd.short_help or inspect.cleandoc(cmd.help or "").partition("\f")[0].split("\n\n")[0])
+                for name, cmd in self.commands.items() if not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def command_app(help: str) -> typer.Typer:
+    """A typer app whose --help click lays out, not rich: text as written (rich markup
+    ate "[tray]"), each paragraph reflowed to the terminal (rich kept the docstring's
+    line breaks), a flag without a metavar (rich showed "<bool>"), and the help column
+    wider than in rich's five-column panel."""
+    return typer.Typer(cls=_Group, rich_markup_mode=None, add_completion=False, no_args_is_help=True, help=help)
+
 
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)

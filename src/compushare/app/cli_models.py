@@ -13,10 +13,10 @@ from rich.table import Table
 
 from ..config import NodeConfig, Span, resolve_data_dir
 from ..errors import UsageError
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, run_or_exit, setup_logging
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, command_app, err, run_or_exit, setup_logging
 from .progress import Progress
 
-models_app = typer.Typer(no_args_is_help=True, help="The local model store.")
+models_app = command_app("The local model store.")
 
 
 def _held(model) -> str:

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from ..config import resolve_data_dir
 from ..errors import UsageError
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, command_app, err, out, run_or_exit, setup_logging
 
-swarm_app = typer.Typer(no_args_is_help=True, help="A local swarm of node processes on 127.0.0.1.")
+swarm_app = command_app("A local swarm of node processes on 127.0.0.1.")
 
 
 def status(

@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 
 from ..config import TRAIN_DIR, resolve_data_dir
-from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, err, out, run_or_exit, setup_logging
+from .cli_common import BOOTSTRAP, DATA_DIR, SWARM_HOME, bootstrap_for, command_app, err, out, run_or_exit, setup_logging
 
-train_app = typer.Typer(no_args_is_help=True, help="Train a model together: DiLoCo rounds averaged peer to peer.")
+train_app = command_app("Train a model together: DiLoCo rounds averaged peer to peer.")
 
 CORPUS = typer.Option(..., help="The run's training text (UTF-8; .gz read as gzip): every participant needs the "
                                 "same bytes, checked against the run's corpus digest.")
