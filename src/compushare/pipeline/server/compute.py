@@ -91,10 +91,31 @@ class ComputeMeter:
         return now
 
 
+class Workers:
+    """The worker threads a server computes in, at most `limit` at once, each job run
+    with the torch team (intra-op threads) this process computes with on its event
+    loop. A thread's team is its own (torch.set_num_threads sets the calling
+    thread's) and trio reuses its threads, so without this a result would depend on
+    which thread ran it: a reduction split over another number of threads differs
+    in its last bits (tests/unit/test_training_server.py measures by how much)."""
+
+    def __init__(self, limit: int, team: int | None = None) -> None:
+        self.limiter = trio.CapacityLimiter(limit)
+        self.team = team or torch.get_num_threads()
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        return await trio.to_thread.run_sync(self._in_team, fn, *args, limiter=self.limiter)
+
+    def _in_team(self, fn: Callable[..., T], *args) -> T:
+        if torch.get_num_threads() != self.team:
+            torch.set_num_threads(self.team)
+        return fn(*args)
+
+
 class Compute(ComputeMeter):
     def __init__(self, threads: int, *, block_rate: float = 0.0, noise: float = 0.0, fair: bool = True) -> None:
         self.scheduler = FairScheduler(threads, fair=fair)
-        self._threads = trio.CapacityLimiter(2 * threads)  # long pieces, and short ones preempting them
+        self.workers = Workers(2 * threads)  # long pieces, and short ones preempting them
         self._preempt = threading.Condition()  # guards the scheduler's counts that worker threads read
         self._in_long = 0  # long forwards running (in worker threads)
         self._paused = 0  # ... of which waiting at a pause point
@@ -131,11 +152,11 @@ class Compute(ComputeMeter):
                                             position + offset, start, end)
                 if ticket.preempts:
                     await self._paused_long_forwards()
-                    out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+                    out, took = forward() if inline else await self.workers.run(forward)
                 elif self.scheduler.fair:
                     out, took = await self._long_forward(runner, adapter, piece, cache, position + offset, start, end)
                 else:
-                    out, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+                    out, took = forward() if inline else await self.workers.run(forward)
             outputs.append(out)
             offset += size
             seconds += took
@@ -241,7 +262,7 @@ class Compute(ComputeMeter):
         if ticket.preempts:
             await self._paused_long_forwards()
         try:
-            outs, took = forward() if inline else await trio.to_thread.run_sync(forward, limiter=self._threads)
+            outs, took = forward() if inline else await self.workers.run(forward)
         except BaseException as exc:
             for member in batch:
                 member.error = exc
@@ -267,7 +288,7 @@ class Compute(ComputeMeter):
         with self._preempt:
             self._in_long += 1
         try:
-            return await trio.to_thread.run_sync(compute, self._pause_point, limiter=self._threads)
+            return await self.workers.run(compute, self._pause_point)
         finally:
             with self._preempt:
                 self._in_long -= 1
