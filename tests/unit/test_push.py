@@ -254,3 +254,40 @@ async def test_a_stalled_push_holds_a_reply_back_only_briefly(make_server):
             position += hidden.shape[1]
         assert stream.written_at == [] and server.pushes.sent == 0
         nursery.cancel_scope.cancel()
+
+
+class DeadEndStream(PushStream):
+    """The stream to a next hop that was killed: a write fails at once, and the stream
+    takes a moment to end on this side (py-libp2p's reset is not instant)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.failed = trio.Event()
+
+    async def write(self, data: bytes) -> None:
+        self.failed.set()
+        raise trio.BrokenResourceError("the next hop's connection was reset")
+
+    async def read(self, n: int = -1) -> bytes:
+        await self.failed.wait()
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.5)
+        return b""
+
+
+async def test_a_step_pushed_to_a_dead_next_hop_is_answered_all_the_same(make_server):
+    # The push stream to a killed server breaks while a step is being computed: the
+    # step's push is dropped (a push is only a saving), and its reply goes back. A
+    # step that failed here instead closed this hop's own stream, and the consumer
+    # blamed this server for its neighbour's death.
+    server = make_server()
+    stream = DeadEndStream()
+    async with trio.open_nursery() as nursery:
+        await _linked_downstream(server, nursery, stream)
+        position = 0
+        for hidden in inputs():
+            await step(server, hidden, position)  # a result: `step` checks it
+            position += hidden.shape[1]
+            await trio.sleep(0)  # the broken link's sender runs
+        assert stream.failed.is_set() and server.pushes.sent == 0
+        nursery.cancel_scope.cancel()

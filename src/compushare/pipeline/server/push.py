@@ -110,7 +110,11 @@ class PushLinks:
         except trio.WouldBlock:  # PUSH_QUEUE pushes are still waiting to be written
             self.dropped += 1
             return False
-        except trio.ClosedResourceError:
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The stream broke (the next hop died) and its sender is gone; the link is
+            # dropped once the stream is reset. The step this push belongs to goes on:
+            # failing it would make this server look like the one that died.
+            self.dropped += 1
             return False
         link.queued += 1
         link.queued_bytes += len(hidden.data)
