@@ -67,7 +67,7 @@ from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...karma.receipts import RECEIPT_STEPS
-from ...proofs import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
+from ...proofs.inference import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
 from . import chain_checks, chain_direct, chain_rebuild, chain_standby, chain_steps
 from .chain_events import (
     EFFECTS, REQUESTS, Close, Forgive, HopSession, Kind, OpenSession, Penalise, Phase, Span, kind_of,
@@ -116,7 +116,7 @@ class ChainCore:
                  fast_replay: bool = False, adapter_digest: Callable[[int, int], bytes | None] | None = None) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
-        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
+        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.inference.tolerance)
         self.rng = rng or random.Random()
         self.push = push
         self.clock = clock  # wall time, for the failover records
@@ -239,7 +239,7 @@ class ChainCore:
         return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
 
     def proof_model(self, hop: Hop) -> str:
-        """The model the step proofs of `hop`'s server name (proofs.adapted_model)."""
+        """The model the step proofs of `hop`'s server name (proofs.inference.adapted_model)."""
         return adapted_model(self.model_id, self.adapter_digest(hop.start, hop.end) if self.adapter_digest else None)
 
     def tolerance_for(self, span: Span) -> float:
