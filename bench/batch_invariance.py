@@ -42,7 +42,7 @@ from compushare.model.batched import decode_batch  # noqa: E402
 from compushare.model.blocks import SpanRunner  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
-from compushare.proofs import relative_error  # noqa: E402
+from compushare.proofs.inference import relative_error  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPTS = [

@@ -60,7 +60,7 @@ from _common import REPO  # noqa: E402  (this checkout's src/, the shared conver
 import trio  # noqa: E402
 
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.proofs import TOLERANCES  # noqa: E402
+from compushare.proofs.inference import TOLERANCES  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
 from local_swarm import LocalSwarm, running_swarm  # noqa: E402  (bench/local_swarm.py)
@@ -137,7 +137,7 @@ def prefill_seconds(model_path: Path, ids: list[int], prompt_tokens: int) -> tup
 
     from compushare.model.blocks import SpanRunner
     from compushare.model.head import ConsumerHead
-    from compushare.proofs import relative_error
+    from compushare.proofs.inference import relative_error
 
     torch.set_num_threads(1)
     runner = SpanRunner.load(model_path, 0, 15)

@@ -11,7 +11,7 @@ k tokens   the same history replayed with the steps k at a time (k = 2, 3, 4, 8,
            The inputs are random hidden states (scale 0.5), the same for every k.
 
 What it decides: a fast replay (RunRequest.fast_replay) can be exact only if these
-are identical; otherwise it is exact within the format's tolerance (proofs.TOLERANCES)
+are identical; otherwise it is exact within the format's tolerance (proofs.inference.TOLERANCES)
 and stays opt-in (docs/architecture.md, "Fast failover at any length").
 
 Human-readable lines first; the last line is one JSON object.
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from compushare.model.blocks import SpanRunner  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
-from compushare.proofs import TOLERANCES, relative_error  # noqa: E402
+from compushare.proofs.inference import TOLERANCES, relative_error  # noqa: E402
 
 NAMES = {"fp32": "smollm2-135m", "q4": "smollm2-135m@q4"}
 

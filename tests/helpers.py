@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from compushare.model.catalog import import_path
-from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, StepClaim, step_digest
+from compushare.proofs.inference import DEFAULT_MODE, GENESIS, Statement, StepClaim, step_digest
 from compushare.app.swarm import node_command, start_node, wait_ready
 
 import forkserver

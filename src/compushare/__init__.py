@@ -8,9 +8,8 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   diloco/      training a model together: DiLoCo rounds averaged peer to peer
   torrent/     BitTorrent-style weight distribution
   karma/       contribution ledger, karma records and the karma protocol
-  proofs.py    signed step outputs, input digests, failure reports
-  private_proofs.py  pure: private mode's signed products and failure reports
-  diloco_proofs.py  pure: DiLoCo training's signed contributions and failure reports
+  proofs/      signed evidence: step proofs, training's, private mode's and DiLoCo's
+               signed statements, and the failure reports anyone can check
   net/         libp2p: patches, host, the swarm seam, dialling, serving, DHT, gossip
   model/       catalog of names, weight sources, the store and its manifests, the
                span runner and the consumer's head

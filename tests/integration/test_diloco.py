@@ -22,11 +22,11 @@ from compushare.diloco.run import make_run, run_validators
 from compushare.diloco.service import diloco_handler
 from compushare.diloco.weights import KEEP_ROUNDS, weights_digest
 from compushare.model.store import ModelStore
-from compushare.diloco_proofs import DilocoFailureReport
+from compushare.proofs.diloco import DilocoFailureReport
 from compushare.karma.record import karma_validators
 from compushare.karma.service import KARMA_PROTOCOL
 from compushare.net.host import full_addrs
-from compushare.proofs import parse_report
+from compushare.proofs.reports import parse_report
 from compushare.net.peer import open_swarm_host
 from compushare.torrent.protocol import PIECES_PROTOCOL
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from compushare.pipeline.client.consumer import Consumer, RunRequest
-from compushare.proofs import FailureReport
+from compushare.proofs.inference import FailureReport
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.model.catalog import import_path
 from helpers import liar_and_honest, reference_greedy

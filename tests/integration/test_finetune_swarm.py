@@ -18,7 +18,7 @@ from compushare.model.training_state import OptimizerSettings, TrainingState
 from compushare.pipeline.client.consumer import Consumer
 from compushare.pipeline.client.planner import SwarmPlanner
 from compushare.pipeline.client.swarm_trainer import SwarmTrainer
-from compushare.proofs import parse_report
+from compushare.proofs.reports import parse_report
 from helpers import liar_and_honest, reference_model
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from compushare.errors import WRONG_FORMAT
 from compushare.pipeline.client.hop import open_hop
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.client.sampling import SamplingParams
-from compushare.proofs import TOLERANCES, FailureReport
+from compushare.proofs.inference import TOLERANCES, FailureReport
 from helpers import liar_and_honest, local_greedy
 
 PROMPTS = [[1, 17, 42, 99, 3], [1, 200, 201, 202, 203, 204, 205, 206, 207]]

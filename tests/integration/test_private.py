@@ -25,7 +25,7 @@ from compushare.net.peer import open_swarm_host
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.pipeline.private_wire import KEYS_CHUNK, MAX_FRAME_BYTES, PRIVATE_PROTOCOL
-from compushare.private_proofs import PrivateFailureReport
+from compushare.proofs.private import PrivateFailureReport
 from helpers import reference_greedy
 
 pytestmark = pytest.mark.integration

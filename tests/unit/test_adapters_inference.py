@@ -22,7 +22,7 @@ from compushare.net.tensors import decode_tensor, encode_tensor
 from compushare.pipeline.adapter_wire import adapter_to_wire
 from compushare.pipeline.server.adapters import SessionAdapters
 from compushare.pipeline.server.inference import InferenceServer
-from compushare.proofs import DEFAULT_MODE, Statement, adapted_model, relative_error
+from compushare.proofs.inference import DEFAULT_MODE, Statement, adapted_model, relative_error
 from helpers import random_adapter
 
 KEY = create_new_key_pair()

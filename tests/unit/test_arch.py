@@ -37,7 +37,7 @@ def test_qwen2_quantized_keeps_its_projection_biases(tmp_path):
     kernel (fused q/k/v or k/v included), so it tracks fp32 as closely as Llama does."""
     from compushare.model.catalog import import_path
     from compushare.model.kernels import WithBias
-    from compushare.proofs import relative_error
+    from compushare.proofs.inference import relative_error
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,7 +11,7 @@ import torch
 from compushare.model.batched import decode_batch, supports_batching
 from compushare.model.blocks import SpanRunner
 from compushare.model.head import ConsumerHead
-from compushare.proofs import relative_error
+from compushare.proofs.inference import relative_error
 
 PROMPTS = [[1, 5, 9, 13], [1, 200, 3], [1, 7, 7, 7, 7, 7, 40], [1, 99]]
 

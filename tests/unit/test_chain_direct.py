@@ -21,7 +21,7 @@ from compushare.pipeline.client.chain_events import (
 from compushare.pipeline.client.chain_plan import Verifier, replay_plan
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.messages import Proof
-from compushare.proofs import DEFAULT_MODE, GENESIS, Statement, step_digest
+from compushare.proofs.inference import DEFAULT_MODE, GENESIS, Statement, step_digest
 
 MODEL = "m"
 KEYS = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(4)]

@@ -16,7 +16,7 @@ from compushare.pipeline.client.chain_events import FileReport, HopReply, HopSes
 from compushare.pipeline.client.chain_plan import build_report
 from compushare.pipeline.client.routing import Hop
 from compushare.pipeline.messages import Proof
-from compushare.proofs import DEFAULT_MODE, GENESIS, FailureReport, step_digest
+from compushare.proofs.inference import DEFAULT_MODE, GENESIS, FailureReport, step_digest
 from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i + 1]) * 32) for i in range(2)]

@@ -1,4 +1,4 @@
-"""diloco_proofs.py: a participant's signed DiLoCo contribution, a witness's signed
+"""proofs/diloco.py: a participant's signed DiLoCo contribution, a witness's signed
 recomputation and the failure report the two make. The part format and its digest,
 signing, the strict wire forms and the report's check (hypothesis: every single field
 changed, anything from the wire), the tolerance (honest recomputations pass, lies do
@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from compushare.diloco_proofs import (CHUNK, CONTRIBUTION_DOMAIN, DILOCO_REPORT_FORMAT, MAX_DILOCO_REPORT_BYTES,
+from compushare.proofs.diloco import (CHUNK, CONTRIBUTION_DOMAIN, DILOCO_REPORT_FORMAT, MAX_DILOCO_REPORT_BYTES,
                                       MAX_PART_ELEMENTS, TOLERANCE, Contribution, DilocoClaim, DilocoFailureReport,
-                                      Recomputation, check_part, dequantize, part_digest, part_error,
-                                      scales_bytes)
+                                      Recomputation, check_part, dequantize, part_digest, part_error, scales_bytes)
 from compushare.errors import FrameError, PeerMisbehaved
 from compushare.karma.ledger import ReportStore
 from compushare.karma.rules import verified_reports
-from compushare.proofs import MAX_REPORT_BYTES, parse_report
+from compushare.proofs.fields import MAX_REPORT_BYTES
+from compushare.proofs.reports import parse_report
 
 pytestmark = pytest.mark.unit
 

@@ -40,7 +40,7 @@ from compushare.net.framing import FramedStream
 from compushare.net.records import ServerRecord, parse_record, record_key
 from compushare.net.signed import open_sealed, signer_of
 from compushare.net.tensors import WIRE_DTYPES, decode_tensor
-from compushare.proofs import GENESIS, FailureReport
+from compushare.proofs.inference import GENESIS, FailureReport
 from helpers import signed_claim
 from compushare.model.manifest import parse
 from compushare.torrent.protocol import decode_bitfield, parse_reply, parse_request
@@ -426,7 +426,7 @@ def test_torrent_messages_with_nested_values_parse_or_raise_frame_error(message,
         assert kind == message["type"]
 
 
-# ---------------------------------------------------------------- pipeline/proofs.py: failure reports
+# ---------------------------------------------------------------- proofs/inference.py: failure reports
 
 def _report() -> FailureReport:
     digest = hashlib.sha256(b"inputs").digest()

@@ -21,7 +21,7 @@ from compushare.model.blocks import SpanRunner, load_full_model
 from compushare.model.catalog import import_path
 from compushare.model.head import ConsumerHead
 from compushare.model.layout import PieceHasher, piece_hashes
-from compushare.proofs import relative_error
+from compushare.proofs.inference import relative_error
 from gguf_files import Q4_K_M, raw_rows, write_tiny_llama
 
 # type -> (kernel class, relative rounding of the served weights). The int4 kernel holds

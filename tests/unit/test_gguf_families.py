@@ -19,7 +19,7 @@ from compushare.model.blocks import SpanRunner, load_full_model
 from compushare.model.catalog import import_path
 from compushare.model.families import FAMILIES, family_of_config, head_spec, layer_types
 from compushare.model.head import ConsumerHead
-from compushare.proofs import relative_error
+from compushare.proofs.inference import relative_error
 from test_families import Split, generate, transformers_model
 from tiny_families import make_tiny_family
 

@@ -18,7 +18,7 @@ from compushare.karma.receipts import Receipt, countersign, parse_receipt, sign_
 from compushare.karma.record import (MAX_KARMA_RECORD_BYTES, KarmaRecord, check_evidence, karma_key, make_record,
                                      newest_karma_index, parse_karma_record)
 from compushare.karma.rules import DAILY_CAP_MS, REPORT_FACTOR, base_score, score, tally, verified_reports
-from compushare.proofs import GENESIS, FailureReport, StepClaim
+from compushare.proofs.inference import GENESIS, FailureReport, StepClaim
 from helpers import signed_claim
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID

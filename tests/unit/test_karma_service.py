@@ -14,7 +14,7 @@ from compushare.karma.record import karma_validators
 from compushare.karma.service import PAGE, REPLY_BYTES, KarmaBook, KarmaService
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
-from compushare.proofs import GENESIS, FailureReport
+from compushare.proofs.inference import GENESIS, FailureReport
 from helpers import signed_claim
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID

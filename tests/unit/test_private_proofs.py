@@ -1,4 +1,4 @@
-"""private_proofs.py: a provider's signed private products and the failure report two
+"""proofs/private.py: a provider's signed private products and the failure report two
 conflicting ones make. The statement's digests, signing, the report's strict wire
 form and its check (hypothesis: round trips, every single field changed, anything
 from the wire), karma taking it like a plaintext report, the consumer refusing a
@@ -27,9 +27,10 @@ from compushare.karma.ledger import ReportStore
 from compushare.karma.rules import verified_reports
 from compushare.pipeline.client.private_reports import Signed, mismatch_report, signed_reply
 from compushare.pipeline.private_wire import PrivateProtocolError
-from compushare.private_proofs import (LAYOUT, MAX_PRIVATE_REPORT_BYTES, PRIVATE_REPORT_FORMAT, PrivateClaim,
+from compushare.proofs.private import (LAYOUT, MAX_PRIVATE_REPORT_BYTES, PRIVATE_REPORT_FORMAT, PrivateClaim,
                                        PrivateFailureReport, PrivateStatement, input_digest, output_digest)
-from compushare.proofs import STEP_DOMAIN, parse_report
+from compushare.proofs.inference import STEP_DOMAIN
+from compushare.proofs.reports import parse_report
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""proofs.py: signed step statements, the rewindable input chain, failure reports
+"""proofs/inference.py: signed step statements, the rewindable input chain, failure reports
 that anyone can check, that frame no one, and that no input can turn into anything
 but PeerMisbehaved."""
 
@@ -18,19 +18,9 @@ from libp2p.crypto.secp256k1 import create_new_key_pair as create_secp256k1_key_
 from libp2p.peer.id import ID
 
 from compushare.errors import PeerMisbehaved
-from compushare.proofs import (
-    DEFAULT_TOLERANCE,
-    GENESIS,
-    MAX_REPORT_BYTES,
-    REPORT_FORMAT,
-    TOLERANCES,
-    FailureReport,
-    InputChain,
-    Statement,
-    StepClaim,
-    step_digest,
-    token_digests,
-)
+from compushare.proofs.fields import MAX_REPORT_BYTES
+from compushare.proofs.inference import (DEFAULT_TOLERANCE, GENESIS, REPORT_FORMAT, TOLERANCES, FailureReport,
+                                         InputChain, Statement, StepClaim, step_digest, token_digests)
 from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i]) * 32) for i in range(3)]
@@ -407,7 +397,7 @@ def test_from_wire_on_a_mangled_report_raises_only_peer_misbehaved(changes):
 def test_the_tolerance_grows_with_the_span_for_rounding_formats():
     """bf16 / int8 / q4 round activations before every product: the difference two
     honest kernels make grows with depth (protocol.md's table), fp32's does not."""
-    from compushare.proofs import tolerance
+    from compushare.proofs.inference import tolerance
 
     assert tolerance("fp32", 1) == tolerance("fp32", 30) == 1e-3
     assert tolerance("q4/g64", 2) == tolerance("q4/g64", 10) == 2e-2

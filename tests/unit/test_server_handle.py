@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from compushare.config import ServerLimits
 from compushare.model.blocks import SpanRunner
 from compushare.net.tensors import decode_tensor, encode_tensor
-from compushare.proofs import DEFAULT_MODE, InputChain, Statement, step_digest, token_digests
+from compushare.proofs.inference import DEFAULT_MODE, InputChain, Statement, step_digest, token_digests
 from compushare.pipeline import protocol
 from compushare.pipeline.server import inference
 from compushare.pipeline.server.inference import InferenceServer

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compushare.proofs import DEFAULT_TOLERANCE, relative_error
+from compushare.proofs.inference import DEFAULT_TOLERANCE, relative_error
 from compushare.pipeline.client.spotcheck import DEFAULT_RATE, Penalties, SpotCheckSchedule
 
 TRIALS, HORIZON, HIDDEN = 1000, 100, 64

@@ -22,8 +22,9 @@ from compushare.pipeline.adapter_wire import adapter_to_wire
 from compushare.pipeline.server.inference import InferenceServer
 from compushare.pipeline.server.training import TrainingServer, activation_bytes
 from compushare.pipeline.train_messages import TrainBackward, TrainForward, TrainOpen, decode_reply
-from compushare.proofs import (
-    INPUT_PART, TrainStatement, parts_error, tolerance, train_input_digest, train_output_digest,
+from compushare.proofs.inference import tolerance
+from compushare.proofs.training import (
+    INPUT_PART, TrainStatement, parts_error, train_input_digest, train_output_digest,
 )
 from compushare.pipeline.client.train_hop import wire_tensor
 

@@ -20,7 +20,7 @@ from compushare.model.head import ConsumerHead
 from compushare.model.kernels import DequantizedLinear, Int4CpuLinear, Int8Linear, embedding_rows, linear
 from compushare.model.manifest import parse
 from compushare.model.quantize import dequantize, pack_nibbles, quantize, quantize_int8, quantize_q4, unpack_nibbles
-from compushare.proofs import TOLERANCES, relative_error
+from compushare.proofs.inference import TOLERANCES, relative_error
 
 PROJ = "model.layers.3.mlp.down_proj.weight"
 

@@ -2,7 +2,7 @@
 
 A group of n members (sorted) cuts every pseudo-gradient into n parts; member i owns
 part i. Each member sends part i of its contribution, in int8 with fp32 scales and a
-signed statement (diloco_proofs.Contribution), to member i on its own stream; member
+signed statement (proofs.diloco.Contribution), to member i on its own stream; member
 i aggregates what came before its deadline in fp32 (mean or CenteredClip, in peer
 order: deterministic), quantizes the result and answers every stream with it. Every
 member, the owner included, uses the dequantized answer, so all end bit-identical.
@@ -24,7 +24,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from .. import wire
-from ..diloco_proofs import Contribution, part_digest
+from ..proofs.diloco import Contribution, part_digest
 from ..errors import PeerMisbehaved
 from ..net.dial import dial
 from ..net.framing import request_reply

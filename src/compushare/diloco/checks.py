@@ -5,7 +5,7 @@ round, so a round is a function of the outer weights, the recipe, the run id, th
 peer id and the round number: anyone can re-run it. After each round, group.checks
 names (checker, target) pairs; a checker re-runs its target's round in a worker
 thread and compares the part of the target's contribution it received (as that
-part's owner) with its own recomputation. Beyond diloco_proofs.TOLERANCE it signs a
+part's owner) with its own recomputation. Beyond proofs.diloco.TOLERANCE it signs a
 DilocoFailureReport, keeps it with its karma (the witness serves it), excludes the
 target from later rounds and sends the report to the round's members.
 
@@ -24,7 +24,7 @@ import torch
 import trio
 from libp2p.crypto.keys import KeyPair
 
-from ..diloco_proofs import TOLERANCE, DilocoFailureReport, part_error
+from ..proofs.diloco import TOLERANCE, DilocoFailureReport, part_error
 from ..errors import PeerMisbehaved
 from . import messages
 from .allreduce import Attempt, OwnerSlot, ask

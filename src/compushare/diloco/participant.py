@@ -24,7 +24,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from ..config import TRAIN_STATE_FILE
-from ..diloco_proofs import DilocoFailureReport
+from ..proofs.diloco import DilocoFailureReport
 from ..errors import PeerMisbehaved
 from ..karma.receipts import Receipt, parse_receipt, sign_receipt
 from ..karma.service import KarmaService

@@ -17,7 +17,7 @@ import trio
 from libp2p.abc import INetStream
 
 from .. import wire
-from ..diloco_proofs import Contribution
+from ..proofs.diloco import Contribution
 from ..errors import FrameError, PeerMisbehaved
 from ..net.framing import FramedStream
 from ..net.serve import GuardedHandler, peer_of

@@ -22,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from ..errors import PeerMisbehaved
-from ..proofs import Report, parse_report
+from ..proofs.reports import Report, parse_report
 from .receipts import MAX_RECEIPT_BYTES, Receipt, countersign, parse_receipt
 from .rules import Tally, tally
 

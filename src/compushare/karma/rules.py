@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from ..errors import PeerMisbehaved
-from ..proofs import Report, parse_report
+from ..proofs.reports import Report, parse_report
 from .receipts import Receipt, parse_receipt
 
 DAILY_CAP_MS = 3_600_000.0  # one consumer's receipts, per server, per UTC day

@@ -29,7 +29,7 @@ from ..net.dial import dial
 from ..net.framing import FramedStream, request_reply
 from ..net.host import advertised_addrs
 from ..net.serve import GuardedHandler
-from ..proofs import Report, parse_report
+from ..proofs.reports import Report, parse_report
 from .ledger import ReceiptBook, ReportStore
 from .receipts import MAX_RECEIPT_BYTES
 from .record import KarmaRecord, check_evidence, karma_key, make_record, parse_karma_record

@@ -81,7 +81,7 @@ class Downstream:
 
 @dataclasses.dataclass(frozen=True)
 class Proof:
-    """A step proof (proofs.py): the server's signed statement about the last chunk."""
+    """A step proof (proofs/inference.py): the server's signed statement about the last chunk."""
 
     position: int
     tokens: int

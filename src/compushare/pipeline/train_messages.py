@@ -144,7 +144,7 @@ class ForwardResult:
     id: int
     hidden: WireTensor
     compute_ms: float
-    signature: bytes  # the server's over proofs.TrainStatement
+    signature: bytes  # the server's over proofs.training.TrainStatement
 
     def to_wire(self) -> dict:
         return {"type": "output", "id": self.id, "hidden": self.hidden.to_wire(), "compute_ms": self.compute_ms,
@@ -157,7 +157,7 @@ class BackwardResult:
     grad: WireTensor  # d loss / d the span's input
     grads: dict[str, WireTensor]  # d loss / d each adapter tensor sent
     compute_ms: float
-    signature: bytes  # the server's over proofs.TrainStatement: what a failure report rests on
+    signature: bytes  # the server's over proofs.training.TrainStatement: what a failure report rests on
 
     def to_wire(self) -> dict:
         return {"type": "grads", "id": self.id, "grad": self.grad.to_wire(),

@@ -2,7 +2,7 @@
 
 Every session is opened with the slice of the adapter for its own blocks, tensors
 included (a server keeps it for the session: pipeline/server/adapters.py), and its
-server's step proofs name that slice's digest (proofs.adapted_model). Hops, their
+server's step proofs name that slice's digest (proofs.inference.adapted_model). Hops, their
 replacements, standbys and spot checks of one span share one slice, made once.
 """
 

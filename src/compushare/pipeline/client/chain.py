@@ -30,7 +30,7 @@ from libp2p.abc import IHost
 
 from ...errors import HopFailed
 from ...model.lora import Adapter
-from ...proofs import DEFAULT_MODE, FailureReport
+from ...proofs.inference import DEFAULT_MODE, FailureReport
 from .. import protocol
 from .adapters import AdapterSlices
 from .chain_core import ChainCore
@@ -81,7 +81,7 @@ class InferenceChain:
         self.model_id = model_id
         # The model's weight format: a server that opens a session in another is refused,
         # and spot checks compare outputs within that format's tolerance.
-        self.fmt = fmt  # tolerance None: the protocol's for the format and each span (proofs.tolerance)
+        self.fmt = fmt  # tolerance None: the protocol's for the format and each span (proofs.inference.tolerance)
         self.max_tokens = max_tokens
         self.hidden_size = hidden_size
         self.planner = planner

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ...errors import MISMATCH, HopFailed
-from ...proofs import relative_error
+from ...proofs.inference import relative_error
 from . import chain_rebuild
 from .chain_events import (
     Answered, Close, Failed, FileReport, FindVerifier, HopReply, HopSession, OpenSession, Phase, SendSteps, Span,

@@ -70,7 +70,7 @@ class HopReply:
     data: bytes = b""  # the output's wire bytes (what the proof signs)
     dtype: str = ""
     proof: Any = None  # the server's step proof, None if it sent none
-    input_digest: bytes = b""  # proofs.step_digest of the input the consumer sent (none from_upstream)
+    input_digest: bytes = b""  # proofs.inference.step_digest of the input the consumer sent (none from_upstream)
 
 
 # -- requests ----------------------------------------------------------------------

@@ -10,7 +10,8 @@ import logging
 from typing import Any
 
 from ...errors import PeerMisbehaved
-from ...proofs import DEFAULT_MODE, TOLERANCES, FailureReport, Statement, StepClaim, relative_error, step_digest
+from ...proofs.inference import (DEFAULT_MODE, TOLERANCES, FailureReport, Statement, StepClaim, relative_error,
+                                 step_digest)
 from .chain_events import FileReport, HopSession, HopStepRequest, SendSteps, Span
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...karma.receipts import RECEIPT_STEPS
-from ...proofs import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
+from ...proofs.inference import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
 from .chain_events import EFFECTS, REQUESTS, Forgive, HopSession, Penalise, Phase, Span
 from .chain_plan import REPLAY_MAX_TOKENS, Failover, History, StandbyFeed, Verifier
 from .routing import Hop
@@ -63,7 +63,7 @@ class ChainState:
                  fast_replay: bool = False, adapter_digest: Callable[[int, int], bytes | None] | None = None) -> None:
         self.can_fail_over = can_fail_over  # a planner finds replacements and verifiers
         self.spot_check_rate = spot_check_rate
-        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.tolerance)
+        self.tolerance = tolerance  # None: the protocol's, for the mode and the span (proofs.inference.tolerance)
         self.rng = rng or random.Random()
         self.push = push
         self.clock = clock  # wall time, for the failover records
@@ -123,7 +123,7 @@ class ChainState:
         return self.hops + [v.session for v in (*self.verifiers.values(), *self.standbys.values())]
 
     def proof_model(self, hop: Hop) -> str:
-        """The model the step proofs of `hop`'s server name (proofs.adapted_model)."""
+        """The model the step proofs of `hop`'s server name (proofs.inference.adapted_model)."""
         return adapted_model(self.model_id, self.adapter_digest(hop.start, hop.end) if self.adapter_digest else None)
 
     def tolerance_for(self, span: Span) -> float:

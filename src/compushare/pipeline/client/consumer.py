@@ -27,7 +27,7 @@ from ...net.identity import load_or_create_identity
 from ...net.peer import open_swarm_host
 from ...net.traversal import client_traversal
 from ...net.view import SwarmView
-from ...proofs import Report
+from ...proofs.reports import Report
 from ...torrent.service import Torrent
 from .chain import Failover, open_chain
 from .discovery import name_from_swarm, peer_ids_of

@@ -33,7 +33,7 @@ from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import decode_tensor, encode_tensor
-from ...proofs import DEFAULT_MODE, step_digest
+from ...proofs.inference import DEFAULT_MODE, step_digest
 from ...wire import BAD_ADAPTER
 from .. import protocol
 from ..messages import (
@@ -82,7 +82,7 @@ class StepResult:
     data: bytes  # the output's wire bytes (what the proof signs)
     dtype: str
     proof: Proof | None
-    input_digest: bytes = b""  # of the input sent (proofs.step_digest); empty for a step from_upstream
+    input_digest: bytes = b""  # of the input sent (proofs.inference.step_digest); empty for a step from_upstream
 
 
 class RemoteHop:

@@ -19,7 +19,7 @@ spot check. If that is the route's provider it is replaced and the step computed
 again from the last accepted position (the KV cache is cropped back). Without a
 third, the route's provider is blamed: a lying verifier can then make the
 consumer avoid an honest provider for a while, never accept a wrong product.
-Every reply is signed (private_proofs.py; one without a valid signature is a bad
+Every reply is signed (proofs/private.py; one without a valid signature is a bad
 reply, failed over), so a mismatch also makes a PrivateFailureReport against the
 one found wrong, witnessed by the other, kept in `reports` like InferenceChain's.
 """
@@ -42,7 +42,7 @@ from ...he.groups import group_shapes
 from ...he.plan import Plan, choose, request_tokens
 from ...net.dial import dial
 from ...net.framing import FramedStream
-from ...private_proofs import PrivateFailureReport
+from ...proofs.private import PrivateFailureReport
 from ..private_wire import (KEYS_CHUNK, MAX_CTS_PER_REQUEST, MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY,
                             MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project, PrivateProtocolError,
                             PrivateRemoteError, decode_projected)

@@ -1,6 +1,6 @@
 """Private mode's proofs on the consumer's side: every `projected` reply's signature
 is checked as it comes (a reply without a valid one is a bad reply), and a private
-spot check's mismatch becomes a PrivateFailureReport (private_proofs.py) against the
+spot check's mismatch becomes a PrivateFailureReport (proofs/private.py) against the
 provider found wrong, witnessed by the other, as chain_plan.build_report does for a
 plaintext check's verdict."""
 
@@ -10,7 +10,7 @@ import dataclasses
 import logging
 
 from ...errors import PeerMisbehaved
-from ...private_proofs import PrivateClaim, PrivateFailureReport, PrivateStatement
+from ...proofs.private import PrivateClaim, PrivateFailureReport, PrivateStatement
 from ..private_wire import PrivateProtocolError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ A server that fails, refuses or misses its deadline is replaced: the planner fin
 other servers for exactly that stage's blocks (one, or several in a row) and only
 that stage's request is sent again; nothing else of the step is lost. A sampled
 backward is spot-checked: computed again on a second server of the span and
-compared within the format's tolerance (proofs.TOLERANCES); on a mismatch a third
+compared within the format's tolerance (proofs.inference.TOLERANCES); on a mismatch a third
 decides, the one it contradicts is excluded and a signed TrainFailureReport is
 filed, as for inference, and the step uses the agreeing gradients.
 """
@@ -35,7 +35,8 @@ from ...errors import HopFailed, PeerMisbehaved
 from ...model.lora import Adapter
 from ...model.train_head import IGNORE, embed_batch, loss_and_grad, loss_sum
 from ...model.training_state import TrainingState
-from ...proofs import TrainClaim, TrainFailureReport, parts_error, tolerance
+from ...proofs.inference import tolerance
+from ...proofs.training import TrainClaim, TrainFailureReport, parts_error
 from .planner import SwarmPlanner
 from .spotcheck import Penalties
 from .train_hop import Answer, TrainHop, open_train_hop

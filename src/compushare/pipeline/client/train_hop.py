@@ -30,7 +30,7 @@ from ...net.codec import DEFAULT_MAX_FRAME
 from ...net.dial import dial
 from ...net.framing import FramedStream
 from ...net.tensors import encode_tensor
-from ...proofs import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
+from ...proofs.training import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
 from .. import protocol
 from ..adapter_wire import adapter_to_wire
 from ..message_parts import WireTensor

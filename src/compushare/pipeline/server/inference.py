@@ -27,7 +27,7 @@ from ...model.blocks import SpanRunner
 from ...net.limits import PeerRateLimiter
 from ...net.serve import GuardedHandler
 from ...net.tensors import WIRE_DTYPES, decode_tensor
-from ...proofs import DEFAULT_MODE, Statement, adapted_model, step_digest
+from ...proofs.inference import DEFAULT_MODE, Statement, adapted_model, step_digest
 from .. import protocol
 from ..messages import (
     CloseRequest, Closed, ErrorReply, Linked, LinkRequest, Opened, OpenRequest, Proof, PushRequest, Receipted,
@@ -357,7 +357,7 @@ async def wait_for_push(pushed: PushedSteps, request: StepRequest, table: Sessio
 def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tokens: int, encoded: WireTensor,
           returned: int, *, mode: str = DEFAULT_MODE) -> Proof:
     """The step proof of the last chunk (positions position..position+tokens-1):
-    the last `tokens` of the `returned` token rows `encoded` (proofs.py), computed in
+    the last `tokens` of the `returned` token rows `encoded` (proofs/inference.py), computed in
     `mode` (the span's weight format: its tolerance is the protocol's)."""
     data = encoded.data
     last = memoryview(data)[len(data) - len(data) // returned * tokens:]

@@ -20,7 +20,7 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
 - answers: a request whose answer would not fit a frame is refused.
 
 Every `projected` reply is signed with the node's key over the request's and the
-reply's ciphertext digests (private_proofs.py), so a failed private spot check
+reply's ciphertext digests (proofs/private.py), so a failed private spot check
 makes a failure report anyone can check.
 """
 
@@ -41,7 +41,7 @@ from ...he.groups import group_shapes, required_steps
 from ...he.plan import choose
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
-from ...private_proofs import PrivateStatement
+from ...proofs.private import PrivateStatement
 from ..private_wire import (MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY, PrivateProtocolError, decode_keys_chunk,
                             decode_open, decode_project, error)
 from .private_pool import HEWorker, WorkerCrashed
@@ -251,7 +251,7 @@ class PrivateServer:
         return None
 
     async def _signed(self, opened, request, reply: dict) -> dict:
-        """A `projected` reply with its `sig` (private_proofs.py); an error as it is."""
+        """A `projected` reply with its `sig` (proofs/private.py); an error as it is."""
         if reply.get("type") != "projected":
             return reply
         statement = await trio.to_thread.run_sync(  # hashing ~10 MB of ciphertexts: off the event loop

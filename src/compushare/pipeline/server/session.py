@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .. import protocol
 from . import kv_share
 from ...errors import CompushareError
-from ...proofs import InputChain, token_digests
+from ...proofs.inference import InputChain, token_digests
 
 if TYPE_CHECKING:
     from ..messages import Downstream

@@ -25,7 +25,7 @@ from ...errors import FrameError, PeerMisbehaved
 from ...model.span_training import span_backward, span_forward
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
-from ...proofs import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
+from ...proofs.training import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
 from .. import protocol
 from ..adapter_wire import AdapterCache, decode_adapter
 from ..message_parts import WireTensor

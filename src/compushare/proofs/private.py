@@ -29,22 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Sequence
 
 import msgpack
-from libp2p.crypto.keys import KeyPair
 
-from .errors import PeerMisbehaved
-from .net.signed import signed_by
+from ..errors import PeerMisbehaved
+from .fields import (DIGEST_BYTES, HEX64, PeerSigned, WireReport, check_peer, exact_map, is_signature, malformed,
+                     report_body, report_wire, typed)
 
 PRIVATE_DOMAIN = "compushare/private-proof/v1"
 PRIVATE_REPORT_FORMAT = "compushare/private-failure-report/v1"
 LAYOUT = "2"  # the slot layout of a product (protocol.md, "Layout of a product"; "2" since revision 24)
-DIGEST_BYTES = 32
-MAX_SIG_BYTES = 1024  # an Ed25519 signature is 64 bytes; RSA's up to 512
 MAX_PRIVATE_REPORT_BYTES = 8192
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _TEXT = {"model": 128, "params": 64, "layout": 16, "group": 16}  # the most characters of each string field
 
 
@@ -64,7 +60,7 @@ def output_digest(outs: Sequence[Sequence[bytes]]) -> bytes:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrivateStatement:
+class PrivateStatement(PeerSigned):
     """What a provider signs for one `projected` reply (see the module docstring)."""
 
     model_id: str
@@ -88,15 +84,9 @@ class PrivateStatement:
         return msgpack.packb([PRIVATE_DOMAIN, self.model_id, self.params, self.layout, self.keys_digest, self.layer,
                               self.group, self.tokens, self.input_digest, self.output_digest], use_bin_type=True)
 
-    def sign(self, key_pair: KeyPair) -> bytes:
-        return key_pair.private_key.sign(self.encode())
-
-    def verify(self, peer_id: str, signature: bytes) -> bool:
-        return signed_by(peer_id, self.encode(), signature)
-
     def claim(self, peer_id: str, signature: object) -> PrivateClaim:
         """`peer_id`'s claim of this statement; PeerMisbehaved unless `signature` is its."""
-        if not isinstance(signature, bytes) or not 0 < len(signature) <= MAX_SIG_BYTES:
+        if not is_signature(signature):
             raise PeerMisbehaved("a projected reply without a signature")
         if not self.verify(peer_id, signature):
             raise PeerMisbehaved(f"the projected reply is not signed by {peer_id}")
@@ -116,7 +106,7 @@ class PrivateClaim:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrivateFailureReport:
+class PrivateFailureReport(WireReport):
     """Two providers' signed, different answers to the same encrypted request.
 
     `accused` is the one the reporter found wrong (by decrypting, with a third
@@ -157,38 +147,25 @@ class PrivateFailureReport:
                 raise PeerMisbehaved(f"the claim of {claim.peer_id} is not signed by it")
 
     def to_wire(self) -> bytes:
-        return msgpack.packb({
-            "format": PRIVATE_REPORT_FORMAT, "model": self.model_id, "params": self.params, "layout": self.layout,
-            "keys_digest": self.keys_digest, "layer": self.layer, "group": self.group, "tokens": self.tokens,
-            "input_digest": self.input_digest, "accused": self.accused.to_wire(), "witness": self.witness.to_wire(),
-        }, use_bin_type=True)
+        return report_wire(PRIVATE_REPORT_FORMAT, {
+            "model": self.model_id, "params": self.params, "layout": self.layout, "keys_digest": self.keys_digest,
+            "layer": self.layer, "group": self.group, "tokens": self.tokens, "input_digest": self.input_digest,
+        }, self.accused.to_wire(), self.witness.to_wire())
 
     @classmethod
     def from_wire(cls, data: bytes) -> PrivateFailureReport:
         """Parse (not check: call check()) a report from anyone."""
-        if not isinstance(data, bytes | bytearray) or len(data) > MAX_PRIVATE_REPORT_BYTES:
-            raise PeerMisbehaved(f"a private failure report is at most {MAX_PRIVATE_REPORT_BYTES} bytes")
-        try:
-            body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-            if body["format"] != PRIVATE_REPORT_FORMAT:
-                raise ValueError(f"format {body['format']!r}")
-            if set(body) != _REPORT_KEYS:
-                raise ValueError(f"fields {sorted(body)}")
-            claims = [_claim(body[name], name) for name in ("accused", "witness")]
+        body, accused, witness = report_body(data, PRIVATE_REPORT_FORMAT, _REPORT_KEYS, _claim,
+                                             max_bytes=MAX_PRIVATE_REPORT_BYTES, what="private failure report")
+        with malformed("private failure report"):
             text = {name: _text(body[name], name) for name in _TEXT}
-            report = cls(text["model"], text["params"], text["layout"], _typed(body["keys_digest"], str),
-                         _typed(body["layer"], int), text["group"], _typed(body["tokens"], int),
-                         _typed(body["input_digest"], bytes), claims[0], claims[1])
-        except Exception as exc:
-            raise PeerMisbehaved(f"malformed private failure report: {exc}") from None
-        if not (_HEX64.fullmatch(report.keys_digest) and 0 <= report.layer <= 1 << 16
+            report = cls(text["model"], text["params"], text["layout"], typed(body["keys_digest"], str),
+                         typed(body["layer"], int), text["group"], typed(body["tokens"], int),
+                         typed(body["input_digest"], bytes), accused, witness)
+        if not (HEX64.fullmatch(report.keys_digest) and 0 <= report.layer <= 1 << 16
                 and 1 <= report.tokens <= 1 << 16 and len(report.input_digest) == DIGEST_BYTES):
             raise PeerMisbehaved("private failure report fields out of range")
         return report
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_wire()).hexdigest()
 
 
 _REPORT_KEYS = {"format", "model", "params", "layout", "keys_digest", "layer", "group", "tokens", "input_digest",
@@ -196,12 +173,11 @@ _REPORT_KEYS = {"format", "model", "params", "layout", "keys_digest", "layer", "
 _CLAIM_KEYS = {"peer", "output_digest", "sig"}
 
 
-def _claim(body: dict, name: str) -> PrivateClaim:
-    if not isinstance(body, dict) or set(body) != _CLAIM_KEYS:
-        raise ValueError(f"{name} is not a map of exactly {sorted(_CLAIM_KEYS)}")
-    claim = PrivateClaim(_typed(body["peer"], str), _typed(body["output_digest"], bytes), _typed(body["sig"], bytes))
-    if not 0 < len(claim.peer_id) <= 128 or len(claim.output_digest) != DIGEST_BYTES or \
-            not 0 < len(claim.signature) <= MAX_SIG_BYTES:
+def _claim(value: object, name: str) -> PrivateClaim:
+    body = exact_map(value, _CLAIM_KEYS, name)
+    claim = PrivateClaim(typed(body["peer"], str), typed(body["output_digest"], bytes), typed(body["sig"], bytes))
+    check_peer(claim.peer_id)
+    if len(claim.output_digest) != DIGEST_BYTES or not is_signature(claim.signature):
         raise ValueError(f"{name} fields out of range")
     return claim
 
@@ -211,8 +187,3 @@ def _text(value: object, name: str) -> str:
         raise ValueError(f"{name} must be 1..{_TEXT[name]} characters")
     return value
 
-
-def _typed(value, kind):
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"{value!r:.40} has the wrong type")
-    return value

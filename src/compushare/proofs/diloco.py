@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 
 import msgpack
 import numpy as np
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from .errors import PeerMisbehaved
-from .net.signed import signed_by
+from ..errors import PeerMisbehaved
+from .fields import (DIGEST_BYTES, HEX64, MAX_SIG_BYTES, SelfSigned, WireReport, check_peer, exact_map, is_signature,
+                     malformed, report_body, report_wire, typed)
 
 CONTRIBUTION_DOMAIN = "compushare/diloco-contribution/v1"
 RECOMPUTATION_DOMAIN = "compushare/diloco-recomputation/v1"
@@ -61,14 +61,10 @@ TOLERANCE = 0.1
 CHUNK = 256  # values per fp32 scale
 MAX_PART_ELEMENTS = 1 << 20
 MAX_PARTS = 1 << 12  # members of one all-reduce group at most
-DIGEST_BYTES = 32
-MAX_SIG_BYTES = 1024  # an Ed25519 signature is 64 bytes; RSA's up to 512
-MAX_PEER_CHARS = 128
 # Two parts of at most MAX_PART_ELEMENTS (1 byte per value and 4 per CHUNK values)
-# and 64 KiB for everything else: 2.1 MB, under proofs.MAX_REPORT_BYTES (4 MiB).
+# and 64 KiB for everything else: 2.1 MB, under fields.MAX_REPORT_BYTES (4 MiB).
 MAX_DILOCO_REPORT_BYTES = 2 * (MAX_PART_ELEMENTS + 4 * (MAX_PART_ELEMENTS // CHUNK)) + (64 << 10)
 _MAX_INT = 1 << 63
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def scales_bytes(elements: int) -> int:
@@ -126,7 +122,7 @@ class DilocoClaim:
 
 
 @dataclasses.dataclass(frozen=True)
-class Contribution:
+class Contribution(SelfSigned):
     """What a participant signs for one part it sends (see the module docstring)."""
 
     run: str  # 64 lowercase hex
@@ -154,20 +150,13 @@ class Contribution:
         """What a recomputation names: SHA-256 of the encoding."""
         return hashlib.sha256(self.encode()).digest()
 
-    def sign(self, key_pair: KeyPair) -> bytes:
-        return key_pair.private_key.sign(self.encode())
-
-    def verify(self, signature: bytes) -> bool:
-        """Signed by `peer` (its public key is in its peer id)."""
-        return signed_by(self.peer, self.encode(), signature)
-
     def claim(self, signature: object, q: bytes, scales: bytes) -> DilocoClaim:
         """The received part as a claim; PeerMisbehaved unless `q` and `scales` are a part,
         hash to `part`, and `signature` is `peer`'s of this statement."""
         check_part(q, scales)
         if part_digest(q, scales) != self.part:
             raise PeerMisbehaved("the part's bytes are not the ones its contribution signs")
-        if not isinstance(signature, bytes) or not 0 < len(signature) <= MAX_SIG_BYTES or not self.verify(signature):
+        if not is_signature(signature) or not self.verify(signature):
             raise PeerMisbehaved(f"the contribution is not signed by {self.peer}")
         return DilocoClaim(self.peer, bytes(q), bytes(scales), signature)
 
@@ -178,24 +167,21 @@ class Contribution:
     @classmethod
     def from_wire(cls, body: object) -> Contribution:
         """Parse (not verify) a contribution as to_wire() gives it, from anyone."""
-        try:
-            if not isinstance(body, dict) or set(body) != _CONTRIBUTION_KEYS:
-                raise ValueError(f"not a map of exactly {sorted(_CONTRIBUTION_KEYS)}")
-            contribution = cls(_typed(body["run"], str), _typed(body["round"], int), _typed(body["base"], bytes),
-                               _typed(body["peer"], str), _typed(body["group"], bytes), _typed(body["index"], int),
-                               _typed(body["parts"], int), _typed(body["tokens"], int), _typed(body["part"], bytes))
+        with malformed("DiLoCo contribution"):
+            body = exact_map(body, _CONTRIBUTION_KEYS, "a contribution")
+            contribution = cls(typed(body["run"], str), typed(body["round"], int), typed(body["base"], bytes),
+                               typed(body["peer"], str), typed(body["group"], bytes), typed(body["index"], int),
+                               typed(body["parts"], int), typed(body["tokens"], int), typed(body["part"], bytes))
             _check_fields(contribution.run, contribution.round, contribution.base, contribution.group,
                           contribution.index, contribution.parts, contribution.tokens)
-            _check_peer(contribution.peer)
+            check_peer(contribution.peer)
             if len(contribution.part) != DIGEST_BYTES:
                 raise ValueError("a part digest is 32 bytes")
-        except Exception as exc:
-            raise PeerMisbehaved(f"malformed DiLoCo contribution: {exc}") from None
         return contribution
 
 
 @dataclasses.dataclass(frozen=True)
-class Recomputation:
+class Recomputation(SelfSigned):
     """What a witness signs: "I recomputed that contribution and got this part"."""
 
     contribution: bytes  # Contribution.digest of the accused's statement
@@ -205,15 +191,9 @@ class Recomputation:
     def encode(self) -> bytes:
         return msgpack.packb([RECOMPUTATION_DOMAIN, self.contribution, self.peer, self.part], use_bin_type=True)
 
-    def sign(self, key_pair: KeyPair) -> bytes:
-        return key_pair.private_key.sign(self.encode())
-
-    def verify(self, signature: bytes) -> bool:
-        return signed_by(self.peer, self.encode(), signature)
-
 
 @dataclasses.dataclass(frozen=True)
-class DilocoFailureReport:
+class DilocoFailureReport(WireReport):
     """A signed contribution and a witness's signed recomputation of it, with both parts,
     more than TOLERANCE apart. The fields are the contribution's but `peer` and `part`
     (the accused claim's peer and its bytes' digest)."""
@@ -270,37 +250,23 @@ class DilocoFailureReport:
             raise PeerMisbehaved("the two parts agree within the tolerance: nothing to report")
 
     def to_wire(self) -> bytes:
-        return msgpack.packb({
-            "format": DILOCO_REPORT_FORMAT, "run": self.run, "round": self.round, "base": self.base,
-            "group": self.group, "index": self.index, "parts": self.parts, "tokens": self.tokens,
-            "accused": self.accused.to_wire(), "witness": self.witness.to_wire(),
-        }, use_bin_type=True)
+        return report_wire(DILOCO_REPORT_FORMAT, {
+            "run": self.run, "round": self.round, "base": self.base, "group": self.group, "index": self.index,
+            "parts": self.parts, "tokens": self.tokens,
+        }, self.accused.to_wire(), self.witness.to_wire())
 
     @classmethod
     def from_wire(cls, data: bytes) -> DilocoFailureReport:
         """Parse (not check: call check()) a report from anyone."""
-        if not isinstance(data, bytes | bytearray) or len(data) > MAX_DILOCO_REPORT_BYTES:
-            raise PeerMisbehaved(f"a DiLoCo failure report is at most {MAX_DILOCO_REPORT_BYTES} bytes")
-        try:
-            body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-            if not isinstance(body, dict) or body.get("format") != DILOCO_REPORT_FORMAT:
-                raise ValueError("not a DiLoCo failure report")
-            if set(body) != _REPORT_KEYS:
-                raise ValueError(f"fields {sorted(body)}")
-            claims = [_claim(body[name], name) for name in ("accused", "witness")]
-            report = cls(_typed(body["run"], str), _typed(body["round"], int), _typed(body["base"], bytes),
-                         _typed(body["group"], bytes), _typed(body["index"], int), _typed(body["parts"], int),
-                         _typed(body["tokens"], int), claims[0], claims[1])
+        body, accused, witness = report_body(data, DILOCO_REPORT_FORMAT, _REPORT_KEYS, _claim,
+                                             max_bytes=MAX_DILOCO_REPORT_BYTES, what="DiLoCo failure report")
+        with malformed("DiLoCo failure report"):
+            report = cls(typed(body["run"], str), typed(body["round"], int), typed(body["base"], bytes),
+                         typed(body["group"], bytes), typed(body["index"], int), typed(body["parts"], int),
+                         typed(body["tokens"], int), accused, witness)
             _check_fields(report.run, report.round, report.base, report.group, report.index, report.parts,
                           report.tokens)
-        except Exception as exc:
-            raise PeerMisbehaved(f"malformed DiLoCo failure report: {exc}") from None
         return report
-
-    @property
-    def digest(self) -> str:
-        """Hex SHA-256 of the wire bytes: the name karma stores and compares it by."""
-        return hashlib.sha256(self.to_wire()).hexdigest()
 
 
 _CONTRIBUTION_KEYS = {"run", "round", "base", "peer", "group", "index", "parts", "tokens", "part"}
@@ -309,7 +275,7 @@ _CLAIM_KEYS = {"peer", "q", "scales", "sig"}
 
 
 def _check_fields(run: str, round: int, base: bytes, group: bytes, index: int, parts: int, tokens: int) -> None:
-    if not _HEX64.fullmatch(run):
+    if not HEX64.fullmatch(run):
         raise ValueError("a run id is 64 lowercase hex digits")
     if len(base) != DIGEST_BYTES or len(group) != DIGEST_BYTES:
         raise ValueError("base and group are 32-byte digests")
@@ -317,24 +283,12 @@ def _check_fields(run: str, round: int, base: bytes, group: bytes, index: int, p
         raise ValueError("round, index, parts or tokens out of range")
 
 
-def _check_peer(peer: str) -> None:
-    if not 0 < len(peer) <= MAX_PEER_CHARS:
-        raise ValueError(f"a peer id is 1..{MAX_PEER_CHARS} characters")
-
-
-def _claim(body: object, name: str) -> DilocoClaim:
-    if not isinstance(body, dict) or set(body) != _CLAIM_KEYS:
-        raise ValueError(f"{name} is not a map of exactly {sorted(_CLAIM_KEYS)}")
-    claim = DilocoClaim(_typed(body["peer"], str), _typed(body["q"], bytes), _typed(body["scales"], bytes),
-                        _typed(body["sig"], bytes))
-    _check_peer(claim.peer_id)
+def _claim(value: object, name: str) -> DilocoClaim:
+    body = exact_map(value, _CLAIM_KEYS, name)
+    claim = DilocoClaim(typed(body["peer"], str), typed(body["q"], bytes), typed(body["scales"], bytes),
+                        typed(body["sig"], bytes))
+    check_peer(claim.peer_id)
     check_part(claim.q, claim.scales)
-    if not 0 < len(claim.signature) <= MAX_SIG_BYTES:
+    if not is_signature(claim.signature):
         raise ValueError(f"{name}'s signature is 1..{MAX_SIG_BYTES} bytes")
     return claim
-
-
-def _typed(value, kind):
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"{value!r:.40} has the wrong type")
-    return value
