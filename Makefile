@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# Shared cache for converted model weights (the SmolLM2 GGUF is converted once).
-export COMPUSHARE_CACHE ?= $(CURDIR)/.cache/compushare
+# Converted model weights (SmolLM2's GGUF to fp32, its q4 formats) go to the
+# machine's shared cache, ~/.cache/compushare unless $COMPUSHARE_CACHE says otherwise:
+# converted once per machine, for every clone's tests, demos and nodes.
 DEMO_HOME := $(CURDIR)/demo-swarm
 
 .PHONY: demo test test-fast lint bench sysdeps testsysdeps netlabdeps clean

@@ -3,7 +3,6 @@ checkout's code, and share the conversion cache (SmolLM2 is converted once)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,6 @@ if str(REPO / "src") not in sys.path:
         import compushare  # noqa: F401  (installed editable in the venv)
     except ImportError:
         sys.path.insert(0, str(REPO / "src"))
-os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
 
 
 def save_result(result: dict, path: Path) -> None:

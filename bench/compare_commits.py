@@ -56,7 +56,6 @@ def git(*args: str) -> str:
 
 def run_bench(tree: Path, name: str, extra: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    env.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
     began = time.perf_counter()
     done = subprocess.run([sys.executable, str(tree / "bench" / f"{name}.py"), *extra], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)

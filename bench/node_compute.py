@@ -8,7 +8,7 @@ at once, one torch thread (torch.set_num_threads(1)), the whole model per format
 30 blocks as one model/blocks.SpanRunner plus its model/head.ConsumerHead (the lean
 path a node and a consumer run, no network). Formats, each its own model in a
 temporary data dir (removed on every exit path; the shared conversion cache is
-$COMPUSHARE_CACHE, default <repo>/.cache/compushare):
+$COMPUSHARE_CACHE, default ~/.cache/compushare):
 
   fp32         smollm2-135m          the reference (itself the GGUF's Q4_1 dequantized)
   bf16         smollm2-135m@bf16

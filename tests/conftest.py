@@ -27,8 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 # then test the runner's setting, not CompuShare.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-# Converted SmolLM2 weights are shared by every test (and `make demo`): convert once.
-os.environ.setdefault("COMPUSHARE_CACHE", str(REPO / ".cache" / "compushare"))
+# Converted SmolLM2 weights are shared by every test, and with `make demo` and the
+# user's own nodes: the product's cache ($COMPUSHARE_CACHE, else ~/.cache/compushare)
+# holds them, converted once per machine (never the user's data dir: that is a
+# temporary COMPUSHARE_HOME per test).
 
 
 @pytest.fixture(autouse=True)
