@@ -34,7 +34,7 @@ import statistics
 import time
 from pathlib import Path
 
-import _common  # noqa: E402, F401  (this checkout's src/, the shared conversion cache)
+import _common  # noqa: E402, F401  (this checkout's src/)
 
 import torch  # noqa: E402
 

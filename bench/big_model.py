@@ -46,11 +46,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, finish  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO, finish  # noqa: E402  (this checkout's src/)
 
 sys.path.insert(0, str(REPO / "tools"))
 import synthetic_gguf  # noqa: E402
 import llamacpp_ref  # noqa: E402
+from compushare.config import resolve_cache_dir  # noqa: E402
 
 NAME = "big8b"
 NODES = 3
@@ -193,7 +194,7 @@ def main() -> None:
 
     gguf_path = synthetic_gguf.ensure(log=log)
     log(f"file: {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB)")
-    root = Path(tempfile.mkdtemp(prefix="big-model-", dir=Path(os.environ["COMPUSHARE_CACHE"]).parent))
+    root = Path(tempfile.mkdtemp(prefix="big-model-", dir=resolve_cache_dir().parent))
     # A cache of their own: the import must convert, not hard-link an earlier run's conversion.
     env = dict(os.environ, COMPUSHARE_HOME=str(root / "home"), COMPUSHARE_CACHE=str(root / "cache"),
                PYTHONUNBUFFERED="1")

@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO  # noqa: E402  (this checkout's src/)
 
 import trio  # noqa: E402
 

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (this checkout's src/, the shared conversion cache)
+import _common  # noqa: F401  (this checkout's src/)
 
 import torch  # noqa: E402
 import trio  # noqa: E402

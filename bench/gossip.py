@@ -75,7 +75,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO  # noqa: E402  (this checkout's src/)
 
 TARGET_DELIVERED = 0.95
 TARGET_P95_S = 2.0

@@ -60,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: E402, F401  (this checkout's src/, the shared conversion cache)
+import _common  # noqa: E402, F401  (this checkout's src/)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO  # noqa: E402  (this checkout's src/)
 sys.path.insert(0, str(REPO / "tools"))
 
 import trio  # noqa: E402

@@ -60,12 +60,13 @@ import threading
 import time
 from pathlib import Path
 
-import _common  # noqa: E402, F401  (this checkout's src/, the shared conversion cache)
+import _common  # noqa: E402, F401  (this checkout's src/)
 
 import torch  # noqa: E402
 import trio  # noqa: E402
 
 from compushare.app.api.client import call  # noqa: E402
+from compushare.config import resolve_cache_dir  # noqa: E402
 from compushare.gc_policy import startup_done  # noqa: E402
 from compushare.model.blocks import SpanRunner, load_full_model  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
@@ -476,7 +477,7 @@ def main() -> int:
     try:
         log(f"pipeline overhead bench: {model_name}, {NODES} nodes, {args.tokens} decode tokens, "
             f"{args.trials} interleaved trials, {fmt.label}, 1 torch thread per process")
-        log(f"cache {os.environ['COMPUSHARE_CACHE']}, temp {cleanup.tmp}")
+        log(f"cache {resolve_cache_dir()}, temp {cleanup.tmp}")
 
         began = time.perf_counter()
         bench_dir = cleanup.tmp / "bench"

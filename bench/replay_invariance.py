@@ -23,7 +23,7 @@ import argparse
 import json
 import time
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO  # noqa: E402  (this checkout's src/)
 
 import torch  # noqa: E402
 

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO  # noqa: E402  (this checkout's src/, the shared conversion cache)
+from _common import REPO  # noqa: E402  (this checkout's src/)
 
 sys.path.insert(0, str(REPO / "tools"))
 import netlab  # noqa: E402  (tools/netlab, the project's namespace harness)

@@ -7,7 +7,6 @@ SmolLM2 is in the test cache, check the real thing."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from compushare.config import resolve_cache_dir
 from compushare.errors import UsageError
 from compushare.model.sources import SMOLLM2_CONVERTED
 from compushare.model.train_data import (IGNORE, DataStats, Example, batches, count_targets, load_examples,
@@ -23,7 +23,7 @@ from compushare.model.train_data import (IGNORE, DataStats, Example, batches, co
 pytestmark = pytest.mark.unit
 
 EOS = 2
-SMOLLM2 = Path(os.environ["COMPUSHARE_CACHE"]) / "converted" / SMOLLM2_CONVERTED
+SMOLLM2 = resolve_cache_dir() / "converted" / SMOLLM2_CONVERTED
 # A chat template of words: what the prompt's ids must be is plain to see.
 WORD_TEMPLATE = ("{% for m in messages %}w10 {{ m['content'] }} w11 {% endfor %}"
                  "{% if add_generation_prompt %}w12{% endif %}")
