@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,6 +32,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # user's own nodes: the product's cache ($COMPUSHARE_CACHE, else ~/.cache/compushare)
 # holds them, converted once per machine (never the user's data dir: that is a
 # temporary COMPUSHARE_HOME per test).
+
+
+# References computed in this process (one-process decodes a swarm's tokens must
+# equal) use the torch team the nodes compute with (NodeConfig.torch_threads, 1):
+# a reduction split over another number of threads differs in its last bits, and on
+# some CPUs that flips a near-tie among a quantized model's logits. One thread per
+# worker also keeps 3 workers from oversubscribing 2 cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -61,10 +61,15 @@ async def test_smollm2_q4_swarm_equals_one_process(tmp_path):
         expected.append(int(torch.argmax(head.logits(hidden))))
         hidden = runner.forward(head.embed_tokens(expected[-1:]), cache, runner.cached_length(cache))
     try:
+        # Without speculation: its verify passes run several tokens in one forward, and
+        # torch's 4-bit kernel rounds those differently from one-token steps on some
+        # CPUs (on an AMD EPYC this question's 20th token flips a near-tie), so they
+        # agree within the format's tolerance, not token for token.
         swarm = swarm_up(home, 3, "smollm2-135m@q4")
         assert swarm["model_id"] == model.model_id
         outcome = await run_prompt(client, tuple(swarm["bootstrap"]), RunRequest(
-            model="smollm2-135m@q4", prompt=ids, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+            model="smollm2-135m@q4", prompt=ids, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False),
+            speculate=False))
     finally:
         swarm_down(home)
     assert outcome.tokens == expected
