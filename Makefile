@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml | sysdeps
 # quiet machine. Then the rest run on TEST_WORKERS processes at once (pytest-xdist):
 # an integration test spends much of its time waiting on node processes. Both parts
 # always run; either failing fails the target. docs/testing.md: the rules.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: $(STAMP) testsysdeps netlabdeps lint
 	status=0; \
 	$(PY) -m pytest -q -ra --durations=5 -m serial || status=$$?; \
