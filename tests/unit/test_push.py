@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -263,6 +264,7 @@ class DeadEndStream(PushStream):
     def __init__(self) -> None:
         super().__init__(0.0)
         self.failed = trio.Event()
+        self.reset = trio.Event()  # set by the test once its steps are done
 
     async def write(self, data: bytes) -> None:
         self.failed.set()
@@ -271,7 +273,7 @@ class DeadEndStream(PushStream):
     async def read(self, n: int = -1) -> bytes:
         await self.failed.wait()
         with trio.CancelScope(shield=True):
-            await trio.sleep(0.5)
+            await self.reset.wait()
         return b""
 
 
@@ -285,9 +287,12 @@ async def test_a_step_pushed_to_a_dead_next_hop_is_answered_all_the_same(make_se
     async with trio.open_nursery() as nursery:
         await _linked_downstream(server, nursery, stream)
         position = 0
-        for hidden in inputs():
-            await step(server, hidden, position)  # a result: `step` checks it
-            position += hidden.shape[1]
-            await trio.sleep(0)  # the broken link's sender runs
+        try:
+            for hidden in inputs():
+                await step(server, hidden, position)  # a result: `step` checks it
+                position += hidden.shape[1]
+                await trio.testing.wait_all_tasks_blocked()  # the broken link's sender has run
+        finally:
+            stream.reset.set()  # the stream ends only now: every step came while the link was broken
         assert stream.failed.is_set() and server.pushes.sent == 0
         nursery.cancel_scope.cancel()
