@@ -11,7 +11,9 @@ import trio
 from compushare.errors import PeerMisbehaved
 from compushare.karma.receipts import Receipt, countersign, sign_receipt
 from compushare.karma.record import karma_validators
-from compushare.karma.service import PAGE, REPLY_BYTES, KarmaBook, KarmaService
+from compushare.karma.service import (
+    PAGE, REPLY_BYTES, RETRY_S, KarmaBook, KarmaService, retry_wait,
+)
 from compushare.net.dht import open_dht
 from compushare.net.host import open_host
 from compushare.proofs.inference import GENESIS, FailureReport
@@ -91,3 +93,63 @@ def test_karma_book_stays_bounded_under_a_stream_of_fresh_identities():
         assert len(book._scores) + len(book._failed) <= KarmaBook.MAX_PEERS
     assert book.known("honest") == 2.0  # checked within the last minute: kept
     assert f"sybil-{3 * KarmaBook.MAX_PEERS - 1}" in book._failed  # the newest failures are remembered
+
+
+class _ScriptedDht:
+    """A DHT whose puts and provides succeed or fail as scripted; it notes when each was tried."""
+
+    def __init__(self, outcomes: list[bool]) -> None:
+        self.outcomes, self.tried = outcomes, []
+        self.changed = trio.Event()
+
+    def _next(self) -> bool:
+        self.tried.append(trio.current_time())
+        self.changed.set()
+        return self.outcomes.pop(0) if self.outcomes else True
+
+    async def tried_times(self, n: int) -> None:
+        while len(self.tried) < n:
+            self.changed = trio.Event()
+            await self.changed.wait()
+
+    async def provide(self, _key: str) -> bool:
+        return self._next()  # py-libp2p answers False when no peer took the provider record
+
+    async def put_value(self, _key: str, _value: bytes) -> None:
+        if not self._next():
+            raise RuntimeError("no peer stored the value")
+
+
+class _UnlistenedHost:
+    def get_id(self) -> ID:
+        return ID.from_pubkey(NODE.public_key)
+
+    def get_addrs(self) -> list:
+        return []
+
+
+def test_retry_wait_doubles_from_retry_s_after_failures_and_is_the_period_after_a_success():
+    assert [retry_wait(n, 600.0) for n in range(9)] == [600.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0]
+    assert RETRY_S == 5.0
+
+
+@pytest.mark.parametrize("loop", ["provide_reports_loop", "publish_loop"])
+def test_a_failed_advertisement_is_retried_soon_not_after_the_full_period(tmp_path, loop, monkeypatch):
+    # Before: a provide that reached no peer (a loaded swarm) left the report unfindable
+    # for PROVIDE_REPORTS_S (10 min); a failed put left the record stale as long.
+    monkeypatch.setattr("compushare.karma.service.RETRY_S", 0.01)
+    monkeypatch.setattr("compushare.karma.service.DEBOUNCE_S", 0.0)
+
+    async def main():
+        dht = _ScriptedDht([False, False, False])
+        service = KarmaService(_UnlistenedHost(), dht, NODE, tmp_path)
+        service.keep_report(_report(OTHER, NODE))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(getattr(service, loop))
+            with trio.fail_after(60):  # three short retries, then the success
+                await dht.tried_times(4)
+            await trio.sleep(0.5)
+            assert len(dht.tried) == 4  # after the success: the full period (minutes) before the next
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -48,6 +48,7 @@ RECORD_TTL_S = 3600.0
 REPUBLISH_S = 600.0  # the record is re-put this often, and soon after a new receipt
 DEBOUNCE_S = 2.0
 PROVIDE_REPORTS_S = 600.0
+RETRY_S = 5.0  # a failed put or provide is tried again this soon, doubling up to the period
 MAX_STREAMS_PER_PEER = 4  # concurrent karma requests one peer may have served (more are reset)
 
 
@@ -94,7 +95,7 @@ class KarmaService:
         return record
 
     async def publish_loop(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        started = False
+        started, failures = False, 0
         while True:
             self._changed = trio.Event()
             try:
@@ -102,25 +103,35 @@ class KarmaService:
                     record = await self.publish_once()
                 log.debug("karma record: %d receipts, %.0f ms, score %.3f", record.count, record.compute_ms,
                           record.score)
-            except Exception as exc:  # the DHT may be empty or slow: try again later
+                failures = 0
+            except Exception as exc:  # the DHT may be empty or slow: try again soon
                 log.info("publishing the karma record failed: %s", exc)
+                failures += 1
             if not started:
                 task_status.started()
                 started = True
-            with trio.move_on_after(REPUBLISH_S):
+            with trio.move_on_after(retry_wait(failures, REPUBLISH_S)):
                 await self._changed.wait()
                 await trio.sleep(DEBOUNCE_S)  # a burst of receipts makes one record
 
     async def provide_reports_loop(self) -> None:
         """Provider records for every peer we hold reports against (py-libp2p keeps
-        them 24 h): re-sent on a new report and every PROVIDE_REPORTS_S."""
+        them 24 h): re-sent on a new report and every PROVIDE_REPORTS_S, and soon
+        again (RETRY_S, doubling) while one of them reached no peer."""
+        failures = 0
         while True:
             self._new_reports = trio.Event()
             accused = await trio.to_thread.run_sync(self.reports.accused)
+            reached = True
             for peer in sorted(accused):
+                stored = False
                 with contextlib.suppress(Exception), trio.move_on_after(30):
-                    await self.dht.provide(reports_key(peer))
-            with trio.move_on_after(PROVIDE_REPORTS_S):
+                    stored = await self.dht.provide(reports_key(peer))  # False: no peer took it
+                reached = reached and stored is True
+            failures = 0 if reached else failures + 1
+            if not reached:
+                log.info("advertising failure reports reached no peer; trying again")
+            with trio.move_on_after(retry_wait(failures, PROVIDE_REPORTS_S)):
                 await self._new_reports.wait()
 
     # -- serving ----------------------------------------------------------------------
@@ -166,6 +177,12 @@ class KarmaService:
             await trio.to_thread.run_sync(report.check)
             return {"type": "kept", "new": self.keep_report(report)}
         raise PeerMisbehaved(f"unknown karma request {kind!r}")
+
+
+def retry_wait(failures: int, period: float) -> float:
+    """How long a publishing loop waits: its period after a success; after the
+    n-th failure in a row RETRY_S * 2**(n-1), at most the period."""
+    return period if failures == 0 else min(period, RETRY_S * 2 ** (failures - 1))
 
 
 def _budget(items: list[bytes], most: int) -> list[bytes]:
