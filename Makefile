@@ -37,7 +37,9 @@ netlabdeps: $(STAMP)
 $(STAMP): pyproject.toml | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 numpy==2.4.6
+	@# ggml-python built for this CPU, once per machine (its wheel cached by CPU): tools/install_ggml.py
+	$(PY) tools/install_ggml.py
 	$(PY) -m pip install -q -e '.[test,tray]'
 	touch $(STAMP)
 

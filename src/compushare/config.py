@@ -135,7 +135,8 @@ class RelayQuotas:
 
 
 DEFAULT_API_PORT = 8311
-DEVICES = ("auto", "cpu", "cuda")  # --device (hardware.resolve_device turns auto into one of the others)
+DEVICES = ("auto", "cpu", "cuda")
+RUNTIMES = ("auto", "torch", "ggml")  # --runtime (spans/__init__.py: auto is ggml for a GGUF model on CPU)  # --device (hardware.resolve_device turns auto into one of the others)
 PID_FILE = "node.pid"
 LOG_FILE = "node.log"
 
@@ -147,7 +148,7 @@ class NodeConfig:
     bootstrap: tuple[str, ...] = ()
     model: str | None = None
     blocks: Span | None = None
-    torch_threads: int = 1
+    torch_threads: int = 1  # threads of one forward, either runtime (ggml spans too)
     # A server record's lifetime, refreshed at a third of it (60 s before revision 23: each
     # re-put is a look-up and k stores, the largest part of an idle node's DHT upkeep).
     record_ttl_s: float = 300.0
@@ -156,6 +157,9 @@ class NodeConfig:
     # Where the span computes: "cuda" (weights, KV cache, activations on the GPU; the
     # memory budget is the device's), "cpu", or "auto" (CUDA where torch sees one).
     device: str = "auto"
+    # What computes the span: "ggml" (a GGUF model's weights as stored, llama.cpp's
+    # engine), "torch", or "auto" (ggml for a GGUF model on CPU, torch otherwise).
+    runtime: str = "auto"
     ad_period_s: float = 5.0  # capability ads: one per period (net/ads.AD_PERIOD_S)
     api_port: int = DEFAULT_API_PORT  # local HTTP API on 127.0.0.1 (0: a free port, negative: none)
     # Ollama's routes without the token, for requests from 127.0.0.1 (clients that
@@ -180,6 +184,8 @@ class NodeConfig:
             raise UsageError("--max-blocks must be at least 1")
         if self.device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.runtime not in RUNTIMES:
+            raise UsageError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
 
     @classmethod
     def build(cls, data_dir: Path, **flags) -> NodeConfig:
@@ -195,6 +201,7 @@ class NodeConfig:
             "max_blocks": node.get("max_blocks"),
             "memory_budget_mb": node.get("memory_budget_mb"),
             "device": str(node.get("device", "auto")),
+            "runtime": str(node.get("runtime", "auto")),
             "api_port": int(node.get("api_port", DEFAULT_API_PORT)),
             "api_ollama_open": bool(node.get("api_ollama_open", False)),
             "private": bool(node.get("private", True)),

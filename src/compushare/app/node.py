@@ -215,7 +215,8 @@ class Node:
         config, host = self.config, self.swarm.host
         provider = self.provider = Provider(
             model, self._inference_server, block_rate=0.0, slowdown=self.faults.slowdown, prepare=self._fetch_span,
-            name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format, device=self.device)
+            name="" if is_model_id(name) else name, claimed_format=self.faults.claim_format, device=self.device,
+            runtime=config.runtime, threads=config.torch_threads)
         await self_benchmark(provider, config, self.faults.slowdown, self.device)
         memory = span_memory(self.device, self.hardware)
         self.gossip.follow(model.model_id)  # its servers' ads, heard while the first span is chosen

@@ -56,9 +56,12 @@ class ConsumerHead:
         self.dtype, self.spec, self.rms_norm_eps = dtype, spec, spec.rms_norm_eps
         self.quantized = bool(gguf_types) or any(name != base_name(name) for name in state)
         self.gguf_rows = gguf_rows
+        self.on_ggml = None  # the final norm and LM head on ggml (spans/ggml/head.py), for a GGUF's own tensors
         if gguf_types:  # a GGUF's own tensors: embedding rows read from the file, the LM head its type's kernel
             head = LM_HEAD if LM_HEAD in gguf_types else EMBED  # tied: the embedding's own blocks
-            self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
+            self.on_ggml = _ggml_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
+            if self.on_ggml is None:
+                self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
         elif self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
             self.embed_parts = {name[len(EMBED):]: t for name, t in state.items() if base_name(name) == EMBED}
             head_parts = {name[len(LM_HEAD):]: t for name, t in state.items() if base_name(name) == LM_HEAD}
@@ -111,6 +114,11 @@ class ConsumerHead:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _ggml_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        logits = torch.from_numpy(self.on_ggml.logits(rows.to(torch.float32).numpy()))
+        cap = self.spec.final_softcap
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
     @torch.inference_mode()
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of every position of `hidden` [1, n, H]: [n, vocab] (a verify pass).
@@ -118,11 +126,25 @@ class ConsumerHead:
         product (by ~1e-5 relative), which can only matter between near-tied tokens."""
         if hidden.shape[1] == 1:
             return self.logits(hidden).unsqueeze(0)
+        if self.on_ggml is not None:
+            return self._ggml_logits(hidden[0])
         rows = self._norm(hidden[0])
         return self._project(rows).float()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last position: [vocab]."""
+        if self.on_ggml is not None:
+            return self._ggml_logits(hidden[0, -1:, :])[0]
         last = self._norm(hidden[:, -1:, :])
         return self._project(last)[0, -1].float()
+
+
+def _ggml_head(matrix: torch.Tensor, kind: str, norm: torch.Tensor, spec: HeadSpec):
+    """The GGUF head on ggml, as llama.cpp computes it; None where ggml is not installed
+    (the torch kernel of the file's type computes it then)."""
+    try:
+        from ..spans.ggml.head import GgmlHead
+    except (ImportError, OSError):
+        return None
+    return GgmlHead(matrix.numpy(), kind, norm.float().numpy(), spec.rms_norm_eps, norm_plus_one=spec.norm_plus_one)

@@ -58,6 +58,9 @@ class SessionAdapters:
     def admit(self, wire: dict, runner, start: int, end: int, peer: str) -> Held:
         """The adapter an `open` names, decoded and within the bounds; FrameError
         (bad_adapter, unknown_adapter) or Rejected (busy). Nothing is held until `keep`."""
+        if getattr(runner, "runtime", "torch") != "torch":
+            raise FrameError(BAD_ADAPTER, f"this span runs on {runner.runtime}, which serves no LoRA adapters: "
+                                          "nodes started with --runtime torch serve them")
         if "tensors" in wire:
             decoded = decode_adapter(wire, runner.config, start, end, None, peer)  # checks the digest
             digest = wire["digest"]

@@ -19,7 +19,7 @@ import trio
 
 from ...config import Span
 from ...errors import UsageError
-from ...model.blocks import SpanRunner
+from ...spans import SpanCompute, load_span
 from ...model.store import StoredModel
 from ...net.ads import Serving
 from ...net.records import MODEL_NAME
@@ -106,12 +106,14 @@ def memory_state(model: StoredModel, span: Span | None, budget_mb: int, kv_token
 
 
 class Provider:
-    def __init__(self, model: StoredModel, server_factory: Callable[[SpanRunner], InferenceServer], *,
+    def __init__(self, model: StoredModel, server_factory: Callable[[SpanCompute], InferenceServer], *,
                  block_rate: float, slowdown: float = 1.0, rng: random.Random | None = None,
                  prepare: Callable[[Span], Awaitable[None]] | None = None, name: str = "",
-                 claimed_format: str = "", device: str = "cpu") -> None:
+                 claimed_format: str = "", device: str = "cpu", runtime: str = "auto", threads: int = 1) -> None:
         self.model = model
         self.device = device  # where spans compute: "cpu" or "cuda" (model/blocks.py)
+        # What computes them (spans/__init__.py): "auto" is ggml for a GGUF model on CPU.
+        self.runtime, self.threads = runtime, threads
         self.name = name  # what the node calls the model ("smollm2-135m@q4"): ads carry it for name look-ups
         self.claimed_format = claimed_format  # fault injection (tests): a format other than the model's
         # Runs before a span loads: fetches the span's weights from the swarm if missing.
@@ -192,8 +194,9 @@ class Provider:
         try:
             if self.prepare is not None:
                 await self.prepare(span)
-            runner = await trio.to_thread.run_sync(functools.partial(SpanRunner.load, self.model.path, span.start,
-                                                                     span.end, device=self.device))
+            runner = await trio.to_thread.run_sync(functools.partial(
+                load_span, self.model.path, span.start, span.end, runtime=self.runtime, device=self.device,
+                threads=self.threads))
             runner.format_label = self.format_label
         except Exception:
             if self.server is None:

@@ -1,0 +1,91 @@
+"""Span runtimes: what computes a span of decoder layers, behind one interface.
+
+Two implement it:
+- torch (model/blocks.py's SpanRunner): Hugging Face checkpoints and our own formats
+  (fp32, bf16, int8, q4), exact against transformers; training, LoRA adapters and
+  private mode run here only.
+- ggml (spans/ggml/): a GGUF model's weights as stored in its file, computed by
+  llama.cpp's own tensor library the way llama.cpp builds its graphs.
+
+The server's session machine, scheduler, budgets and proofs see only `SpanCompute`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import UsageError
+
+TORCH, GGML, AUTO = "torch", "ggml", "auto"
+RUNTIMES = (AUTO, TORCH, GGML)
+
+
+class SpanCompute(Protocol):
+    """What a server asks of a span, whichever runtime computes it."""
+
+    runtime: str
+    config: Any
+    start: int
+    end: int
+    dtype: Any  # the torch dtype hidden states come back in
+    format_label: str
+    weight_bytes: int
+    slowdown: float
+    batchable: bool
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def parameter_count(self) -> int: ...
+
+    def new_cache(self) -> Any: ...
+
+    def cached_length(self, cache: Any) -> int: ...
+
+    def truncate(self, cache: Any, length: int) -> None: ...
+
+    def forward(self, hidden, cache, position: int, start: int | None = None, end: int | None = None, *,
+                between_layers: Callable[[], None] | None = None, adapter=None): ...
+
+
+def runtime_for(model_dir: Path, requested: str = AUTO, device: str = "cpu") -> str:
+    """The runtime that serves a stored model: a GGUF model on ggml (on CPU), anything
+    else on torch; `requested` overrides, where it can serve the model."""
+    from ..model.blocks import stored_format
+    from ..model.store import MANIFEST_FILE
+
+    if requested not in RUNTIMES:
+        raise UsageError(f"unknown runtime {requested!r}: one of {', '.join(RUNTIMES)}")
+    gguf = (Path(model_dir) / MANIFEST_FILE).exists() and stored_format(model_dir).name == "gguf"
+    if requested == GGML and not gguf:
+        raise UsageError("the ggml runtime serves GGUF models (imported with --format gguf); this one is "
+                         f"{stored_format(model_dir).name if (Path(model_dir) / MANIFEST_FILE).exists() else 'not'}"
+                         " stored as GGUF: serve it with --runtime torch")
+    if requested == AUTO:
+        return GGML if gguf and device == "cpu" and ggml_available() else TORCH
+    return requested
+
+
+def ggml_available() -> bool:
+    try:
+        from .ggml import lib  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def load_span(model_dir: Path, start: int, end: int, *, runtime: str = AUTO, device: str = "cpu",
+              threads: int = 1) -> SpanCompute:
+    """Load blocks start:end of the model stored in `model_dir` on its runtime."""
+    chosen = runtime_for(model_dir, runtime, device)
+    if chosen == TORCH:
+        from ..model.blocks import SpanRunner
+
+        runner = SpanRunner.load(model_dir, start, end, device=device)
+        runner.runtime = TORCH
+        return runner
+    from .ggml.load import load_ggml_span
+
+    return load_ggml_span(model_dir, start, end, threads=threads)

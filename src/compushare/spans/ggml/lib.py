@@ -1,0 +1,75 @@
+"""ggml through ggml-python's ctypes bindings, with their wrong declarations fixed.
+
+ggml-python (pinned in pyproject.toml, built from its sdist for the machine's CPU)
+declares some functions' return type as a `typing.NewType` over int instead of a
+pointer: ctypes then reads the C pointer as a 32-bit int and hands back a truncated
+address, and the next call with it segfaults. `fixed()` re-declares every such
+function before anything calls it; `RETURNS_POINTER` lists the handle types it
+found wrong in 0.0.45 (ggml 0.15.3). Import ggml from here, never directly.
+
+The CPU backend's extra buffer types (CPU_REPACK: weights rearranged at load for
+the machine's SIMD, as llama.cpp does) are not exported as a function: they come
+from `ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts")`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import ggml as _ggml
+
+RETURNS_POINTER = ("ggml_backend_buffer_t", "ggml_backend_buffer_type_t", "ggml_backend_t")
+
+
+def misdeclared(module=_ggml) -> list[str]:
+    """Functions whose declared return type is not a ctypes type (so not a pointer
+    either): what `fixed` re-declares."""
+    wrong = []
+    for name in dir(module):
+        function = getattr(module, name)
+        if isinstance(function, ctypes._CFuncPtr) and function.restype is not None:
+            if not (isinstance(function.restype, type) and issubclass(function.restype, ctypes._SimpleCData.__mro__[1])):
+                wrong.append(name)
+    return sorted(wrong)
+
+
+@functools.cache
+def fixed():
+    """The ggml module, every function returning a handle declared as a pointer."""
+    for name in misdeclared(_ggml):
+        function = getattr(_ggml, name)
+        kind = getattr(function.restype, "__name__", "")
+        if kind not in RETURNS_POINTER:
+            raise RuntimeError(f"ggml-python declares {name} returning {kind!r}: not a known handle type")
+        function.restype = ctypes.c_void_p
+    return _ggml
+
+
+ggml = fixed()
+
+_EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+def cpu_device() -> int:
+    device = ggml.ggml_backend_dev_by_type(ggml.GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not device:
+        raise RuntimeError("ggml has no CPU device")
+    return device
+
+
+def cpu_extra_buffer_types() -> dict[str, int]:
+    """The CPU backend's extra buffer types by name ({"CPU_REPACK": buft} where the
+    build has repacked kernels for this CPU); {} where it offers none."""
+    device = cpu_device()
+    reg = ggml.ggml_backend_dev_backend_reg(device)
+    address = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return {}
+    array = _EXTRA_BUFTS(address)(device)
+    found: dict[str, int] = {}
+    i = 0
+    while array and array[i]:
+        found[ggml.ggml_backend_buft_name(array[i]).decode()] = array[i]
+        i += 1
+    return found

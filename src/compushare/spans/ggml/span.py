@@ -1,0 +1,419 @@
+"""GgmlSpan: a contiguous span of decoder layers computed by ggml, as llama.cpp does.
+
+The graph is built the way llama.cpp builds its families' graphs (src/models/*.cpp,
+src/llama-graph.cpp): RMS norm then a product with the norm's weight; q, k, v
+products on the weights as stored; rope on the file's own row order (llama.cpp's
+converter permutes a Llama's q/k rows for its "normal" rope; our store keeps
+transformers' order, so the rows are permuted back at load); the new keys and
+values written into a float16 KV cache by slot (`ggml_set_rows`); flash attention
+over the cache with a float16 causal mask (llama.cpp's default on CPU); the output
+product; SwiGLU MLP. The KV cache is float16, values untransposed, as llama.cpp's
+with flash attention.
+
+A graph is kept per (layers, tokens, cache view length, cache): positions, slots and
+the mask are its input tensors, so a decode step reuses its graph while the cache's
+padded length stays the same (KV_PAD tokens, as llama.cpp pads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ...errors import UsageError
+from ...model.families import FULL, SLIDING, family_of_config, layer_types
+from ...model.gguf_native import unpermute
+from .lib import ggml
+from .weights import TENSOR_OVERHEAD, Context, Weights
+
+KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
+GRAPH_NODES = 96  # graph nodes per layer at most (a layer uses ~30)
+ROPE_NORMAL, ROPE_NEOX = 0, 2
+MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the graph needs of a config."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_base: float
+    rope_mode: int
+    qk_norm: bool
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+# Families on ggml so far, with llama.cpp's rope type for each (src/llama-model.cpp,
+# llama_model_rope_type): "normal" for Llama-architecture files, NeoX for the rest.
+ROPE_MODES = {"llama": ROPE_NORMAL, "mistral": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX}
+
+
+def shape_of(config) -> Shape:
+    family = family_of_config(config)
+    if family.name not in ROPE_MODES:
+        raise NotImplementedError(f"{family.title} spans do not run on ggml yet: serve them with --runtime torch")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise NotImplementedError(f"rope scaling {rope.get('rope_type')!r} does not run on ggml yet")
+    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    types = tuple(layer_types(config))
+    return Shape(config.hidden_size, config.num_attention_heads,
+                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
+                 float(config.rms_norm_eps), float(base), ROPE_MODES[family.name], family.qk_norm is not None,
+                 types, getattr(config, "sliding_window", None) if SLIDING in types else None)
+
+
+def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's rotary row order from transformers' (the inverse of gguf_native.unpermute)."""
+    half = rows.shape[0] // heads // 2
+    out = rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    assert np.array_equal(unpermute(out, heads), rows)
+    return out
+
+
+class KVCache:
+    """One session's keys and values for the span's layers: float16 [kv_dim, capacity]
+    per layer (a token's keys are one row), grown by KV_PAD tokens at a time."""
+
+    def __init__(self, span: GgmlSpan) -> None:
+        self.span, self.length, self.capacity = span, 0, 0
+        self.k: dict[int, ctypes._Pointer] = {}
+        self.v: dict[int, ctypes._Pointer] = {}
+        self._context: Context | None = None
+        self._buffer = None
+        self.generation = 0  # changes when the tensors are reallocated: graphs keyed on it
+
+    def reserve(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        capacity = -(-tokens // KV_PAD) * KV_PAD
+        layers = range(self.span.start, self.span.end)
+        context = Context(2 * len(layers))
+        k, v = {}, {}
+        for index in layers:
+            k[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.shape.kv_dim, capacity)
+            v[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.shape.kv_dim, capacity)
+        buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(context.ctx, ggml.ggml_backend_cpu_buffer_type())
+        if not buffer:
+            context.free()
+            raise MemoryError(f"could not allocate a KV cache of {capacity} tokens")
+        ggml.ggml_backend_buffer_clear(buffer, 0)
+        if self.length:  # rows are tokens: the old cache's first rows, copied as they are
+            row = self.span.shape.kv_dim * 2
+            scratch = np.empty(self.length * row, dtype=np.uint8)
+            for index in layers:
+                for old, new in ((self.k[index], k[index]), (self.v[index], v[index])):
+                    ggml.ggml_backend_tensor_get(old, scratch.ctypes.data, 0, scratch.nbytes)
+                    ggml.ggml_backend_tensor_set(new, scratch.ctypes.data, 0, scratch.nbytes)
+        self.free()
+        self.k, self.v, self._context, self._buffer, self.capacity = k, v, context, buffer, capacity
+        self.generation += 1
+        self.span.forget_graphs(self)
+
+    @property
+    def nbytes(self) -> int:
+        return ggml.ggml_backend_buffer_get_size(self._buffer) if self._buffer else 0
+
+    def free(self) -> None:
+        if self._buffer:
+            ggml.ggml_backend_buffer_free(self._buffer)
+            self._buffer = None
+        if self._context is not None:
+            self._context.free()
+            self._context = None
+
+    def __del__(self) -> None:
+        self.free()
+
+
+@dataclasses.dataclass
+class _Graph:
+    context: Context
+    graph: object
+    x: object
+    positions: object
+    slots: object
+    mask: object
+    out: object
+    window_mask: object | None
+
+
+class GgmlSpan:
+    """Layers start..end-1 of a model on ggml's CPU backend. Synchronous: callers run
+    it in a worker thread; one forward at a time (a lock)."""
+
+    runtime = "ggml"
+    dtype = torch.float32  # what it takes and answers in (its weights keep their file's types)
+    device = torch.device("cpu")
+
+    def __init__(self, config, start: int, end: int, layer_state: Callable[[int], dict[str, np.ndarray]],
+                 types: dict[str, str], *, threads: int = 1, repack: bool = True) -> None:
+        if not (0 <= start < end <= config.num_hidden_layers):
+            raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
+        self.config, self.start, self.end = config, start, end
+        self.shape = shape_of(config)
+        self.family = family_of_config(config).name
+        entries = []
+        for index in range(start, end):
+            for name, array in layer_state(index).items():
+                full = f"model.layers.{index}.{name}"
+                kind = types.get(full, "F32")
+                if self.shape.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight",
+                                                                    "self_attn.k_proj.weight"):
+                    heads = self.shape.heads if "q_proj" in name else self.shape.kv_heads
+                    array = permute_rows(array, heads)
+                entries.append((full, array, kind))
+        self.weights = Weights(entries, repack=repack)
+        self.weight_bytes = self.weights.nbytes
+        self.format_label = "gguf"
+        self.backend = ggml.ggml_backend_cpu_init()
+        if not self.backend:
+            raise RuntimeError("ggml_backend_cpu_init failed")
+        self.threads = threads
+        ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
+        self.allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
+        self._graphs: dict[tuple, _Graph] = {}
+        self._allocated: tuple | None = None  # the graph the allocator last laid out
+        self._lock = threading.Lock()
+        self.slowdown = 1.0
+        self.batchable = False
+        self.graph_builds = 0
+
+    # -- what the server asks of a span ------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.hidden
+
+    def parameter_count(self) -> int:
+        return sum(ggml.ggml_nelements(t) for t in self.weights.tensors.values())
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self)
+
+    def cached_length(self, cache: KVCache) -> int:
+        return cache.length
+
+    def truncate(self, cache: KVCache, length: int) -> None:
+        """Roll back to the first `length` tokens: later slots are overwritten and masked."""
+        cache.length = min(cache.length, length)
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
+
+    def forward(self, hidden, cache: KVCache, position: int, start: int | None = None, end: int | None = None, *,
+                between_layers: Callable[[], None] | None = None, adapter=None):
+        """Layers start..end-1 (default: the span) on `hidden` [1, n, H] (a torch
+        tensor, as the torch runtime takes) whose first token sits at `position`;
+        appends to `cache`; returns float32 [1, n, H]. With `between_layers`, a
+        prompt of several tokens runs a graph per layer and the callback runs before
+        each, outside the span's lock (a paused prompt lets a decode step through)."""
+        if adapter is not None:
+            raise UsageError("LoRA adapters are not served on ggml spans: the torch runtime serves them "
+                             "(start the node with --runtime torch)")
+        out = self.slowed(self._forward, hidden[0].detach().to(torch.float32).numpy(), cache, position, start, end,
+                          between_layers)
+        return torch.from_numpy(out).unsqueeze(0)
+
+    def slowed(self, compute: Callable, *args):
+        """`compute(*args)`, taking `slowdown` times as long (fault injection, as the torch runtime's)."""
+        if self.slowdown <= 1.0:
+            return compute(*args)
+        began = time.perf_counter()
+        out = compute(*args)
+        time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+        return out
+
+    def compute(self, hidden: np.ndarray, cache: KVCache, position: int, start: int | None = None,
+                end: int | None = None) -> np.ndarray:
+        """`forward` on float32 [n, H] numpy arrays."""
+        return self._forward(hidden, cache, position, start, end, None)
+
+    def _forward(self, hidden: np.ndarray, cache: KVCache, position: int, start: int | None, end: int | None,
+                 between_layers: Callable[[], None] | None) -> np.ndarray:
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not (self.start <= start < end <= self.end):
+            raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        tokens = hidden.shape[0]
+        if hidden.ndim != 2 or hidden.shape[1] != self.shape.hidden or tokens == 0:
+            raise ValueError(f"hidden states of shape {hidden.shape}, not [tokens, {self.shape.hidden}]")
+        if position > cache.length:
+            raise ValueError(f"position {position} is past the cache's {cache.length} tokens")
+        with self._lock:
+            cache.reserve(position + tokens)
+        if between_layers is not None and tokens > 1:
+            for index in range(start, end):
+                between_layers()
+                with self._lock:
+                    hidden = self._run(hidden, cache, position, index, index + 1)
+        else:
+            with self._lock:
+                hidden = self._run(hidden, cache, position, start, end)
+        cache.length = position + tokens
+        return hidden
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            graph.context.free()
+        self._graphs = {}
+        if self.allocator:
+            ggml.ggml_gallocr_free(self.allocator)
+            self.allocator = None
+        if self.backend:
+            ggml.ggml_backend_free(self.backend)
+            self.backend = None
+        self.weights.free()
+
+    def forget_graphs(self, cache: KVCache) -> None:
+        for key in [k for k in self._graphs if k[-1] == id(cache)]:
+            self._graphs.pop(key).context.free()
+            if self._allocated == key:
+                self._allocated = None
+
+    # -- the graph ---------------------------------------------------------------------
+
+    def _run(self, hidden: np.ndarray, cache: KVCache, position: int, start: int, end: int) -> np.ndarray:
+        tokens = hidden.shape[0]
+        n_kv = min(cache.capacity, -(-(position + tokens) // KV_PAD) * KV_PAD)
+        key = (start, end, tokens, n_kv, cache.generation, id(cache))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._build(cache, start, end, tokens, n_kv)
+            self.graph_builds += 1
+        if self._allocated != key:
+            if not ggml.ggml_gallocr_alloc_graph(self.allocator, graph.graph):
+                raise MemoryError("ggml could not allocate the span's graph")
+            self._allocated = key
+        positions = np.arange(position, position + tokens, dtype=np.int32)
+        _set(graph.x, hidden)
+        _set(graph.positions, positions)
+        _set(graph.slots, positions.astype(np.int64))
+        _set(graph.mask, causal_mask(position, tokens, n_kv))
+        if graph.window_mask is not None:
+            _set(graph.window_mask, causal_mask(position, tokens, n_kv, self.shape.sliding_window))
+        status = ggml.ggml_backend_graph_compute(self.backend, graph.graph)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        out = np.empty((tokens, self.shape.hidden), dtype=np.float32)
+        ggml.ggml_backend_tensor_get(graph.out, out.ctypes.data, 0, out.nbytes)
+        return out
+
+    def _build(self, cache: KVCache, start: int, end: int, tokens: int, n_kv: int) -> _Graph:
+        s = self.shape
+        nodes = GRAPH_NODES * (end - start) + 64
+        context = Context(nodes + 16)
+        # The graph itself lives in the context's memory too.
+        ggml.ggml_free(context.ctx)
+        params = ggml.ggml_init_params(mem_size=TENSOR_OVERHEAD * (nodes + 16) + ggml.ggml_graph_overhead_custom(
+            nodes, False), mem_buffer=None, no_alloc=True)
+        context.ctx = ggml.ggml_init(params)
+        ctx = context.ctx
+        graph = ggml.ggml_new_graph_custom(ctx, nodes, False)
+        x = _input(ctx, ggml.GGML_TYPE_F32, s.hidden, tokens)
+        positions = _input(ctx, ggml.GGML_TYPE_I32, tokens)
+        slots = _input(ctx, ggml.GGML_TYPE_I64, tokens)
+        mask = _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens)
+        window_mask = _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens) if s.sliding_window else None
+        w = self.weights
+        scale = 1.0 / math.sqrt(s.head_dim)
+        cur = x
+        for index in range(start, end):
+            p = f"model.layers.{index}."
+            residual = cur
+            h = _rms(ctx, cur, w[p + "input_layernorm.weight"], s.eps)
+            q = _product(ctx, w, p + "self_attn.q_proj", h)
+            k = _product(ctx, w, p + "self_attn.k_proj", h)
+            v = _product(ctx, w, p + "self_attn.v_proj", h)
+            q = ggml.ggml_reshape_3d(ctx, q, s.head_dim, s.heads, tokens)
+            k = ggml.ggml_reshape_3d(ctx, k, s.head_dim, s.kv_heads, tokens)
+            v = ggml.ggml_reshape_3d(ctx, v, s.head_dim, s.kv_heads, tokens)
+            if s.qk_norm:  # Qwen3: each head's query and key, before rope
+                q = _rms(ctx, q, w[p + "self_attn.q_norm.weight"], s.eps)
+                k = _rms(ctx, k, w[p + "self_attn.k_norm.weight"], s.eps)
+            q = _rope(ctx, q, positions, s)
+            k = _rope(ctx, k, positions, s)
+            k_cache, v_cache = cache.k[index], cache.v[index]
+            ggml.ggml_build_forward_expand(graph, ggml.ggml_set_rows(
+                ctx, k_cache, ggml.ggml_reshape_2d(ctx, k, s.kv_dim, tokens), slots))
+            ggml.ggml_build_forward_expand(graph, ggml.ggml_set_rows(
+                ctx, v_cache, ggml.ggml_reshape_2d(ctx, v, s.kv_dim, tokens), slots))
+            row = ggml.ggml_row_size(ggml.GGML_TYPE_F16, s.head_dim)
+            keys = ggml.ggml_view_3d(ctx, k_cache, s.head_dim, s.kv_heads, n_kv, row, row * s.kv_heads, 0)
+            values = ggml.ggml_view_3d(ctx, v_cache, s.head_dim, s.kv_heads, n_kv, row, row * s.kv_heads, 0)
+            layer_mask = window_mask if (s.sliding_window and s.layer_types[index] == SLIDING) else mask
+            attended = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3),
+                                                ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
+                                                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), layer_mask, scale, 0.0, 0.0)
+            ggml.ggml_flash_attn_ext_set_prec(attended, ggml.GGML_PREC_F32)
+            attended = ggml.ggml_reshape_2d(ctx, attended, s.head_dim * s.heads, tokens)
+            cur = ggml.ggml_add(ctx, _product(ctx, w, p + "self_attn.o_proj", attended), residual)
+            residual = cur
+            h = _rms(ctx, cur, w[p + "post_attention_layernorm.weight"], s.eps)
+            gate = _product(ctx, w, p + "mlp.gate_proj", h)
+            up = _product(ctx, w, p + "mlp.up_proj", h)
+            cur = ggml.ggml_add(ctx, _product(ctx, w, p + "mlp.down_proj", ggml.ggml_swiglu_split(ctx, gate, up)),
+                                residual)
+        ggml.ggml_set_output(cur)
+        ggml.ggml_build_forward_expand(graph, cur)
+        return _Graph(context, graph, x, positions, slots, mask, cur, window_mask)
+
+
+def causal_mask(position: int, tokens: int, n_kv: int, window: int | None = None) -> np.ndarray:
+    """float16 [tokens, n_kv]: 0 where token position+i may see cache slot j, -inf elsewhere."""
+    queries = np.arange(position, position + tokens)[:, None]
+    slots = np.arange(n_kv)[None, :]
+    visible = slots <= queries
+    if window is not None:
+        visible &= queries - slots < window
+    return np.where(visible, np.float16(0.0), np.float16(-np.inf)).astype(np.float16)
+
+
+def _input(ctx, kind: int, *shape: int):
+    tensor = (ggml.ggml_new_tensor_1d(ctx, kind, shape[0]) if len(shape) == 1
+              else ggml.ggml_new_tensor_2d(ctx, kind, shape[0], shape[1]))
+    ggml.ggml_set_input(tensor)
+    return tensor
+
+
+def _set(tensor, array: np.ndarray) -> None:
+    array = np.ascontiguousarray(array)
+    if array.nbytes != ggml.ggml_nbytes(tensor):
+        raise ValueError(f"{array.nbytes} bytes for an input of {ggml.ggml_nbytes(tensor)}")
+    ggml.ggml_backend_tensor_set(tensor, array.ctypes.data, 0, array.nbytes)
+
+
+def _rms(ctx, x, weight, eps: float):
+    return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), weight)
+
+
+def _product(ctx, weights: Weights, name: str, x):
+    out = ggml.ggml_mul_mat(ctx, weights[name + ".weight"], x)
+    bias = weights.get(name + ".bias")
+    return ggml.ggml_add(ctx, out, bias) if bias is not None else out
+
+
+def _rope(ctx, x, positions, s: Shape):
+    return ggml.ggml_rope_ext(ctx, x, positions, None, s.head_dim, s.rope_mode, 0, s.rope_base, 1.0, 0.0, 1.0,
+                              32.0, 1.0)
+
+

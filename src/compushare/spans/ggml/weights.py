@@ -1,0 +1,133 @@
+"""A span's weights in ggml backend buffers, as stored in the GGUF file.
+
+Matrices keep their file's type (Q4_K, Q6_K, Q8_0, ...): ggml computes every type as
+stored. A matrix goes to the CPU backend's repacking buffer (CPU_REPACK) where the
+backend says a product with it runs there, as llama.cpp decides it: the weights
+are rearranged at load for the CPU's SIMD; the rest go to plain CPU buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+
+import numpy as np
+
+from ...model import gguf_native
+from .lib import cpu_device, cpu_extra_buffer_types, ggml
+
+TENSOR_OVERHEAD = ggml.ggml_tensor_overhead()
+
+
+def ggml_type(name: str) -> int:
+    value = getattr(ggml, f"GGML_TYPE_{name}", None)
+    if value is None:
+        raise ValueError(f"ggml has no type {name!r}")
+    return value
+
+
+class Context:
+    """A ggml context holding tensor descriptions only (no_alloc): the data lives in
+    backend buffers."""
+
+    def __init__(self, tensors: int) -> None:
+        params = ggml.ggml_init_params(mem_size=TENSOR_OVERHEAD * max(tensors, 1) + 1024, mem_buffer=None,
+                                       no_alloc=True)
+        self.ctx = ggml.ggml_init(params)
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+
+    def free(self) -> None:
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def _repack_supported(buft: int, kind: int, shape: tuple[int, int]) -> bool:
+    """Would a product with a weight of this type and shape, held in `buft`, run on
+    the CPU device? (llama.cpp's weight_buft_supported: a zero-sized buffer of the
+    type stands in for the weight's.)"""
+    scratch = Context(3)
+    try:
+        weight = ggml.ggml_new_tensor_2d(scratch.ctx, kind, shape[0], shape[1])
+        x = ggml.ggml_new_tensor_2d(scratch.ctx, ggml.GGML_TYPE_F32, shape[0], 1)
+        product = ggml.ggml_mul_mat(scratch.ctx, weight, x)
+        buffer = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
+        try:
+            weight.contents.buffer = buffer
+            return bool(ggml.ggml_backend_dev_supports_op(cpu_device(), product))
+        finally:
+            weight.contents.buffer = None
+            ggml.ggml_backend_buffer_free(buffer)
+    finally:
+        scratch.free()
+
+
+class Weights:
+    """Named ggml tensors filled from numpy arrays: 2-D raw GGUF rows (uint8 [out, row
+    bytes]) with their type, or float32 vectors."""
+
+    def __init__(self, entries: Iterable[tuple[str, np.ndarray, str]], *, repack: bool = True) -> None:
+        entries = list(entries)
+        extra = cpu_extra_buffer_types().get("CPU_REPACK") if repack else None
+        self.tensors: dict[str, ctypes._Pointer] = {}
+        self.repacked: list[str] = []
+        groups: dict[str, list[tuple[str, np.ndarray, str]]] = {"repack": [], "plain": []}
+        for name, array, kind in entries:
+            shape = _shape(array, kind)
+            use_repack = (extra is not None and len(shape) == 2
+                          and _repack_supported(extra, ggml_type(kind), shape))
+            groups["repack" if use_repack else "plain"].append((name, array, kind))
+        self._contexts: list[Context] = []
+        self._buffers: list[int] = []
+        self.nbytes = 0
+        for group, members in groups.items():
+            if not members:
+                continue
+            context = Context(len(members))
+            self._contexts.append(context)
+            for name, array, kind in members:
+                shape = _shape(array, kind)
+                if len(shape) == 2:
+                    tensor = ggml.ggml_new_tensor_2d(context.ctx, ggml_type(kind), shape[0], shape[1])
+                else:
+                    tensor = ggml.ggml_new_tensor_1d(context.ctx, ggml_type(kind), shape[0])
+                ggml.ggml_set_name(tensor, name.encode()[:63])
+                self.tensors[name] = tensor
+            buft = extra if group == "repack" else ggml.ggml_backend_cpu_buffer_type()
+            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(context.ctx, buft)
+            if not buffer:
+                raise MemoryError(f"could not allocate {group} weight buffer")
+            ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+            self._buffers.append(buffer)
+            self.nbytes += ggml.ggml_backend_buffer_get_size(buffer)
+            for name, array, _kind in members:
+                data = np.ascontiguousarray(array)
+                tensor = self.tensors[name]
+                if data.nbytes != ggml.ggml_nbytes(tensor):
+                    raise ValueError(f"{name}: {data.nbytes} bytes for a tensor of {ggml.ggml_nbytes(tensor)}")
+                ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, data.nbytes)  # repacks here
+                if group == "repack":
+                    self.repacked.append(name)
+
+    def __getitem__(self, name: str):
+        return self.tensors[name]
+
+    def get(self, name: str):
+        return self.tensors.get(name)
+
+    def free(self) -> None:
+        for buffer in self._buffers:
+            ggml.ggml_backend_buffer_free(buffer)
+        for context in self._contexts:
+            context.free()
+        self._buffers, self._contexts, self.tensors = [], [], {}
+
+
+def _shape(array: np.ndarray, kind: str) -> tuple[int, ...]:
+    """ggml's ne (innermost first): a matrix's (in_features, out_features)."""
+    if array.ndim == 2:
+        if kind in ("F32", "F16", "BF16") and array.dtype != np.uint8:
+            return array.shape[1], array.shape[0]
+        return gguf_native.in_features_of(kind, array.shape[1]), array.shape[0]
+    return (array.shape[0],)

@@ -1,0 +1,148 @@
+"""Install ggml-python (pinned) built for this machine's CPU, once per machine.
+
+    python tools/install_ggml.py        # with the venv's python: `make` runs it
+
+ggml-python's sdist vendors ggml; built with GGML_NATIVE the kernels use every SIMD
+extension the CPU has (AVX-512, VNNI, ...), which is where llama.cpp's speed comes
+from. A native wheel must never reach another CPU, so the wheel is built into the
+machine's cache (<$COMPUSHARE_CACHE or ~/.cache/compushare>/wheels/ggml-<cpu>/)
+under a key of the CPU's model and SIMD flags, and installed from there: a second
+clone on this machine installs in seconds. The build is smoke-tested in a
+subprocess (a quantized product checked against numpy); a build that dies (a
+native build has died with SIGILL on one CPU type seen here) is replaced by the next
+variant: native, then AVX-512 without AMX, then AVX2. OpenMP is off: torch brings
+its own OpenMP runtime, and ggml's own thread pool serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VERSION = "0.0.45"
+BUILD_TOOLS = ("scikit-build-core==1.1.2", "cmake==4.4.5", "ninja==1.13.2")
+VARIANTS = ("native", "avx512", "avx2")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("COMPUSHARE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "compushare"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_key() -> str:
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    text = "|".join([VERSION, platform.machine(), model, *sorted(cpu_flags())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cmake_args(variant: str) -> str:
+    common = ["-DGGML_OPENMP=OFF", "-DGGML_CCACHE=OFF"]
+    if variant == "native":
+        return " ".join(["-DGGML_NATIVE=ON", *common])
+    flags = cpu_flags()
+
+    def on(name: str, flag: str, want: bool = True) -> str:
+        return f"-D{name}={'ON' if want and flag in flags else 'OFF'}"
+
+    avx512 = variant == "avx512"
+    return " ".join(["-DGGML_NATIVE=OFF", *common, on("GGML_AVX", "avx"), on("GGML_AVX2", "avx2"),
+                     on("GGML_FMA", "fma"), on("GGML_F16C", "f16c"), on("GGML_AVX_VNNI", "avx_vnni"),
+                     on("GGML_AVX512", "avx512f", avx512), on("GGML_AVX512_VBMI", "avx512vbmi", avx512),
+                     on("GGML_AVX512_VNNI", "avx512_vnni", avx512), on("GGML_AVX512_BF16", "avx512_bf16", avx512),
+                     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
+def smoke_test(python: str) -> bool:
+    """A Q8_0 product by ggml, checked against numpy, in a subprocess (a SIGILL kills
+    only it)."""
+    code = r"""
+import ctypes, numpy as np, ggml
+g = ggml
+rng = np.random.default_rng(0)
+w = rng.standard_normal((64, 256)).astype(np.float32); x = rng.standard_normal(256).astype(np.float32)
+ctx = g.ggml_init(g.ggml_init_params(mem_size=16 << 20, mem_buffer=None))
+a = g.ggml_new_tensor_2d(ctx, g.GGML_TYPE_F32, 256, 64); b = g.ggml_new_tensor_1d(ctx, g.GGML_TYPE_F32, 256)
+ctypes.memmove(g.ggml_get_data(a), w.ctypes.data, w.nbytes); ctypes.memmove(g.ggml_get_data(b), x.ctypes.data, x.nbytes)
+out = g.ggml_mul_mat(ctx, a, b); graph = g.ggml_new_graph(ctx); g.ggml_build_forward_expand(graph, out)
+g.ggml_graph_compute_with_ctx(ctx, graph, 1)
+got = np.ctypeslib.as_array(ctypes.cast(g.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), shape=(64,))
+assert np.allclose(got, w @ x, rtol=1e-4, atol=1e-3), (got[:4], (w @ x)[:4])
+print("ok")
+"""
+    try:
+        result = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return result.returncode == 0 and result.stdout.strip().endswith("ok")
+
+
+def installed(python: str) -> bool:
+    probe = subprocess.run([python, "-c", f"import importlib.metadata as m; assert m.version('ggml-python') == "
+                                          f"'{VERSION}'"], capture_output=True)
+    return probe.returncode == 0
+
+
+def pip(python: str, *args: str, env: dict | None = None) -> None:
+    subprocess.run([python, "-m", "pip", "-q", *args], check=True, env=env)
+
+
+def build(python: str, variant: str, home: Path) -> Path:
+    pip(python, "install", *BUILD_TOOLS)
+    staging = Path(tempfile.mkdtemp(prefix="ggml-wheel-"))
+    try:
+        env = dict(os.environ, CMAKE_ARGS=cmake_args(variant),
+                   CMAKE_BUILD_PARALLEL_LEVEL=str(max(1, os.cpu_count() or 1)))
+        print(f"[install_ggml] building ggml-python {VERSION} ({variant}) for this CPU", flush=True)
+        pip(python, "wheel", "--no-deps", "--no-build-isolation", "--no-binary", "ggml-python", "--no-cache-dir",
+            "-w", str(staging), f"ggml-python=={VERSION}", env=env)
+        (wheel,) = staging.glob("ggml_python-*.whl")
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        return Path(shutil.move(str(wheel), home / wheel.name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def main() -> int:
+    python = sys.executable
+    home = cache_dir() / "wheels" / f"ggml-{cpu_key()}"
+    verified = sorted(home.glob("ggml_python-*.whl")) if (home / "verified").exists() else []
+    if verified:  # built and smoke-tested on this CPU before
+        if not installed(python):
+            pip(python, "install", "--no-deps", "--force-reinstall", str(verified[-1]))
+        return 0
+    for variant in VARIANTS:
+        wheel = build(python, variant, home)
+        pip(python, "install", "--no-deps", "--force-reinstall", str(wheel))
+        if smoke_test(python):
+            (home / "verified").write_text(variant)
+            return 0
+        print(f"[install_ggml] the {variant} build failed its smoke test on this CPU", flush=True)
+        shutil.rmtree(home, ignore_errors=True)
+    print("[install_ggml] no build of ggml runs on this CPU: GGUF spans will run on torch", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
