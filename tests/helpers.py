@@ -85,11 +85,12 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int) ->
 
 def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens in one process, in the model's own weight format: every block in
-    one SpanRunner, the head beside it (what a swarm of that model must reproduce)."""
-    from compushare.model.blocks import SpanRunner
+    one span on the runtime a node gives the model (ggml for a GGUF), the head beside it
+    (what a swarm of that model must reproduce)."""
     from compushare.model.head import ConsumerHead
+    from compushare.spans import load_span
 
-    runner, head = SpanRunner.load(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
+    runner, head = load_span(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
     cache = runner.new_cache()
     hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
     tokens = []

@@ -32,7 +32,10 @@ async def test_a_mixed_gguf_through_three_processes_equals_one(processes, tmp_pa
     model_dir = client / "models" / model["model_id"]
     for prompt in PROMPTS:
         outcome = await run_prompt(client, tuple(boot), RunRequest(
-            model="tiny", prompt=prompt, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+            model="tiny", prompt=prompt, params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False),
+            # One token a step, as one process decodes: on ggml a verify pass of several
+            # tokens takes other kernels (several rows at once) and may round differently.
+            speculate=False))
         assert outcome.tokens == local_greedy(model_dir, prompt, TOKENS)
         assert [(h.start, h.end) for h in outcome.route] == [(0, 1), (1, 3), (3, 4)]
         assert {h.record.fmt for h in outcome.route} == {"gguf"}

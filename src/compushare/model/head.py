@@ -52,14 +52,19 @@ def stored_range(model_dir: Path, manifest, name: str) -> tuple[Path, int, tuple
 
 class ConsumerHead:
     def __init__(self, state: dict[str, torch.Tensor], spec: HeadSpec, dtype=torch.float32, *,
-                 gguf_rows: gguf_native.MappedRows | None = None, gguf_types: dict[str, str] | None = None):
+                 gguf_rows: gguf_native.MappedRows | None = None, gguf_types: dict[str, str] | None = None,
+                 runtime: str = "auto"):
+        """`runtime`: what computes a GGUF's LM head: "auto" or "ggml" (ggml where it is
+        installed, as llama.cpp computes it) or "torch" (the type's torch kernel, as a
+        torch span's tests pair it)."""
         self.dtype, self.spec, self.rms_norm_eps = dtype, spec, spec.rms_norm_eps
         self.quantized = bool(gguf_types) or any(name != base_name(name) for name in state)
         self.gguf_rows = gguf_rows
         self.on_ggml = None  # the final norm and LM head on ggml (spans/ggml/head.py), for a GGUF's own tensors
         if gguf_types:  # a GGUF's own tensors: embedding rows read from the file, the LM head its type's kernel
             head = LM_HEAD if LM_HEAD in gguf_types else EMBED  # tied: the embedding's own blocks
-            self.on_ggml = _ggml_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
+            if runtime != "torch":
+                self.on_ggml = _ggml_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
             if self.on_ggml is None:
                 self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
         elif self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
@@ -75,7 +80,7 @@ class ConsumerHead:
         self.norm_weight = state["model.norm.weight"].to(dtype)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype=torch.float32) -> ConsumerHead:
+    def load(cls, model_dir: Path, dtype=torch.float32, *, runtime: str = "auto") -> ConsumerHead:
         path = Path(model_dir) / "manifest.json"
         manifest = parse(path.read_bytes()) if path.exists() else None
         types = dict(manifest.format.types) if manifest is not None else {}
@@ -84,7 +89,7 @@ class ConsumerHead:
             head = LM_HEAD if LM_HEAD in types else EMBED
             state[head] = torch.from_numpy(gguf_native.read_rows(*stored_range(model_dir, manifest, head)))
             rows = gguf_native.MappedRows(*stored_range(model_dir, manifest, EMBED), types[EMBED])
-            return cls(state, head_spec(manifest.config), dtype, gguf_rows=rows, gguf_types=types)
+            return cls(state, head_spec(manifest.config), dtype, gguf_rows=rows, gguf_types=types, runtime=runtime)
         state = read_tensors(model_dir, lambda names: [n for n in names if base_name(n) in HEAD_TENSORS])
         return cls(state, head_spec(read_config(model_dir)), dtype)
 

@@ -4,6 +4,7 @@ head at the file's bytes: a 128k-vocabulary Q6_K head stays 6.6 bits a weight)."
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -13,6 +14,12 @@ from .span import _input, _rms, _set
 from .weights import TENSOR_OVERHEAD, Context, Weights
 
 GRAPH_NODES = 16
+MAX_GRAPHS = 4  # graphs kept, by rows (1 for a decode step, k + 1 for a verify pass)
+
+
+def _free(context: Context, allocator) -> None:
+    ggml.ggml_gallocr_free(allocator)
+    context.free()
 
 
 class GgmlHead:
@@ -25,9 +32,7 @@ class GgmlHead:
         self.eps = eps
         self.backend = ggml.ggml_backend_cpu_init()
         ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
-        self.allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
-        self._graphs: dict[int, tuple] = {}
-        self._allocated: int | None = None
+        self._graphs: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # by rows, least recent first
         self._lock = threading.Lock()
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -36,12 +41,11 @@ class GgmlHead:
         rows = hidden.shape[0]
         with self._lock:
             if rows not in self._graphs:
+                while len(self._graphs) >= MAX_GRAPHS:
+                    _free(*self._graphs.popitem(last=False)[1][:2])
                 self._graphs[rows] = self._build(rows)
-            context, graph, x, out = self._graphs[rows]
-            if self._allocated != rows:
-                if not ggml.ggml_gallocr_alloc_graph(self.allocator, graph):
-                    raise MemoryError("ggml could not allocate the head's graph")
-                self._allocated = rows
+            self._graphs.move_to_end(rows)
+            _context, _allocator, graph, x, out = self._graphs[rows]
             _set(x, hidden)
             status = ggml.ggml_backend_graph_compute(self.backend, graph)
             if status != ggml.GGML_STATUS_SUCCESS:
@@ -63,15 +67,17 @@ class GgmlHead:
                                 _rms(ctx, x, self.weights["output_norm.weight"], self.eps))
         ggml.ggml_set_output(out)
         ggml.ggml_build_forward_expand(graph, out)
-        return context, graph, x, out
+        allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())  # its own: see span._Graph
+        if not ggml.ggml_gallocr_alloc_graph(allocator, graph):
+            _free(context, allocator)
+            raise MemoryError("ggml could not allocate the head's graph")
+        return context, allocator, graph, x, out
 
     def close(self) -> None:
-        for context, *_ in self._graphs.values():
-            context.free()
-        self._graphs = {}
-        if self.allocator:
-            ggml.ggml_gallocr_free(self.allocator)
-            self.allocator = None
+        with self._lock:
+            for context, allocator, *_ in self._graphs.values():
+                _free(context, allocator)
+            self._graphs.clear()
         if self.backend:
             ggml.ggml_backend_free(self.backend)
             self.backend = None

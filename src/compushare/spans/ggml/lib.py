@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import ggml as _ggml
 
@@ -47,6 +48,19 @@ def fixed():
 
 
 ggml = fixed()
+log = logging.getLogger("compushare.ggml")
+_LEVELS = {2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # GGML_LOG_LEVEL_INFO/WARN/ERROR; debug, cont: debug
+
+
+@ggml.ggml_log_callback
+def _to_logging(level: int, text: bytes, _user_data) -> None:
+    # ggml prints to stderr unless told otherwise: one line per repacked tensor at load.
+    message = text.decode(errors="replace").rstrip()
+    if message:
+        log.log(_LEVELS.get(level, logging.DEBUG), "%s", message)
+
+
+ggml.ggml_log_set(_to_logging, None)  # the callback object lives as long as the module
 
 _EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 

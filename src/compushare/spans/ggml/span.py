@@ -17,8 +17,10 @@ padded length stays the same (KV_PAD tokens, as llama.cpp pads).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -35,6 +37,7 @@ from .weights import TENSOR_OVERHEAD, Context, Weights
 
 KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
 GRAPH_NODES = 96  # graph nodes per layer at most (a layer uses ~30)
+MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recently used dropped first
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.down_proj")
@@ -88,6 +91,9 @@ def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return out
 
 
+_SERIALS = itertools.count()
+
+
 class KVCache:
     """One session's keys and values for the span's layers: float16 [kv_dim, capacity]
     per layer (a token's keys are one row), grown by KV_PAD tokens at a time."""
@@ -99,6 +105,7 @@ class KVCache:
         self._context: Context | None = None
         self._buffer = None
         self.generation = 0  # changes when the tensors are reallocated: graphs keyed on it
+        self.serial = next(_SERIALS)  # never reused, unlike id(): a graph over a dead cache never matches
 
     def reserve(self, tokens: int) -> None:
         if tokens <= self.capacity:
@@ -145,7 +152,10 @@ class KVCache:
 
 @dataclasses.dataclass
 class _Graph:
+    """A built graph with its own compute buffer: an allocator laying out another graph
+    would leave this one's tensors pointing into freed memory."""
     context: Context
+    allocator: object
     graph: object
     x: object
     positions: object
@@ -153,6 +163,12 @@ class _Graph:
     mask: object
     out: object
     window_mask: object | None
+
+    def free(self) -> None:
+        if self.allocator:
+            ggml.ggml_gallocr_free(self.allocator)
+            self.allocator = None
+        self.context.free()
 
 
 class GgmlSpan:
@@ -188,9 +204,7 @@ class GgmlSpan:
             raise RuntimeError("ggml_backend_cpu_init failed")
         self.threads = threads
         ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
-        self.allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
-        self._graphs: dict[tuple, _Graph] = {}
-        self._allocated: tuple | None = None  # the graph the allocator last laid out
+        self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()  # least recent first
         self._lock = threading.Lock()
         self.slowdown = 1.0
         self.batchable = False
@@ -273,37 +287,34 @@ class GgmlSpan:
         return hidden
 
     def close(self) -> None:
-        for graph in self._graphs.values():
-            graph.context.free()
-        self._graphs = {}
-        if self.allocator:
-            ggml.ggml_gallocr_free(self.allocator)
-            self.allocator = None
+        with self._lock:
+            for graph in self._graphs.values():
+                graph.free()
+            self._graphs.clear()
         if self.backend:
             ggml.ggml_backend_free(self.backend)
             self.backend = None
         self.weights.free()
 
     def forget_graphs(self, cache: KVCache) -> None:
-        for key in [k for k in self._graphs if k[-1] == id(cache)]:
-            self._graphs.pop(key).context.free()
-            if self._allocated == key:
-                self._allocated = None
+        """Drop the graphs over `cache`'s tensors (reallocated or freed). Callers hold the lock."""
+        for key in [k for k in self._graphs if k[-1] == cache.serial]:
+            self._graphs.pop(key).free()
 
     # -- the graph ---------------------------------------------------------------------
 
     def _run(self, hidden: np.ndarray, cache: KVCache, position: int, start: int, end: int) -> np.ndarray:
         tokens = hidden.shape[0]
         n_kv = min(cache.capacity, -(-(position + tokens) // KV_PAD) * KV_PAD)
-        key = (start, end, tokens, n_kv, cache.generation, id(cache))
+        key = (start, end, tokens, n_kv, cache.generation, cache.serial)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._build(cache, start, end, tokens, n_kv)
+            graph = self._build(cache, start, end, tokens, n_kv)
             self.graph_builds += 1
-        if self._allocated != key:
-            if not ggml.ggml_gallocr_alloc_graph(self.allocator, graph.graph):
-                raise MemoryError("ggml could not allocate the span's graph")
-            self._allocated = key
+            while len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.popitem(last=False)[1].free()
+            self._graphs[key] = graph
+        self._graphs.move_to_end(key)
         positions = np.arange(position, position + tokens, dtype=np.int32)
         _set(graph.x, hidden)
         _set(graph.positions, positions)
@@ -375,7 +386,12 @@ class GgmlSpan:
                                 residual)
         ggml.ggml_set_output(cur)
         ggml.ggml_build_forward_expand(graph, cur)
-        return _Graph(context, graph, x, positions, slots, mask, cur, window_mask)
+        allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
+        built = _Graph(context, allocator, graph, x, positions, slots, mask, cur, window_mask)
+        if not ggml.ggml_gallocr_alloc_graph(allocator, graph):
+            built.free()
+            raise MemoryError("ggml could not allocate the span's graph")
+        return built
 
 
 def causal_mask(position: int, tokens: int, n_kv: int, window: int | None = None) -> np.ndarray:
