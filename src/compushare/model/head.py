@@ -120,9 +120,7 @@ class ConsumerHead:
         return logits
 
     def _ggml_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = torch.from_numpy(self.on_ggml.logits(rows.to(torch.float32).numpy()))
-        cap = self.spec.final_softcap
-        return torch.tanh(logits / cap) * cap if cap is not None else logits
+        return torch.from_numpy(self.on_ggml.logits(rows.to(torch.float32).numpy()))  # soft-capped there
 
     @torch.inference_mode()
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,4 +150,5 @@ def _ggml_head(matrix: torch.Tensor, kind: str, norm: torch.Tensor, spec: HeadSp
         from ..spans.ggml.head import GgmlHead
     except (ImportError, OSError):
         return None
-    return GgmlHead(matrix.numpy(), kind, norm.float().numpy(), spec.rms_norm_eps, norm_plus_one=spec.norm_plus_one)
+    return GgmlHead(matrix.numpy(), kind, norm.float().numpy(), spec.rms_norm_eps, norm_plus_one=spec.norm_plus_one,
+                    softcap=spec.final_softcap)

@@ -10,8 +10,9 @@ import threading
 import numpy as np
 
 from .lib import ggml
-from .span import _input, _rms, _set
-from .weights import TENSOR_OVERHEAD, Context, Weights
+from .graph import rms
+from .span import _input, _set
+from .weights import Context, Weights
 
 GRAPH_NODES = 16
 MAX_GRAPHS = 4  # graphs kept, by rows (1 for a decode step, k + 1 for a verify pass)
@@ -24,8 +25,9 @@ def _free(context: Context, allocator) -> None:
 
 class GgmlHead:
     def __init__(self, matrix: np.ndarray, kind: str, norm: np.ndarray, eps: float, *, threads: int = 1,
-                 norm_plus_one: bool = False) -> None:
-        weight = norm.astype(np.float32) + (1.0 if norm_plus_one else 0.0)  # Gemma's (1 + w), as its file holds it
+                 norm_plus_one: bool = False, softcap: float | None = None) -> None:
+        self.softcap = softcap  # Gemma 2: logits soft-capped here, as llama.cpp does
+        weight = norm.astype(np.float32) + np.float32(1.0 if norm_plus_one else 0.0)  # Gemma's (1 + w), as its file holds it
         self.weights = Weights([("output.weight", matrix, kind), ("output_norm.weight", weight, "F32")])
         self.vocab = int(self.weights["output.weight"].contents.ne[1])
         self.hidden = int(self.weights["output.weight"].contents.ne[0])
@@ -55,16 +57,15 @@ class GgmlHead:
         return logits
 
     def _build(self, rows: int):
-        context = Context(1)
-        ggml.ggml_free(context.ctx)
-        context.ctx = ggml.ggml_init(ggml.ggml_init_params(
-            mem_size=TENSOR_OVERHEAD * GRAPH_NODES + ggml.ggml_graph_overhead_custom(GRAPH_NODES, False),
-            mem_buffer=None, no_alloc=True))
+        context = Context.for_graph(GRAPH_NODES)
         ctx = context.ctx
         graph = ggml.ggml_new_graph_custom(ctx, GRAPH_NODES, False)
         x = _input(ctx, ggml.GGML_TYPE_F32, self.hidden, rows)
         out = ggml.ggml_mul_mat(ctx, self.weights["output.weight"],
-                                _rms(ctx, x, self.weights["output_norm.weight"], self.eps))
+                                rms(ctx, x, self.weights["output_norm.weight"], self.eps))
+        if self.softcap:  # Gemma 2's final soft-capping, in llama.cpp's order of ops
+            out = ggml.ggml_scale(ctx, ggml.ggml_tanh(ctx, ggml.ggml_scale(ctx, out, float(
+                np.float32(1.0) / np.float32(self.softcap)))), self.softcap)
         ggml.ggml_set_output(out)
         ggml.ggml_build_forward_expand(graph, out)
         allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())  # its own: see span._Graph

@@ -1,14 +1,13 @@
 """GgmlSpan: a contiguous span of decoder layers computed by ggml, as llama.cpp does.
 
-The graph is built the way llama.cpp builds its families' graphs (src/models/*.cpp,
-src/llama-graph.cpp): RMS norm then a product with the norm's weight; q, k, v
-products on the weights as stored; rope on the file's own row order (llama.cpp's
-converter permutes a Llama's q/k rows for its "normal" rope; our store keeps
-transformers' order, so the rows are permuted back at load); the new keys and
-values written into a float16 KV cache by slot (`ggml_set_rows`); flash attention
-over the cache with a float16 causal mask (llama.cpp's default on CPU); the output
-product; SwiGLU MLP. The KV cache is float16, values untransposed, as llama.cpp's
-with flash attention.
+Each layer's graph is llama.cpp's (spans/ggml/graph.py), its family's differences
+read off the config (recipe.py). Weights keep the file's types, in the file's own row
+order: llama.cpp's converter permutes a Llama's q/k rows for its "normal" rope, our
+store keeps transformers' order, so those rows are permuted back at load; Gemma's
+norms are held as 1 + w, as the file holds them. The KV cache is float16, values
+untransposed, as llama.cpp's with flash attention (its default on CPU); new keys and
+values are written by slot (`ggml_set_rows`), and attention reads the cache through
+float16 causal masks, one per sliding window in the span.
 
 A graph is kept per (layers, tokens, cache view length, cache): positions, slots and
 the mask are its input tensors, so a decode step reuses its graph while the cache's
@@ -30,59 +29,15 @@ import numpy as np
 import torch
 
 from ...errors import UsageError
-from ...model.families import FULL, SLIDING, family_of_config, layer_types
 from ...model.gguf_native import unpermute
+from .graph import Inputs, layer
 from .lib import ggml
+from .recipe import ROPE_NORMAL, Recipe, recipe_of
 from .weights import TENSOR_OVERHEAD, Context, Weights
 
 KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
 GRAPH_NODES = 96  # graph nodes per layer at most (a layer uses ~30)
 MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recently used dropped first
-ROPE_NORMAL, ROPE_NEOX = 0, 2
-MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """What the graph needs of a config."""
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    rope_base: float
-    rope_mode: int
-    qk_norm: bool
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
-# Families on ggml so far, with llama.cpp's rope type for each (src/llama-model.cpp,
-# llama_model_rope_type): "normal" for Llama-architecture files, NeoX for the rest.
-ROPE_MODES = {"llama": ROPE_NORMAL, "mistral": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX}
-
-
-def shape_of(config) -> Shape:
-    family = family_of_config(config)
-    if family.name not in ROPE_MODES:
-        raise NotImplementedError(f"{family.title} spans do not run on ggml yet: serve them with --runtime torch")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise NotImplementedError(f"rope scaling {rope.get('rope_type')!r} does not run on ggml yet")
-    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    types = tuple(layer_types(config))
-    return Shape(config.hidden_size, config.num_attention_heads,
-                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
-                 float(config.rms_norm_eps), float(base), ROPE_MODES[family.name], family.qk_norm is not None,
-                 types, getattr(config, "sliding_window", None) if SLIDING in types else None)
-
-
 def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's rotary row order from transformers' (the inverse of gguf_native.unpermute)."""
     half = rows.shape[0] // heads // 2
@@ -115,15 +70,15 @@ class KVCache:
         context = Context(2 * len(layers))
         k, v = {}, {}
         for index in layers:
-            k[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.shape.kv_dim, capacity)
-            v[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.shape.kv_dim, capacity)
+            k[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.recipe.kv_dim, capacity)
+            v[index] = ggml.ggml_new_tensor_2d(context.ctx, ggml.GGML_TYPE_F16, self.span.recipe.kv_dim, capacity)
         buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(context.ctx, ggml.ggml_backend_cpu_buffer_type())
         if not buffer:
             context.free()
             raise MemoryError(f"could not allocate a KV cache of {capacity} tokens")
         ggml.ggml_backend_buffer_clear(buffer, 0)
         if self.length:  # rows are tokens: the old cache's first rows, copied as they are
-            row = self.span.shape.kv_dim * 2
+            row = self.span.recipe.kv_dim * 2
             scratch = np.empty(self.length * row, dtype=np.uint8)
             for index in layers:
                 for old, new in ((self.k[index], k[index]), (self.v[index], v[index])):
@@ -158,11 +113,8 @@ class _Graph:
     allocator: object
     graph: object
     x: object
-    positions: object
-    slots: object
-    mask: object
+    inputs: Inputs
     out: object
-    window_mask: object | None
 
     def free(self) -> None:
         if self.allocator:
@@ -184,18 +136,13 @@ class GgmlSpan:
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end = config, start, end
-        self.shape = shape_of(config)
-        self.family = family_of_config(config).name
-        entries = []
-        for index in range(start, end):
-            for name, array in layer_state(index).items():
-                full = f"model.layers.{index}.{name}"
-                kind = types.get(full, "F32")
-                if self.shape.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight",
-                                                                    "self_attn.k_proj.weight"):
-                    heads = self.shape.heads if "q_proj" in name else self.shape.kv_heads
-                    array = permute_rows(array, heads)
-                entries.append((full, array, kind))
+        self.recipe = recipe_of(config)
+        self.family = self.recipe.family
+        entries = [(full, array, kind) for full, array, kind in self._stored(layer_state, types)]
+        factors = {rope.factors for rope in self.recipe.ropes[start:end]} - {None}
+        if factors:
+            (values,) = factors
+            entries.append(("rope_freqs.weight", np.asarray(values, dtype=np.float32), "F32"))
         self.weights = Weights(entries, repack=repack)
         self.weight_bytes = self.weights.nbytes
         self.format_label = "gguf"
@@ -212,9 +159,21 @@ class GgmlSpan:
 
     # -- what the server asks of a span ------------------------------------------------
 
+    def _stored(self, layer_state: Callable[[int], dict[str, np.ndarray]], types: dict[str, str]):
+        """(name, array, ggml type) of the span's tensors as the file held them."""
+        r = self.recipe
+        for index in range(self.start, self.end):
+            for name, array in layer_state(index).items():
+                full = f"model.layers.{index}.{name}"
+                if r.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                    array = permute_rows(array, r.heads if "q_proj" in name else r.kv_heads)
+                if r.norm_plus_one and name.endswith("norm.weight"):
+                    array = array.astype(np.float32) + np.float32(1.0)
+                yield full, array, types.get(full, "F32")
+
     @property
     def hidden_size(self) -> int:
-        return self.shape.hidden
+        return self.recipe.hidden
 
     def parameter_count(self) -> int:
         return sum(ggml.ggml_nelements(t) for t in self.weights.tensors.values())
@@ -269,8 +228,8 @@ class GgmlSpan:
             raise ValueError(f"sub-span {start}:{end} outside served span {self.start}:{self.end}")
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         tokens = hidden.shape[0]
-        if hidden.ndim != 2 or hidden.shape[1] != self.shape.hidden or tokens == 0:
-            raise ValueError(f"hidden states of shape {hidden.shape}, not [tokens, {self.shape.hidden}]")
+        if hidden.ndim != 2 or hidden.shape[1] != self.recipe.hidden or tokens == 0:
+            raise ValueError(f"hidden states of shape {hidden.shape}, not [tokens, {self.recipe.hidden}]")
         if position > cache.length:
             raise ValueError(f"position {position} is past the cache's {cache.length} tokens")
         with self._lock:
@@ -317,77 +276,34 @@ class GgmlSpan:
         self._graphs.move_to_end(key)
         positions = np.arange(position, position + tokens, dtype=np.int32)
         _set(graph.x, hidden)
-        _set(graph.positions, positions)
-        _set(graph.slots, positions.astype(np.int64))
-        _set(graph.mask, causal_mask(position, tokens, n_kv))
-        if graph.window_mask is not None:
-            _set(graph.window_mask, causal_mask(position, tokens, n_kv, self.shape.sliding_window))
+        _set(graph.inputs.positions, positions)
+        _set(graph.inputs.slots, positions.astype(np.int64))
+        for window, mask in graph.inputs.masks.items():
+            _set(mask, causal_mask(position, tokens, n_kv, window))
         status = ggml.ggml_backend_graph_compute(self.backend, graph.graph)
         if status != ggml.GGML_STATUS_SUCCESS:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
-        out = np.empty((tokens, self.shape.hidden), dtype=np.float32)
+        out = np.empty((tokens, self.recipe.hidden), dtype=np.float32)
         ggml.ggml_backend_tensor_get(graph.out, out.ctypes.data, 0, out.nbytes)
         return out
 
     def _build(self, cache: KVCache, start: int, end: int, tokens: int, n_kv: int) -> _Graph:
-        s = self.shape
+        r = self.recipe
         nodes = GRAPH_NODES * (end - start) + 64
-        context = Context(nodes + 16)
-        # The graph itself lives in the context's memory too.
-        ggml.ggml_free(context.ctx)
-        params = ggml.ggml_init_params(mem_size=TENSOR_OVERHEAD * (nodes + 16) + ggml.ggml_graph_overhead_custom(
-            nodes, False), mem_buffer=None, no_alloc=True)
-        context.ctx = ggml.ggml_init(params)
+        context = Context.for_graph(nodes)
         ctx = context.ctx
         graph = ggml.ggml_new_graph_custom(ctx, nodes, False)
-        x = _input(ctx, ggml.GGML_TYPE_F32, s.hidden, tokens)
-        positions = _input(ctx, ggml.GGML_TYPE_I32, tokens)
-        slots = _input(ctx, ggml.GGML_TYPE_I64, tokens)
-        mask = _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens)
-        window_mask = _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens) if s.sliding_window else None
-        w = self.weights
-        scale = 1.0 / math.sqrt(s.head_dim)
+        x = _input(ctx, ggml.GGML_TYPE_F32, r.hidden, tokens)
+        windows = {r.window_for(index) for index in range(start, end)}
+        inputs = Inputs(_input(ctx, ggml.GGML_TYPE_I32, tokens), _input(ctx, ggml.GGML_TYPE_I64, tokens),
+                        {window: _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens) for window in windows}, n_kv, tokens)
         cur = x
         for index in range(start, end):
-            p = f"model.layers.{index}."
-            residual = cur
-            h = _rms(ctx, cur, w[p + "input_layernorm.weight"], s.eps)
-            q = _product(ctx, w, p + "self_attn.q_proj", h)
-            k = _product(ctx, w, p + "self_attn.k_proj", h)
-            v = _product(ctx, w, p + "self_attn.v_proj", h)
-            q = ggml.ggml_reshape_3d(ctx, q, s.head_dim, s.heads, tokens)
-            k = ggml.ggml_reshape_3d(ctx, k, s.head_dim, s.kv_heads, tokens)
-            v = ggml.ggml_reshape_3d(ctx, v, s.head_dim, s.kv_heads, tokens)
-            if s.qk_norm:  # Qwen3: each head's query and key, before rope
-                q = _rms(ctx, q, w[p + "self_attn.q_norm.weight"], s.eps)
-                k = _rms(ctx, k, w[p + "self_attn.k_norm.weight"], s.eps)
-            q = _rope(ctx, q, positions, s)
-            k = _rope(ctx, k, positions, s)
-            k_cache, v_cache = cache.k[index], cache.v[index]
-            ggml.ggml_build_forward_expand(graph, ggml.ggml_set_rows(
-                ctx, k_cache, ggml.ggml_reshape_2d(ctx, k, s.kv_dim, tokens), slots))
-            ggml.ggml_build_forward_expand(graph, ggml.ggml_set_rows(
-                ctx, v_cache, ggml.ggml_reshape_2d(ctx, v, s.kv_dim, tokens), slots))
-            row = ggml.ggml_row_size(ggml.GGML_TYPE_F16, s.head_dim)
-            keys = ggml.ggml_view_3d(ctx, k_cache, s.head_dim, s.kv_heads, n_kv, row, row * s.kv_heads, 0)
-            values = ggml.ggml_view_3d(ctx, v_cache, s.head_dim, s.kv_heads, n_kv, row, row * s.kv_heads, 0)
-            layer_mask = window_mask if (s.sliding_window and s.layer_types[index] == SLIDING) else mask
-            attended = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3),
-                                                ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
-                                                ggml.ggml_permute(ctx, values, 0, 2, 1, 3), layer_mask, scale, 0.0, 0.0)
-            ggml.ggml_flash_attn_ext_set_prec(attended, ggml.GGML_PREC_F32)
-            attended = ggml.ggml_reshape_2d(ctx, attended, s.head_dim * s.heads, tokens)
-            cur = ggml.ggml_add(ctx, _product(ctx, w, p + "self_attn.o_proj", attended), residual)
-            residual = cur
-            h = _rms(ctx, cur, w[p + "post_attention_layernorm.weight"], s.eps)
-            gate = _product(ctx, w, p + "mlp.gate_proj", h)
-            up = _product(ctx, w, p + "mlp.up_proj", h)
-            cur = ggml.ggml_add(ctx, _product(ctx, w, p + "mlp.down_proj", ggml.ggml_swiglu_split(ctx, gate, up)),
-                                residual)
+            cur = layer(ctx, graph, self.weights, r, index, cur, cache.k[index], cache.v[index], inputs)
         ggml.ggml_set_output(cur)
         ggml.ggml_build_forward_expand(graph, cur)
         allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
-        built = _Graph(context, allocator, graph, x, positions, slots, mask, cur, window_mask)
+        built = _Graph(context, allocator, graph, x, inputs, cur)
         if not ggml.ggml_gallocr_alloc_graph(allocator, graph):
             built.free()
             raise MemoryError("ggml could not allocate the span's graph")
@@ -416,20 +332,3 @@ def _set(tensor, array: np.ndarray) -> None:
     if array.nbytes != ggml.ggml_nbytes(tensor):
         raise ValueError(f"{array.nbytes} bytes for an input of {ggml.ggml_nbytes(tensor)}")
     ggml.ggml_backend_tensor_set(tensor, array.ctypes.data, 0, array.nbytes)
-
-
-def _rms(ctx, x, weight, eps: float):
-    return ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, x, eps), weight)
-
-
-def _product(ctx, weights: Weights, name: str, x):
-    out = ggml.ggml_mul_mat(ctx, weights[name + ".weight"], x)
-    bias = weights.get(name + ".bias")
-    return ggml.ggml_add(ctx, out, bias) if bias is not None else out
-
-
-def _rope(ctx, x, positions, s: Shape):
-    return ggml.ggml_rope_ext(ctx, x, positions, None, s.head_dim, s.rope_mode, 0, s.rope_base, 1.0, 0.0, 1.0,
-                              32.0, 1.0)
-
-

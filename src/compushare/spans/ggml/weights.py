@@ -37,6 +37,17 @@ class Context:
         if not self.ctx:
             raise MemoryError("ggml_init failed")
 
+    @classmethod
+    def for_graph(cls, nodes: int) -> Context:
+        """A context with room for a graph of `nodes` nodes and their tensors."""
+        context = cls.__new__(cls)
+        context.ctx = ggml.ggml_init(ggml.ggml_init_params(
+            mem_size=TENSOR_OVERHEAD * (nodes + 16) + ggml.ggml_graph_overhead_custom(nodes, False),
+            mem_buffer=None, no_alloc=True))
+        if not context.ctx:
+            raise MemoryError("ggml_init failed")
+        return context
+
     def free(self) -> None:
         if self.ctx:
             ggml.ggml_free(self.ctx)
