@@ -87,10 +87,9 @@ def local_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:
     """Greedy tokens in one process, in the model's own weight format: every block in
     one span on the runtime a node gives the model (ggml for a GGUF), the head beside it
     (what a swarm of that model must reproduce)."""
-    from compushare.model.head import ConsumerHead
-    from compushare.spans import load_span
+    from compushare.spans import load_head, load_span
 
-    runner, head = load_span(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
+    runner, head = load_span(model_dir, 0, TINY_LAYERS), load_head(model_dir)
     cache = runner.new_cache()
     hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
     tokens = []

@@ -10,6 +10,7 @@ in pyproject.toml's [tool.importlinter] are checked by `make test`):
   karma/       contribution ledger, karma records and the karma protocol
   proofs/      signed evidence: step proofs, training's, private mode's and DiLoCo's
                signed statements, and the failure reports anyone can check
+  spans/       what computes a span: the torch runtime (model/) or ggml's (GGUF files, as llama.cpp)
   net/         libp2p: patches, host, the swarm seam, dialling, serving, DHT, gossip
   model/       catalog of names, weight sources, the store and its manifests, the
                span runner and the consumer's head

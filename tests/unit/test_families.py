@@ -42,7 +42,7 @@ class Split:
     """The consumer's head and spans, each with its own cache, as separate servers hold them."""
 
     def __init__(self, path, spans=SPANS):
-        self.head = ConsumerHead.load(path, runtime="torch")  # beside torch spans
+        self.head = ConsumerHead.load(path)
         self.runners = [SpanRunner.load(path, start, end) for start, end in spans]
         self.caches = [runner.new_cache() for runner in self.runners]
         self.length = 0

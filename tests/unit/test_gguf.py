@@ -145,7 +145,7 @@ def test_a_mixed_file_keeps_its_mix_and_is_what_transformers_loads(mixed_file, t
     ours, theirs = load_full_model(model.path).state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     # Served: each matrix on its type's kernel, the embedding's rows exact.
-    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path, runtime="torch")
+    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path)
     attn, mlp = runner.layers[1].self_attn, runner.layers[1].mlp
     assert runner.format_label == "gguf" and isinstance(attn.q_proj, kernels.GroupedInt4Linear)
     assert isinstance(attn.v_proj, kernels.DenseLinear) and isinstance(mlp.gate_up_proj, kernels.GroupedInt4Linear)
@@ -207,7 +207,7 @@ def test_a_tied_qwen2_file_imports_with_its_biases(tmp_path):
     ours, theirs = load_full_model(model.path).state_dict(), reference.state_dict()
     assert "model.layers.0.self_attn.q_proj.bias" in ours
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path, runtime="torch")
+    runner, head = SpanRunner.load(model.path, 0, 4), ConsumerHead.load(model.path)
     assert isinstance(head.lm_head_module, kernels.GroupedInt4Linear)  # the Q4_K embedding, as a kernel
     ids = [3, 30, 100]
     logits = head.logits_rows(runner.forward(head.embed_tokens(ids), runner.new_cache(), 0))

@@ -104,7 +104,7 @@ def test_a_q8_0_file_serves_gguf_pys_dequantization(tmp_path):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(DATA), gguf_file=name, dtype=torch.float32).eval()
-    runner, head = SpanRunner.load(model.path, 0, model.num_blocks), ConsumerHead.load(model.path, runtime="torch")
+    runner, head = SpanRunner.load(model.path, 0, model.num_blocks), ConsumerHead.load(model.path)
     ids = [1, 17, 42, 99, 3, 200, 7]
     logits = head.logits_rows(runner.forward(head.embed_tokens(ids), runner.new_cache(), 0))
     with torch.no_grad():

@@ -8,7 +8,9 @@ soft-capped logits) is read off config.json through model/families.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +21,9 @@ from .manifest import parse
 from .weights import read_tensors
 
 HEAD_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# (LM head matrix's raw blocks, its ggml type, final norm weight, spec) -> an object whose
+# `logits(hidden float32 [n, H])` gives float32 [n, vocab], or None to decline.
+LmHeadFactory = Callable[[torch.Tensor, str, torch.Tensor, HeadSpec], Any]
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -53,19 +58,19 @@ def stored_range(model_dir: Path, manifest, name: str) -> tuple[Path, int, tuple
 class ConsumerHead:
     def __init__(self, state: dict[str, torch.Tensor], spec: HeadSpec, dtype=torch.float32, *,
                  gguf_rows: gguf_native.MappedRows | None = None, gguf_types: dict[str, str] | None = None,
-                 runtime: str = "auto"):
-        """`runtime`: what computes a GGUF's LM head: "auto" or "ggml" (ggml where it is
-        installed, as llama.cpp computes it) or "torch" (the type's torch kernel, as a
-        torch span's tests pair it)."""
+                 lm_head: LmHeadFactory | None = None):
+        """`lm_head`: for a GGUF's own tensors, what computes the final norm and LM head
+        instead of the type's torch kernel (spans.load_head gives ggml's, as llama.cpp
+        computes them); it may decline (None)."""
         self.dtype, self.spec, self.rms_norm_eps = dtype, spec, spec.rms_norm_eps
         self.quantized = bool(gguf_types) or any(name != base_name(name) for name in state)
         self.gguf_rows = gguf_rows
-        self.on_ggml = None  # the final norm and LM head on ggml (spans/ggml/head.py), for a GGUF's own tensors
+        self.projector = None  # final norm, LM head and soft-cap computed elsewhere (`lm_head`)
         if gguf_types:  # a GGUF's own tensors: embedding rows read from the file, the LM head its type's kernel
             head = LM_HEAD if LM_HEAD in gguf_types else EMBED  # tied: the embedding's own blocks
-            if runtime != "torch":
-                self.on_ggml = _ggml_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
-            if self.on_ggml is None:
+            if lm_head is not None:
+                self.projector = lm_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
+            if self.projector is None:
                 self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
         elif self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
             self.embed_parts = {name[len(EMBED):]: t for name, t in state.items() if base_name(name) == EMBED}
@@ -80,7 +85,7 @@ class ConsumerHead:
         self.norm_weight = state["model.norm.weight"].to(dtype)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype=torch.float32, *, runtime: str = "auto") -> ConsumerHead:
+    def load(cls, model_dir: Path, dtype=torch.float32, *, lm_head: LmHeadFactory | None = None) -> ConsumerHead:
         path = Path(model_dir) / "manifest.json"
         manifest = parse(path.read_bytes()) if path.exists() else None
         types = dict(manifest.format.types) if manifest is not None else {}
@@ -89,7 +94,7 @@ class ConsumerHead:
             head = LM_HEAD if LM_HEAD in types else EMBED
             state[head] = torch.from_numpy(gguf_native.read_rows(*stored_range(model_dir, manifest, head)))
             rows = gguf_native.MappedRows(*stored_range(model_dir, manifest, EMBED), types[EMBED])
-            return cls(state, head_spec(manifest.config), dtype, gguf_rows=rows, gguf_types=types, runtime=runtime)
+            return cls(state, head_spec(manifest.config), dtype, gguf_rows=rows, gguf_types=types, lm_head=lm_head)
         state = read_tensors(model_dir, lambda names: [n for n in names if base_name(n) in HEAD_TENSORS])
         return cls(state, head_spec(read_config(model_dir)), dtype)
 
@@ -119,8 +124,8 @@ class ConsumerHead:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _ggml_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.on_ggml.logits(rows.to(torch.float32).numpy()))  # soft-capped there
+    def _projected(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.projector.logits(rows.to(torch.float32).numpy()))  # soft-capped there
 
     @torch.inference_mode()
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,26 +134,16 @@ class ConsumerHead:
         product (by ~1e-5 relative), which can only matter between near-tied tokens."""
         if hidden.shape[1] == 1:
             return self.logits(hidden).unsqueeze(0)
-        if self.on_ggml is not None:
-            return self._ggml_logits(hidden[0])
+        if self.projector is not None:
+            return self._projected(hidden[0])
         rows = self._norm(hidden[0])
         return self._project(rows).float()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last position: [vocab]."""
-        if self.on_ggml is not None:
-            return self._ggml_logits(hidden[0, -1:, :])[0]
+        if self.projector is not None:
+            return self._projected(hidden[0, -1:, :])[0]
         last = self._norm(hidden[:, -1:, :])
         return self._project(last)[0, -1].float()
 
-
-def _ggml_head(matrix: torch.Tensor, kind: str, norm: torch.Tensor, spec: HeadSpec):
-    """The GGUF head on ggml, as llama.cpp computes it; None where ggml is not installed
-    (the torch kernel of the file's type computes it then)."""
-    try:
-        from ..spans.ggml.head import GgmlHead
-    except (ImportError, OSError):
-        return None
-    return GgmlHead(matrix.numpy(), kind, norm.float().numpy(), spec.rms_norm_eps, norm_plus_one=spec.norm_plus_one,
-                    softcap=spec.final_softcap)

@@ -8,6 +8,8 @@ Two implement it:
   llama.cpp's own tensor library the way llama.cpp builds its graphs.
 
 The server's session machine, scheduler, budgets and proofs see only `SpanCompute`.
+
+  ggml/        the ggml runtime
 """
 
 from __future__ import annotations
@@ -89,3 +91,15 @@ def load_span(model_dir: Path, start: int, end: int, *, runtime: str = AUTO, dev
     from .ggml.load import load_ggml_span
 
     return load_ggml_span(model_dir, start, end, threads=threads)
+
+
+def load_head(model_dir: Path, *, runtime: str = AUTO):
+    """The consumer's head of a stored model: a GGUF's LM head on ggml (as llama.cpp
+    computes it, at the file's bytes) unless `runtime` is torch or ggml is missing."""
+    from ..model.head import ConsumerHead
+
+    if runtime == TORCH or not ggml_available():
+        return ConsumerHead.load(model_dir)
+    from .ggml.head import lm_head_on_ggml
+
+    return ConsumerHead.load(model_dir, lm_head=lm_head_on_ggml)

@@ -16,6 +16,7 @@ import trio
 from ...errors import UsageError
 from ...model.catalog import resolve_model
 from ...model.head import ConsumerHead
+from ...spans import load_head
 from ...model.store import ModelStore, is_model_id
 from ...model.tokenizer import load_tokenizer
 from ...net.view import SwarmView, coverage
@@ -195,7 +196,7 @@ class ChatEngine:
                 await self.torrent.fetch(model.model_id, head=True)
 
             def load():
-                return load_tokenizer(model), ConsumerHead.load(model.path)
+                return load_tokenizer(model), load_head(model.path)
 
             tokenizer, head = await trio.to_thread.run_sync(load)
             consumer = Consumer(self.host, self.dht, self.data_dir, model, tokenizer, head,

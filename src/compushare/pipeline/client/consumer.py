@@ -20,6 +20,7 @@ from ...model import adapter_file
 from ...model.arch import load_config
 from ...model.catalog import CATALOG, resolve_model, split_name
 from ...model.head import ConsumerHead
+from ...spans import load_head
 from ...model.lora import Adapter
 from ...model.store import ModelStore, is_model_id
 from ...model.tokenizer import encode_prompt, eos_ids_of, load_tokenizer
@@ -127,7 +128,7 @@ class LocalParts:
             self.model = resolve_model(self.wanted, self.data_dir, on_stage=self.hooks.on_stage,
                                        progress=self.hooks.progress)
             self.tokenizer = load_tokenizer(self.model) if self.text_prompts else None
-            self.head = ConsumerHead.load(self.model.path)
+            self.head = load_head(self.model.path)
             self.error = None
         except Exception as exc:
             self.error = exc

@@ -83,3 +83,9 @@ class GgmlHead:
             ggml.ggml_backend_free(self.backend)
             self.backend = None
         self.weights.free()
+
+
+def lm_head_on_ggml(matrix, kind: str, norm, spec) -> GgmlHead:
+    """model.head.ConsumerHead's `lm_head` factory: the GGUF's head on ggml."""
+    return GgmlHead(matrix.numpy(), kind, norm.float().numpy(), spec.rms_norm_eps, norm_plus_one=spec.norm_plus_one,
+                    softcap=spec.final_softcap)

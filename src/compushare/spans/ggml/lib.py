@@ -35,10 +35,14 @@ def misdeclared(module=_ggml) -> list[str]:
     return sorted(wrong)
 
 
+FIXED: list[str] = []  # what fixed() re-declared
+
+
 @functools.cache
 def fixed():
     """The ggml module, every function returning a handle declared as a pointer."""
     for name in misdeclared(_ggml):
+        FIXED.append(name)
         function = getattr(_ggml, name)
         kind = getattr(function.restype, "__name__", "")
         if kind not in RETURNS_POINTER:

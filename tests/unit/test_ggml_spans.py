@@ -1,0 +1,143 @@
+"""The ggml span runtime on the GGUF fixtures: its bindings, masks, caches and the
+invariants a server relies on (a span split in two, a prompt paused between layers, a
+cache grown or rolled back: all bit-identical to the plain forward)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from compushare.errors import UsageError
+from compushare.model.catalog import import_path
+from compushare.spans import GGML, TORCH, load_head, load_span, runtime_for
+from compushare.spans.ggml import lib
+from compushare.spans.ggml.recipe import inverse_sqrt, llama3_factors, recipe_of
+from compushare.spans.ggml.span import KV_PAD, causal_mask
+
+pytestmark = pytest.mark.unit
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "gguf"
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """name -> the fixture imported into a store (`models import --format gguf`)."""
+    root = tmp_path_factory.mktemp("ggml")
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = import_path(DATA / name, root / name, alias="x")
+        return cache[name]
+    return get
+
+
+def test_every_handle_ggml_python_misdeclares_comes_back_whole():
+    # ggml-python 0.0.45 declares these as returning typing.NewType(int): ctypes read the
+    # pointer as a C int and the next call with it crashed the process.
+    assert {"ggml_backend_cpu_buffer_type", "ggml_backend_alloc_buffer"} <= set(lib.FIXED)
+    assert lib.misdeclared() == []
+    g = lib.ggml
+    # The same buffer type reached through a correctly declared call: a truncated pointer differs.
+    assert g.ggml_backend_cpu_buffer_type() == g.ggml_backend_dev_buffer_type(lib.cpu_device())
+    assert g.ggml_backend_buft_name(g.ggml_backend_cpu_buffer_type()) == b"CPU"
+
+
+def test_causal_masks_hide_the_future_and_what_slides_out_of_the_window():
+    mask = causal_mask(3, 2, 8)
+    assert mask.dtype == np.float16 and mask.shape == (2, 8)
+    assert np.isneginf(mask).tolist() == [[False] * 4 + [True] * 4, [False] * 5 + [True] * 3]
+    windowed = causal_mask(5, 1, 8, window=2)
+    assert np.isneginf(windowed[0]).tolist() == [True] * 4 + [False] * 2 + [True] * 2
+
+
+def test_llama3_rope_factors_are_the_files_own(stored):
+    # Our store keeps no rope_freqs tensor (its values became the config's rope
+    # parameters): the recipe recomputes them, bit for bit what the file holds.
+    model = stored("tiny-llama-f32.gguf")
+    reader = {t.name: t for t in gguf.GGUFReader(str(DATA / "tiny-llama-f32.gguf")).tensors}
+    recipe = recipe_of(model.manifest.config)
+    assert np.array_equal(np.asarray(recipe.ropes[0].factors, dtype=np.float32),
+                          np.asarray(reader["rope_freqs.weight"].data, dtype=np.float32))
+    assert recipe.ropes[0].factors == tuple(llama3_factors(model.manifest.config["rope_parameters"], 500000.0,
+                                                           16).tolist())
+    assert inverse_sqrt(128) == float(np.float32(1) / np.sqrt(np.float32(128)))
+
+
+def _prompt(span, tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, tokens, span.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-f32.gguf", "tiny-gemma2-f32.gguf", "tiny-phi3-f32.gguf"])
+def test_a_span_split_in_two_and_a_prompt_paused_between_layers_equal_the_whole(stored, name):
+    model = stored(name)
+    whole = load_span(model.path, 0, 2, runtime=GGML)
+    first, second = load_span(model.path, 0, 1, runtime=GGML), load_span(model.path, 1, 2, runtime=GGML)
+    assert whole.runtime == GGML and whole.format_label == "gguf"
+    prompt, step = _prompt(whole, 7), _prompt(whole, 1, seed=1)
+    caches = [whole.new_cache(), first.new_cache(), second.new_cache()]
+    expected = whole.forward(prompt, caches[0], 0)
+    assert torch.equal(second.forward(first.forward(prompt, caches[1], 0), caches[2], 0), expected)
+    pauses = []
+    paused_cache = whole.new_cache()
+    assert torch.equal(whole.forward(prompt, paused_cache, 0, between_layers=lambda: pauses.append(1)), expected)
+    assert len(pauses) == 2  # one graph per layer, the callback before each
+    decoded = whole.forward(step, caches[0], 7)
+    assert torch.equal(second.forward(first.forward(step, caches[1], 7), caches[2], 7), decoded)
+    assert torch.equal(whole.forward(step, paused_cache, 7), decoded)
+
+
+def test_a_cache_grown_past_its_padding_and_one_rolled_back_hold_the_same_tokens(stored):
+    model = stored("tiny-qwen3-f32.gguf")
+    span = load_span(model.path, 0, 2, runtime=GGML)
+    steps = [_prompt(span, 1, seed=i) for i in range(KV_PAD + 8)]
+    growing, roomy = span.new_cache(), span.new_cache()
+    roomy.reserve(2 * KV_PAD)  # never grows
+    for position, step in enumerate(steps):
+        assert torch.equal(span.forward(step, growing, position), span.forward(step, roomy, position)), position
+    assert growing.capacity == 2 * KV_PAD and span.cached_length(growing) == KV_PAD + 8
+    # Speculation's rollback: the rewound cache computes what one that never saw the tail does.
+    span.truncate(growing, 100)
+    fresh = span.new_cache()
+    for position, step in enumerate(steps[:100]):
+        span.forward(step, fresh, position)
+    other = _prompt(span, 3, seed=99)
+    assert torch.equal(span.forward(other, growing, 100), span.forward(other, fresh, 100))
+    with pytest.raises(ValueError, match="past the cache"):
+        span.forward(other, fresh, 500)
+
+
+def test_adapters_and_models_not_in_gguf_are_refused_with_the_runtime_that_serves_them(stored, tiny_model):
+    model = stored("tiny-qwen2-f32.gguf")
+    span = load_span(model.path, 0, 2, runtime=GGML)
+    with pytest.raises(UsageError, match="--runtime torch"):
+        span.forward(_prompt(span, 1), span.new_cache(), 0, adapter=object())
+    assert runtime_for(model.path) == GGML and runtime_for(model.path, TORCH) == TORCH
+    assert runtime_for(tiny_model) == TORCH  # a safetensors model: torch, as always
+    with pytest.raises(UsageError, match="--runtime torch"):
+        runtime_for(tiny_model, GGML)
+
+
+def test_the_ggml_head_is_the_torch_kernels_within_their_rounding(stored):
+    model = stored("tiny-qwen2-q8_0.gguf")
+    ggml_head, torch_head = load_head(model.path), load_head(model.path, runtime=TORCH)
+    assert ggml_head.projector is not None and torch_head.projector is None
+    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
+    a, b = ggml_head.logits_rows(hidden), torch_head.logits_rows(hidden)
+    # ggml rounds the activations to Q8_0 before the product; torch's kernel holds bfloat16.
+    assert torch.allclose(a, b, rtol=0, atol=3e-2 * b.abs().max().item())
+    assert torch.equal(ggml_head.logits(hidden[:, :1]), ggml_head.logits_rows(hidden[:, :1])[0])
+
+
+def test_the_recorded_llamacpp_tokens_name_the_files_they_came_from():
+    recorded = json.loads((DATA / "llamacpp_tokens.json").read_text())
+    index = json.loads((DATA / "fixtures.json").read_text())["files"]
+    for name, entry in recorded["files"].items():
+        if name in index:
+            assert entry["sha256"] == index[name]["sha256"], name
+        assert len(entry["tokens"]) == recorded["tokens"] == 64
