@@ -1,10 +1,17 @@
 """A model no node holds: Llama-3.1-8B's shapes across 3 nodes, beside llama.cpp on the same file.
 
-    .venv/bin/python bench/big_model.py [--tokens 64] [--results bench/results/big_model.jsonl]
+    .venv/bin/python bench/big_model.py [--tokens 64] [--type Q4_K_M] [--threads 1,2] [--runtime auto]
+                                        [--results bench/results/big_model.jsonl]
 
 file      tools/synthetic_gguf.py: Llama-3.1-8B's exact shapes (32 layers, hidden 4096,
-          intermediate 14336, 32/8 heads, 128,256 tokens; 8.0 B parameters) as Q4_0
-          with deterministic random weights, written once into the cache (~20 s).
+          intermediate 14336, 32/8 heads, 128,256 tokens; 8.0 B parameters) with
+          deterministic random weights, laid out as llama.cpp's quantizer lays out
+          Q4_K_M (Q4_K; Q6_K for the output matrix and for v and down in the layers
+          it gives more bits) or all Q4_0 (--type), written once into the cache.
+runtime   what the nodes and the one-process reference compute with (--runtime: auto
+          is ggml for a GGUF on CPU; torch the previous runs' runtime); the consumer's
+          head likewise. Each of --threads runs the swarm, the reference and llama.cpp
+          at that many threads per process, side by side.
 import    `compushare models import FILE --name big8b` into node 0's data dir: the
           GGUF's own Q4_0 blocks kept (no second quantization), streamed tensor by
           tensor; wall time and the process's peak RSS (wait4's ru_maxrss).
@@ -14,18 +21,21 @@ swarm     `compushare swarm up --nodes 3 --memory-budget-mb B`: node 0 holds the
           no node may hold more than 40 % of the blocks (12 of 32) whatever its
           interpreter holds above 300 MB; each node reports what it held before its
           span loaded and how many blocks its budget fits (node.json "memory",
-          "max_blocks"). Each node computes with 1 torch thread (the default).
-consumer  this process, a fresh data dir (it fetches the head: embeddings and LM
+          "max_blocks"). Each node computes with --threads threads.
+consumer  a process of its own, a fresh data dir (it fetches the head: embeddings and LM
           head, from the swarm): the prompt's token ids, `--tokens` greedy tokens,
-          no speculation (llama.cpp drafts nothing either), no spot checks.
+          no speculation (llama.cpp drafts nothing either), no spot checks; its peak
+          RSS (wait4) is reported.
           first_token_s counts from the start of `swarm up` (node start-up, span
           fetches, loads, the head's fetch, the prompt) to the first token.
-reference one process serving the same store (every block in one SpanRunner, the
-          head beside it, 1 thread): its greedy tokens must equal the swarm's
+reference one process serving the same store (every block in one span on the
+          runtime, the head beside it): its greedy tokens must equal the swarm's
           (`identical`), and its decode speed is the swarm's compute without the network.
-llamacpp  bench/llamacpp_ref.py's build on the very same file, 1 thread, the same
-          prompt ids, decode tok/s (median of 3 trials).
-memory    each node's peak RSS (VmHWM) against its budget, after the run;
+llamacpp  bench/llamacpp_ref.py's build on the very same file, the same threads, the
+          same prompt ids, flash attention on (llama.cpp's CPU default), decode tok/s
+          (median of 3 trials); `identical_to_llamacpp`: the swarm's tokens are its.
+memory    each node's peak RSS (VmHWM) against its budget and against its span's file
+          bytes (`max_rss_over_span_mb`), after the run;
           bandwidth: one token reads every block's weights once, so a copy of that
           many bytes (measured here, 1 thread) bounds the decode rate.
 
@@ -145,13 +155,13 @@ def copy_gb_s(nbytes: int = 1 << 30) -> float:
 
 REFERENCE = r"""
 import json, sys, time, torch
-torch.set_num_threads(1)
-from compushare.model.blocks import SpanRunner
-from compushare.model.head import ConsumerHead
+from compushare.spans import load_head, load_span
 model_dir, prompt, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+runtime, threads = sys.argv[5], int(sys.argv[6])
+torch.set_num_threads(threads)
 began = time.perf_counter()
-head = ConsumerHead.load(model_dir)
-runner = SpanRunner.load(model_dir, 0, runner_blocks := int(sys.argv[4]))
+head = load_head(model_dir, runtime=runtime)
+runner = load_span(model_dir, 0, int(sys.argv[4]), runtime=runtime, threads=threads)
 loaded = time.perf_counter() - began
 cache = runner.new_cache()
 hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
@@ -160,39 +170,89 @@ while len(tokens) < count:
     hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, len(prompt) + len(tokens) - 1)
     tokens.append(int(torch.argmax(head.logits(hidden))))
     times.append(time.perf_counter())
-print(json.dumps({"tokens": tokens, "load_s": loaded,
+print(json.dumps({"tokens": tokens, "load_s": loaded, "runtime": getattr(runner, "runtime", "torch"),
                   "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}))
 """
 
 
-def reference(model_dir: Path, prompt: list[int], count: int, blocks: int, env: dict, out: Path) -> dict:
+def reference(model_dir: Path, prompt: list[int], count: int, blocks: int, env: dict, out: Path, *,
+              runtime: str, threads: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", REFERENCE, str(model_dir), json.dumps(prompt), str(count),
-                           str(blocks)], capture_output=True, text=True, env=env, timeout=1800)
+                           str(blocks), runtime, str(threads)], capture_output=True, text=True, env=env, timeout=1800)
     out.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"the one-process reference failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def consume(home: Path, bootstrap: list[str], prompt: list[int], count: int):
-    import trio
+CONSUMER = r"""
+import json, sys, trio
+from compushare.pipeline.client.consumer import RunRequest, run_prompt
+from compushare.pipeline.client.sampling import SamplingParams
+home, bootstrap, prompt, count, name = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+request = RunRequest(model=name, prompt=prompt, chat_template=False, speculate=False,
+                     params=SamplingParams(temperature=0.0, max_new_tokens=count, stop_at_eos=False))
+outcome = trio.run(lambda: run_prompt(home, tuple(bootstrap), request, spot_check_rate=0.0))
+print(json.dumps({"tokens": outcome.tokens, "first_token_s": outcome.first_token_s,
+                  "decode_tok_s": outcome.decode_tok_s, "direct_steps": outcome.direct_steps,
+                  "spans": [[h.start, h.end] for h in outcome.route]}))
+"""
 
-    from compushare.pipeline.client.consumer import RunRequest, run_prompt
-    from compushare.pipeline.client.sampling import SamplingParams
 
-    request = RunRequest(model=NAME, prompt=prompt, chat_template=False, speculate=False,
-                         params=SamplingParams(temperature=0.0, max_new_tokens=count, stop_at_eos=False))
-    return trio.run(lambda: run_prompt(home, tuple(bootstrap), request, spot_check_rate=0.0))
+def consume(home: Path, bootstrap: list[str], prompt: list[int], count: int, env: dict, out: Path) -> dict:
+    """The consumer in a process of its own: its outcome and its peak RSS (MB)."""
+    _, rss = measured([sys.executable, "-c", CONSUMER, str(home), json.dumps(bootstrap), json.dumps(prompt),
+                       str(count), NAME], env=env, out=out, timeout=1800)
+    return json.loads(out.read_text().strip().splitlines()[-1]) | {"peak_rss_mb": rss}
+
+
+def span_file_bytes(data_dir: Path, model_id: str, span: tuple[int, int]) -> int:
+    """The bytes of the block files a node's span is made of (what it must hold)."""
+    return sum((data_dir / "models" / model_id / f"block-{i:04d}.safetensors").stat().st_size
+               for i in range(*span))
+
+
+def run_swarm(swarm_home: Path, budget_mb: int, kv_tokens: int, threads: int, runtime: str, env: dict, root: Path,
+              prompt: list[int], count: int, model_id: str) -> dict:
+    """`swarm up` at `threads` threads a node, a consumer's generation, the nodes' peaks; then `swarm down`."""
+    began = time.monotonic()
+    measured(cli("swarm", "up", "--nodes", str(NODES), "--model", NAME, "--home", str(swarm_home),
+                 "--memory-budget-mb", str(budget_mb), "--kv-budget", str(kv_tokens), "--threads", str(threads),
+                 "--runtime", runtime), env=env, out=root / f"swarm_up_t{threads}.log", timeout=1800)
+    up_s = time.monotonic() - began
+    try:
+        swarm = json.loads((swarm_home / "swarm.json").read_text())
+        states = [settled_state(Path(n["data_dir"])) for n in swarm["nodes"]]
+        log(f"swarm up ({threads} thread{'s' * (threads > 1)}) in {up_s:.1f} s: " + ", ".join(
+            f"{s['start']}:{s['end']} (fits {s['max_blocks']}, held {s['memory']['held_mb']} MB)" for s in states))
+        fetched = [f for s in states for f in s.get("fetched", [])]
+        outcome = consume(root / "consumer", swarm["bootstrap"], prompt, count, env, root / f"consumer_t{threads}.log")
+        peaks = [peak_rss_mb(n["pid"]) for n in swarm["nodes"]]
+    finally:
+        subprocess.run(cli("swarm", "down", "--home", str(swarm_home)), env=env, timeout=60, capture_output=True)
+    span_mb = [span_file_bytes(Path(n["data_dir"]), model_id, (st["start"], st["end"])) / MB
+               for n, st in zip(swarm["nodes"], states)]
+    log(f"swarm: first token {up_s + outcome['first_token_s']:.1f} s after `swarm up` began, "
+        f"{outcome['decode_tok_s']:.2f} tok/s; consumer peak RSS {outcome['peak_rss_mb']:.0f} MB")
+    for st, peak, held in zip(states, peaks, span_mb):
+        log(f"  node {st['start']}:{st['end']}: peak RSS {peak:.0f} MB, span file {held:.0f} MB "
+            f"(+{peak - held:.0f} MB), budget {budget_mb} MB")
+    return {"up_s": up_s, "outcome": outcome, "peaks": peaks, "span_mb": span_mb, "states": states,
+            "fetched": fetched}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--type", default="Q4_K_M", choices=synthetic_gguf.TYPES)
+    parser.add_argument("--threads", default="1,2", help="Threads per process, comma-separated: a run each.")
+    parser.add_argument("--runtime", default="auto", choices=("auto", "ggml", "torch"))
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "big_model.jsonl"))
     parser.add_argument("--keep", action="store_true", help="Keep the scratch dir (data dirs, logs).")
     args = parser.parse_args()
+    thread_counts = [int(t) for t in args.threads.split(",")]
 
-    gguf_path = synthetic_gguf.ensure(log=log)
+    gguf_path = synthetic_gguf.ensure(kind=args.type, log=log)
     log(f"file: {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB)")
     root = Path(tempfile.mkdtemp(prefix="big-model-", dir=resolve_cache_dir().parent))
     # A cache of their own: the import must convert, not hard-link an earlier run's conversion.
@@ -212,48 +272,49 @@ def main() -> None:
 
         from compushare.model.store import ModelStore
         from compushare.pipeline.server.provider import block_cost
+        from compushare.spans import runtime_for
 
         stored = ModelStore(node0).get(NAME)
+        runtime = runtime_for(stored.path, args.runtime)
         params_b = parameters(stored.manifest.config) / 1e9
         kv_tokens = 8192
         cost = block_cost(stored, kv_tokens)
         most = int(MAX_SHARE * stored.num_blocks)
         budget_mb = HELD_FLOOR_MB + ((most + 1) * cost - 1) // MB  # fits `most` blocks, never most + 1
-        log(f"model: {stored.num_blocks} blocks of {stored.block_bytes / 1e6:.0f} MB; budget {budget_mb} MB "
-            f"per node (at most {most} blocks, {cost / 1e6:.0f} MB each with a {kv_tokens}-token KV budget)")
-
-        # -- the swarm, from `swarm up` to the first token
-        began = time.monotonic()
-        measured(cli("swarm", "up", "--nodes", str(NODES), "--model", NAME, "--home", str(swarm_home),
-                     "--memory-budget-mb", str(budget_mb), "--kv-budget", str(kv_tokens)),
-                 env=env, out=root / "swarm_up.log", timeout=1800)
-        up_s = time.monotonic() - began
-        swarm = json.loads((swarm_home / "swarm.json").read_text())
-        states = [settled_state(Path(n["data_dir"])) for n in swarm["nodes"]]
-        log(f"swarm up in {up_s:.1f} s: " + ", ".join(f"{s['start']}:{s['end']} (fits {s['max_blocks']}, held "
-                                                       f"{s['memory']['held_mb']} MB)" for s in states))
-        fetched = [f for s in states for f in s.get("fetched", [])]
-        fetch_bytes, fetch_s = sum(f["bytes"] for f in fetched), max((f["seconds"] for f in fetched), default=0)
-        log(f"fetched {fetch_bytes / 1e9:.2f} GB in {len(fetched)} spans from node 0, {fetch_s:.1f} s")
-
+        log(f"model: {stored.num_blocks} blocks of {stored.block_bytes / 1e6:.0f} MB on {runtime}; budget "
+            f"{budget_mb} MB per node (at most {most} blocks, {cost / 1e6:.0f} MB each with a {kv_tokens}-token "
+            f"KV budget)")
         from transformers import AutoTokenizer
 
         prompt = AutoTokenizer.from_pretrained(str(stored.path))(PROMPT).input_ids
-        outcome = consume(root / "consumer", swarm["bootstrap"], prompt, args.tokens)
-        first_token_s = up_s + outcome.first_token_s
-        log(f"swarm: first token {first_token_s:.1f} s after `swarm up` began ({outcome.first_token_s:.1f} s after "
-            f"the consumer started), {outcome.decode_tok_s:.2f} tok/s, {outcome.direct_steps} steps direct")
-        peaks = [peak_rss_mb(n["pid"]) for n in swarm["nodes"]]
-        for s, peak in zip(states, peaks):
-            log(f"  node {s['start']}:{s['end']}: peak RSS {peak:.0f} MB of a {budget_mb} MB budget")
-        subprocess.run(cli("swarm", "down", "--home", str(swarm_home)), env=env, timeout=60, capture_output=True)
-        # (the reference below needs the memory the nodes held)
-
-        ref = reference(stored.path, prompt, len(outcome.tokens), stored.num_blocks, env, root / "reference.log")
-        identical = ref["tokens"] == outcome.tokens
-        log(f"one process: {ref['decode_tok_s']:.2f} tok/s, tokens identical: {identical}")
-        llama = llamacpp_ref.measure_llamacpp(gguf_path, prompt_tokens=prompt, decode_tokens=args.tokens, trials=3)
-        log(f"llama.cpp (1 thread): {llama['decode_tok_s']:.2f} tok/s")
+        runs = []
+        for threads in thread_counts:
+            swarm = run_swarm(swarm_home, budget_mb, kv_tokens, threads, runtime, env, root, prompt, args.tokens,
+                              stored.model_id)
+            outcome = swarm["outcome"]
+            ref = reference(stored.path, prompt, len(outcome["tokens"]), stored.num_blocks, env,
+                            root / f"reference_t{threads}.log", runtime=runtime, threads=threads)
+            llama = llamacpp_ref.measure_llamacpp(gguf_path, prompt_tokens=prompt, decode_tokens=args.tokens,
+                                                  trials=3, threads=threads)
+            same_as_llama = llama["tokens"][:len(outcome["tokens"])] == outcome["tokens"]
+            log(f"one process ({threads} thread{'s' * (threads > 1)}): {ref['decode_tok_s']:.2f} tok/s; llama.cpp "
+                f"{llama['decode_tok_s']:.2f} tok/s; tokens: swarm = one process {ref['tokens'] == outcome['tokens']},"
+                f" swarm = llama.cpp {same_as_llama}")
+            runs.append({
+                "threads": threads, "swarm_tok_s": round(outcome["decode_tok_s"], 3),
+                "one_process_tok_s": round(ref["decode_tok_s"], 3), "llamacpp_tok_s": round(llama["decode_tok_s"], 3),
+                "swarm_vs_llamacpp": round(outcome["decode_tok_s"] / llama["decode_tok_s"], 3),
+                "one_process_vs_llamacpp": round(ref["decode_tok_s"] / llama["decode_tok_s"], 3),
+                "identical": ref["tokens"] == outcome["tokens"], "identical_to_llamacpp": same_as_llama,
+                "first_token_s": round(swarm["up_s"] + outcome["first_token_s"], 1),
+                "swarm_up_s": round(swarm["up_s"], 1), "peak_rss_mb": [round(p) for p in swarm["peaks"]],
+                "span_file_mb": [round(m) for m in swarm["span_mb"]],
+                "max_rss_over_span_mb": round(max(p - m for p, m in zip(swarm["peaks"], swarm["span_mb"]))),
+                "max_rss_over_budget_mb": round(max(p - budget_mb for p in swarm["peaks"])),
+                "consumer_peak_rss_mb": round(outcome["peak_rss_mb"]),
+                "spans": [f"{st['start']}:{st['end']}" for st in swarm["states"]],
+                "fetched_gb": round(sum(f["bytes"] for f in swarm["fetched"]) / 1e9, 2),
+                "direct_steps": outcome["direct_steps"]})
 
         files = stored.manifest.files
         head = {name: t for f in files if f.role == "head" for name, t in f.tensors.items()}
@@ -261,23 +322,20 @@ def main() -> None:
         token_bytes = sum(f.size for f in files if f.role == "block") + lm_head.end - lm_head.begin
         copy = copy_gb_s()
         bound = copy * 1e9 / token_bytes
-        log(f"bound: {token_bytes / 1e9:.2f} GB read per token, copy at {copy:.1f} GB/s -> {bound:.2f} tok/s")
+        log(f"bound: {token_bytes / 1e9:.2f} GB read per token, copy at {copy:.1f} GB/s -> {bound:.2f} tok/s "
+            f"(1 thread)")
         result = {
-            "params_b": round(params_b, 2), "import_s": round(import_s, 1), "import_peak_rss_mb": round(import_rss),
-            "fetch_mb_s": round(fetch_bytes / 1e6 / fetch_s, 1) if fetch_s else None,
-            "fetched_gb": round(fetch_bytes / 1e9, 2),
-            "swarm_tok_s": round(outcome.decode_tok_s, 3), "one_process_tok_s": round(ref["decode_tok_s"], 3),
-            "llamacpp_tok_s": round(llama["decode_tok_s"], 3),
-            "swarm_vs_llamacpp": round(outcome.decode_tok_s / llama["decode_tok_s"], 3),
-            "one_process_vs_llamacpp": round(ref["decode_tok_s"] / llama["decode_tok_s"], 3),
-            "identical": identical, "tokens": len(outcome.tokens),
-            "budget_mb": budget_mb, "peak_rss_mb": [round(p) for p in peaks],
-            "max_rss_over_budget_mb": round(max(p - budget_mb for p in peaks)),
-            "spans": [f"{s['start']}:{s['end']}" for s in states], "fits_blocks": [s["max_blocks"] for s in states],
-            "held_mb": [s["memory"]["held_mb"] for s in states],
-            "swarm_up_s": round(up_s, 1), "first_token_s": round(first_token_s, 1),
+            "runtime": runtime, "type": args.type, "threads": thread_counts, "params_b": round(params_b, 2),
+            "import_s": round(import_s, 1), "import_peak_rss_mb": round(import_rss),
+            "swarm_vs_llamacpp": min(r["swarm_vs_llamacpp"] for r in runs),
+            "one_process_vs_llamacpp": min(r["one_process_vs_llamacpp"] for r in runs),
+            "identical_to_llamacpp": all(r["identical_to_llamacpp"] for r in runs),
+            "identical": all(r["identical"] for r in runs),
+            "max_rss_over_span_mb": max(r["max_rss_over_span_mb"] for r in runs),
+            "first_token_s": runs[0]["first_token_s"], "runs": runs, "budget_mb": budget_mb,
             "token_gb": round(token_bytes / 1e9, 2), "copy_gb_s": round(copy, 1),
             "bandwidth_bound_tok_s": round(bound, 2), "format": imported["format"],
+            "cpu": llamacpp_ref.cpu_fingerprint(),
         }
         failed = False
     finally:

@@ -24,8 +24,9 @@ build     llama-cpp-python==0.3.36 built from its sdist, CPU only, into a scratc
           winning build (`build_s`, the pip install of the sdist), the failed attempts
           and the total; `build_info()` returns it. A file lock makes concurrent callers
           build once; a second call is instant.
-measure   in a subprocess with the scratch venv's python: Llama(n_threads=1,
-          n_threads_batch=1, n_ctx=512, seed=0); per trial llm.reset(), the prompt in one
+measure   in a subprocess with the scratch venv's python: Llama(n_threads=T,
+          n_threads_batch=T, n_ctx=512, flash_attn=True, seed=0) (T = `threads`, 1 by
+          default; flash attention as llama.cpp's CPU default has it); per trial llm.reset(), the prompt in one
           llm.eval (prefill; its logits give the first token t_0), then `decode_tokens`
           single-token llm.eval steps, each followed by the argmax of the last logits
           (greedy, no stop at EOS). prefill tok/s = prompt tokens / prefill time; decode
@@ -480,8 +481,8 @@ import numpy as np
 import llama_cpp
 
 a = json.loads(sys.stdin.read())
-llm = llama_cpp.Llama(model_path=a["gguf"], n_threads=1, n_threads_batch=1, n_ctx=a["n_ctx"],
-                      verbose=False, seed=0)
+llm = llama_cpp.Llama(model_path=a["gguf"], n_threads=a["threads"], n_threads_batch=a["threads"],
+                      n_ctx=a["n_ctx"], flash_attn=a["flash_attn"], verbose=False, seed=0)
 if a["prompt_tokens"] is not None:
     prompt = [int(t) for t in a["prompt_tokens"]]
 else:
@@ -543,8 +544,14 @@ def measure_llamacpp(
     trials: int = 3,
     n_ctx: int = 512,
     timeout: float = 900.0,
+    threads: int = 1,
+    flash_attn: bool = True,
 ) -> dict:
-    """llama.cpp at 1 thread on `gguf_path`: decode and prefill tok/s (medians over trials).
+    """llama.cpp at `threads` threads on `gguf_path`: decode and prefill tok/s (medians over trials).
+
+    Flash attention is on by default, as llama.cpp's own default turns it on for CPU
+    ("auto"; llama-cpp-python's Llama would turn it off): the attention path the ggml
+    runtime follows, so the tokens compare.
 
     The prompt is `prompt_tokens` if given, else `prompt_text` (default DEFAULT_PROMPT)
     tokenized by llama.cpp with the GGUF's own special-token rules. `tokens` holds the
@@ -562,6 +569,8 @@ def measure_llamacpp(
         "decode_tokens": int(decode_tokens),
         "trials": max(1, int(trials)),
         "n_ctx": int(n_ctx),
+        "threads": int(threads),
+        "flash_attn": bool(flash_attn),
     })
     for attempt in (0, 1):
         py = ensure_llamacpp(gguf=gguf_path)
@@ -580,7 +589,8 @@ def measure_llamacpp(
             "build": info.get("variant"),
             "build_s": info.get("build_s"),
             "build_total_s": info.get("total_s"),
-            "threads": 1,
+            "threads": int(threads),
+            "flash_attn": bool(flash_attn),
             "cpu": cpu_fingerprint(),
             "gguf": str(gguf_path),
         })

@@ -1,7 +1,7 @@
 """Per-node compute of each weight format, side by side in one run, and llama.cpp on the same GGUF.
 
     .venv/bin/python bench/node_compute.py [--tokens 64] [--trials 3] [--ppl-tokens 2048]
-                                           [--formats fp32,bf16,int8,q4,gguf_native] [--skip-llamacpp]
+                                           [--formats fp32,bf16,int8,q4,gguf_native,ggml] [--skip-llamacpp]
 
 SmolLM2-135M (30 blocks) in every weight format a node can serve, all in this process
 at once, one torch thread (torch.set_num_threads(1)), the whole model per format: its
@@ -17,6 +17,8 @@ $COMPUSHARE_CACHE, default ~/.cache/compushare):
                                      4 bits, groups of 64 (scale and min searched for the
                                      least squared error), k, v, down and the head at int8
   gguf_native  smollm2-135m@gguf     the GGUF file's own blocks kept (gguf: Q4_1, all 4-bit)
+  ggml         smollm2-135m@gguf     the same blocks on the ggml runtime (spans/ggml: llama.cpp's
+                                     engine and graph), with the head on ggml too
   q4_g32       smollm2-135m@q4/g32   only with --formats: our quantizer at group 32. Its
                                      4-bit matrices recover the GGUF's grid exactly (the run
                                      checks block 0's), so its quality is not a test of the
@@ -100,6 +102,7 @@ from compushare.config import resolve_cache_dir  # noqa: E402
 from compushare.model.blocks import SpanRunner  # noqa: E402
 from compushare.model.catalog import resolve_model  # noqa: E402
 from compushare.model.head import ConsumerHead  # noqa: E402
+from compushare.spans import load_head, load_span  # noqa: E402
 from compushare.model.sources import smollm2_gguf  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -110,8 +113,10 @@ FORMATS = {  # key -> model name
     "q4": f"{MODEL}@q4",
     "gguf_native": f"{MODEL}@gguf",
     "q4_g32": f"{MODEL}@q4/g32",
+    "ggml": f"{MODEL}@gguf",
 }
-DEFAULT_FORMATS = ("fp32", "bf16", "int8", "q4", "gguf_native")
+RUNTIMES = {"ggml": "ggml"}  # formats computed by the ggml runtime (the rest: torch)
+DEFAULT_FORMATS = ("fp32", "bf16", "int8", "q4", "gguf_native", "ggml")
 PROMPTS = [
     "What is the capital of France, and what is it known for?",
     "Write a short poem about the sea at night.",
@@ -126,6 +131,7 @@ WARMUP_TOKENS = 8
 TARGETS = {
     "q4_vs_fp32": (">=", 1.5),
     "q4_vs_llamacpp": (">=", 0.5),
+    "ggml_vs_llamacpp": (">=", 0.95),
     "q4_bytes_vs_fp32": ("<=", 0.2),
     "ppl_q4_vs_fp32": ("<=", 1.10),
     "ppl_int8_vs_fp32": ("<=", 1.02),
@@ -252,8 +258,9 @@ def load_formats(keys: list[str], data_dir: Path) -> tuple[dict[str, Loaded], di
     for key in keys:
         began = time.perf_counter()
         model = resolve_model(FORMATS[key], data_dir)
-        runner = SpanRunner.load(model.path, 0, model.num_blocks)
-        head = ConsumerHead.load(model.path)
+        runtime = RUNTIMES.get(key, "torch")
+        runner = load_span(model.path, 0, model.num_blocks, runtime=runtime, threads=1)
+        head = load_head(model.path, runtime=runtime)
         block_bytes = model.manifest.block_bytes()
         loaded[key] = Loaded(key, model, runner, head)
         info[key] = {
@@ -529,6 +536,9 @@ def run(args: argparse.Namespace, cleanup: Cleanup) -> dict:
     result["gguf_native_vs_fp32"] = _r(ratio(tok.get("gguf_native"), tok["fp32"]))
     result["q4_vs_llamacpp"] = _r(ratio(q4, result["llamacpp_tok_s"]))
     result["gguf_native_vs_llamacpp"] = _r(ratio(tok.get("gguf_native"), result["llamacpp_tok_s"]))
+    result["ggml_vs_llamacpp"] = _r(ratio(tok.get("ggml"), result["llamacpp_tok_s"]))
+    result["ggml_identical_to_llamacpp"] = (llama["tokens"] == decode["ggml"]["tokens"]
+                                            if llama_ok and "ggml" in decode else None)
     for key in keys:
         if key != "fp32":
             result[f"{key}_bytes_vs_fp32"] = _r(info[key]["block_bytes"] / fp32_bytes, 4)
@@ -564,11 +574,14 @@ def run(args: argparse.Namespace, cleanup: Cleanup) -> dict:
             "decode_trials_s": [round(s, 3) for s in llama["decode_trials_s"] or []],
             "system_info": llama["system_info"],
             "tokens_match_gguf_native": common_prefix(llama["tokens"], decode["gguf_native"]["tokens"])
-            if "gguf_native" in decode else None} if llama_ok else {}),
+            if "gguf_native" in decode else None,
+            "tokens_match_ggml": common_prefix(llama["tokens"], decode["ggml"]["tokens"])
+            if "ggml" in decode else None} if llama_ok else {}),
         **({"measure_error": llama["error"]} if llama is not None and not llama_ok else {}),
     }
     result["llamacpp_build_s"] = llama_build.get("build_s") if llama_build else None
     values = {"q4_vs_fp32": result["q4_vs_fp32"], "q4_vs_llamacpp": result["q4_vs_llamacpp"],
+              "ggml_vs_llamacpp": result["ggml_vs_llamacpp"],
               "q4_bytes_vs_fp32": result.get("q4_bytes_vs_fp32"), "ppl_q4_vs_fp32": result.get("ppl_q4_vs_fp32"),
               "ppl_int8_vs_fp32": result.get("ppl_int8_vs_fp32")}
     result["targets_met"] = {

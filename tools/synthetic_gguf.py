@@ -5,6 +5,8 @@
 Writes (once; a second call finds the file and prints its path) a GGUF file that
 both CompuShare and llama.cpp run as stored: every matrix in a 4-bit GGUF type
 (Q4_0 by default: 18 bytes per 32 weights, fp16 scale d and 16 nibbles q, w = d(q-8)),
+or laid out as llama.cpp's quantizer lays out Q4_K_M (--type Q4_K_M: Q4_K, with Q6_K
+for the output matrix and for v and down in the layers it gives more bits),
 norms in F32, written tensor by tensor with the `gguf` package so memory stays at
 one tensor's size (the embedding's 295 MB at most). The weights are deterministic
 random values (numpy's PCG64 from `--seed`): nibbles uniform in 1..15 (zero-mean
@@ -44,7 +46,26 @@ SHAPES = {
 }
 BLOCK = 32
 WEIGHT_STD = 0.02
-TYPES = ("Q4_0",)  # 4-bit types written here (what both sides keep as stored)
+TYPES = ("Q4_0", "Q4_K_M")  # layouts written here (what both sides keep as stored)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """The layers llama.cpp's quantizer gives more bits in its *_K_M layouts: the first
+    and last eighth, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(layout: str, name: str, layers: int) -> str:
+    """The ggml type of a matrix in `layout`: all Q4_0; or as llama.cpp's quantizer lays
+    out Q4_K_M: Q4_K, with Q6_K for the output matrix and for attn_v and ffn_down in
+    the layers use_more_bits picks."""
+    if layout == "Q4_0":
+        return "Q4_0"
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), layers):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def default_path(shape: str, kind: str, seed: int) -> Path:
@@ -133,7 +154,7 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
     writer.add_layer_norm_rms_eps(s["eps"])
     writer.add_rope_dimension_count(s["hidden"] // s["heads"])
     writer.add_vocab_size(s["vocab"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if kind == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(tok["pre"])
     writer.add_token_list(tok["tokens"])
@@ -143,14 +164,17 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
     writer.add_eos_token_id(tok["eos"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok["template"])
-    quant = gguf.GGMLQuantizationType[kind]
+    from compushare.model.gguf_native import random_rows, row_bytes
+
     for name, shape_, dtype in plan:
         if dtype == "F32":
             writer.add_tensor_info(name, shape_, np.dtype(np.float32), 4 * shape_[0])
         else:
             rows, cols = shape_
-            nbytes = rows * cols // BLOCK * 18
-            writer.add_tensor_info(name, (rows, cols // BLOCK * 18), np.dtype(np.uint8), nbytes, raw_dtype=quant)
+            kind_of = tensor_type(kind, name, s["layers"])
+            width = row_bytes(kind_of, cols)
+            writer.add_tensor_info(name, (rows, width), np.dtype(np.uint8), rows * width,
+                                   raw_dtype=gguf.GGMLQuantizationType[kind_of])
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -160,8 +184,10 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
         for done, (name, shape_, dtype) in enumerate(plan, 1):
             if dtype == "F32":
                 data = (1.0 + 0.05 * rng.standard_normal(shape_[0], dtype=np.float32)).astype(np.float32)
-            else:
+            elif kind == "Q4_0":
                 data = q4_0_rows(rng, *shape_)
+            else:
+                data = random_rows(tensor_type(kind, name, s["layers"]), *shape_, rng, std=WEIGHT_STD)
             writer.write_tensor_data(data)
             if done % 20 == 0 or done == total:
                 log(f"  {done}/{total} tensors, {time.monotonic() - began:.0f} s")

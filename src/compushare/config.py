@@ -184,6 +184,8 @@ class NodeConfig:
             raise UsageError("--max-blocks must be at least 1")
         if self.device not in DEVICES:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not (1 <= self.torch_threads <= 256):
+            raise UsageError(f"--threads must be within 1..256, got {self.torch_threads}")
         if self.runtime not in RUNTIMES:
             raise UsageError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
 

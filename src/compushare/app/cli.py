@@ -66,6 +66,8 @@ def node(
     device: str = typer.Option(None, help="Where the span computes: cuda (weights, KV cache and activations on "
                                           "the GPU; the memory budget is its memory), cpu, or auto (CUDA where "
                                           "torch sees a device; the default)."),
+    threads: int = typer.Option(None, help="Threads one forward computes with, either runtime (default 1; "
+                                           "config.toml's [node] torch_threads)."),
     runtime: str = typer.Option(None, help="What computes the span: ggml (a GGUF model's weights as stored, on "
                                            "llama.cpp's engine), torch, or auto (ggml for a GGUF model on CPU, "
                                            "torch otherwise; the default)."),
@@ -109,7 +111,8 @@ def node(
     limits = {"kv_budget_tokens": kv_budget, "session_idle_timeout_s": idle_timeout}
     config = NodeConfig.build(home, model=model, blocks=Span.parse(blocks) if blocks else None, listen=listen,
                               bootstrap=bootstrap, record_ttl_s=record_ttl, max_blocks=max_blocks,
-                              memory_budget_mb=memory_budget_mb, device=device, runtime=runtime, ad_period_s=ad_period,
+                              memory_budget_mb=memory_budget_mb, device=device, runtime=runtime, torch_threads=threads,
+                              ad_period_s=ad_period,
                               api_port=api_port, private=private, relay=relay, hole_punch=hole_punch)
     config = dataclasses.replace(config, limits=dataclasses.replace(
         config.limits, **{k: v for k, v in limits.items() if v is not None}))

@@ -103,6 +103,8 @@ def swarm_up_cmd(
     memory_budget_mb: int = typer.Option(None, help="Each node's memory in all (MB): a node whose share of the "
                                                     "blocks does not fit refuses to start."),
     kv_budget: int = typer.Option(None, help="Each node's KV cache budget in tokens over all sessions."),
+    threads: int = typer.Option(None, help="Threads each node's forwards compute with (default 1)."),
+    runtime: str = typer.Option(None, help="What computes the spans: ggml, torch or auto (the default)."),
 ) -> None:
     """Start N nodes on 127.0.0.1 splitting the model's blocks between them. The first
     node holds the model; the others fetch their blocks from it through the swarm."""
@@ -112,7 +114,8 @@ def swarm_up_cmd(
     setup_logging("warning")
     target = home or resolve_data_dir(None) / "swarm"
     extra = ([] if memory_budget_mb is None else ["--memory-budget-mb", str(memory_budget_mb)]) + (
-        [] if kv_budget is None else ["--kv-budget", str(kv_budget)])
+        [] if kv_budget is None else ["--kv-budget", str(kv_budget)]) + (
+        [] if threads is None else ["--threads", str(threads)]) + ([] if runtime is None else ["--runtime", runtime])
 
     def up():
         with Progress() as shown:  # the model converted first

@@ -70,6 +70,9 @@ def layer_states(state: dict[str, torch.Tensor]) -> Callable[[int], dict[str, to
 
 
 class SpanRunner:
+    runtime = "torch"  # spans/__init__.py: the runtime interface this class implements
+    build = f"torch/{torch.__version__.split('+')[0]}"
+
     def __init__(self, config, start: int, end: int,
                  state: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]], dtype=torch.float32,
                  gguf_types: dict[str, str] | None = None, device: str | torch.device = "cpu"):

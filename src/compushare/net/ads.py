@@ -26,7 +26,7 @@ from libp2p.crypto.keys import KeyPair
 from ..errors import PeerMisbehaved
 from ..hardware import Hardware
 from .reachability import REACHABILITIES, UNKNOWN
-from .records import ALLOWED_DTYPES, FORMAT_LABEL, MAX_ADDRS, MAX_BLOCKS, MODEL_NAME
+from .records import ALLOWED_DTYPES, FORMAT_LABEL, MAX_ADDRS, MAX_BLOCKS, MODEL_NAME, RUNTIME_BUILD
 from .signed import addrs_field, field, open_sealed, seal, signer_of
 
 AD_VERSION = 1
@@ -65,6 +65,9 @@ class Serving:
     private_rate: float = 0.0
     fmt: str = ""  # the model's weight format label ("fp32", "q4/g64"; model/formats.py); "" = unsaid
     name: str = ""  # the name the server knows the model by ("smollm2-135m@q4"); "" = none
+    # What computes the span and its build ("ggml/0.15.3:1f2e3d4c", "torch/2.13.0");
+    # "" = unsaid (nodes before revision 26: torch). Answers of one build are bit-equal.
+    runtime: str = ""
 
     def step_s(self, blocks: int) -> float | None:
         """Expected compute time of one decode step through `blocks` of its blocks."""
@@ -74,7 +77,7 @@ class Serving:
         return {"model": self.model_id, "start": self.start, "end": self.end, "dtype": self.dtype,
                 "free": self.free_tokens, "load": self.load, "rate": self.block_rate, "state": self.state,
                 "priv": self.private_rate} | ({"fmt": self.fmt} if self.fmt else {}) | (
-                    {"name": self.name} if self.name else {})
+                    {"name": self.name} if self.name else {}) | ({"rt": self.runtime} if self.runtime else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +146,9 @@ def _finite(value: float, name: str, low: float = 0.0, high: float = math.inf) -
 
 def _serving(obj: object) -> Serving:
     keys = {"model", "start", "end", "dtype", "free", "load", "rate", "state"}
-    if not isinstance(obj, dict) or not keys <= set(obj) or set(obj) - keys - {"priv", "fmt", "name"}:
+    if not isinstance(obj, dict) or not keys <= set(obj) or set(obj) - keys - {"priv", "fmt", "name", "rt"}:
         raise PeerMisbehaved("ad 'serves' entry must have exactly model, start, end, dtype, free, load, rate, state "
-                             "and optionally priv, fmt, name")
+                             "and optionally priv, fmt, name, rt")
     serving = Serving(
         model_id=_get(obj, "model", str),
         start=_get(obj, "start", int),
@@ -158,9 +161,12 @@ def _serving(obj: object) -> Serving:
         private_rate=_finite(_get(obj, "priv", (int, float)), "priv", 0.0, 1e9) if "priv" in obj else 0.0,
         fmt=_get(obj, "fmt", str) if "fmt" in obj else "",
         name=_get(obj, "name", str) if "name" in obj else "",
+        runtime=_get(obj, "rt", str) if "rt" in obj else "",
     )
     if serving.fmt and not FORMAT_LABEL.fullmatch(serving.fmt):
         raise PeerMisbehaved(f"ad weight format {serving.fmt[:20]!r} is not a format label")
+    if serving.runtime and not RUNTIME_BUILD.fullmatch(serving.runtime):
+        raise PeerMisbehaved("ad runtime must be 1-64 characters of letters, digits and ._:/+-")
     if serving.name and not MODEL_NAME.fullmatch(serving.name):
         raise PeerMisbehaved("ad model name must be 1-64 characters of letters, digits and ._@/-")
     if not (len(serving.model_id) == 64 and all(c in "0123456789abcdef" for c in serving.model_id)):

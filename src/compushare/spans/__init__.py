@@ -28,6 +28,7 @@ class SpanCompute(Protocol):
     """What a server asks of a span, whichever runtime computes it."""
 
     runtime: str
+    build: str  # the runtime and its build, as ads name it ("ggml/0.15.3:1f2e3d4c", "torch/2.13.0")
     config: Any
     start: int
     end: int
@@ -85,9 +86,7 @@ def load_span(model_dir: Path, start: int, end: int, *, runtime: str = AUTO, dev
     if chosen == TORCH:
         from ..model.blocks import SpanRunner
 
-        runner = SpanRunner.load(model_dir, start, end, device=device)
-        runner.runtime = TORCH
-        return runner
+        return SpanRunner.load(model_dir, start, end, device=device)
     from .ggml.load import load_ggml_span
 
     return load_ggml_span(model_dir, start, end, threads=threads)

@@ -169,6 +169,7 @@ class Provider:
             private_rate=self.private_rate() if live else 0.0,
             fmt=self.advertised_format,
             name=self.name if MODEL_NAME.fullmatch(self.name) else "",
+            runtime=server.runner.build if server is not None else "",
         )]
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 
 import ggml as _ggml
@@ -91,3 +92,33 @@ def cpu_extra_buffer_types() -> dict[str, int]:
         found[ggml.ggml_backend_buft_name(array[i]).decode()] = array[i]
         i += 1
     return found
+
+
+_FEATURE = type("_Feature", (ctypes.Structure,), {"_fields_": [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]})
+_GET_FEATURES = ctypes.CFUNCTYPE(ctypes.POINTER(_FEATURE), ctypes.c_void_p)
+
+
+def cpu_features() -> dict[str, str]:
+    """What the CPU backend was built with and uses (SIMD sets, REPACK, ...)."""
+    reg = ggml.ggml_backend_dev_backend_reg(cpu_device())
+    address = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_get_features")
+    if not address:
+        return {}
+    array = _GET_FEATURES(address)(reg)
+    found, i = {}, 0
+    while array and array[i].name:
+        found[array[i].name.decode()] = (array[i].value or b"").decode()
+        i += 1
+    return found
+
+
+@functools.cache
+def build_id() -> str:
+    """"ggml/<version>:<8 hex>": ggml's version and a digest of the CPU kernels it
+    runs (the features the backend reports, its thread runtime aside). Two nodes of
+    one build compute the same span bit for bit (threads do not change a result,
+    measured); another build (AVX-512 against AVX2, another repacking) may round
+    differently."""
+    features = sorted(f"{k}={v}" for k, v in cpu_features().items() if k != "OPENMP")
+    digest = hashlib.sha256("|".join(features).encode()).hexdigest()[:8]
+    return f"ggml/{ggml.ggml_version().decode()}:{digest}"

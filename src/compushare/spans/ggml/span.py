@@ -31,7 +31,7 @@ import torch
 from ...errors import UsageError
 from ...model.gguf_native import unpermute
 from .graph import Inputs, layer
-from .lib import ggml
+from .lib import build_id, ggml
 from .recipe import ROPE_NORMAL, Recipe, recipe_of
 from .weights import TENSOR_OVERHEAD, Context, Weights
 
@@ -174,6 +174,11 @@ class GgmlSpan:
     @property
     def hidden_size(self) -> int:
         return self.recipe.hidden
+
+    @property
+    def build(self) -> str:
+        """The runtime and its build, as ads name it (lib.build_id)."""
+        return build_id()
 
     def parameter_count(self) -> int:
         return sum(ggml.ggml_nelements(t) for t in self.weights.tensors.values())
