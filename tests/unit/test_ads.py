@@ -73,6 +73,17 @@ def test_round_trip():
     assert SPAN.step_s(10) == pytest.approx(0.25) and dataclasses.replace(SPAN, block_rate=0).step_s(3) is None
 
 
+def test_the_runtime_and_its_build_ride_the_ad_and_an_older_entry_without_them_still_parses():
+    serving = dataclasses.replace(SPAN, runtime="ggml/0.15.3:1f2e3d4c")
+    made = ad(serving=(serving,))
+    assert parse_ad(made.raw, sender=peer_of(ALICE), now=NOW + 1).serving_of(MODEL) == [serving]
+    assert "rt" not in SPAN.to_wire() and parse_ad(ad().raw, sender=peer_of(ALICE), now=NOW + 1).serving[0].runtime == ""
+    for bad in ("", "ggml 0.15", "x" * 65):
+        body = body_of(made.raw)
+        body["serves"] = [serving.to_wire() | {"rt": bad}]
+        assert "runtime" in rejected(seal(ALICE, body))
+
+
 def test_reachability_rides_the_ad_and_an_older_ad_without_it_still_parses():
     made = ad(reach="public", relay=True)
     parsed = parse_ad(made.raw, sender=peer_of(ALICE), now=NOW + 1)

@@ -165,7 +165,7 @@ def _serving(obj: object) -> Serving:
     )
     if serving.fmt and not FORMAT_LABEL.fullmatch(serving.fmt):
         raise PeerMisbehaved(f"ad weight format {serving.fmt[:20]!r} is not a format label")
-    if serving.runtime and not RUNTIME_BUILD.fullmatch(serving.runtime):
+    if "rt" in obj and not RUNTIME_BUILD.fullmatch(serving.runtime):
         raise PeerMisbehaved("ad runtime must be 1-64 characters of letters, digits and ._:/+-")
     if serving.name and not MODEL_NAME.fullmatch(serving.name):
         raise PeerMisbehaved("ad model name must be 1-64 characters of letters, digits and ._@/-")

@@ -1,0 +1,63 @@
+"""ggml spans among node processes: spot checks catch a lying ggml server, and a chain
+that mixes ggml and torch spans of one GGUF model passes them."""
+
+import pytest
+import trio
+
+from compushare.model.catalog import import_path
+from compushare.pipeline.client.consumer import Consumer, RunRequest
+from compushare.pipeline.client.sampling import SamplingParams
+from compushare.proofs.inference import TOLERANCES, FailureReport
+from gguf_files import Q4_K_M, write_tiny_llama
+from helpers import liar_and_honest, local_greedy
+
+PROMPT = [1, 17, 42, 99, 3]
+TOKENS = 16
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPUSHARE_CACHE", str(tmp_path / "cache"))
+    return write_tiny_llama(tmp_path / "tiny-q4_k_m.gguf", Q4_K_M)
+
+
+def _request() -> RunRequest:
+    return RunRequest(model="tiny", prompt=PROMPT, speculate=False,
+                      params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False))
+
+
+async def test_a_lying_ggml_server_is_caught_and_reported(processes, tiny_gguf, tmp_path):
+    client = import_path(tiny_gguf, tmp_path / "client", alias="tiny")
+    _, boot, noisy, honest = liar_and_honest(processes, tiny_gguf)
+    async with Consumer.connect(tmp_path / "client", tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=1.0) as consumer:
+        with trio.fail_after(90):
+            outcome = await consumer.generate(_request())
+    assert [(f.reason, f.peer_id) for f in outcome.failovers] == [("mismatch", noisy["peer_id"])]
+    assert honest["peer_id"] in {h.peer_id for h in outcome.route}
+    assert outcome.tokens == local_greedy(client.path, PROMPT, TOKENS)  # the honest ggml answer, token for token
+    assert {h.record.fmt for h in outcome.route} == {"gguf"}
+    [report_file] = list((tmp_path / "client" / "reports").iterdir())
+    report = FailureReport.from_wire(report_file.read_bytes())
+    report.check()
+    assert report.accused.peer_id == noisy["peer_id"] and report.mode == "gguf"
+    assert report.tolerance == TOLERANCES["gguf"]
+
+
+async def test_a_chain_mixing_ggml_and_torch_spans_passes_its_spot_checks(processes, tiny_gguf, tmp_path):
+    """0:2 on ggml; 2:4 on a torch node and on a ggml node: every step of 2:4 is
+    checked, torch's answer against ggml's, within the gguf format's tolerance."""
+    import_path(tiny_gguf, tmp_path / "client", alias="tiny")
+    _, first = processes.node("a", tiny_gguf, "0:2")
+    boot = first["addrs"][:1]
+    torch_node = processes.node("b", tiny_gguf, "2:4", bootstrap=boot, extra=["--runtime", "torch"], wait=False)[0]
+    ggml_node = processes.node("c", tiny_gguf, "2:4", bootstrap=boot, extra=["--runtime", "ggml"], wait=False)[0]
+    b, c = processes.ready("b", torch_node), processes.ready("c", ggml_node)
+    async with Consumer.connect(tmp_path / "client", tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=1.0) as consumer:
+        with trio.fail_after(90):
+            outcome = await consumer.generate(_request())
+    assert outcome.failovers == [] and outcome.reports == []
+    assert len(outcome.tokens) == TOKENS
+    assert {h.peer_id for h in outcome.route} & {b["peer_id"], c["peer_id"]}
+    assert not (tmp_path / "client" / "reports").exists() or not list((tmp_path / "client" / "reports").iterdir())
