@@ -53,24 +53,28 @@ DEBUG_SLOW_STEPS = typer.Option(None, hidden=True, help="Fault injection: FIRST:
                                                         "server each wait SECONDS, the node responsive (for tests).")
 
 
+MEMORY_BUDGET = typer.Option(None, help="The node's memory in all, process included: automatic placement takes as "
+                                        "many blocks as fit (default: weights and KV budget in half the RAM free at "
+                                        "start); a --blocks span that does not fit is refused.")
+DEVICE = typer.Option(None, help="Where the span computes: cuda (weights, KV cache and activations on the GPU; the "
+                                 "memory budget is its memory), cpu, or auto (CUDA where torch sees a device; the "
+                                 "default).")
+THREADS = typer.Option(None, help="Threads one forward computes with, either runtime (default 1; config.toml's "
+                                  "[node] torch_threads).")
+RUNTIME = typer.Option(None, help="What computes the span: ggml (a GGUF model's weights as stored, on llama.cpp's "
+                                  "engine), torch, or auto (ggml for a GGUF model on CPU, torch otherwise; the default).")
+
+
 @app.command()
 def node(
     model: str = typer.Option(None, help="Model name or id (default smollm2-135m)."),
     blocks: str = typer.Option(None, help="Half-open span of blocks to serve, e.g. 10:20. "
                                           "Without it the node chooses where the swarm is weakest, and moves."),
     max_blocks: int = typer.Option(None, help="Automatic placement: serve at most this many blocks."),
-    memory_budget_mb: int = typer.Option(None, help="The node's memory in all, process included: automatic "
-                                                    "placement takes as many blocks as fit (default: weights and "
-                                                    "KV budget in half the RAM free at start); a --blocks span "
-                                                    "that does not fit is refused."),
-    device: str = typer.Option(None, help="Where the span computes: cuda (weights, KV cache and activations on "
-                                          "the GPU; the memory budget is its memory), cpu, or auto (CUDA where "
-                                          "torch sees a device; the default)."),
-    threads: int = typer.Option(None, help="Threads one forward computes with, either runtime (default 1; "
-                                           "config.toml's [node] torch_threads)."),
-    runtime: str = typer.Option(None, help="What computes the span: ggml (a GGUF model's weights as stored, on "
-                                           "llama.cpp's engine), torch, or auto (ggml for a GGUF model on CPU, "
-                                           "torch otherwise; the default)."),
+    memory_budget_mb: int = MEMORY_BUDGET,
+    device: str = DEVICE,
+    threads: int = THREADS,
+    runtime: str = RUNTIME,
     data_dir: Path = DATA_DIR,
     listen: list[str] = typer.Option(None, help="Listen multiaddr (repeatable)."),
     bootstrap: list[str] = BOOTSTRAP,

@@ -163,10 +163,9 @@ class Node:
                              find_providers=lambda model_id: find_model_providers(dht, model_id))
         self.directory = Directory(host, self.view)  # the models it does not follow, for its UI
         self.traversal = Traversal(
-            host, serve=True, relay=config.relay, quotas=config.relay_quotas,
+            host, serve=True, relay=config.relay, quotas=config.relay_quotas, punch=config.hole_punch,
             relay_candidates=lambda: relay_candidates(self.view, self.me, time.time()),
-            own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=self._net_changed, dht=dht,
-            punch=config.hole_punch)
+            own_addrs=lambda: full_addrs(host), max_addrs=MAX_ADDRS, on_change=self._net_changed, dht=dht)
 
     def _net_changed(self) -> None:
         # Reachability or relays changed: peers must learn the new addresses now

@@ -15,7 +15,6 @@ import trio
 
 from ...errors import UsageError
 from ...model.catalog import resolve_model
-from ...model.head import ConsumerHead
 from ...spans import load_head
 from ...model.store import ModelStore, is_model_id
 from ...model.tokenizer import load_tokenizer

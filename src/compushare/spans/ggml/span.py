@@ -20,7 +20,6 @@ import collections
 import ctypes
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -32,12 +31,18 @@ from ...errors import UsageError
 from ...model.gguf_native import unpermute
 from .graph import Inputs, layer
 from .lib import build_id, ggml
-from .recipe import ROPE_NORMAL, Recipe, recipe_of
-from .weights import TENSOR_OVERHEAD, Context, Weights
+from .recipe import ROPE_NORMAL, recipe_of
+from .weights import Context, Weights
 
 KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
 GRAPH_NODES = 96  # graph nodes per layer at most (a layer uses ~30)
 MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recently used dropped first
+# Only graphs of this many tokens at most are kept: decode steps and verify passes,
+# which repeat. A prompt's graph is built, run and freed (its compute buffer grows
+# with its tokens: an 8B layer's for 2,048 tokens is hundreds of MB).
+KEPT_GRAPH_TOKENS = 16
+
+
 def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's rotary row order from transformers' (the inverse of gguf_native.unpermute)."""
     half = rows.shape[0] // heads // 2
@@ -275,10 +280,19 @@ class GgmlSpan:
         if graph is None:
             graph = self._build(cache, start, end, tokens, n_kv)
             self.graph_builds += 1
+            if tokens > KEPT_GRAPH_TOKENS:
+                try:
+                    return self._compute(graph, hidden, position, n_kv)
+                finally:
+                    graph.free()
             while len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.popitem(last=False)[1].free()
             self._graphs[key] = graph
         self._graphs.move_to_end(key)
+        return self._compute(graph, hidden, position, n_kv)
+
+    def _compute(self, graph: _Graph, hidden: np.ndarray, position: int, n_kv: int) -> np.ndarray:
+        tokens = hidden.shape[0]
         positions = np.arange(position, position + tokens, dtype=np.int32)
         _set(graph.x, hidden)
         _set(graph.inputs.positions, positions)
