@@ -187,12 +187,13 @@ def reference(model_dir: Path, prompt: list[int], count: int, blocks: int, env: 
 
 CONSUMER = r"""
 import json, sys, trio
+from pathlib import Path
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 home, bootstrap, prompt, count, name = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 request = RunRequest(model=name, prompt=prompt, chat_template=False, speculate=False,
                      params=SamplingParams(temperature=0.0, max_new_tokens=count, stop_at_eos=False))
-outcome = trio.run(lambda: run_prompt(home, tuple(bootstrap), request, spot_check_rate=0.0))
+outcome = trio.run(lambda: run_prompt(Path(home), tuple(bootstrap), request, spot_check_rate=0.0))
 print(json.dumps({"tokens": outcome.tokens, "first_token_s": outcome.first_token_s,
                   "decode_tok_s": outcome.decode_tok_s, "direct_steps": outcome.direct_steps,
                   "spans": [[h.start, h.end] for h in outcome.route]}))

@@ -141,3 +141,14 @@ def test_the_recorded_llamacpp_tokens_name_the_files_they_came_from():
         if name in index:
             assert entry["sha256"] == index[name]["sha256"], name
         assert len(entry["tokens"]) == recorded["tokens"] == 64
+
+
+def test_a_config_that_disagrees_with_its_tensors_is_refused_before_ggml_could_abort(stored):
+    from compushare.model.arch import load_config
+    from compushare.spans.ggml.load import load_ggml_span
+
+    model = stored("tiny-qwen3-f32.gguf")
+    lying = load_config(model.path)
+    lying.num_attention_heads *= 2  # q's rows no longer heads x head size: ggml would assert in its product
+    with pytest.raises(ValueError, match="the config says"):
+        load_ggml_span(model.path, 0, 2, config=lying)

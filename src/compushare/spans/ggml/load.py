@@ -10,8 +10,9 @@ from ...model.weights import read_tensors
 from .span import GgmlSpan
 
 
-def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1) -> GgmlSpan:
-    config = load_config(model_dir)
+def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, config=None) -> GgmlSpan:
+    """`config`: the model's own unless given (tests give one that lies)."""
+    config = config if config is not None else load_config(model_dir)
     types = dict(stored_format(model_dir).types)
 
     def one_layer(index: int):

@@ -149,6 +149,11 @@ class GgmlSpan:
             (values,) = factors
             entries.append(("rope_freqs.weight", np.asarray(values, dtype=np.float32), "F32"))
         self.weights = Weights(entries, repack=repack)
+        try:
+            self._check_shapes()
+        except ValueError:
+            self.weights.free()
+            raise
         self.weight_bytes = self.weights.nbytes
         self.format_label = "gguf"
         self.backend = ggml.ggml_backend_cpu_init()
@@ -163,6 +168,28 @@ class GgmlSpan:
         self.graph_builds = 0
 
     # -- what the server asks of a span ------------------------------------------------
+
+    def _check_shapes(self) -> None:
+        """Every matrix the graph multiplies is the shape the config says (ggml would
+        abort the process on a product of mismatched shapes: a model's config and its
+        tensors come from whoever published it)."""
+        r = self.recipe
+        q, kv, ff = r.heads * r.head_dim, r.kv_dim, None
+        expected = {"self_attn.o_proj": (q, r.hidden)}
+        if r.fused:
+            expected |= {"self_attn.qkv_proj": (r.hidden, q + 2 * kv)}
+        else:
+            expected |= {"self_attn.q_proj": (r.hidden, q), "self_attn.k_proj": (r.hidden, kv),
+                         "self_attn.v_proj": (r.hidden, kv)}
+        for index in range(self.start, self.end):
+            p = f"model.layers.{index}."
+            for name, shape in expected.items():
+                _expect(self.weights.get(p + name + ".weight"), shape, p + name)
+            down = self.weights.get(p + "mlp.down_proj.weight")
+            _expect(down, (down.contents.ne[0] if down else 0, r.hidden), p + "mlp.down_proj")
+            ff = down.contents.ne[0]
+            for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
+                _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
 
     def _stored(self, layer_state: Callable[[int], dict[str, np.ndarray]], types: dict[str, str]):
         """(name, array, ggml type) of the span's tensors as the file held them."""
@@ -327,6 +354,14 @@ class GgmlSpan:
             built.free()
             raise MemoryError("ggml could not allocate the span's graph")
         return built
+
+
+def _expect(tensor, shape: tuple[int, int], name: str) -> None:
+    if tensor is None:
+        raise ValueError(f"{name}: missing from the span's weights")
+    got = (int(tensor.contents.ne[0]), int(tensor.contents.ne[1]))
+    if got != shape:
+        raise ValueError(f"{name} is {got[1]}x{got[0]}, not the {shape[1]}x{shape[0]} the config says")
 
 
 def causal_mask(position: int, tokens: int, n_kv: int, window: int | None = None) -> np.ndarray:
