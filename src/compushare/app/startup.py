@@ -20,6 +20,8 @@ from ..errors import ModelUnavailable, UsageError
 from ..hardware import Accelerator, Hardware, available_ram_mb, compute_memory, cuda_accelerator
 from ..model.catalog import CATALOG, resolve_model, split_name
 from ..model.selfbench import cached_block_rate, measure_block_rate
+from ..spans import GGML, runtime_for
+from ..spans.ggml.load import random_ggml_span
 from ..model.store import ModelStore, StoredModel, is_model_id
 from ..net.ads import ad_ttl, make_ad
 from ..net.gossip import learn_views
@@ -101,12 +103,15 @@ def ad_maker(key_pair, me: str, host, hardware: Hardware, config: NodeConfig, no
 
 async def self_benchmark(provider: Provider, config: NodeConfig, slowdown: float, device: str) -> None:
     model = provider.model
+    runtime = runtime_for(model.path, provider.runtime, device)  # the span's runtime is the one measured
+    random_span = functools.partial(random_ggml_span, threads=config.torch_threads) if runtime == GGML else None
+    measure = functools.partial(measure_block_rate, threads=config.torch_threads, device=device,
+                                random_span=random_span)
     if slowdown != 1.0:  # an emulated slow node must not poison the cache
-        measure = functools.partial(measure_block_rate, model.path, threads=config.torch_threads,
-                                    slowdown=slowdown, device=device)
+        measure = functools.partial(measure, model.path, slowdown=slowdown)
     else:
         measure = functools.partial(cached_block_rate, model, config.data_dir, threads=config.torch_threads,
-                                    device=device)
+                                    device=device, runtime=runtime, measure=functools.partial(measure))
     provider.block_rate = await trio.to_thread.run_sync(measure)
     log.info("self-benchmark: %.0f decode steps/s through one block of %s", provider.block_rate,
              model.model_id[:12])

@@ -14,7 +14,9 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +32,8 @@ PREFILL_TOKENS = 16
 
 
 def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warmup: int = 2,
-                       threads: int | None = None, slowdown: float = 1.0, device: str = "cpu") -> float:
+                       threads: int | None = None, slowdown: float = 1.0, device: str = "cpu",
+                       random_span: Callable[[Path, int, int], Any] | None = None) -> float:
     """Decode steps per second for ONE block: build `blocks` consecutive blocks (0:blocks,
     or fewer if the model is smaller) with random weights, prefill a short random hidden state (16 tokens),
     then time `steps` single-token decode steps after `warmup` untimed ones; return
@@ -38,13 +41,15 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
     callers use trio.to_thread. `threads` sets torch's thread count for the run (it is
     process-wide, so it is restored afterwards); None keeps the current one. `device`:
     where the blocks compute, as the node's span will (each step returns to the host,
-    so its time includes the device's)."""
+    so its time includes the device's). `random_span(model_dir, start, end)`: the
+    runtime's random span when it is not torch's (spans.ggml.load.random_ggml_span)."""
     if blocks < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
     blocks = min(blocks, load_config(model_dir).num_hidden_layers)
     # Random weights of the model's shapes: the node may not hold any block yet (it
     # fetches its span after choosing it), and the values do not change the speed.
-    runner = SpanRunner.random(model_dir, 0, blocks, device=device)
+    runner = random_span(model_dir, 0, blocks) if random_span else SpanRunner.random(model_dir, 0, blocks,
+                                                                                      device=device)
     runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
     if threads is not None:
@@ -78,9 +83,10 @@ def time_decode_steps(runner: SpanRunner, token: torch.Tensor, cache, position: 
     return (time.perf_counter() - began) / steps
 
 
-def cache_key(model_id: str, threads: int, device: str = "cpu") -> str:
+def cache_key(model_id: str, threads: int, device: str = "cpu", runtime: str = "torch") -> str:
     hardware = detect_hardware()
     on = "" if device == "cpu" else f"|device={device}"
+    on += "" if runtime == "torch" else f"|runtime={runtime}"
     return f"{model_id}|threads={threads}|cpu={hardware.cpu_cores}|gpu={hardware.gpu}|torch={torch.__version__}{on}"
 
 
@@ -111,13 +117,13 @@ def _write_entries(path: Path, rates: dict) -> None:
         raise
 
 
-def cached_block_rate(model, cache_dir: Path, *, threads: int, measure=measure_block_rate, device: str = "cpu"
-                      ) -> float:
+def cached_block_rate(model, cache_dir: Path, *, threads: int, measure=measure_block_rate, device: str = "cpu",
+                      runtime: str = "torch") -> float:
     """Look up `<cache_dir>/selfbench.json` keyed by model.model_id + torch thread count +
     a hardware fingerprint (cpu_cores, gpu, torch version); measure and store on a miss.
     A corrupt or unreadable cache file is ignored (re-measured), never fatal."""
     path = Path(cache_dir) / CACHE_FILE
-    key = cache_key(model.model_id, threads, device)
+    key = cache_key(model.model_id, threads, device, runtime)
     rates = _read_entries(path)
     if key in rates:
         return rates[key]

@@ -12,7 +12,7 @@ import numpy as np
 from .lib import ggml
 from .graph import rms
 from .span import _input, _set
-from .weights import Context, Weights
+from .weights import Context, filled_weights
 
 GRAPH_NODES = 16
 MAX_GRAPHS = 4  # graphs kept, by rows (1 for a decode step, k + 1 for a verify pass)
@@ -28,7 +28,7 @@ class GgmlHead:
                  norm_plus_one: bool = False, softcap: float | None = None) -> None:
         self.softcap = softcap  # Gemma 2: logits soft-capped here, as llama.cpp does
         weight = norm.astype(np.float32) + np.float32(1.0 if norm_plus_one else 0.0)  # Gemma's (1 + w), as its file holds it
-        self.weights = Weights([("output.weight", matrix, kind), ("output_norm.weight", weight, "F32")])
+        self.weights = filled_weights([("output.weight", matrix, kind), ("output_norm.weight", weight, "F32")])
         self.vocab = int(self.weights["output.weight"].contents.ne[1])
         self.hidden = int(self.weights["output.weight"].contents.ne[0])
         self.eps = eps

@@ -1,13 +1,31 @@
-"""A stored GGUF model's span onto ggml, a layer's tensors at a time."""
+"""A stored GGUF model's span onto ggml: the tensors' shapes from the block files'
+headers first (the buffers are allocated once), then a layer's tensors at a time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from safetensors import safe_open
+
+from ...model import gguf_native
 from ...model.arch import load_config
+from ...model.manifest import parse
+from ...model.store import MANIFEST_FILE
 from ...model.blocks import layer_states, span_tensor_names, stored_format
+from ...model.layout import tensor_files
 from ...model.weights import read_tensors
 from .span import GgmlSpan
+
+
+def stored_shapes(model_dir: Path, start: int, end: int) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of blocks start:end's tensors, read from the files' headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in tensor_files(model_dir):
+        with safe_open(str(path), framework="numpy") as handle:
+            for name in span_tensor_names(list(handle.keys()), start, end):
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
 
 
 def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, config=None) -> GgmlSpan:
@@ -19,4 +37,30 @@ def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, c
         state = read_tensors(model_dir, lambda names: span_tensor_names(names, index, index + 1))
         return {name: tensor.numpy() for name, tensor in layer_states(state)(index).items()}
 
-    return GgmlSpan(config, start, end, one_layer, types, threads=threads)
+    return GgmlSpan(config, start, end, one_layer, types, stored_shapes(model_dir, start, end), threads=threads)
+
+
+def random_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, seed: int = 0) -> GgmlSpan:
+    """Blocks start:end with random weights of the model's types and shapes (from its
+    manifest: the node may hold no block yet), as fast as the real ones: the
+    self-benchmark's span when the node serves on ggml."""
+    config = load_config(model_dir)
+    types = dict(stored_format(model_dir).types)
+    manifest = parse((Path(model_dir) / MANIFEST_FILE).read_bytes())
+    shapes = {name: tensor.shape for entry in manifest.files if entry.role == "block"
+              for name, tensor in entry.tensors.items()}
+    shapes = {name: shapes[name] for name in span_tensor_names(list(shapes), start, end)}
+    rng = np.random.default_rng(seed)
+
+    def one_layer(index: int):
+        prefix = f"model.layers.{index}."
+        state = {}
+        for name, shape in shapes.items():
+            if name.startswith(prefix):
+                kind = types.get(name)
+                state[name[len(prefix):]] = (
+                    gguf_native.random_rows(kind, shape[0], gguf_native.in_features_of(kind, shape[1]), rng)
+                    if kind else np.ones(shape, dtype=np.float32))
+        return state
+
+    return GgmlSpan(config, start, end, one_layer, types, shapes, threads=threads)

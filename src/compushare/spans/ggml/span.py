@@ -137,21 +137,31 @@ class GgmlSpan:
     device = torch.device("cpu")
 
     def __init__(self, config, start: int, end: int, layer_state: Callable[[int], dict[str, np.ndarray]],
-                 types: dict[str, str], *, threads: int = 1, repack: bool = True) -> None:
+                 types: dict[str, str], shapes: dict[str, tuple[int, ...]], *, threads: int = 1,
+                 repack: bool = True) -> None:
+        """`shapes`: every tensor of the span, as stored (numpy shapes, full names);
+        `layer_state(index)`: that layer's arrays, read when its turn comes."""
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end = config, start, end
         self.recipe = recipe_of(config)
         self.family = self.recipe.family
-        entries = [(full, array, kind) for full, array, kind in self._stored(layer_state, types)]
+        specs = [(name, tuple(shape), types.get(name, "F32")) for name, shape in shapes.items()]
         factors = {rope.factors for rope in self.recipe.ropes[start:end]} - {None}
         if factors:
             (values,) = factors
-            entries.append(("rope_freqs.weight", np.asarray(values, dtype=np.float32), "F32"))
-        self.weights = Weights(entries, repack=repack)
+            specs.append(("rope_freqs.weight", (len(values),), "F32"))
+        self.weights = Weights(specs, repack=repack)
         try:
             self._check_shapes()
-        except ValueError:
+            for index in range(start, end):  # a layer read, filled in, let go
+                for name, array in self._stored(index, layer_state(index)):
+                    self.weights.set(name, array)
+            if factors:
+                self.weights.set("rope_freqs.weight", np.asarray(values, dtype=np.float32))
+            if self.weights.missing():
+                raise ValueError(f"no data for {self.weights.missing()[:4]}")
+        except BaseException:
             self.weights.free()
             raise
         self.weight_bytes = self.weights.nbytes
@@ -191,17 +201,15 @@ class GgmlSpan:
             for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
                 _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
 
-    def _stored(self, layer_state: Callable[[int], dict[str, np.ndarray]], types: dict[str, str]):
-        """(name, array, ggml type) of the span's tensors as the file held them."""
+    def _stored(self, index: int, state: dict[str, np.ndarray]):
+        """(full name, array) of layer `index`'s tensors as the file held them."""
         r = self.recipe
-        for index in range(self.start, self.end):
-            for name, array in layer_state(index).items():
-                full = f"model.layers.{index}.{name}"
-                if r.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-                    array = permute_rows(array, r.heads if "q_proj" in name else r.kv_heads)
-                if r.norm_plus_one and name.endswith("norm.weight"):
-                    array = array.astype(np.float32) + np.float32(1.0)
-                yield full, array, types.get(full, "F32")
+        for name, array in state.items():
+            if r.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                array = permute_rows(array, r.heads if "q_proj" in name else r.kv_heads)
+            if r.norm_plus_one and name.endswith("norm.weight"):
+                array = array.astype(np.float32) + np.float32(1.0)
+            yield f"model.layers.{index}.{name}", array
 
     @property
     def hidden_size(self) -> int:

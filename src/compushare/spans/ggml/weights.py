@@ -75,51 +75,66 @@ def _repack_supported(buft: int, kind: int, shape: tuple[int, int]) -> bool:
 
 
 class Weights:
-    """Named ggml tensors filled from numpy arrays: 2-D raw GGUF rows (uint8 [out, row
-    bytes]) with their type, or float32 vectors."""
+    """Named ggml tensors in backend buffers, allocated from their specs (name, numpy
+    shape as stored, ggml type), then filled one at a time (`set`): a span is read a
+    layer at a time, so loading holds one layer's arrays beside the buffers, never the
+    span twice. 2-D tensors are raw GGUF rows (uint8 [out, row bytes]); 1-D ones
+    float32 vectors."""
 
-    def __init__(self, entries: Iterable[tuple[str, np.ndarray, str]], *, repack: bool = True) -> None:
-        entries = list(entries)
+    def __init__(self, specs: Iterable[tuple[str, tuple[int, ...], str]], *, repack: bool = True) -> None:
         extra = cpu_extra_buffer_types().get("CPU_REPACK") if repack else None
         self.tensors: dict[str, ctypes._Pointer] = {}
         self.repacked: list[str] = []
-        groups: dict[str, list[tuple[str, np.ndarray, str]]] = {"repack": [], "plain": []}
-        for name, array, kind in entries:
-            shape = _shape(array, kind)
+        groups: dict[str, list[tuple[str, tuple[int, ...], str]]] = {"repack": [], "plain": []}
+        for name, stored, kind in specs:
+            shape = ggml_shape(stored, kind)
             use_repack = (extra is not None and len(shape) == 2
                           and _repack_supported(extra, ggml_type(kind), shape))
-            groups["repack" if use_repack else "plain"].append((name, array, kind))
+            groups["repack" if use_repack else "plain"].append((name, shape, kind))
         self._contexts: list[Context] = []
         self._buffers: list[int] = []
         self.nbytes = 0
-        for group, members in groups.items():
-            if not members:
-                continue
-            context = Context(len(members))
-            self._contexts.append(context)
-            for name, array, kind in members:
-                shape = _shape(array, kind)
-                if len(shape) == 2:
-                    tensor = ggml.ggml_new_tensor_2d(context.ctx, ggml_type(kind), shape[0], shape[1])
-                else:
-                    tensor = ggml.ggml_new_tensor_1d(context.ctx, ggml_type(kind), shape[0])
-                ggml.ggml_set_name(tensor, name.encode()[:63])
-                self.tensors[name] = tensor
-            buft = extra if group == "repack" else ggml.ggml_backend_cpu_buffer_type()
-            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(context.ctx, buft)
-            if not buffer:
-                raise MemoryError(f"could not allocate {group} weight buffer")
-            ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-            self._buffers.append(buffer)
-            self.nbytes += ggml.ggml_backend_buffer_get_size(buffer)
-            for name, array, _kind in members:
-                data = np.ascontiguousarray(array)
-                tensor = self.tensors[name]
-                if data.nbytes != ggml.ggml_nbytes(tensor):
-                    raise ValueError(f"{name}: {data.nbytes} bytes for a tensor of {ggml.ggml_nbytes(tensor)}")
-                ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, data.nbytes)  # repacks here
-                if group == "repack":
-                    self.repacked.append(name)
+        try:
+            for group, members in groups.items():
+                if members:
+                    self._allocate(group, members, extra)
+        except BaseException:
+            self.free()
+            raise
+        self.repacked = [name for name, _shape, _kind in groups["repack"]]
+        self.filled: set[str] = set()
+
+    def _allocate(self, group: str, members: list, extra) -> None:
+        context = Context(len(members))
+        self._contexts.append(context)
+        for name, shape, kind in members:
+            if len(shape) == 2:
+                tensor = ggml.ggml_new_tensor_2d(context.ctx, ggml_type(kind), shape[0], shape[1])
+            else:
+                tensor = ggml.ggml_new_tensor_1d(context.ctx, ggml_type(kind), shape[0])
+            ggml.ggml_set_name(tensor, name.encode()[:63])
+            self.tensors[name] = tensor
+        buft = extra if group == "repack" else ggml.ggml_backend_cpu_buffer_type()
+        buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(context.ctx, buft)
+        if not buffer:
+            raise MemoryError(f"could not allocate a {group} weight buffer")
+        ggml.ggml_backend_buffer_set_usage(buffer, ggml.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        self._buffers.append(buffer)
+        self.nbytes += ggml.ggml_backend_buffer_get_size(buffer)
+
+    def set(self, name: str, array: np.ndarray) -> None:
+        """Fill tensor `name` (a repacking buffer rearranges the rows here)."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"{name}: no such tensor in the span")
+        data = np.ascontiguousarray(array)
+        if data.nbytes != ggml.ggml_nbytes(tensor):
+            raise ValueError(f"{name}: {data.nbytes} bytes for a tensor of {ggml.ggml_nbytes(tensor)}")
+        ggml.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, data.nbytes)
+        self.filled.add(name)
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.tensors) - self.filled)
 
     def __getitem__(self, name: str):
         return self.tensors[name]
@@ -135,10 +150,18 @@ class Weights:
         self._buffers, self._contexts, self.tensors = [], [], {}
 
 
-def _shape(array: np.ndarray, kind: str) -> tuple[int, ...]:
-    """ggml's ne (innermost first): a matrix's (in_features, out_features)."""
-    if array.ndim == 2:
-        if kind in ("F32", "F16", "BF16") and array.dtype != np.uint8:
-            return array.shape[1], array.shape[0]
-        return gguf_native.in_features_of(kind, array.shape[1]), array.shape[0]
-    return (array.shape[0],)
+def filled_weights(entries: Iterable[tuple[str, np.ndarray, str]], *, repack: bool = True) -> Weights:
+    """Weights from arrays at hand (a head's few tensors)."""
+    entries = list(entries)
+    weights = Weights([(name, array.shape, kind) for name, array, kind in entries], repack=repack)
+    for name, array, _kind in entries:
+        weights.set(name, array)
+    return weights
+
+
+def ggml_shape(stored: tuple[int, ...], kind: str) -> tuple[int, ...]:
+    """ggml's ne (innermost first) of a tensor stored as `stored`: a matrix's raw rows
+    [out, row bytes] are (in_features, out_features); a vector keeps its length."""
+    if len(stored) == 2:
+        return gguf_native.in_features_of(kind, stored[1]), stored[0]
+    return (stored[0],)
