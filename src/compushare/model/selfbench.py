@@ -52,6 +52,7 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
                                                                                       device=device)
     runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
+    cache = None
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -65,6 +66,9 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
             step_s = time_decode_steps(runner, token, cache, PREFILL_TOKENS, warmup=warmup, steps=steps)
     finally:
         torch.set_num_threads(previous_threads)
+        if hasattr(runner, "close"):  # a ggml span's buffers are C memory: given back now, before the span loads
+            cache = None
+            runner.close()
     return blocks / step_s
 
 

@@ -1,5 +1,5 @@
 """A stored GGUF model's span onto ggml: the tensors' shapes from the block files'
-headers first (the buffers are allocated once), then a layer's tensors at a time."""
+headers first (the buffers are allocated once), then one tensor at a time."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from ...model import gguf_native
 from ...model.arch import load_config
 from ...model.manifest import parse
 from ...model.store import MANIFEST_FILE
-from ...model.blocks import layer_states, span_tensor_names, stored_format
+from ...model.blocks import span_tensor_names, stored_format
 from ...model.layout import tensor_files
-from ...model.weights import read_tensors
 from .span import GgmlSpan
 
 
@@ -33,9 +32,14 @@ def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, c
     config = config if config is not None else load_config(model_dir)
     types = dict(stored_format(model_dir).types)
 
+    files = tensor_files(model_dir)
+
     def one_layer(index: int):
-        state = read_tensors(model_dir, lambda names: span_tensor_names(names, index, index + 1))
-        return {name: tensor.numpy() for name, tensor in layer_states(state)(index).items()}
+        prefix = f"model.layers.{index}."
+        for path in files:  # a tensor at a time: what loading holds beyond the span is one matrix
+            with safe_open(str(path), framework="numpy") as handle:
+                for name in span_tensor_names(list(handle.keys()), index, index + 1):
+                    yield name[len(prefix):], handle.get_tensor(name)
 
     return GgmlSpan(config, start, end, one_layer, types, stored_shapes(model_dir, start, end), threads=threads)
 
@@ -54,13 +58,11 @@ def random_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1,
 
     def one_layer(index: int):
         prefix = f"model.layers.{index}."
-        state = {}
         for name, shape in shapes.items():
             if name.startswith(prefix):
                 kind = types.get(name)
-                state[name[len(prefix):]] = (
+                yield name[len(prefix):], (
                     gguf_native.random_rows(kind, shape[0], gguf_native.in_features_of(kind, shape[1]), rng)
                     if kind else np.ones(shape, dtype=np.float32))
-        return state
 
     return GgmlSpan(config, start, end, one_layer, types, shapes, threads=threads)

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -136,11 +136,13 @@ class GgmlSpan:
     dtype = torch.float32  # what it takes and answers in (its weights keep their file's types)
     device = torch.device("cpu")
 
-    def __init__(self, config, start: int, end: int, layer_state: Callable[[int], dict[str, np.ndarray]],
+    def __init__(self, config, start: int, end: int, layer_state: Callable[[int], Iterable[tuple[str, np.ndarray]]],
                  types: dict[str, str], shapes: dict[str, tuple[int, ...]], *, threads: int = 1,
                  repack: bool = True) -> None:
         """`shapes`: every tensor of the span, as stored (numpy shapes, full names);
-        `layer_state(index)`: that layer's arrays, read when its turn comes."""
+        `layer_state(index)`: that layer's (name in the layer, array) pairs, read one at
+        a time as they are filled in (what loading holds beyond the buffers is one
+        tensor: a 48 MB matrix of an 8B model, not its 223 MB layer)."""
         if not (0 <= start < end <= config.num_hidden_layers):
             raise ValueError(f"span {start}:{end} outside 0:{config.num_hidden_layers}")
         self.config, self.start, self.end = config, start, end
@@ -201,10 +203,10 @@ class GgmlSpan:
             for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
                 _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
 
-    def _stored(self, index: int, state: dict[str, np.ndarray]):
+    def _stored(self, index: int, state: Iterable[tuple[str, np.ndarray]]):
         """(full name, array) of layer `index`'s tensors as the file held them."""
         r = self.recipe
-        for name, array in state.items():
+        for name, array in state:
             if r.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 array = permute_rows(array, r.heads if "q_proj" in name else r.kv_heads)
             if r.norm_plus_one and name.endswith("norm.weight"):
@@ -290,7 +292,12 @@ class GgmlSpan:
         cache.length = position + tokens
         return hidden
 
+    def __del__(self) -> None:
+        self.close()  # ggml's buffers are C memory: the garbage collector alone would not give them back
+
     def close(self) -> None:
+        if not hasattr(self, "_lock"):  # the constructor failed before there was anything to free
+            return
         with self._lock:
             for graph in self._graphs.values():
                 graph.free()
