@@ -1,10 +1,15 @@
-"""Install ggml-python (pinned) built for this machine's CPU, once per machine.
+"""Install ggml-python (pinned) on llama.cpp's own ggml, built for this machine's CPU, once per machine.
 
     python tools/install_ggml.py        # with the venv's python: `make` runs it
 
-ggml-python's sdist vendors ggml; built with GGML_NATIVE the kernels use every SIMD
-extension the CPU has (AVX-512, VNNI, ...), which is where llama.cpp's speed comes
-from. A native wheel must never reach another CPU, so the wheel is built into the
+ggml-python 0.0.45's sdist vendors ggml 0.15.3; llama.cpp (llama-cpp-python 0.3.36,
+bench/llamacpp_ref.py's reference) runs ggml 0.25.3, whose kernels round some
+products differently (an 8B-shaped Q4_K_M file gave other logits from its 4th layer
+on). So the wheel is ggml-python's bindings built over the ggml that llama-cpp-python
+0.3.36's sdist vendors (its vendor/llama.cpp/ggml replaces ggml-python's vendor/ggml:
+the tensor struct and every function ggml-python declares are the same): the ggml
+runtime then computes with llama.cpp's very kernels. Built with GGML_NATIVE the
+kernels use every SIMD extension the CPU has (AVX-512, VNNI, ...). A native wheel must never reach another CPU, so the wheel is built into the
 machine's cache (<$COMPUSHARE_CACHE or ~/.cache/compushare>/wheels/ggml-<cpu>/)
 under a key of the CPU's model and SIMD flags, and installed from there: a second
 clone on this machine installs in seconds. The build is smoke-tested in a
@@ -22,10 +27,13 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
 VERSION = "0.0.45"
+LLAMA_CPP_PYTHON = "0.3.36"  # whose vendored ggml the wheel is built over...
+GGML = "0.25.3"  # ...this one
 BUILD_TOOLS = ("scikit-build-core==1.1.2", "cmake==4.4.5", "ninja==1.13.2")
 VARIANTS = ("native", "avx512", "avx2")
 
@@ -52,7 +60,7 @@ def cpu_key() -> str:
                       if line.startswith("model name")), "")
     except OSError:
         pass
-    text = "|".join([VERSION, platform.machine(), model, *sorted(cpu_flags())])
+    text = "|".join([VERSION, LLAMA_CPP_PYTHON, platform.machine(), model, *sorted(cpu_flags())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -88,8 +96,9 @@ out = g.ggml_mul_mat(ctx, a, b); graph = g.ggml_new_graph(ctx); g.ggml_build_for
 g.ggml_graph_compute_with_ctx(ctx, graph, 1)
 got = np.ctypeslib.as_array(ctypes.cast(g.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), shape=(64,))
 assert np.allclose(got, w @ x, rtol=1e-4, atol=1e-3), (got[:4], (w @ x)[:4])
+assert g.ggml_version().decode() == "GGML_VERSION", g.ggml_version()
 print("ok")
-"""
+""".replace("GGML_VERSION", GGML)
     try:
         result = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -97,26 +106,46 @@ print("ok")
     return result.returncode == 0 and result.stdout.strip().endswith("ok")
 
 
-def installed(python: str) -> bool:
-    probe = subprocess.run([python, "-c", f"import importlib.metadata as m; assert m.version('ggml-python') == "
-                                          f"'{VERSION}'"], capture_output=True)
-    return probe.returncode == 0
+def installed(python: str, home: Path) -> bool:
+    """This cache entry's wheel is what the interpreter has (a plain ggml-python of the
+    same version, built over its own ggml, is not)."""
+    marker = home / "verified"
+    probe = subprocess.run([python, "-c", "import ggml; print(ggml.ggml_version().decode())"], capture_output=True,
+                           text=True)
+    return probe.returncode == 0 and probe.stdout.strip() == GGML and marker.exists()
 
 
 def pip(python: str, *args: str, env: dict | None = None) -> None:
     subprocess.run([python, "-m", "pip", "-q", *args], check=True, env=env)
 
 
+def sources(python: str, staging: Path) -> Path:
+    """ggml-python's sdist, its vendored ggml replaced by llama-cpp-python's."""
+    for spec in (f"ggml-python=={VERSION}", f"llama-cpp-python=={LLAMA_CPP_PYTHON}"):
+        pip(python, "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation", "-d", str(staging),
+            spec)
+    for archive in staging.glob("*.tar.gz"):
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+    bindings = staging / f"ggml_python-{VERSION}"
+    shutil.rmtree(bindings / "vendor" / "ggml")
+    shutil.copytree(staging / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp" / "ggml",
+                    bindings / "vendor" / "ggml")
+    return bindings
+
+
 def build(python: str, variant: str, home: Path) -> Path:
     pip(python, "install", *BUILD_TOOLS)
     staging = Path(tempfile.mkdtemp(prefix="ggml-wheel-"))
     try:
+        bindings = sources(python, staging)
         env = dict(os.environ, CMAKE_ARGS=cmake_args(variant),
                    CMAKE_BUILD_PARALLEL_LEVEL=str(max(1, os.cpu_count() or 1)))
-        print(f"[install_ggml] building ggml-python {VERSION} ({variant}) for this CPU", flush=True)
-        pip(python, "wheel", "--no-deps", "--no-build-isolation", "--no-binary", "ggml-python", "--no-cache-dir",
-            "-w", str(staging), f"ggml-python=={VERSION}", env=env)
-        (wheel,) = staging.glob("ggml_python-*.whl")
+        print(f"[install_ggml] building ggml-python {VERSION} over llama-cpp-python {LLAMA_CPP_PYTHON}'s ggml "
+              f"({variant}) for this CPU", flush=True)
+        pip(python, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-w", str(staging / "dist"),
+            str(bindings), env=env)
+        (wheel,) = (staging / "dist").glob("ggml_python-*.whl")
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)
         return Path(shutil.move(str(wheel), home / wheel.name))
@@ -129,7 +158,7 @@ def main() -> int:
     home = cache_dir() / "wheels" / f"ggml-{cpu_key()}"
     verified = sorted(home.glob("ggml_python-*.whl")) if (home / "verified").exists() else []
     if verified:  # built and smoke-tested on this CPU before
-        if not installed(python):
+        if not installed(python, home):
             pip(python, "install", "--no-deps", "--force-reinstall", str(verified[-1]))
         return 0
     for variant in VARIANTS:
