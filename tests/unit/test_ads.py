@@ -74,7 +74,7 @@ def test_round_trip():
 
 
 def test_the_runtime_and_its_build_ride_the_ad_and_an_older_entry_without_them_still_parses():
-    serving = dataclasses.replace(SPAN, runtime="ggml/0.15.3:1f2e3d4c")
+    serving = dataclasses.replace(SPAN, runtime="ggml/0.25.3:1f2e3d4c")
     made = ad(serving=(serving,))
     assert parse_ad(made.raw, sender=peer_of(ALICE), now=NOW + 1).serving_of(MODEL) == [serving]
     assert "rt" not in SPAN.to_wire() and parse_ad(ad().raw, sender=peer_of(ALICE), now=NOW + 1).serving[0].runtime == ""

@@ -65,7 +65,7 @@ class Serving:
     private_rate: float = 0.0
     fmt: str = ""  # the model's weight format label ("fp32", "q4/g64"; model/formats.py); "" = unsaid
     name: str = ""  # the name the server knows the model by ("smollm2-135m@q4"); "" = none
-    # What computes the span and its build ("ggml/0.15.3:1f2e3d4c", "torch/2.13.0");
+    # What computes the span and its build ("ggml/0.25.3:1f2e3d4c", "torch/2.13.0");
     # "" = unsaid (nodes before revision 26: torch). Answers of one build are bit-equal.
     runtime: str = ""
 

@@ -27,7 +27,7 @@ ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
 # What records and ads may say of a model's weight format and name (model/formats.py, model/catalog.py).
 FORMAT_LABEL = re.compile(r"fp32|bf16|int8|q4/g(32|64|128)|gguf")
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@/-]{0,63}")
-RUNTIME_BUILD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,63}")  # an ad's "rt": "ggml/0.15.3:1f2e3d4c"
+RUNTIME_BUILD = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,63}")  # an ad's "rt": "ggml/0.25.3:1f2e3d4c"
 
 
 def record_key(model_id: str, peer_id: str) -> str:

@@ -28,7 +28,7 @@ class SpanCompute(Protocol):
     """What a server asks of a span, whichever runtime computes it."""
 
     runtime: str
-    build: str  # the runtime and its build, as ads name it ("ggml/0.15.3:1f2e3d4c", "torch/2.13.0")
+    build: str  # the runtime and its build, as ads name it ("ggml/0.25.3:1f2e3d4c", "torch/2.13.0")
     config: Any
     start: int
     end: int

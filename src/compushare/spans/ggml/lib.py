@@ -1,11 +1,12 @@
 """ggml through ggml-python's ctypes bindings, with their wrong declarations fixed.
 
-ggml-python (pinned in pyproject.toml, built from its sdist for the machine's CPU)
+ggml-python (pinned in pyproject.toml; tools/install_ggml.py builds its bindings over
+the ggml llama-cpp-python's sdist vendors, llama.cpp's own, for the machine's CPU)
 declares some functions' return type as a `typing.NewType` over int instead of a
 pointer: ctypes then reads the C pointer as a 32-bit int and hands back a truncated
 address, and the next call with it segfaults. `fixed()` re-declares every such
 function before anything calls it; `RETURNS_POINTER` lists the handle types it
-found wrong in 0.0.45 (ggml 0.15.3). Import ggml from here, never directly.
+found wrong in 0.0.45. Import ggml from here, never directly.
 
 The CPU backend's extra buffer types (CPU_REPACK: weights rearranged at load for
 the machine's SIMD, as llama.cpp does) are not exported as a function: they come
