@@ -61,11 +61,11 @@ def runtime_for(model_dir: Path, requested: str = AUTO, device: str = "cpu") -> 
 
     if requested not in RUNTIMES:
         raise UsageError(f"unknown runtime {requested!r}: one of {', '.join(RUNTIMES)}")
-    gguf = (Path(model_dir) / MANIFEST_FILE).exists() and stored_format(model_dir).name == "gguf"
+    stored = stored_format(model_dir).name if (Path(model_dir) / MANIFEST_FILE).exists() else "safetensors"
+    gguf = stored == "gguf"
     if requested == GGML and not gguf:
-        raise UsageError("the ggml runtime serves GGUF models (imported with --format gguf); this one is "
-                         f"{stored_format(model_dir).name if (Path(model_dir) / MANIFEST_FILE).exists() else 'not'}"
-                         " stored as GGUF: serve it with --runtime torch")
+        raise UsageError(f"the ggml runtime serves GGUF models (imported with --format gguf); this one is stored as "
+                         f"{stored}: serve it with --runtime torch")
     if requested == AUTO:
         return GGML if gguf and device == "cpu" and ggml_available() else TORCH
     return requested
