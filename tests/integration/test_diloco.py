@@ -25,6 +25,7 @@ from compushare.model.store import ModelStore
 from compushare.proofs.diloco import DilocoFailureReport
 from compushare.karma.record import karma_validators
 from compushare.karma.service import KARMA_PROTOCOL
+from compushare.net.dial import dial
 from compushare.net.host import full_addrs
 from compushare.proofs.reports import parse_report
 from compushare.net.peer import open_swarm_host
@@ -103,9 +104,7 @@ async def _provide_participation(dht, run_id: str) -> None:
 @pytest.mark.parametrize("n", [2, 5, 8])
 async def test_the_allreduce_over_hosts_gives_every_peer_the_mean_within_int8_rounding(tmp_path, corpus, n):
     torch.manual_seed(n)
-    # Nobody fails here, so the owners' wait only bounds a slow machine: 8 hosts in
-    # one process dial each other (56 handshakes) before the parts go out, and an
-    # owner that stopped waiting would average without a late part.
+    # Nobody fails here, so the owners' wait only bounds a slow machine.
     run = _run(corpus, wait_s=60.0)
     vectors = [torch.randn(3001) * (i + 1) for i in range(n)]
     outcomes: dict[int, object] = {}
@@ -114,6 +113,15 @@ async def test_the_allreduce_over_hosts_gives_every_peer_the_mean_within_int8_ro
         peers = [await lab.add() for _ in range(n)]
         for p in peers:
             p.addrs.update({q.me: full_addrs(q.host) for q in peers if q is not p})
+        # The members connected before the round, one pair at a time, as a run's have
+        # been by its gathering: 8 hosts dialling each other all at once in one
+        # process lost a part now and then (seen in 2 of 3 CI-like runs: an owner
+        # waited out its 60 s and the round retried without it), which is a dial
+        # race of its own, not this test's arithmetic.
+        with trio.fail_after(120):
+            for i, p in enumerate(peers):
+                for q in peers[i + 1:]:
+                    await dial(p.host, q.me, full_addrs(q.host), timeout=60)
         attempt = Attempt(run.run_id, 0, 0, tuple(sorted(p.me for p in peers)), bytes(32))
 
         async def average(i: int) -> None:
