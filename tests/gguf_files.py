@@ -32,17 +32,13 @@ def raw_rows(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nd
     return gguf_native.random_rows(kind, rows, cols, rng)
 
 
-def permute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's rotary row permutation (what import undoes)."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: bool = False,
                      arch: str = "llama", extra: dict | None = None) -> Path:
     """`arch` "qwen2": Qwen2's layout instead (q / k / v biases, rows not permuted);
     `extra`: more F32 tensors {GGUF name: array} written as they are."""
     import gguf
+
+    from compushare.model import gguf_native
 
     s, rng = SHAPE, np.random.default_rng(seed)
     head_dim = s["hidden"] // s["heads"]
@@ -71,7 +67,7 @@ def write_tiny_llama(path: Path, types: dict[str, str], *, seed: int = 0, tie: b
         kind = types[role]
         raw = raw_rows(kind, rows, cols, rng)
         if heads is not None and arch == "llama":
-            raw = permute(raw, heads)
+            raw = gguf_native.permute(raw, heads)
         writer.add_tensor(name, raw, raw_shape=None, raw_dtype=gguf.GGMLQuantizationType[kind])
         if arch == "qwen2" and role in ("attn_q", "attn_k", "attn_v"):
             writer.add_tensor(name.replace(".weight", ".bias"), (0.02 * rng.standard_normal(rows)).astype(np.float32))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from compushare.errors import UsageError
+from compushare.model import gguf_native
 from compushare.model.catalog import import_path
 from compushare.spans import GGML, TORCH, load_head, load_span, runtime_for
 from compushare.spans.ggml import lib
@@ -67,6 +68,8 @@ def test_llama3_rope_factors_are_the_files_own(stored):
     assert recipe.ropes[0].factors == tuple(llama3_factors(model.manifest.config["rope_parameters"], 500000.0,
                                                            16).tolist())
     assert inverse_sqrt(128) == float(np.float32(1) / np.sqrt(np.float32(128)))
+    rows = np.arange(64 * 3).reshape(64, 3)  # the load's q/k row order and the import's are inverses
+    assert np.array_equal(gguf_native.unpermute(gguf_native.permute(rows, 4), 4), rows)
 
 
 def _prompt(span, tokens: int, seed: int = 0) -> torch.Tensor:

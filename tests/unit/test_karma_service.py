@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from compushare.errors import PeerMisbehaved
 from compushare.karma.receipts import Receipt, countersign, sign_receipt
@@ -148,7 +149,7 @@ def test_a_failed_advertisement_is_retried_soon_not_after_the_full_period(tmp_pa
             nursery.start_soon(getattr(service, loop))
             with trio.fail_after(60):  # three short retries, then the success
                 await dht.tried_times(4)
-            await trio.sleep(0.5)
+            await trio.testing.wait_all_tasks_blocked()  # the loop now waits out its period
             assert len(dht.tried) == 4  # after the success: the full period (minutes) before the next
             nursery.cancel_scope.cancel()
 

@@ -77,6 +77,13 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
+def permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's rotary row permutation of attn_q / attn_k (the inverse
+    of `unpermute`): what a Llama file holds, and what ggml's "normal" rope computes on."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
 def dequantize(raw: np.ndarray, kind: str) -> np.ndarray:
     """float32 [rows, in] values of raw rows [rows, bytes], as gguf-py computes them."""
     if kind == "F32":

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ...errors import UsageError
-from ...model.gguf_native import unpermute
+from ...model.gguf_native import permute
 from .graph import Inputs, layer
 from .lib import build_id, ggml
 from .recipe import ROPE_NORMAL, recipe_of
@@ -41,14 +41,6 @@ MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recent
 # which repeat. A prompt's graph is built, run and freed (its compute buffer grows
 # with its tokens: an 8B layer's for 2,048 tokens is hundreds of MB).
 KEPT_GRAPH_TOKENS = 16
-
-
-def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's rotary row order from transformers' (the inverse of gguf_native.unpermute)."""
-    half = rows.shape[0] // heads // 2
-    out = rows.reshape(heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-    assert np.array_equal(unpermute(out, heads), rows)
-    return out
 
 
 _SERIALS = itertools.count()
@@ -177,7 +169,6 @@ class GgmlSpan:
         self._lock = threading.Lock()
         self.slowdown = 1.0
         self.batchable = False
-        self.graph_builds = 0
 
     # -- what the server asks of a span ------------------------------------------------
 
@@ -208,7 +199,7 @@ class GgmlSpan:
         r = self.recipe
         for name, array in state:
             if r.rope_mode == ROPE_NORMAL and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-                array = permute_rows(array, r.heads if "q_proj" in name else r.kv_heads)
+                array = permute(array, r.heads if "q_proj" in name else r.kv_heads)
             if r.norm_plus_one and name.endswith("norm.weight"):
                 array = array.astype(np.float32) + np.float32(1.0)
             yield f"model.layers.{index}.{name}", array
@@ -235,10 +226,6 @@ class GgmlSpan:
         """Roll back to the first `length` tokens: later slots are overwritten and masked."""
         cache.length = min(cache.length, length)
 
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
-
     def forward(self, hidden, cache: KVCache, position: int, start: int | None = None, end: int | None = None, *,
                 between_layers: Callable[[], None] | None = None, adapter=None):
         """Layers start..end-1 (default: the span) on `hidden` [1, n, H] (a torch
@@ -261,11 +248,6 @@ class GgmlSpan:
         out = compute(*args)
         time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
         return out
-
-    def compute(self, hidden: np.ndarray, cache: KVCache, position: int, start: int | None = None,
-                end: int | None = None) -> np.ndarray:
-        """`forward` on float32 [n, H] numpy arrays."""
-        return self._forward(hidden, cache, position, start, end, None)
 
     def _forward(self, hidden: np.ndarray, cache: KVCache, position: int, start: int | None, end: int | None,
                  between_layers: Callable[[], None] | None) -> np.ndarray:
@@ -321,7 +303,6 @@ class GgmlSpan:
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._build(cache, start, end, tokens, n_kv)
-            self.graph_builds += 1
             if tokens > KEPT_GRAPH_TOKENS:
                 try:
                     return self._compute(graph, hidden, position, n_kv)
