@@ -17,6 +17,7 @@ from helpers import wait_until
 pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 240
+START_IN_S = 60
 
 
 def _train(home, *args: str) -> list[str]:
@@ -36,7 +37,11 @@ def test_two_processes_train_a_run_and_status_shows_it(processes, tmp_path):
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 3000)
     small = ["--steps", "2", "--rounds", "2", "--batch", "1", "--gather-s", "20"]
     a_home, b_home = tmp_path / "a", tmp_path / "b"
-    a = start_node(_train(a_home, "start", "--corpus", str(corpus), "--start-in", "15", *small), a_home)
+    # Round 0 begins START_IN_S after A makes the run; B must be up by then. With 15 s, a B
+    # slow to start on a loaded machine (CI stop 59) found A's rounds all done alone and A
+    # gone: its `join` then retries the bootstrap peer for ever, as a joiner does.
+    a = start_node(_train(a_home, "start", "--corpus", str(corpus), "--start-in", str(START_IN_S), *small),
+                   a_home)
     processes.procs.append(a)
     listen = wait_ready(a, a_home, timeout=120, file=f"{TRAIN_DIR}/{LISTEN_FILE}")
     run = wait_until(lambda: (_state(a_home) or {}).get("run"), "the run's id", timeout=TIMEOUT_S)
