@@ -198,15 +198,17 @@ def vm_rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def liar_and_honest(processes: Processes, model_dir: Path, fmt: str | None = None) -> tuple[dict, list[str], dict, dict]:
-    """A serves 0:2; B serves 2:4 but adds noise to every output (a lying server) and is
-    fast, C serves 2:4 honestly but slowly, so routes prefer B. Returns the states of
-    A, the bootstrap addresses, B and C, once both ads say "serving" with their speeds.
-    `fmt`: the weight format all three serve the model in."""
+def liar_and_honest(processes: Processes, model_dir: Path, fmt: str | None = None,
+                    noise: float = 0.05) -> tuple[dict, list[str], dict, dict]:
+    """A serves 0:2; B serves 2:4 but adds noise to every output (a lying server: `noise`
+    times the output's mean magnitude) and is fast, C serves 2:4 honestly but slowly,
+    so routes prefer B. Returns the states of A, the bootstrap addresses, B and C, once
+    both ads say "serving" with their speeds. `fmt`: the weight format all three serve
+    the model in."""
     _, a = processes.node("a", model_dir, "0:2", fmt=fmt)
     boot = a["addrs"][:1]
     fast_ads = ["--ad-period", "1"]
-    liar = processes.node("b", model_dir, "2:4", bootstrap=boot, extra=["--debug-noise", "0.05"] + fast_ads,
+    liar = processes.node("b", model_dir, "2:4", bootstrap=boot, extra=["--debug-noise", str(noise)] + fast_ads,
                           wait=False, fmt=fmt)[0]
     honest = processes.node("c", model_dir, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
                             wait=False, fmt=fmt)[0]
@@ -256,12 +258,12 @@ def pid_alive(pid: int) -> bool:
 
 def signed_claim(key_pair, output: bytes, *, model: str, start: int, end: int, position: int, tokens: int,
                  input_digest: bytes, prefix: bytes = GENESIS, dtype: str = "float32", mode: str = DEFAULT_MODE,
-                 peer: str | None = None) -> StepClaim:
+                 peer: str | None = None, runtime: str = "", forwards: bytes = GENESIS) -> StepClaim:
     """A server's claim of `output` for a step, signed by `key_pair` (as `peer`, if
     given: a forgery), the way a server signs its step proofs."""
     from libp2p.peer.id import ID
 
     statement = Statement(mode, model, start, end, position, tokens, prefix, input_digest,
-                          step_digest(dtype, output, tokens))
+                          step_digest(dtype, output, tokens), runtime, forwards)
     return StepClaim(peer or ID.from_pubkey(key_pair.public_key).to_base58(), dtype, output,
-                     statement.sign(key_pair))
+                     statement.sign(key_pair), runtime, forwards)

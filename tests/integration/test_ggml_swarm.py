@@ -1,5 +1,7 @@
-"""ggml spans among node processes: spot checks catch a lying ggml server, and a chain
-that mixes ggml and torch spans of one GGUF model passes them."""
+"""ggml spans among node processes: spot checks catch a lying ggml server (one that
+lies by less than the format's tolerance too: two servers of one ggml build computing
+the same forwards answer bit for bit), and a chain that mixes ggml and torch spans of
+one GGUF model passes them."""
 
 import pytest
 import trio
@@ -41,7 +43,44 @@ async def test_a_lying_ggml_server_is_caught_and_reported(processes, tiny_gguf, 
     report = FailureReport.from_wire(report_file.read_bytes())
     report.check()
     assert report.accused.peer_id == noisy["peer_id"] and report.mode == "gguf"
-    assert report.tolerance == TOLERANCES["gguf"]
+    assert report.tolerance == 0.0  # one build (this machine's) computing the same forwards
+    assert report.accused.runtime == report.witness.runtime and report.witness.runtime.startswith("ggml/")
+
+
+async def test_a_ggml_server_lying_within_the_formats_tolerance_is_caught_bit_for_bit(processes, tiny_gguf,
+                                                                                     tmp_path):
+    """B's noise moves its outputs by about 1e-4, fifty times less than the gguf
+    format's 2e-2 (and well within rounding across CPUs): only a bit-for-bit check
+    catches it, and one is due, since C computes each checked step in the same forwards
+    as B (the prompt in one forward, then one token at a time)."""
+    client = import_path(tiny_gguf, tmp_path / "client", alias="tiny")
+    _, boot, noisy, honest = liar_and_honest(processes, tiny_gguf, noise=1e-4)
+    async with Consumer.connect(tmp_path / "client", tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=1.0) as consumer:
+        with trio.fail_after(90):
+            outcome = await consumer.generate(_request())
+    assert [(f.reason, f.peer_id) for f in outcome.failovers] == [("mismatch", noisy["peer_id"])]
+    assert outcome.tokens == local_greedy(client.path, PROMPT, TOKENS)
+    [report] = [FailureReport.from_wire(f.read_bytes()) for f in (tmp_path / "client" / "reports").iterdir()]
+    report.check()
+    assert report.accused.peer_id == noisy["peer_id"] and report.tolerance == 0.0
+    assert 0 < report.error() < TOLERANCES["gguf"] / 10
+
+
+async def test_two_honest_ggml_servers_of_one_build_pass_every_check_bit_for_bit(processes, tiny_gguf, tmp_path):
+    """No false alarm from holding one build to bit-equality: every step of 2:4 checked
+    (the verifier fed each one in the primary's forwards), every check exact."""
+    import_path(tiny_gguf, tmp_path / "client", alias="tiny")
+    _, first = processes.node("a", tiny_gguf, "0:2")
+    boot = first["addrs"][:1]
+    b, c = (processes.node(name, tiny_gguf, "2:4", bootstrap=boot, wait=False)[0] for name in "bc")
+    processes.ready("b", b), processes.ready("c", c)
+    async with Consumer.connect(tmp_path / "client", tuple(boot), "tiny", text_prompts=False,
+                                spot_check_rate=1.0) as consumer:
+        with trio.fail_after(90):
+            outcome = await consumer.generate(_request())
+    assert outcome.failovers == [] and outcome.reports == []
+    assert outcome.checks >= TOKENS - 1 and outcome.exact_checks == outcome.checks
 
 
 async def test_a_chain_mixing_ggml_and_torch_spans_passes_its_spot_checks(processes, tiny_gguf, tmp_path):
@@ -59,5 +98,6 @@ async def test_a_chain_mixing_ggml_and_torch_spans_passes_its_spot_checks(proces
             outcome = await consumer.generate(_request())
     assert outcome.failovers == [] and outcome.reports == []
     assert len(outcome.tokens) == TOKENS
+    assert outcome.exact_checks == 0  # torch against ggml: the format's tolerance
     assert {h.peer_id for h in outcome.route} & {b["peer_id"], c["peer_id"]}
     assert not (tmp_path / "client" / "reports").exists() or not list((tmp_path / "client" / "reports").iterdir())

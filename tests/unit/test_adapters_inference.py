@@ -111,7 +111,8 @@ def test_a_session_opened_with_an_adapter_applies_it_and_its_proofs_name_it(runn
         assert torch.equal(out_y, runner.forward(y, cache, 3, adapter=use))
         proof = first["proof"]
         statement = Statement(DEFAULT_MODE, adapted_model("model-x", use and wire["digest"]), 0, 2,
-                              proof["position"], proof["tokens"], proof["prefix"], proof["input"], proof["output"])
+                              proof["position"], proof["tokens"], proof["prefix"], proof["input"], proof["output"],
+                              proof["rt"], proof["forwards"])
         assert statement.verify(PEER, proof["sig"]), name
     assert not torch.equal(outputs["adapted"][1], outputs["plain"][1])
 

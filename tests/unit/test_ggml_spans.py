@@ -19,6 +19,7 @@ from compushare.spans import GGML, TORCH, load_head, load_span, runtime_for
 from compushare.spans.ggml import lib
 from compushare.spans.ggml.recipe import inverse_sqrt, llama3_factors, recipe_of
 from compushare.spans.ggml.span import KV_PAD, causal_mask
+from gguf_files import Q4_K_M, write_tiny_llama
 
 pytestmark = pytest.mark.unit
 
@@ -113,6 +114,21 @@ def test_a_cache_grown_past_its_padding_and_one_rolled_back_hold_the_same_tokens
     assert torch.equal(span.forward(other, growing, 100), span.forward(other, fresh, 100))
     with pytest.raises(ValueError, match="past the cache"):
         span.forward(other, fresh, 500)
+
+
+def test_two_loads_of_one_build_compute_the_same_forwards_bit_for_bit_whatever_their_threads(tmp_path):
+    """What the step proofs' exact comparison rests on (proofs/inference.py): one ggml
+    build, the same forwards (a prompt in one, then tokens one at a time), any threads.
+    A Q4_K_M file: repacked where this CPU offers it."""
+    model = import_path(write_tiny_llama(tmp_path / "tiny-q4_k_m.gguf", Q4_K_M), tmp_path / "store", alias="x")
+    one, two = (load_span(model.path, 0, 2, runtime=GGML, threads=n) for n in (1, 2))
+    assert one.build == two.build and one.build.startswith("ggml/")
+    caches = one.new_cache(), two.new_cache()
+    steps = [_prompt(one, 9)] + [_prompt(one, 1, seed=i) for i in range(1, 6)]
+    position = 0
+    for step in steps:
+        assert torch.equal(one.forward(step, caches[0], position), two.forward(step, caches[1], position))
+        position += step.shape[1]
 
 
 def test_adapters_and_models_not_in_gguf_are_refused_with_the_runtime_that_serves_them(stored, tiny_model):

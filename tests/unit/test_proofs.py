@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 from compushare.errors import PeerMisbehaved
 from compushare.proofs.fields import MAX_REPORT_BYTES
 from compushare.proofs.inference import (DEFAULT_TOLERANCE, GENESIS, REPORT_FORMAT, TOLERANCES, FailureReport,
-                                         InputChain, Statement, StepClaim, step_digest, token_digests)
+                                         InputChain, Statement, StepClaim, step_digest, token_digests, tolerance)
 from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i]) * 32) for i in range(3)]
@@ -44,6 +44,7 @@ def test_sign_verify_round_trip():
 @pytest.mark.parametrize(("field", "other"), [
     ("mode", "int8"), ("model_id", "model-y"), ("start", START + 1), ("end", END + 1), ("position", POSITION + 1),
     ("tokens", TOKENS + 1), ("prefix", GENESIS), ("input_digest", OUTPUT), ("output_digest", INPUT),
+    ("runtime", "ggml/0.25.3:1f2e3d4c"), ("forwards", OUTPUT),
 ])
 def test_any_changed_field_fails_verification(field, other):
     signature = STEP.sign(KEYS[0])
@@ -120,19 +121,63 @@ def test_a_truncated_chain_equals_a_chain_that_never_held_the_rest(tokens, data)
 
 
 def test_the_empty_chain_is_the_genesis():
-    assert InputChain().at(0) == GENESIS and len(InputChain()) == 0
+    assert InputChain().at(0) == GENESIS and len(InputChain()) == 0 and InputChain().forwards(0) == GENESIS
+
+
+def fed(steps: list[tuple[int, ...]], rows: list[bytes], cut: int | None = None) -> InputChain:
+    """A chain fed `steps` (each step's forwards) of `rows`, cut back to `cut` after the first."""
+    chain, at = InputChain(), 0
+    for index, forwards in enumerate(steps):
+        n = sum(forwards)
+        chain.extend(token_digests("float32", b"".join(rows[at:at + n]), n), forwards)
+        at += n
+        if index == 0 and cut is not None:
+            chain.truncate(cut)
+            at = cut
+    return chain
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_the_forwards_chain_names_how_the_rows_were_computed(first, second):
+    """The same rows computed in other forwards: the input chain is the same, the
+    forwards chain differs (where their sizes differ), and equals for equal ones."""
+    rows = [os.urandom(16) for _ in range(max(sum(first), sum(second)))]
+    if sum(first) != sum(second):
+        return
+    a, b = fed([tuple(first)], rows), fed([tuple(second)], rows)
+    assert a.at(len(a)) == b.at(len(b))
+    assert (a.forwards(len(a)) == b.forwards(len(b))) == (first == second)
+    assert a.forwards(len(a)) == fed([tuple(first)], rows).forwards(len(a))
+
+
+def test_the_forwards_chain_after_a_rollback_into_a_forward():
+    """Rows kept of a forward cut back were computed among more: not the same as a
+    forward of just those rows; the same history again gives the same chain."""
+    rows = [os.urandom(16) for _ in range(6)]
+    rolled = fed([(4,), (1,)], rows, cut=2)  # 4 drafted, 2 kept, then 1
+    assert rolled.at(3) == fed([(2,), (1,)], rows).at(3)
+    assert rolled.forwards(3) != fed([(2,), (1,)], rows).forwards(3)
+    assert rolled.forwards(3) == fed([(4,), (1,)], rows, cut=2).forwards(3)
+    at_boundary = fed([(2, 2), (1,)], rows, cut=2)  # cut at a forward's end: as if never computed
+    assert at_boundary.forwards(3) == fed([(2,), (1,)], rows).forwards(3)
+    with pytest.raises(ValueError, match="no forward ends"):
+        fed([(4,)], rows).forwards(2)
+    with pytest.raises(ValueError, match="do not cover"):
+        InputChain().extend(token_digests("float32", b"".join(rows[:2]), 2), (1,))
 
 
 # ---------------------------------------------------------------- failure reports
 
 
 def claim(index: int, output: np.ndarray, *, dtype: str = "float32", signer: int | None = None,
-          input_digest: bytes = INPUT, prefix: bytes = PREFIX) -> StepClaim:
+          input_digest: bytes = INPUT, prefix: bytes = PREFIX, runtime: str = "", forwards: bytes = GENESIS,
+          mode: str = "fp32") -> StepClaim:
     """Peer `index`'s signed claim (signed by `signer`'s key if given: a forgery)."""
     data = output.astype("<f4" if dtype == "float32" else "<f2").tobytes()
     key = KEYS[index if signer is None else signer]
     return signed_claim(key, data, model=MODEL, start=START, end=END, position=POSITION, tokens=TOKENS,
-                        input_digest=input_digest, prefix=prefix, dtype=dtype, peer=PEERS[index])
+                        input_digest=input_digest, prefix=prefix, dtype=dtype, peer=PEERS[index], runtime=runtime,
+                        forwards=forwards, mode=mode)
 
 
 TRUE = np.random.default_rng(0).standard_normal(TOKENS * 64).astype(np.float32)
@@ -278,7 +323,7 @@ def _changed(value, draw):
 
 VALID = report(claim(0, WRONG), claim(1, TRUE))
 FIELDS = [(k,) for k, v in msgpack.unpackb(VALID.to_wire(), raw=False).items() if not isinstance(v, dict)] + \
-    [(who, k) for who in ("accused", "witness") for k in ("peer", "dtype", "output", "sig")]
+    [(who, k) for who in ("accused", "witness") for k in ("peer", "dtype", "output", "sig", "rt", "forwards")]
 
 
 @settings(max_examples=300)
@@ -293,6 +338,36 @@ def test_every_single_field_change_to_a_valid_report_is_rejected(path, data):
     target[path[-1]] = _changed(target[path[-1]], data.draw)
     with pytest.raises(PeerMisbehaved):
         FailureReport.from_wire(msgpack.packb(body, use_bin_type=True)).check()
+
+
+GGML, OTHER_GGML, TORCH = "ggml/0.25.3:1f2e3d4c", "ggml/0.25.3:99aa0b1c", "torch/2.13.0"
+FORWARDS = hashlib.sha256(b"the forwards chain").digest()
+
+
+@pytest.mark.parametrize(("accused", "witness", "exact"), [
+    ((GGML, FORWARDS), (GGML, FORWARDS), True),
+    ((GGML, FORWARDS), (GGML, GENESIS), False),  # a verifier caught up in other forwards
+    ((GGML, FORWARDS), (OTHER_GGML, FORWARDS), False),  # another CPU's kernels
+    ((TORCH, FORWARDS), (TORCH, FORWARDS), False),  # torch names no kernels
+    ((GGML, FORWARDS), (TORCH, FORWARDS), False),  # a mixed chain
+])
+def test_one_exact_build_in_the_same_forwards_has_no_tolerance(accused, witness, exact):
+    """One ulp apart is a failure between two claims of one ggml build computed in the
+    same forwards, and rounding for any other pair (the gguf format's tolerance)."""
+    (rt_a, f_a), (rt_w, f_w) = accused, witness
+    r = dataclasses.replace(report(claim(0, ULP, runtime=rt_a, forwards=f_a, mode="gguf"),
+                                   claim(1, TRUE, runtime=rt_w, forwards=f_w, mode="gguf")), mode="gguf")
+    assert r.tolerance == (0.0 if exact else tolerance("gguf", END - START))
+    if exact:
+        r.check()
+        assert FailureReport.from_wire(r.to_wire()) == r
+    else:
+        with pytest.raises(PeerMisbehaved, match="within the tolerance"):
+            r.check()
+    relabelled = dataclasses.replace(r, witness=dataclasses.replace(r.witness, runtime=rt_a, forwards=f_a))
+    if relabelled != r:  # a reporter cannot make two claims exact: the runtime and forwards are signed
+        with pytest.raises(PeerMisbehaved, match="not signed"):
+            relabelled.check()
 
 
 def test_swapping_accused_and_witness_still_proves_only_a_disagreement():
@@ -331,6 +406,8 @@ BAD_FIELDS = [
     (("prefix",), PREFIX[:31]), (("prefix",), None), (("mode",), 1), (("mode",), _DELETE), (("tolerance",), 1e-3),
     (("accused",), None), (("accused",), [1, 2]), (("witness", "peer"), b"x"), (("witness", "extra"), 1),
     (("witness", "output"), "text"), (("witness", "sig"), _DELETE), (("accused", "dtype"), None),
+    (("accused", "rt"), 1), (("accused", "rt"), "ggml/" + "9" * 44), (("witness", "rt"), _DELETE),
+    (("witness", "forwards"), GENESIS[:31]), (("accused", "forwards"), None),
 ]
 
 

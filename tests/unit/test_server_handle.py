@@ -153,8 +153,9 @@ def assert_proof(reply: dict, start: int, end: int, inputs: bytes, dtype: str = 
     data = reply["hidden"]["data"]
     last = data[len(data) - len(data) // reply["hidden"]["shape"][1] * tokens:]
     assert proof["output"] == step_digest(reply["hidden"]["dtype"], last, tokens)
+    assert proof["rt"].startswith("torch/") and len(proof["forwards"]) == 32
     statement = Statement(DEFAULT_MODE, "model-x", start, end, position, tokens, proof["prefix"], proof["input"],
-                          proof["output"])
+                          proof["output"], proof["rt"], proof["forwards"])
     assert statement.verify(PEER_ID, proof["sig"])
     other = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
     assert not statement.verify(other, proof["sig"])
@@ -177,6 +178,11 @@ def test_chunked_step_is_bit_identical_to_separate_steps(runner):
         assert whole["proof"]["position"] == 4 and whole["proof"]["tokens"] == 1
         assert whole["proof"] == parts[-1]["proof"]
         assert_proof(whole, 0, 2, x.numpy().tobytes())
+        # which names the forwards the cache was built in: 3, 1, 1 here, not one of five
+        built = InputChain()
+        built.extend(token_digests("float32", x.numpy().tobytes(), 5), (3, 1, 1))
+        assert whole["proof"]["forwards"] == built.forwards(5)
+        assert (await step(server, await opened(server), 0, x))["proof"]["forwards"] != built.forwards(5)
         # and the next step continues both caches identically
         y = torch.randn(1, 1, 64)
         assert torch.equal(output(await step(server, chunked, 5, y)), output(await step(server, separate, 5, y)))

@@ -11,6 +11,7 @@ from typing import TypeGuard
 from .. import wire
 from ..errors import FrameError
 from ..net.dtypes import WIRE_NUMPY_DTYPES
+from ..proofs.inference import MAX_RUNTIME_CHARS
 from .protocol import BAD_REQUEST, SESSION_ID_BYTES
 
 MAX_ADDRS = 8  # multiaddrs in a link's downstream
@@ -90,10 +91,13 @@ class Proof:
     input_digest: bytes
     output_digest: bytes
     sig: bytes
+    runtime: str = ""  # the span runtime's build (revision 27)
+    forwards: bytes = bytes(32)  # the session's forwards chain through this step (revision 27)
 
     def to_wire(self) -> dict:
         return {"position": self.position, "tokens": self.tokens, "mode": self.mode, "prefix": self.prefix,
-                "input": self.input_digest, "output": self.output_digest, "sig": self.sig}
+                "input": self.input_digest, "output": self.output_digest, "sig": self.sig, "rt": self.runtime,
+                "forwards": self.forwards}
 
     @classmethod
     def from_wire(cls, value: object) -> Proof | None:
@@ -101,14 +105,18 @@ class Proof:
         convict anyone, so it counts as none."""
         if not isinstance(value, dict):
             return None
-        position, tokens, mode, prefix, digest, output, sig = (
-            value.get(k) for k in ("position", "tokens", "mode", "prefix", "input", "output", "sig"))
+        position, tokens, mode, prefix, digest, output, sig, runtime, forwards = (value.get(k) for k in (
+            "position", "tokens", "mode", "prefix", "input", "output", "sig", "rt", "forwards"))
         if not (is_int(position) and is_int(tokens) and isinstance(mode, str) and len(mode) <= 16
-                and isinstance(prefix, bytes) and isinstance(digest, bytes) and isinstance(output, bytes)
-                and all(len(d) == 32 for d in (prefix, digest, output))
-                and isinstance(sig, bytes) and len(sig) <= 128):
+                and _is_digest(prefix) and _is_digest(digest) and _is_digest(output) and _is_digest(forwards)
+                and isinstance(sig, bytes) and len(sig) <= 128
+                and isinstance(runtime, str) and len(runtime) <= MAX_RUNTIME_CHARS):
             return None
-        return cls(position, tokens, mode, prefix, digest, output, sig)
+        return cls(position, tokens, mode, prefix, digest, output, sig, runtime, forwards)
+
+
+def _is_digest(value: object) -> TypeGuard[bytes]:
+    return isinstance(value, bytes) and len(value) == 32
 
 
 def parse_peer(value: object, name: str) -> str:

@@ -1,21 +1,25 @@
 """Signed step outputs of inference and their failure reports. Pure, no I/O.
 
-A server signs every step it answers (version 2 of the statement):
+A server signs every step it answers (version 3 of the statement):
 
-    ["compushare/step-proof/v2", mode, model, start, end, position, tokens,
-     prefix, input, output]
+    ["compushare/step-proof/v3", mode, runtime, model, start, end, position, tokens,
+     prefix, forwards, input, output]
 
-"computing in `mode` (fp32: its tolerance is fixed by TOLERANCES), blocks
-start:end of model M, after inputs whose chain is `prefix`, the input of positions
-position..position+tokens-1 with digest `input` gives the output with digest
-`output`". Digests are built from one digest per token row, which names the row's
-dtype:
+"computing in `mode` (fp32: its tolerance is fixed by TOLERANCES) on `runtime` (the
+span runtime's build, spans.SpanCompute.build), blocks start:end of model M, after
+inputs whose chain is `prefix`, computed in the forwards whose chain is `forwards`,
+the input of positions position..position+tokens-1 with digest `input` gives the
+output with digest `output`". Digests are built from one digest per token row,
+which names the row's dtype:
 
     t      = SHA-256(dtype || 0x00 || the row's little-endian bytes)
     digest = SHA-256(t_position || ... || t_position+tokens-1)     (a step's input or output)
     c_0    = 32 zero bytes;  c_i+1 = SHA-256(c_i || t_i)           (the input chain)
+    f_0    = 32 zero bytes;  f_k+1 = SHA-256(f_k || u32be(n_k))    (the forwards chain)
 
-and `prefix` is c_position. So a proof
+where `prefix` is c_position, n_k is the number of tokens of the session's k-th
+forward (a rollback into a forward adds a link of 0xFFFFFFFF then the rows kept of
+it), and `forwards` is the chain through this step's own forward. So a proof
 
 - covers the dtype and the shape of what it signs: relabelling an output's dtype
   or cutting its rows breaks the signature;
@@ -24,9 +28,12 @@ and `prefix` is c_position. So a proof
 - can be linked without the bytes: server 2's signed `input` of a step is server
   1's signed `output` of it when server 2 was given exactly server 1's output.
 
-Two such claims with the same statement up to `output`, whose outputs differ
-beyond TOLERANCES[mode], prove that one of the two servers computed wrongly: a
-failure report anyone can check. The reporter chooses nothing the verdict rests
+Two such claims with the same statement up to `output` (their runtimes and forwards
+aside), whose outputs differ beyond the tolerance, prove that one of the two servers
+computed wrongly: a failure report anyone can check. The tolerance is TOLERANCES[mode],
+or none at all when both claims name one exact runtime build (a ggml build: the same
+kernels give the same bits, threads aside) and the same forwards: a forward of other
+sizes rounds differently, so a verifier caught up in a batch is held to the tolerance. The reporter chooses nothing the verdict rests
 on: the tolerance is the protocol's, not the report's. Training's statements and
 reports are in training.py, private mode's in private.py, DiLoCo's in diloco.py;
 reports.py's parse_report reads every kind.
@@ -45,8 +52,11 @@ from ..net.dtypes import WIRE_NUMPY_DTYPES
 from .fields import (DIGEST_BYTES, MAX_REPORT_BYTES, PeerSigned, WireReport, exact_map, malformed, report_body,
                      report_wire, typed)
 
-STEP_DOMAIN = "compushare/step-proof/v2"
-REPORT_FORMAT = "compushare/failure-report/v2"
+STEP_DOMAIN = "compushare/step-proof/v3"
+REPORT_FORMAT = "compushare/failure-report/v3"
+MAX_RUNTIME_CHARS = 48  # "ggml/<version>:<8 hex>", "torch/<version>"
+EXACT_RUNTIMES = ("ggml/",)  # builds whose name pins the kernels, so honest answers are bit-equal
+CUT = 0xFFFFFFFF  # the forwards chain's marker of a rollback into a forward
 # Relative L2 error two honest servers' outputs of one step may differ by, per compute
 # mode: the span's weight format (protocol.md's table). fp32: chunking alone gives
 # ~1e-5 on SmolLM2. bf16, int8 and q4 round activations to bfloat16 before each product:
@@ -70,6 +80,14 @@ def tolerance(mode: str, blocks: int) -> float:
     """The protocol's tolerance for two honest outputs of a span of `blocks` blocks
     computed in `mode` (KeyError for a mode without one)."""
     return max(TOLERANCES[mode], TOLERANCE_PER_BLOCK.get(mode, 0.0) * blocks)
+
+
+def tolerance_between(mode: str, blocks: int, a: tuple[str, bytes], b: tuple[str, bytes]) -> float:
+    """The tolerance for two honest outputs of one step whose servers name (runtime,
+    forwards) `a` and `b`: none when both are one exact build computing the same forwards."""
+    if a == b and a[0].startswith(EXACT_RUNTIMES):
+        return 0.0
+    return tolerance(mode, blocks)
 
 
 def adapted_model(model_id: str, adapter_digest: bytes | None) -> str:
@@ -106,17 +124,36 @@ class InputChain:
     def __init__(self) -> None:
         self._links = [GENESIS]
         self._rows: list[bytes] = []
+        self._forwards: list[tuple[int, bytes]] = [(0, GENESIS)]  # (rows held after it, f_k)
 
     def __len__(self) -> int:
         """How many input tokens the chain covers."""
         return len(self._rows)
 
-    def extend(self, digests: list[bytes]) -> None:
+    def extend(self, digests: list[bytes], forwards: tuple[int, ...] | list[int] | None = None) -> None:
+        """Add one step's input rows, computed in forwards of `forwards` tokens each
+        (one forward of them all by default)."""
+        forwards = (len(digests),) if forwards is None else tuple(forwards)
+        if sum(forwards) != len(digests) or min(forwards, default=1) < 1:
+            raise ValueError(f"forwards {forwards} do not cover {len(digests)} rows")
         link = self._links[-1]
         for digest in digests:
             link = hashlib.sha256(link + digest).digest()
             self._links.append(link)
         self._rows.extend(digests)
+        held, chain = self._forwards[-1]
+        for n in forwards:
+            held, chain = held + n, _forward_link(chain, n)
+            self._forwards.append((held, chain))
+
+    def forwards(self, position: int) -> bytes:
+        """f through the forward that ends at `position` (a step's last chunk)."""
+        for held, chain in reversed(self._forwards):
+            if held == position:
+                return chain
+            if held < position:
+                break
+        raise ValueError(f"no forward ends at position {position}")
 
     def at(self, position: int) -> bytes:
         """c_position: the chain over the first `position` inputs."""
@@ -133,6 +170,15 @@ class InputChain:
             raise ValueError(f"cannot cut a chain of {len(self)} back to {position}")
         del self._links[position + 1:]
         del self._rows[position:]
+        while self._forwards[-1][0] > position:
+            self._forwards.pop()
+        held, chain = self._forwards[-1]
+        if held < position:  # kept part of a forward: its rows were computed among more
+            self._forwards.append((position, _forward_link(_forward_link(chain, CUT), position - held)))
+
+
+def _forward_link(chain: bytes, n: int) -> bytes:
+    return hashlib.sha256(chain + n.to_bytes(4, "big")).digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +194,13 @@ class Statement(PeerSigned):
     prefix: bytes
     input_digest: bytes
     output_digest: bytes
+    runtime: str = ""  # "" names no build: never compared exactly
+    forwards: bytes = GENESIS
 
     def encode(self) -> bytes:
-        return msgpack.packb([STEP_DOMAIN, self.mode, self.model_id, self.start, self.end, self.position,
-                              self.tokens, self.prefix, self.input_digest, self.output_digest], use_bin_type=True)
+        return msgpack.packb([STEP_DOMAIN, self.mode, self.runtime, self.model_id, self.start, self.end,
+                              self.position, self.tokens, self.prefix, self.forwards, self.input_digest,
+                              self.output_digest], use_bin_type=True)
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
@@ -170,12 +219,15 @@ class StepClaim:
     dtype: str
     output: bytes  # the step's output, raw little-endian `dtype`, tokens × hidden values
     signature: bytes
+    runtime: str = ""
+    forwards: bytes = GENESIS
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.output, dtype=WIRE_NUMPY_DTYPES[self.dtype])
 
     def to_wire(self) -> dict:
-        return {"peer": self.peer_id, "dtype": self.dtype, "output": self.output, "sig": self.signature}
+        return {"peer": self.peer_id, "dtype": self.dtype, "output": self.output, "sig": self.signature,
+                "rt": self.runtime, "forwards": self.forwards}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +251,14 @@ class FailureReport(WireReport):
 
     @property
     def tolerance(self) -> float:
-        return tolerance(self.mode, self.end - self.start)
+        return tolerance_between(self.mode, self.end - self.start, (self.accused.runtime, self.accused.forwards),
+                                 (self.witness.runtime, self.witness.forwards))
 
     def statement(self, claim: StepClaim) -> Statement:
         """What `claim`'s server must have signed for its output."""
         return Statement(self.mode, self.model_id, self.start, self.end, self.position, self.tokens, self.prefix,
-                         self.input_digest, step_digest(claim.dtype, claim.output, self.tokens))
+                         self.input_digest, step_digest(claim.dtype, claim.output, self.tokens), claim.runtime,
+                         claim.forwards)
 
     def error(self) -> float:
         if self.accused.dtype not in REPORT_DTYPES or self.witness.dtype not in REPORT_DTYPES:
@@ -252,11 +306,14 @@ class FailureReport(WireReport):
 
 _REPORT_KEYS = {"format", "mode", "model", "start", "end", "position", "tokens", "prefix", "input_digest",
                 "accused", "witness"}
-_CLAIM_KEYS = {"peer", "dtype", "output", "sig"}
+_CLAIM_KEYS = {"peer", "dtype", "output", "sig", "rt", "forwards"}
 
 
 def _step_claim(value: object, name: str) -> StepClaim:
     body = exact_map(value, _CLAIM_KEYS, name)
-    return StepClaim(typed(body["peer"], str), typed(body["dtype"], str), typed(body["output"], bytes),
-                     typed(body["sig"], bytes))
+    claim = StepClaim(typed(body["peer"], str), typed(body["dtype"], str), typed(body["output"], bytes),
+                      typed(body["sig"], bytes), typed(body["rt"], str), typed(body["forwards"], bytes))
+    if len(claim.runtime) > MAX_RUNTIME_CHARS or len(claim.forwards) != DIGEST_BYTES:
+        raise ValueError(f"{name}'s runtime or forwards out of range")
+    return claim
 

@@ -56,6 +56,7 @@ class Dispute:
     primary: HopReply
     check: HopReply
     error: float
+    tolerance: float  # what the two were held to (none for one exact build and forwards)
 
 
 @dataclasses.dataclass
@@ -136,11 +137,13 @@ def checked(core: ChainState, checked: CheckedStep, events: list) -> None:
         return core.hop_done(primary.replies[0].output)
     mine, theirs = primary.replies[0], check.replies[-1]
     error = relative_error(mine.output.numpy(), theirs.output.numpy())
-    if error <= core.tolerance_for(span):
+    tolerance = core.tolerance_for(span, (mine.proof, theirs.proof))
+    if error <= tolerance:
+        core.exact_checks += tolerance == 0.0
         return core.hop_done(mine.output)
     # Two servers disagree. A third one, if there is one, says which is wrong: a
     # lying verifier must not get an honest server excluded.
-    dispute = Dispute(span, session, verifier, mine, theirs, error)
+    dispute = Dispute(span, session, verifier, mine, theirs, error, tolerance)
     exclude = frozenset({session.peer_id, verifier.session.peer_id} | {h.peer_id for h in core.hops})
     core.request([FindVerifier(*span, exclude)], Phase.FINDING_ARBITER, dispute)
 
@@ -177,9 +180,13 @@ def verdict(core: ChainState, dispute: Dispute, arbiter: Any) -> None:
     """Judge the dispute (with the third opinion `arbiter`, if any): report and
     penalise the blamed, then the hop is done or failed over."""
     span, hop, verifier = dispute.span, dispute.hop, dispute.verifier
-    tolerance = core.tolerance_for(span)
-    blamed = judge(dispute.primary.output, dispute.check.output, arbiter, tolerance)
+    # The third opinion, caught up in a batch, is held to the format's tolerance.
+    blamed = judge(dispute.primary.output, dispute.check.output, arbiter, core.tolerance_for(span))
     if blamed == "neither":
+        # Both within the tolerance of the third opinion: their own difference, beyond
+        # what they were held to, says only that one of them is off.
+        log.warning("blocks %d:%d: %s and %s differ by %.2g (tolerance %g), both near a third server: "
+                    "nobody blamed", *span, hop.peer_id, verifier.session.peer_id, dispute.error, dispute.tolerance)
         return core.hop_done(dispute.primary.output)
     tokens = core.step.tokens
     outvoted = HopFailed(verifier.session.peer_id, MISMATCH, "outvoted")
@@ -195,7 +202,7 @@ def verdict(core: ChainState, dispute: Dispute, arbiter: Any) -> None:
     chain_rebuild.fail_over(core, HopFailed(
         hop.peer_id, MISMATCH,
         f"{hop.peer_id} (blocks {span[0]}:{span[1]}) answered step {core.position} {dispute.error:.2g} away "
-        f"from {verifier.session.peer_id}'s answer (tolerance {tolerance:g}"
+        f"from {verifier.session.peer_id}'s answer (tolerance {dispute.tolerance:g}"
         f"{'' if arbiter is None else ', a third server agreeing'})"))
 
 

@@ -180,7 +180,7 @@ def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int,
     if proof.output_digest != step_digest(reply.dtype, reply.data, tokens):
         return f"{peer} returned other bytes than it signed"
     statement = Statement(proof.mode, model_id, hop.start, hop.end, position, tokens, proof.prefix,
-                          proof.input_digest, proof.output_digest)
+                          proof.input_digest, proof.output_digest, proof.runtime, proof.forwards)
     if proof.mode != mode:
         return f"{peer} proved its step in compute mode {proof.mode[:16]!r}, not the model's {mode!r}"
     if proof.mode not in TOLERANCES or not statement.verify(peer, proof.sig):
@@ -218,8 +218,9 @@ def build_report(model_id: str, filed: FileReport) -> FailureReport | None:
         report = FailureReport(
             proof.mode, model_id, accused.hop.start, accused.hop.end, proof.position, proof.tokens, proof.prefix,
             proof.input_digest,
-            StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0].sig),
-            StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1].sig),
+            StepClaim(accused.peer_id, ours.dtype, ours.data, proofs[0].sig, proofs[0].runtime, proofs[0].forwards),
+            StepClaim(witness.peer_id, theirs.dtype, theirs.data, proofs[1].sig, proofs[1].runtime,
+                      proofs[1].forwards),
         )
         report.check()
     except (PeerMisbehaved, KeyError, TypeError, ValueError) as exc:

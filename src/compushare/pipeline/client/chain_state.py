@@ -15,7 +15,7 @@ from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...karma.receipts import RECEIPT_STEPS
-from ...proofs.inference import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance
+from ...proofs.inference import DEFAULT_MODE, adapted_model, tolerance as protocol_tolerance, tolerance_between
 from .chain_events import EFFECTS, REQUESTS, Forgive, HopSession, Penalise, Phase, Span
 from .chain_plan import REPLAY_MAX_TOKENS, Failover, History, StandbyFeed, Verifier
 from .routing import Hop
@@ -94,6 +94,7 @@ class ChainState:
         self.history = History()
         self.failovers: list[Failover] = []
         self.checks = 0
+        self.exact_checks = 0  # spot checks held to no tolerance that passed
         self.schedules: dict[Span, SpotCheckSchedule] = {}
         self.verifiers: dict[Span, Verifier] = {}
         self.retired: list[HopSession] = []  # given up (aborted again at close)
@@ -126,11 +127,14 @@ class ChainState:
         """The model the step proofs of `hop`'s server name (proofs.inference.adapted_model)."""
         return adapted_model(self.model_id, self.adapter_digest(hop.start, hop.end) if self.adapter_digest else None)
 
-    def tolerance_for(self, span: Span) -> float:
+    def tolerance_for(self, span: Span, proofs: tuple[Any, Any] | None = None) -> float:
         """How far two honest answers for `span` may differ: the protocol's tolerance for
-        the chain's compute mode and the span's length, unless the chain was given one."""
+        the chain's compute mode and the span's length, unless the chain was given one;
+        none when both answers' `proofs` name one exact build and the same forwards."""
         if self.tolerance is not None:
             return self.tolerance
+        if proofs is not None and None not in proofs:
+            return tolerance_between(self.mode, span[1] - span[0], *((p.runtime, p.forwards) for p in proofs))
         return protocol_tolerance(self.mode, span[1] - span[0])
 
     # -- what the transitions do -------------------------------------------------------------

@@ -74,6 +74,7 @@ class RunOutcome:
     failovers: list[Failover] = dataclasses.field(default_factory=list)
     reports: list[Report] = dataclasses.field(default_factory=list)
     checks: int = 0  # spot checks made
+    exact_checks: int = 0  # ... that passed bit for bit (one exact build computing the same forwards)
     private: dict | None = None  # private mode: PrivateStats.as_dict() (where the time went, bytes, keys)
     direct_steps: int = 0  # steps that went straight through the chain (direct return)
     chain_breaks: int = 0  # ... whose proofs did not link up (relayed instead)
@@ -204,6 +205,7 @@ def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, re
         direct_steps=0 if core is None else core.direct_steps,
         chain_breaks=0 if core is None else core.chain_breaks,
         checked_relays=0 if core is None else core.checked_relays,
+        exact_checks=0 if core is None else core.exact_checks,
         standby_takeovers=0 if core is None else core.standby_takeovers,
         passes=stats.passes, drafted=stats.drafted, accepted=stats.accepted,
         finish_reason=produced.finish_reason(request.params.max_new_tokens), logprobs=produced.logprobs,

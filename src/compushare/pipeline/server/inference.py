@@ -206,7 +206,7 @@ class InferenceServer:
         proof = None
         if session.chain is not None:
             proof = prove(self.key_pair, self.model_id, session, position + tokens - chunks[-1], chunks[-1],
-                          encoded, output.shape[1], mode=runner.format_label)
+                          encoded, output.shape[1], mode=runner.format_label, runtime=runner.build)
         if self.pushed is not None:
             await self.pushed.flushed(session.downstream)  # this step's push goes first
         return Result(request.session, position, encoded, seconds * 1000, proof)
@@ -231,7 +231,7 @@ class InferenceServer:
             # Queued before the reply: the next hop starts before the consumer's copy arrives.
             self.pushed.push_on(session.downstream, position, encoded)
         table.end_step(session, tokens, time.monotonic(), ok=True, seconds=seconds, data=data,
-                       dtype=request.hidden.dtype)
+                       dtype=request.hidden.dtype, forwards=tuple(chunks))
         return output, seconds, encoded, chunks
 
     async def _from_upstream(self, request: StepRequest, session: Session, table: SessionTable,
@@ -355,15 +355,15 @@ async def wait_for_push(pushed: PushedSteps, request: StepRequest, table: Sessio
 
 
 def prove(key_pair: KeyPair, model_id: str, session: Session, position: int, tokens: int, encoded: WireTensor,
-          returned: int, *, mode: str = DEFAULT_MODE) -> Proof:
+          returned: int, *, mode: str = DEFAULT_MODE, runtime: str = "") -> Proof:
     """The step proof of the last chunk (positions position..position+tokens-1):
     the last `tokens` of the `returned` token rows `encoded` (proofs/inference.py), computed in
-    `mode` (the span's weight format: its tolerance is the protocol's)."""
+    `mode` (the span's weight format: its tolerance is the protocol's) on `runtime` (its build)."""
     data = encoded.data
     last = memoryview(data)[len(data) - len(data) // returned * tokens:]
     model = adapted_model(model_id, None if session.adapter is None else session.adapter.digest)
     statement = Statement(mode, model, session.start, session.end, position, tokens,
                           session.chain.at(position), session.chain.digest(position, tokens),
-                          step_digest(encoded.dtype, last, tokens))
+                          step_digest(encoded.dtype, last, tokens), runtime, session.chain.forwards(position + tokens))
     return Proof(position, tokens, statement.mode, statement.prefix, statement.input_digest,
-                 statement.output_digest, statement.sign(key_pair))
+                 statement.output_digest, statement.sign(key_pair), statement.runtime, statement.forwards)

@@ -249,23 +249,24 @@ class SessionStates:
         return self._begin(session_id, Event.STEP, position, tokens, now)
 
     def end_step(self, session: Session, tokens: int, now: float, *, ok: bool, seconds: float = 0.0,
-                 data: bytes | None = None, dtype: str | None = None) -> None:
-        """The consumer's step ended (DONE: `data` is its input, of wire `dtype`, for
-        the input chain), or a compute failed and its cache was rolled back (FAILED)."""
+                 data: bytes | None = None, dtype: str | None = None, forwards: tuple[int, ...] | None = None) -> None:
+        """The consumer's step ended (DONE: `data` is its input, of wire `dtype`, for the
+        input chain, computed in `forwards`: one by default), or it failed (FAILED)."""
         if session.step is None or session.step.tokens != tokens:
             raise InvalidTransition(f"no step of {tokens} tokens in flight")
         self._fire(session, Event.DONE if ok else Event.FAILED)
         session.step = None
         session.last_used = now
         if ok:
-            self._ran(session, tokens, seconds, data, dtype)
+            self._ran(session, tokens, seconds, data, dtype, forwards)
 
-    def _ran(self, session: Session, tokens: int, seconds: float, data: bytes | None, dtype: str | None) -> None:
+    def _ran(self, session: Session, tokens: int, seconds: float, data: bytes | None, dtype: str | None,
+             forwards: tuple[int, ...] | None = None) -> None:
         if session.chain is not None:
             if data is None or dtype is None or len(data) % tokens:
                 session.chain = None  # an input not told in rows: no later step is provable
             else:
-                session.chain.extend(token_digests(dtype, data, tokens))
+                session.chain.extend(token_digests(dtype, data, tokens), forwards)
         session.length += tokens
         session.unreceipted_tokens += tokens
         session.unreceipted_ms += seconds * 1000
