@@ -14,6 +14,7 @@ import torch
 
 from compushare.errors import UsageError
 from compushare.model import gguf_native
+from compushare.model.arch import config_fields, load_config
 from compushare.model.catalog import import_path
 from compushare.spans import GGML, TORCH, load_head, load_span, runtime_for
 from compushare.spans.ggml import lib
@@ -56,6 +57,17 @@ def test_causal_masks_hide_the_future_and_what_slides_out_of_the_window():
     assert np.isneginf(mask).tolist() == [[False] * 4 + [True] * 4, [False] * 5 + [True] * 3]
     windowed = causal_mask(5, 1, 8, window=2)
     assert np.isneginf(windowed[0]).tolist() == [True] * 4 + [False] * 2 + [True] * 2
+
+
+FIXTURES = sorted(p.name for p in DATA.glob("*.gguf"))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_recipe_from_config_json_alone_is_the_one_from_transformers_config(stored, name):
+    """A ggml node reads config.json without transformers (some 100 MB of a node's
+    memory): every family's recipe comes out the same as from its transformers config."""
+    model = stored(name)
+    assert recipe_of(config_fields(model.path)) == recipe_of(load_config(model.path))
 
 
 def test_llama3_rope_factors_are_the_files_own(stored):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import types
 from collections.abc import Callable
 
-from .families import Family, family_of_config
+from .families import Family, family_of_config, read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,13 @@ def architecture_of(config) -> Architecture:
     return Architecture(family, getattr(module, f"{family.prefix}DecoderLayer"),
                         getattr(module, f"{family.prefix}RotaryEmbedding"), getattr(module, f"{family.prefix}RMSNorm"),
                         module.eager_attention_forward, module.apply_rotary_pos_emb)
+
+
+def config_fields(model_dir) -> types.SimpleNamespace:
+    """config.json's fields as attributes, read without transformers (importing it costs
+    a process some 100 MB): what the ggml runtime reads, its recipe the same as from
+    load_config's object for every family (tests/unit/test_ggml_spans.py)."""
+    return types.SimpleNamespace(**read_config(model_dir))
 
 
 def load_config(model_dir):

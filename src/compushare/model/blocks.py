@@ -24,18 +24,17 @@ from transformers import DynamicCache
 
 from . import gguf_native, kernels
 from .arch import architecture_of, load_config
-from .formats import FP32, MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
+from .formats import MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
 from .device import CPU
 from .kv_cache import new_cache
 from .families import layer_types
 from .lean import run_layers
 from .lora import Adapter
-from .manifest import parse as parse_manifest
-from .store import MANIFEST_FILE
+from .layout import LAYER_PREFIX
+from .store import MANIFEST_FILE, span_tensor_names, stored_format  # noqa: F401 (callers find them here)
 from .quantize import matrix_parts, random_parts, stack_rows
 from .weights import read_dense_tensors, read_tensors
 
-LAYER_PREFIX = "model.layers."
 # Products that share their input, run as one kernel call in quantized layers (model/lean.py).
 # In order: q/k/v together if they share a format, else k/v (our q4 keeps k, v at int8).
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -49,16 +48,6 @@ def span_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def span_tensor_names(all_names, start: int, end: int) -> list[str]:
-    wanted = []
-    for name in all_names:
-        if name.startswith(LAYER_PREFIX):
-            index = int(name[len(LAYER_PREFIX):].split(".", 1)[0])
-            if start <= index < end:
-                wanted.append(name)
-    return wanted
 
 
 def layer_states(state: dict[str, torch.Tensor]) -> Callable[[int], dict[str, torch.Tensor]]:
@@ -342,12 +331,6 @@ def same_layout(matrices: list[dict[str, torch.Tensor]]) -> bool:
     the same width (one format, one group size)."""
     return all(m.keys() == matrices[0].keys() and all(t.shape[1:] == matrices[0][k].shape[1:] for k, t in m.items())
                for m in matrices)
-
-
-def stored_format(model_dir: Path) -> WeightFormat:
-    """The weight format of a model directory: its manifest's (fp32 without one)."""
-    path = Path(model_dir) / MANIFEST_FILE
-    return parse_manifest(path.read_bytes()).format if path.exists() else FP32
 
 
 def load_full_model(model_dir: Path, dtype=torch.float32):

@@ -8,6 +8,7 @@ that changes them: the model, torch's thread count and the hardware.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -16,13 +17,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..hardware import detect_hardware
-from .arch import load_config
-from .blocks import SpanRunner
+from .families import read_config
+
+if TYPE_CHECKING:  # the torch runtime's modules load transformers: imported when used
+    from .blocks import SpanRunner
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +48,14 @@ def measure_block_rate(model_dir: Path, *, blocks: int = 2, steps: int = 8, warm
     runtime's random span when it is not torch's (spans.ggml.load.random_ggml_span)."""
     if blocks < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need blocks >= 1, steps >= 1, warmup >= 0; got {blocks}, {steps}, {warmup}")
-    blocks = min(blocks, load_config(model_dir).num_hidden_layers)
+    blocks = min(blocks, read_config(model_dir)["num_hidden_layers"])
     # Random weights of the model's shapes: the node may not hold any block yet (it
     # fetches its span after choosing it), and the values do not change the speed.
-    runner = random_span(model_dir, 0, blocks) if random_span else SpanRunner.random(model_dir, 0, blocks,
-                                                                                      device=device)
+    if random_span is None:
+        from .blocks import SpanRunner
+
+        random_span = functools.partial(SpanRunner.random, device=device)
+    runner = random_span(model_dir, 0, blocks)
     runner.slowdown = slowdown
     previous_threads = torch.get_num_threads()
     cache = None

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ..errors import FrameError, UsageError
 from .manifest import Manifest, parse
-from .formats import WeightFormat
-from .layout import lay_out, write_config
+from .formats import FP32, WeightFormat
+from .layout import LAYER_PREFIX, lay_out, write_config
 
 log = logging.getLogger(__name__)
 
@@ -215,3 +215,20 @@ class ModelStore:
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
+
+
+def span_tensor_names(all_names, start: int, end: int) -> list[str]:
+    """The names among `all_names` of blocks start:end's tensors."""
+    wanted = []
+    for name in all_names:
+        if name.startswith(LAYER_PREFIX):
+            index = int(name[len(LAYER_PREFIX):].split(".", 1)[0])
+            if start <= index < end:
+                wanted.append(name)
+    return wanted
+
+
+def stored_format(model_dir: Path) -> WeightFormat:
+    """The weight format of a model directory: its manifest's (fp32 without one)."""
+    path = Path(model_dir) / MANIFEST_FILE
+    return parse(path.read_bytes()).format if path.exists() else FP32

@@ -23,8 +23,7 @@ from typing import TypeVar
 import torch
 import trio
 
-from ...model.batched import MAX_BATCH, decode_batch
-from ...model.blocks import SpanRunner
+from ...spans import SpanCompute
 from ...net.tensors import encode_tensor
 from .. import protocol
 from ..messages import WireTensor
@@ -57,6 +56,14 @@ class _Decode:
     output: torch.Tensor | None = None
     seconds: float = 0.0
     error: BaseException | None = None
+
+
+def _batched():
+    """Batched decoding, the torch runtime's (imported when used: its modules load
+    transformers, some 110 MB a ggml node never needs)."""
+    from ...model import batched
+
+    return batched
 
 
 class ComputeMeter:
@@ -127,7 +134,7 @@ class Compute(ComputeMeter):
         self.batches = 0  # forwards of more than one step
         self.batched_steps = 0  # ... and the steps they computed
 
-    async def run(self, runner: SpanRunner, cache: object, hidden: torch.Tensor, position: int, start: int,
+    async def run(self, runner: SpanCompute, cache: object, hidden: torch.Tensor, position: int, start: int,
                   end: int, chunks: list[int], peer: str = "",
                   reclaimed: Callable[[], bool] = lambda: False, adapter=None) -> tuple[torch.Tensor, float]:
         """The output of blocks start:end for `hidden` at `position` (with `adapter`'s
@@ -166,7 +173,7 @@ class Compute(ComputeMeter):
         self.observe(hidden.shape[1], end - start, seconds)
         return output, seconds
 
-    async def _batch(self, runner: SpanRunner, entry: _Decode, start: int, end: int) -> tuple[torch.Tensor, float]:
+    async def _batch(self, runner: SpanCompute, entry: _Decode, start: int, end: int) -> tuple[torch.Tensor, float]:
         """A one-token step, computed together with the other one-token steps of the
         same span waiting at the same time (model/batched.py). The first to wait
         leads: it takes a compute turn, gives steps that are arriving a moment to
@@ -199,14 +206,14 @@ class Compute(ComputeMeter):
             raise entry.error
         return entry.output, entry.seconds
 
-    async def _lead(self, key: tuple, entry: _Decode, runner: SpanRunner, start: int, end: int, peer: str) -> None:
+    async def _lead(self, key: tuple, entry: _Decode, runner: SpanCompute, start: int, end: int, peer: str) -> None:
         batch: list[_Decode] = []
         try:
             async with self.turn(peer, 1) as ticket:
                 for _ in range(JOIN_YIELDS):  # steps whose frames were read meanwhile join
                     await trio.sleep(0)
                 waiting = self._waiting.pop(key, [])
-                batch, rest = waiting[:MAX_BATCH], waiting[MAX_BATCH:]
+                batch, rest = waiting[:_batched().MAX_BATCH], waiting[_batched().MAX_BATCH:]
                 if rest:  # the first of the rest leads the next batch
                     self._waiting[key] = rest
                     rest[0].lead = True
@@ -246,7 +253,7 @@ class Compute(ComputeMeter):
         elif key in self._waiting:
             del self._waiting[key]
 
-    async def _batch_forward(self, runner: SpanRunner, batch: list[_Decode], start: int, end: int,
+    async def _batch_forward(self, runner: SpanCompute, batch: list[_Decode], start: int, end: int,
                              ticket: Ticket) -> None:
         def forward():
             began = time.perf_counter()
@@ -254,7 +261,7 @@ class Compute(ComputeMeter):
                 one = batch[0]
                 outs = [runner.forward(one.hidden, one.cache, one.position, start, end, adapter=one.adapter)]
             else:  # each session's own adapter (or none), in one forward
-                outs = decode_batch(runner, [m.hidden for m in batch], [m.cache for m in batch],
+                outs = _batched().decode_batch(runner, [m.hidden for m in batch], [m.cache for m in batch],
                                     [m.position for m in batch], start, end, [m.adapter for m in batch])
             return outs, time.perf_counter() - began
 
@@ -276,7 +283,7 @@ class Compute(ComputeMeter):
             self.batched_steps += len(batch)
         self.observe(len(batch), end - start, took)
 
-    async def _long_forward(self, runner: SpanRunner, adapter, *args) -> tuple[torch.Tensor, float]:
+    async def _long_forward(self, runner: SpanCompute, adapter, *args) -> tuple[torch.Tensor, float]:
         """A long piece's forward in a worker thread, pausing before each layer while
         short pieces preempt it."""
         return await self._long(lambda pause: _timed(functools.partial(runner.forward, between_layers=pause,
@@ -348,7 +355,7 @@ class Compute(ComputeMeter):
             if ticket in self._granted:
                 self._granted[ticket].set()
 
-    def runs_inline(self, runner: SpanRunner, chunks: list[int], blocks: int) -> bool:
+    def runs_inline(self, runner: SpanCompute, chunks: list[int], blocks: int) -> bool:
         """Whether a step runs on the event loop rather than in a worker thread.
 
         A decode step's forward is hundreds of small torch ops, each releasing the GIL.

@@ -23,7 +23,7 @@ from libp2p.crypto.keys import KeyPair
 from ... import defences
 from ...config import ServerLimits
 from ...errors import FrameError, PeerMisbehaved
-from ...model.blocks import SpanRunner
+from ...spans import SpanCompute
 from ...net.limits import PeerRateLimiter
 from ...net.serve import GuardedHandler
 from ...net.tensors import WIRE_DTYPES, decode_tensor
@@ -65,7 +65,7 @@ def close_all(table: SessionTable, opened: set[bytes]) -> None:
 
 
 class InferenceServer:
-    def __init__(self, runner: SpanRunner, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
+    def __init__(self, runner: SpanCompute, model_id: str, limits: ServerLimits, *, key_pair: KeyPair,
                  block_rate: float = 0.0, noise: float = 0.0, karma=None,
                  slow_steps: tuple[int, int, float] | None = None) -> None:
         self.runner = runner
@@ -99,7 +99,7 @@ class InferenceServer:
     def pushes(self) -> PushLinks | None:
         return None if self.pushed is None else self.pushed.links
 
-    def replace_runner(self, runner: SpanRunner) -> int:
+    def replace_runner(self, runner: SpanCompute) -> int:
         """Serve another span. Open sessions cannot follow (their caches belong to the
         old span): they are dropped, and their next step gets "unknown session"."""
         self.runner = runner
@@ -170,7 +170,7 @@ class InferenceServer:
             case _:  # a kind decode_request knows and this match forgot: refused, not left unanswered
                 raise Rejected(protocol.BAD_REQUEST, f"this server does not handle {type(request).__name__}")
 
-    def _open(self, request: OpenRequest, peer: str, table: SessionTable, runner: SpanRunner) -> Opened:
+    def _open(self, request: OpenRequest, peer: str, table: SessionTable, runner: SpanCompute) -> Opened:
         if self.moving or self.paused:
             raise Rejected(protocol.BUSY, "this server is moving to other blocks" if self.moving else
                            "this server's user paused contributing")
@@ -190,7 +190,7 @@ class InferenceServer:
             self.adapters.keep(session, held)
         return Opened(request.session, table.free_tokens, runner.format_label, held and held.digest)
 
-    async def _step(self, request: StepRequest, table: SessionTable, runner: SpanRunner) -> Result:
+    async def _step(self, request: StepRequest, table: SessionTable, runner: SpanCompute) -> Result:
         session = table.get(request.session)  # unknown session before decoding the tensor
         if request.rollback and session.length > request.position:
             session = await self._rewind(request.session, request.position, table, runner)
@@ -211,7 +211,7 @@ class InferenceServer:
             await self.pushed.flushed(session.downstream)  # this step's push goes first
         return Result(request.session, position, encoded, seconds * 1000, proof)
 
-    async def _own_input(self, request: StepRequest, session: Session, table: SessionTable, runner: SpanRunner):
+    async def _own_input(self, request: StepRequest, session: Session, table: SessionTable, runner: SpanCompute):
         """A step whose input the consumer sent: computed here, or found computed from
         the upstream's push of the very same bytes."""
         hidden = decode_tensor(request.hidden.to_wire(), hidden_size=runner.hidden_size,
@@ -235,7 +235,7 @@ class InferenceServer:
         return output, seconds, encoded, chunks
 
     async def _from_upstream(self, request: StepRequest, session: Session, table: SessionTable,
-                             runner: SpanRunner):
+                             runner: SpanCompute):
         """Direct return: the step's input is what the session's upstream pushes for
         this position. Waits for that push (at most the request's wait_ms, then
         `no_input`, the session unchanged) and answers with the step computed from it;
@@ -251,7 +251,7 @@ class InferenceServer:
         step = await wait_for_push(self.pushed, request, table, runner)
         return step.output, step.seconds, step.encoded
 
-    async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanRunner) -> Session:
+    async def _rewind(self, session_id: bytes, position: int, table: SessionTable, runner: SpanCompute) -> Session:
         """Cut a session back to `position` tokens (a truncate, or a step's rollback),
         after the pushed step it may hold ends and is discarded."""
         session = table.get(session_id)
@@ -269,7 +269,7 @@ class InferenceServer:
                 self._push(parked, session.upstream, table, runner)
         return session
 
-    def _push(self, request: PushRequest, peer: str, table: SessionTable, runner: SpanRunner) -> None:
+    def _push(self, request: PushRequest, peer: str, table: SessionTable, runner: SpanCompute) -> None:
         """Start computing a step from the upstream server's output; the consumer's own
         step for that position then finds it done (or computing)."""
         if self.pushed is None:
@@ -290,7 +290,7 @@ class InferenceServer:
         self.pushed.start(table, session, step, lambda: self._run(runner, session, step, hidden, [step.tokens]),
                                hidden.dtype)
 
-    async def _run(self, runner: SpanRunner, session: Session, step: Step, hidden: torch.Tensor,
+    async def _run(self, runner: SpanCompute, session: Session, step: Step, hidden: torch.Tensor,
                    chunks: list[int]) -> tuple[torch.Tensor, float]:
         """Compute the session's begun `step`; on failure its cache is rolled back, the
         step failed, and the error propagates."""
@@ -327,7 +327,7 @@ async def countersign(karma, model_id: str, request: ReceiptRequest, peer: str, 
 
 
 async def wait_for_push(pushed: PushedSteps, request: StepRequest, table: SessionTable,
-                        runner: SpanRunner) -> Step:
+                        runner: SpanCompute) -> Step:
     """The pushed step for the request's position, once the session's upstream has
     pushed it; Rejected(NO_INPUT) after the request's wait_ms, or at once when that
     upstream's connection is gone."""

@@ -22,7 +22,6 @@ import torch
 import trio
 
 from ...errors import FrameError, PeerMisbehaved
-from ...model.span_training import span_backward, span_forward
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
 from ...proofs.training import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
@@ -254,11 +253,18 @@ class TrainingServer:
         return TrainReceipted(request.id, signed)
 
 
+# Training runs on torch spans only (imported when one runs: the torch runtime's modules
+# load transformers, some 110 MB a ggml node never needs).
+
 def _forward(runner, hidden, adapter, start, end, pause):
+    from ...model.span_training import span_forward
+
     return runner.slowed(span_forward, runner, hidden, adapter, start, end, between_layers=pause)
 
 
 def _backward(runner, hidden, grad, adapter, start, end, pause):
+    from ...model.span_training import span_backward
+
     return runner.slowed(span_backward, runner, hidden, grad, adapter, start, end, between_layers=pause)
 
 

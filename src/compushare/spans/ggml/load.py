@@ -9,10 +9,10 @@ import numpy as np
 from safetensors import safe_open
 
 from ...model import gguf_native
-from ...model.arch import load_config
+from ...model.arch import config_fields
 from ...model.manifest import parse
 from ...model.store import MANIFEST_FILE
-from ...model.blocks import span_tensor_names, stored_format
+from ...model.store import span_tensor_names, stored_format
 from ...model.layout import tensor_files
 from .span import GgmlSpan
 
@@ -29,7 +29,7 @@ def stored_shapes(model_dir: Path, start: int, end: int) -> dict[str, tuple[int,
 
 def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, config=None) -> GgmlSpan:
     """`config`: the model's own unless given (tests give one that lies)."""
-    config = config if config is not None else load_config(model_dir)
+    config = config if config is not None else config_fields(model_dir)
     types = dict(stored_format(model_dir).types)
 
     files = tensor_files(model_dir)
@@ -48,7 +48,7 @@ def random_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1,
     """Blocks start:end with random weights of the model's types and shapes (from its
     manifest: the node may hold no block yet), as fast as the real ones: the
     self-benchmark's span when the node serves on ggml."""
-    config = load_config(model_dir)
+    config = config_fields(model_dir)
     types = dict(stored_format(model_dir).types)
     manifest = parse((Path(model_dir) / MANIFEST_FILE).read_bytes())
     shapes = {name: tensor.shape for entry in manifest.files if entry.role == "block"
