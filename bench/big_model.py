@@ -66,7 +66,7 @@ from compushare.config import resolve_cache_dir  # noqa: E402
 NAME = "big8b"
 NODES = 3
 MAX_SHARE = 0.4  # no node may hold more than this share of the blocks
-HELD_FLOOR_MB = 300  # no node process holds less than this before its span (torch + transformers + libp2p)
+HELD_FLOOR_MB = 300  # no node process holds less than this before its span (torch, libp2p; ~320 MB on ggml)
 PROMPT = llamacpp_ref.DEFAULT_PROMPT
 MB = 1024 * 1024
 
@@ -272,17 +272,17 @@ def main() -> None:
             f"{imported['bytes'] / 1e9:.2f} GB stored")
 
         from compushare.model.store import ModelStore
-        from compushare.pipeline.server.provider import block_cost
+        from compushare.pipeline.server.provider import block_cost, held_block_bytes
         from compushare.spans import runtime_for
 
         stored = ModelStore(node0).get(NAME)
         runtime = runtime_for(stored.path, args.runtime)
         params_b = parameters(stored.manifest.config) / 1e9
         kv_tokens = 8192
-        cost = block_cost(stored, kv_tokens)
+        cost = block_cost(stored, kv_tokens, runtime)
         most = int(MAX_SHARE * stored.num_blocks)
         budget_mb = HELD_FLOOR_MB + ((most + 1) * cost - 1) // MB  # fits `most` blocks, never most + 1
-        log(f"model: {stored.num_blocks} blocks of {stored.block_bytes / 1e6:.0f} MB on {runtime}; budget "
+        log(f"model: {stored.num_blocks} blocks of {held_block_bytes(stored, runtime) / 1e6:.0f} MB on {runtime}; budget "
             f"{budget_mb} MB per node (at most {most} blocks, {cost / 1e6:.0f} MB each with a {kv_tokens}-token "
             f"KV budget)")
         from transformers import AutoTokenizer

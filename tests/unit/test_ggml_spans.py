@@ -143,6 +143,24 @@ def test_two_loads_of_one_build_compute_the_same_forwards_bit_for_bit_whatever_t
         position += step.shape[1]
 
 
+def test_placement_counts_a_ggml_block_at_what_ggml_holds_of_it(tmp_path):
+    """A ggml node budgets a block at its file's bytes (the buffers it allocates, within
+    their alignment) and its KV cache in float16, not at torch's kernels' bytes."""
+    from compushare.pipeline.server.provider import MB, block_cost, blocks_for_budget, held_block_bytes, \
+        kv_bytes_per_token
+
+    model = import_path(write_tiny_llama(tmp_path / "tiny-q4_k_m.gguf", Q4_K_M), tmp_path / "store", alias="x")
+    span = load_span(model.path, 0, 1, runtime=GGML)
+    held = held_block_bytes(model, GGML)
+    assert held == model.stored_block_bytes < model.block_bytes == held_block_bytes(model, TORCH)
+    assert held <= span.weight_bytes <= held + 64 * 1024  # one block's buffers
+    assert 2 * kv_bytes_per_token(model, GGML) == kv_bytes_per_token(model, TORCH)
+    budget = 3 * block_cost(model, 256, GGML) // MB + 1
+    assert blocks_for_budget(model, max_blocks=None, memory_budget_mb=budget, free_mb=0, kv_tokens=256,
+                             runtime=GGML) >= 3 > blocks_for_budget(model, max_blocks=None, memory_budget_mb=budget,
+                                                                    free_mb=0, kv_tokens=256)
+
+
 def test_adapters_and_models_not_in_gguf_are_refused_with_the_runtime_that_serves_them(stored, tiny_model):
     model = stored("tiny-qwen2-f32.gguf")
     span = load_span(model.path, 0, 2, runtime=GGML)

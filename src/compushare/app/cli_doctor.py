@@ -50,6 +50,8 @@ def model_needs(home: Path, name: str) -> tuple[ModelNeeds | None, str]:
     """What serving `name` takes: the store's manifest, else the catalog's size."""
     from ..model.catalog import CATALOG, split_name
     from ..model.store import ModelStore
+    from ..pipeline.server.provider import held_block_bytes
+    from ..spans import runtime_for
 
     try:
         stored = ModelStore(home).get(name) if home.exists() else None
@@ -59,7 +61,8 @@ def model_needs(home: Path, name: str) -> tuple[ModelNeeds | None, str]:
     if stored is not None:
         files = stored.manifest.files
         held = sum(files[i].size for i in stored.held_files())
-        return ModelNeeds(name, stored.manifest.total_bytes, held, stored.num_blocks, stored.block_bytes), ""
+        block = held_block_bytes(stored, runtime_for(stored.path))  # as the runtime that serves it holds it
+        return ModelNeeds(name, stored.manifest.total_bytes, held, stored.num_blocks, block), ""
     entry = CATALOG.get(base)
     if entry is None or not entry.approx_bytes:
         return None, f"{name} is neither held in {home} nor in the catalog"

@@ -247,11 +247,11 @@ class Node:
     def _serve_private(self, provider: Provider, memory: SpanMemory) -> None:
         """Services: private mode, its pre-encoded weights in what the span leaves of the budget."""
         config, model, kv_tokens = self.config, provider.model, self.config.limits.kv_budget_tokens
-        private_budget = memory.private_budget(config.memory_budget_mb, block_cost(model, kv_tokens))
-        budget_mb = memory.weights_budget_mb(config.memory_budget_mb)
+        runtime, budget_mb = provider.span_runtime, memory.weights_budget_mb(config.memory_budget_mb)
+        private_budget = memory.private_budget(config.memory_budget_mb, block_cost(model, kv_tokens, runtime))
         self._memory = lambda: memory_state(model, provider.span, budget_mb, kv_tokens, private_budget,
-                                            memory.where) | {"held_mb": memory.held_mb,
-                                                             "given_mb": config.memory_budget_mb}
+                                            memory.where, runtime) | {"held_mb": memory.held_mb,
+                                                                      "given_mb": config.memory_budget_mb}
         if not config.private:
             return
         worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,

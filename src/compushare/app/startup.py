@@ -171,11 +171,11 @@ async def first_span(provider: Provider, config: NodeConfig, memory: SpanMemory,
     model, kv_tokens = provider.model, config.limits.kv_budget_tokens
     length = blocks_for_budget(model, max_blocks=config.max_blocks, memory_budget_mb=config.memory_budget_mb,
                                free_mb=memory.free_mb, kv_tokens=kv_tokens, held_mb=memory.held_mb,
-                               device=memory.device)
+                               device=memory.device, runtime=provider.span_runtime)
     span = config.blocks
     if span is not None:
         check_fixed_span(model, span, memory_budget_mb=config.memory_budget_mb, held_mb=memory.held_mb,
-                         kv_tokens=kv_tokens)
+                         kv_tokens=kv_tokens, runtime=provider.span_runtime)
         return span, length
     # The random warm-up starts after the benchmark: nodes started together
     # (and slowed alike) then choose one after another, each seeing the
@@ -188,7 +188,8 @@ def serve_training(host, provider: Provider, config: NodeConfig, memory: SpanMem
     """Training (/compushare/train) beside the span's inference server: its activations
     in what the span's weights and KV budget leave of the memory budget, at most
     train_memory_mb."""
-    left = memory.private_budget(config.memory_budget_mb, block_cost(provider.model, config.limits.kv_budget_tokens))
+    left = memory.private_budget(config.memory_budget_mb, block_cost(provider.model, config.limits.kv_budget_tokens,
+                                                                     provider.span_runtime))
     span = provider.span
     training = TrainingServer(provider.server, memory_bytes=min(config.limits.train_memory_mb * 2**20,
                                                                 left((span.start, span.end))))

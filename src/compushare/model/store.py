@@ -57,14 +57,21 @@ class StoredModel:
         return int(self.manifest.config["hidden_size"])
 
     @cached_property
+    def stored_block_bytes(self) -> int:
+        """Bytes of the largest decoder block's file: what a ggml node holds of it (the
+        file's own types; the Q4_0/Q4_K repacking keeps their size)."""
+        return max(self.manifest.block_bytes().values(), default=0)
+
+    @cached_property
     def block_bytes(self) -> int:
-        """Bytes of one decoder block's weights as a node holds them (the largest, if they
-        differ): as stored, but for a gguf model's matrices, their kernels' bytes
+        """Bytes of one decoder block's weights as a torch node holds them (the largest, if
+        they differ): as stored, but for a gguf model's matrices, their kernels' bytes
         (gguf_native.held_bytes: a Q4_0 block is ~11 % larger in its kernel, a Q6_K
-        matrix 2.4x), which is what a memory budget must count."""
+        matrix 2.4x), which is what a memory budget must count. A ggml node holds
+        stored_block_bytes."""
         types = dict(self.manifest.format.types)
         if not types:
-            return max(self.manifest.block_bytes().values(), default=0)
+            return self.stored_block_bytes
         from .gguf_native import held_bytes
 
         return max((sum(held_bytes(types[name], t.shape) if name in types else t.end - t.begin

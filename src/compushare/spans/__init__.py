@@ -56,8 +56,7 @@ class SpanCompute(Protocol):
 def runtime_for(model_dir: Path, requested: str = AUTO, device: str = "cpu") -> str:
     """The runtime that serves a stored model: a GGUF model on ggml (on CPU), anything
     else on torch; `requested` overrides, where it can serve the model."""
-    from ..model.store import stored_format
-    from ..model.store import MANIFEST_FILE
+    from ..model.store import MANIFEST_FILE, stored_format
 
     if requested not in RUNTIMES:
         raise UsageError(f"unknown runtime {requested!r}: one of {', '.join(RUNTIMES)}")

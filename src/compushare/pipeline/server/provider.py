@@ -19,7 +19,7 @@ import trio
 
 from ...config import Span
 from ...errors import UsageError
-from ...spans import SpanCompute, load_span
+from ...spans import GGML, TORCH, SpanCompute, load_span, runtime_for
 from ...model.store import StoredModel
 from ...net.ads import Serving
 from ...net.records import MODEL_NAME
@@ -38,24 +38,32 @@ MB = 1024 * 1024
 DEFAULT_SHARE = {"cpu": 0.5, "cuda": 0.8}
 
 
-def kv_bytes_per_token(model: StoredModel) -> int:
-    """KV cache bytes one token takes in one block: keys and values, float32 (bfloat16
-    for a bf16 model): a span's cache is in its compute dtype, whatever its weights'."""
+def kv_bytes_per_token(model: StoredModel, runtime: str = TORCH) -> int:
+    """KV cache bytes one token takes in one block: keys and values, float32 on torch
+    (bfloat16 for a bf16 model: a span's cache is in its compute dtype, whatever its
+    weights'), float16 on ggml (llama.cpp's default cache type)."""
     config = model.manifest.config
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return 2 * kv_heads * head_dim * (2 if model.format.name == "bf16" else 4)
+    return 2 * kv_heads * head_dim * (2 if runtime == GGML or model.format.name == "bf16" else 4)
 
 
-def block_cost(model: StoredModel, kv_tokens: int) -> int:
-    """What holding one block costs: its weights in the model's format (scales included)
+def held_block_bytes(model: StoredModel, runtime: str = TORCH) -> int:
+    """One block's weights as `runtime` holds them: torch's kernels' bytes, or on ggml
+    the file's own (a Q4_K_M block: 1.45x less)."""
+    return model.stored_block_bytes if runtime == GGML else model.block_bytes
+
+
+def block_cost(model: StoredModel, kv_tokens: int, runtime: str = TORCH) -> int:
+    """What holding one block costs on `runtime`: its weights as held (scales included)
     plus the KV cache of `kv_tokens` tokens (the server's whole KV budget) in it."""
-    return model.block_bytes + kv_tokens * kv_bytes_per_token(model)
+    return held_block_bytes(model, runtime) + kv_tokens * kv_bytes_per_token(model, runtime)
 
 
 def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budget_mb: int | None,
-                      free_mb: int, kv_tokens: int = 0, held_mb: int = 0, device: str = "cpu") -> int:
+                      free_mb: int, kv_tokens: int = 0, held_mb: int = 0, device: str = "cpu",
+                      runtime: str = TORCH) -> int:
     """How many blocks this node may hold: --max-blocks, and what its memory budget
     (default: half the RAM free at start) fits, weights and KV budget together. A
     4-bit model's block costs ~7x less than an fp32 one's, so a node holds more.
@@ -65,7 +73,7 @@ def blocks_for_budget(model: StoredModel, *, max_blocks: int | None, memory_budg
     a node told 2 GB stays near 2 GB (bench/big_model.py measures peak RSS against
     it). The default is a share of the RAM still free, so nothing comes off that."""
     budget_mb = weights_budget_mb(memory_budget_mb, free_mb, held_mb, device)
-    cost = block_cost(model, kv_tokens)
+    cost = block_cost(model, kv_tokens, runtime)
     fit = budget_mb * MB // cost if cost > 0 else model.num_blocks
     limit = model.num_blocks if max_blocks is None else max_blocks
     return span_length(model.num_blocks, min(limit, fit))
@@ -80,28 +88,29 @@ def weights_budget_mb(memory_budget_mb: int | None, free_mb: int, held_mb: int, 
 
 
 def check_fixed_span(model: StoredModel, span: Span, *, memory_budget_mb: int | None, held_mb: int,
-                     kv_tokens: int) -> None:
+                     kv_tokens: int, runtime: str = TORCH) -> None:
     """A span given with --blocks must fit a budget given with it: refuse before loading
     (a node that swaps or is killed by the OOM killer serves nobody)."""
     if memory_budget_mb is None:
         return
-    need = len(span) * block_cost(model, kv_tokens)
+    need = len(span) * block_cost(model, kv_tokens, runtime)
     have = weights_budget_mb(memory_budget_mb, 0, held_mb) * MB
     if need > have:
-        fit = have // block_cost(model, kv_tokens)
+        fit = have // block_cost(model, kv_tokens, runtime)
         raise UsageError(f"blocks {span} need {need / MB:.0f} MB (weights and a {kv_tokens}-token KV budget), "
                          f"but the {memory_budget_mb} MB memory budget leaves {have / MB:.0f} MB after the "
                          f"{held_mb} MB this process holds: at most {fit} blocks fit")
 
 
 def memory_state(model: StoredModel, span: Span | None, budget_mb: int, kv_tokens: int,
-                 private_budget: Callable[[tuple[int, int]], int], device: str = "cpu") -> dict:
+                 private_budget: Callable[[tuple[int, int]], int], device: str = "cpu",
+                 runtime: str = TORCH) -> dict:
     """What this node's span holds against its memory budget (node.json, `status`);
     `device`: where it lives ("cpu", or Hardware.gpu's text of its CUDA device)."""
     blocks = len(span) if span is not None else 0
     return {"budget_mb": budget_mb, "format": model.format.label, "blocks": blocks, "device": device,
-            "weights_mb": round(model.block_bytes * blocks / MB, 1),
-            "kv_mb": round(kv_tokens * kv_bytes_per_token(model) * blocks / MB, 1), "kv_tokens": kv_tokens,
+            "weights_mb": round(held_block_bytes(model, runtime) * blocks / MB, 1),
+            "kv_mb": round(kv_tokens * kv_bytes_per_token(model, runtime) * blocks / MB, 1), "kv_tokens": kv_tokens,
             "private_mb": round(private_budget((span.start, span.end)) / MB, 1) if span is not None else 0.0}
 
 
@@ -114,6 +123,7 @@ class Provider:
         self.device = device  # where spans compute: "cpu" or "cuda" (model/blocks.py)
         # What computes them (spans/__init__.py): "auto" is ggml for a GGUF model on CPU.
         self.runtime, self.threads = runtime, threads
+        self.span_runtime = runtime_for(model.path, runtime, device)  # "auto" resolved: what budgets count
         self.name = name  # what the node calls the model ("smollm2-135m@q4"): ads carry it for name look-ups
         self.claimed_format = claimed_format  # fault injection (tests): a format other than the model's
         # Runs before a span loads: fetches the span's weights from the swarm if missing.
