@@ -32,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SDIST = "llama_cpp_python-0.3.36"
-SDIST_PATH = ROOT / ".cache" / "compushare" / "bench-llamacpp" / "sdist" / f"{SDIST}.tar.gz"
+# Where bench/llamacpp_ref.py keeps the sdist it builds: $COMPUSHARE_CACHE, else <repo>/.cache.
+SDIST_PATH = Path(os.environ.get("COMPUSHARE_CACHE") or ROOT / ".cache") / "bench-llamacpp" / "sdist" / f"{SDIST}.tar.gz"
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # the sdist's vendor/llama.cpp
 SEED = 0
@@ -47,6 +48,10 @@ FIXTURES = {"llama": (("f32",), SMALL), "qwen2": (("f32", "q8_0"), SMALL), "qwen
 WORDS = ("the quick brown fox jumps over lazy dog pool model share compute node swarm token layer weight "
          "block peer file").split()
 SPM_VOCAB = 120  # pieces of the SentencePiece model; the converter pads the vocabulary to the config's 256
+# Tokens a family's checkpoint adds beyond the SentencePiece model (added_tokens.json), as
+# its real checkpoints do: llama.cpp's vocabulary loader looks "<|endoftext|>" up in any
+# model named Phi-3 (Phi-3's own has it at 32000) and refuses the file without it.
+ADDED_TOKENS = {"phi3": {"<|endoftext|>": SPM_VOCAB}}
 
 
 def fixture_name(family: str, outtype: str) -> str:
@@ -101,6 +106,8 @@ def main() -> None:
         for family, (outtypes, overrides) in FIXTURES.items():
             checkpoint = make_tiny_family(family, Path(scratch) / family, seed=SEED, **overrides)
             add_sentencepiece_tokenizer(checkpoint)
+            if family in ADDED_TOKENS:
+                (checkpoint / "added_tokens.json").write_text(json.dumps(ADDED_TOKENS[family]))
             for outtype in outtypes:
                 target = args.out / fixture_name(family, outtype)
                 convert(converter, checkpoint, target, outtype)

@@ -30,9 +30,6 @@ PROMPT = [1, 17, 42, 99, 3, 200, 7]
 # SmolLM2's GGUF: this text, as its tokenizer encodes it (bench/llamacpp_ref.py's prompt).
 SMOLLM2_TEXT = ("The history of computing is a story of machines that became smaller, faster and cheaper with "
                 "every decade. In the beginning")
-# llama.cpp cannot load this fixture: its vocabulary lacks what llama.cpp's SPM loader
-# looks up ("unordered_map::at" while loading the vocabulary).
-UNLOADABLE = {"tiny-phi3-f32.gguf"}
 
 GREEDY = r"""
 import json, sys
@@ -73,13 +70,13 @@ def main() -> int:
     python = llamacpp_ref.ensure_llamacpp()
     from tokenizers import Tokenizer
 
-    files = {path.name: (path, PROMPT) for path in sorted(DATA.glob("*.gguf")) if path.name not in UNLOADABLE}
+    files = {path.name: (path, PROMPT) for path in sorted(DATA.glob("*.gguf"))}
     smollm2 = Path(sources.smollm2_gguf(resolve_cache_dir()))
     store = resolve_model("smollm2-135m@gguf", Path(tempfile.mkdtemp(prefix="llamacpp-tokens-")))
     files[smollm2.name] = (smollm2, Tokenizer.from_file(str(store.path / "tokenizer.json")).encode(SMOLLM2_TEXT).ids)
     result = {"llama_cpp_python": llamacpp_ref.LLAMA_CPP_PYTHON_VERSION, "build": llamacpp_ref.build_info(),
               "cpu": llamacpp_ref.cpu_fingerprint(), "machine": platform.machine(), "tokens": TOKENS,
-              "unloadable": sorted(UNLOADABLE), "files": {}}
+              "files": {}}
     for name, (path, prompt) in files.items():
         out = subprocess.run([str(python), "-c", GREEDY, str(path), json.dumps(prompt), str(TOKENS)],
                              capture_output=True, text=True, timeout=600)
