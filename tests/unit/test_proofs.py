@@ -20,7 +20,8 @@ from libp2p.peer.id import ID
 from compushare.errors import PeerMisbehaved
 from compushare.proofs.fields import MAX_REPORT_BYTES
 from compushare.proofs.inference import (DEFAULT_TOLERANCE, GENESIS, REPORT_FORMAT, TOLERANCES, FailureReport,
-                                         InputChain, Statement, StepClaim, step_digest, token_digests, tolerance)
+                                         InputChain, Statement, StepClaim, step_digest, token_digests, tolerance,
+                                         tolerance_between)
 from helpers import signed_claim
 
 KEYS = [create_new_key_pair(bytes([i]) * 32) for i in range(3)]
@@ -344,20 +345,25 @@ GGML, OTHER_GGML, TORCH = "ggml/0.25.3:1f2e3d4c", "ggml/0.25.3:99aa0b1c", "torch
 FORWARDS = hashlib.sha256(b"the forwards chain").digest()
 
 
-@pytest.mark.parametrize(("accused", "witness", "exact"), [
-    ((GGML, FORWARDS), (GGML, FORWARDS), True),
-    ((GGML, FORWARDS), (GGML, GENESIS), False),  # a verifier caught up in other forwards
-    ((GGML, FORWARDS), (OTHER_GGML, FORWARDS), False),  # another CPU's kernels
-    ((TORCH, FORWARDS), (TORCH, FORWARDS), False),  # torch names no kernels
-    ((GGML, FORWARDS), (TORCH, FORWARDS), False),  # a mixed chain
+@pytest.mark.parametrize(("accused", "witness", "allowed"), [
+    ((GGML, FORWARDS), (GGML, FORWARDS), 0.0),
+    ((GGML, FORWARDS), (GGML, GENESIS), 2e-2),  # a verifier caught up in other forwards
+    ((GGML, FORWARDS), (OTHER_GGML, FORWARDS), 2e-2),  # another CPU's kernels
+    ((TORCH, FORWARDS), (TORCH, FORWARDS), 2e-2),  # torch names no kernels
+    ((GGML, FORWARDS), (TORCH, FORWARDS), 6e-2),  # a mixed chain: ACROSS_RUNTIMES
+    ((TORCH, FORWARDS), ("", FORWARDS), 2e-2),  # a claim naming no runtime: the mode's
 ])
-def test_one_exact_build_in_the_same_forwards_has_no_tolerance(accused, witness, exact):
+def test_one_exact_build_in_the_same_forwards_has_no_tolerance(accused, witness, allowed):
     """One ulp apart is a failure between two claims of one ggml build computed in the
-    same forwards, and rounding for any other pair (the gguf format's tolerance)."""
+    same forwards, and rounding for any other pair (the gguf format's tolerance, or
+    the wider one between two runtimes)."""
     (rt_a, f_a), (rt_w, f_w) = accused, witness
+    exact = allowed == 0.0
     r = dataclasses.replace(report(claim(0, ULP, runtime=rt_a, forwards=f_a, mode="gguf"),
                                    claim(1, TRUE, runtime=rt_w, forwards=f_w, mode="gguf")), mode="gguf")
-    assert r.tolerance == (0.0 if exact else tolerance("gguf", END - START))
+    assert r.tolerance == allowed == tolerance_between("gguf", END - START, accused, witness)
+    assert tolerance_between("gguf", 30, (GGML, FORWARDS), (TORCH, FORWARDS)) == pytest.approx(0.12)
+    assert tolerance_between("gguf", 30, (TORCH, FORWARDS), (TORCH, FORWARDS)) == tolerance("gguf", 30)
     if exact:
         r.check()
         assert FailureReport.from_wire(r.to_wire()) == r

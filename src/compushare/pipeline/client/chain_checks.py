@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from ...errors import MISMATCH, HopFailed
 from ...proofs.inference import relative_error
@@ -173,15 +172,19 @@ def arbitrated(core: ChainState, arbitration: Arbitration, events: list) -> None
     if isinstance(event, Failed):
         log.info("no third opinion on blocks %d:%d: %s", *dispute.span, event.error)
         return verdict(core, dispute, None)
-    verdict(core, dispute, event.replies[-1].output)
+    verdict(core, dispute, event.replies[-1])
 
 
-def verdict(core: ChainState, dispute: Dispute, arbiter: Any) -> None:
+def verdict(core: ChainState, dispute: Dispute, arbiter: HopReply | None) -> None:
     """Judge the dispute (with the third opinion `arbiter`, if any): report and
     penalise the blamed, then the hop is done or failed over."""
     span, hop, verifier = dispute.span, dispute.hop, dispute.verifier
-    # The third opinion, caught up in a batch, is held to the format's tolerance.
-    blamed = judge(dispute.primary.output, dispute.check.output, arbiter, core.tolerance_for(span))
+    # The third opinion was caught up in a batch: the format's tolerance (its runtime's
+    # against each of theirs).
+    third = None if arbiter is None else arbiter.proof
+    blamed = judge(dispute.primary.output, dispute.check.output, None if arbiter is None else arbiter.output,
+                   core.tolerance_for(span, (dispute.primary.proof, third)),
+                   core.tolerance_for(span, (dispute.check.proof, third)))
     if blamed == "neither":
         # Both within the tolerance of the third opinion: their own difference, beyond
         # what they were held to, says only that one of them is off.

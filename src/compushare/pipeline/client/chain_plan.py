@@ -188,16 +188,17 @@ def proof_links(reply, expected_input: bytes, model_id: str, hop, position: int,
     return None
 
 
-def judge(primary, check, arbiter, tolerance: float) -> str:
+def judge(primary, check, arbiter, tolerance: float, check_tolerance: float | None = None) -> str:
     """Who is wrong when a spot check disagrees: "primary", "verifier", "both" or
     "neither" (both within the tolerance of a third opinion: a borderline case).
     Without a third opinion the checked server is blamed; with one, whoever the
-    third server disagrees with."""
+    third server disagrees with (the primary beyond `tolerance`, the verifier beyond
+    `check_tolerance`, the same unless given: their runtimes may differ)."""
     if arbiter is None:
         return "primary"
     a = arbiter.numpy()
     primary_ok = relative_error(primary.numpy(), a) <= tolerance
-    check_ok = relative_error(check.numpy(), a) <= tolerance
+    check_ok = relative_error(check.numpy(), a) <= (tolerance if check_tolerance is None else check_tolerance)
     if primary_ok:
         return "neither" if check_ok else "verifier"
     return "primary" if check_ok else "both"
