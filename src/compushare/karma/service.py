@@ -237,8 +237,9 @@ async def fetch_receipts(host: IHost, record: KarmaRecord) -> list[bytes]:
     return items
 
 
-async def submit_report(host: IHost, peer: str, report: Report) -> bool:
-    reply = await _ask(host, ID.from_base58(peer), {"type": "report", "report": report.to_wire()})
+async def submit_report(host: IHost, peer: str, report: Report, addrs: tuple[str, ...] = ()) -> bool:
+    """Hand `report` to `peer` (dialled at `addrs` first if not connected); True if new to it."""
+    reply = await _ask(host, ID.from_base58(peer), {"type": "report", "report": report.to_wire()}, addrs)
     return reply.get("new") is True
 
 

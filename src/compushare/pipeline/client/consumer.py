@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
+from libp2p.peer.id import ID
 
 from ...errors import ModelUnavailable, SwarmUnreachable, UsageError
 from ...karma.ledger import ReportStore
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PRIVATE_STEP_TOKENS = 256  # a private prefill goes in steps of this many tokens, each pipelined over the hops
 REPORT_SUBMIT_TIMEOUT_S = 5.0
+REPORT_SUBMIT_ATTEMPTS = 3  # a second after the first failure, two after the second
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,12 +349,22 @@ class Consumer:
         makes it findable (karma/service.py): the accused's karma readers apply it."""
         self.reports.append(report)
         ReportStore(self.data_dir).add(report)
-        try:
-            with trio.fail_after(REPORT_SUBMIT_TIMEOUT_S):
-                await submit_report(self.host, report.witness.peer_id, report)
-        except Exception as exc:  # the report stays here; the witness may be gone
-            log.warning("could not hand failure report %s to %s: %s", report.digest[:12], report.witness.peer_id,
-                        exc)
+        witness = report.witness.peer_id
+        for attempt in range(1, REPORT_SUBMIT_ATTEMPTS + 1):
+            # Dialled again where the connection went (a verifier's session closed, a
+            # loaded node dropped it: CI stop 60's run 32), at the addresses known for it.
+            known: tuple[str, ...] = ()
+            with contextlib.suppress(Exception):  # PeerStoreError: never heard of it
+                known = tuple(str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(witness)))
+            try:
+                with trio.fail_after(REPORT_SUBMIT_TIMEOUT_S):
+                    await submit_report(self.host, witness, report, known)
+                return
+            except Exception as exc:  # the report stays here; the witness may be gone
+                log.warning("could not hand failure report %s to %s (try %d of %d): %s", report.digest[:12],
+                            witness, attempt, REPORT_SUBMIT_ATTEMPTS, exc)
+                if attempt < REPORT_SUBMIT_ATTEMPTS:
+                    await trio.sleep(attempt)
 
 
 async def run_prompt(data_dir: Path, bootstrap: tuple[str, ...], request: RunRequest, *,
