@@ -30,11 +30,12 @@ it), and `forwards` is the chain through this step's own forward. So a proof
 
 Two such claims with the same statement up to `output` (their runtimes and forwards
 aside), whose outputs differ beyond the tolerance, prove that one of the two servers
-computed wrongly: a failure report anyone can check. The tolerance is TOLERANCES[mode],
-or none at all when both claims name one exact runtime build (a ggml build: the same
-kernels give the same bits, threads aside) and the same forwards: a forward of other
-sizes rounds differently, so a verifier caught up in a batch is held to the tolerance. The reporter chooses nothing the verdict rests
-on: the tolerance is the protocol's, not the report's. Training's statements and
+computed wrongly: a failure report anyone can check. The tolerance is none at all when
+both claims name one exact runtime build (a ggml build: the same kernels give the same
+bits, threads aside) and the same forwards (a forward of other sizes rounds
+differently, so a verifier caught up in a batch is not held to bits);
+ACROSS_RUNTIMES[mode] when they name two runtimes; else TOLERANCES[mode]. The reporter
+chooses nothing the verdict rests on: the tolerance is the protocol's, not the report's. Training's statements and
 reports are in training.py, private mode's in private.py, DiLoCo's in diloco.py;
 reports.py's parse_report reads every kind.
 """
