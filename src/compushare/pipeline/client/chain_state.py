@@ -130,7 +130,7 @@ class ChainState:
     def tolerance_for(self, span: Span, proofs: tuple[Any, Any] | None = None) -> float:
         """How far two honest answers for `span` may differ: the protocol's tolerance for
         the chain's compute mode and the span's length, unless the chain was given one;
-        none when both answers' `proofs` name one exact build and the same forwards."""
+        with both answers' `proofs`, the pair's (proofs.inference.tolerance_between)."""
         if self.tolerance is not None:
             return self.tolerance
         if proofs is not None and None not in proofs:
