@@ -34,7 +34,7 @@ from compushare.net.gossip import MAX_VIEW_ADS, MAX_VIEW_FRAME, VIEW_PROTOCOL, f
 from compushare.net.host import open_host
 from compushare.net.signed import signer_of
 from compushare.net.view import MAX_PEERS, NEWCOMER_SLOTS, SwarmView
-from helpers import vm_rss_mb
+from helpers import vm_rss_mb, wait_until
 from hostile.sybil import attack
 
 FLOOD = 5000
@@ -65,17 +65,15 @@ def polled_peers(state: dict, data_dir: Path) -> set[str]:
 
 
 def dashboard_peers_within(state: dict, data_dir: Path, timeout: float = 90.0) -> set[str]:
-    """dashboard_peers, retried for `timeout` s: a node still taking in the flood may
+    """dashboard_peers, polled for `timeout` s: a node still taking in the flood may
     answer its dashboard late on a loaded machine (a 20 s read timed out once, CI stop
     59); a node that never answers still fails the test."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def read() -> tuple[set[str]] | None:  # a tuple: an empty view is an answer too
         try:
-            return dashboard_peers(state, data_dir)
+            return (dashboard_peers(state, data_dir),)
         except (OSError, urllib.error.URLError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+            return None
+    return wait_until(read, "T's dashboard answering", timeout=timeout, interval=1.0)[0]
 
 
 async def view_reply(host, state: dict, attempts: int = 5) -> list[str]:
