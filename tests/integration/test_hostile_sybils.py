@@ -76,38 +76,45 @@ def dashboard_peers_within(state: dict, data_dir: Path, timeout: float = 90.0) -
     return wait_until(read, "T's dashboard answering", timeout=timeout, interval=1.0)[0]
 
 
-async def view_reply(host, state: dict, attempts: int = 5) -> list[str]:
-    """The peer ids of T's /compushare/view reply, in its order (read raw). Retried:
-    a node under a flood may refuse a stream now and then."""
-    for attempt in range(attempts):
-        try:
-            with trio.fail_after(20):
-                info = await dial(host, state["peer_id"], state["addrs"], timeout=10)
-                framed = FramedStream(await host.new_stream(info.peer_id, [VIEW_PROTOCOL]), MAX_VIEW_FRAME)
-                await framed.send({"type": "view"})
-                reply = await framed.receive()
-                await framed.close()
-            return [signer_of(raw) for raw in reply["ads"]]
-        except Exception:
-            if attempt == attempts - 1:
-                raise
+READ_TIMEOUT_S = 90.0  # for one read of T's view while it is taking in the flood
+
+
+async def _within(read, what: str, timeout: float = READ_TIMEOUT_S):
+    """Retry `read` (each try bounded to 20 s) until it answers or `timeout` passes:
+    a node under a flood refuses or stalls a stream now and then, which is "not yet";
+    a node that never answers still fails the test."""
+    last: Exception | None = None
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                with trio.fail_after(20):
+                    return await read()
+            except Exception as exc:  # noqa: BLE001 - any failed try is retried until the deadline
+                last = exc
             await trio.sleep(1)
-    raise AssertionError("unreachable")
+    raise AssertionError(f"{what}: no answer within {timeout:.0f} s (last: {last!r})")
 
 
-async def client_view(client, state: dict, attempts: int = 5) -> set[str]:
+async def view_reply(host, state: dict) -> list[str]:
+    """The peer ids of T's /compushare/view reply, in its order (read raw)."""
+    async def read() -> list[str]:
+        info = await dial(host, state["peer_id"], state["addrs"], timeout=10)
+        framed = FramedStream(await host.new_stream(info.peer_id, [VIEW_PROTOCOL]), MAX_VIEW_FRAME)
+        await framed.send({"type": "view"})
+        reply = await framed.receive()
+        await framed.close()
+        return [signer_of(raw) for raw in reply["ads"]]
+    return await _within(read, "T's view reply")
+
+
+async def client_view(client, state: dict) -> set[str]:
     """What a client's own SwarmView holds after fetching T's view (net/gossip.fetch_view)."""
-    for attempt in range(attempts):
+    async def read() -> set[str]:
         view = SwarmView()
-        try:
-            info = await dial(client, state["peer_id"], state["addrs"], timeout=10)
-            await fetch_view(client, info.peer_id, view)
-            return {ad.peer_id for ad in view.live(time.time())}
-        except Exception:
-            if attempt == attempts - 1:
-                raise
-            await trio.sleep(1)
-    raise AssertionError("unreachable")
+        info = await dial(client, state["peer_id"], state["addrs"], timeout=10)
+        await fetch_view(client, info.peer_id, view)
+        return {ad.peer_id for ad in view.live(time.time())}
+    return await _within(read, "a client's fetch of T's view")
 
 
 async def flood_and_join(processes, tiny_model, monkeypatch, *, policy: bool) -> dict:

@@ -112,3 +112,28 @@ def test_a_part_file_complete_at_start_is_renamed_into_place(tiny_model, tmp_pat
     assert (model.path / entry.name).exists() and not part_path(model, entry.name).exists()
     assert set(model.manifest.file_pieces(len(model.manifest.files) - 1)) <= pieces.have
     assert ModelStore(tmp_path / "home").get(model_id).holds(blocks=(0, model.num_blocks), head=True)
+
+
+def test_a_complete_part_file_renamed_by_another_process_first_is_taken_as_finished(
+        tiny_model, tmp_path, monkeypatch):
+    # A `models fetch` beside the daemon on one data dir: both may find the same complete
+    # part file (killed between the last piece and the rename) and race to rename it.
+    from compushare.torrent import storage
+    model_id = import_path(tiny_model, tmp_path / "home", alias="tiny").model_id
+    model = ModelStore(tmp_path / "home").get(model_id)
+    index = max(range(len(model.manifest.files)), key=lambda f: model.manifest.files[f].size)
+    entry = model.manifest.files[index]
+    real = model.path / entry.name
+    original = real.read_bytes()
+    real.unlink()
+    storage.part_path(model, entry.name).write_bytes(original)
+    real_replace = os.replace
+
+    def the_other_process_wins(src, dst):
+        real_replace(src, dst)  # the other process renames first ...
+        real_replace(src, dst)  # ... so ours finds no part file
+    monkeypatch.setattr(storage.os, "replace", the_other_process_wins)
+    pieces = ModelPieces(ModelStore(tmp_path / "home").get(model_id))
+    assert set(pieces.manifest.file_pieces(index)) <= pieces.have
+    assert index in pieces.held_files()
+    assert real.read_bytes() == original

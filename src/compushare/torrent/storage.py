@@ -56,7 +56,11 @@ class ModelPieces:
                 self.have.update(pieces)
                 part_path(model, entry.name).unlink(missing_ok=True)  # a stale copy
             elif part_path(model, entry.name).exists():
-                verified = self._verified_in_part(f)
+                try:
+                    verified = self._verified_in_part(f)
+                except FileNotFoundError:  # another process on this data dir just renamed it
+                    self._finished_elsewhere(f)
+                    continue
                 self.have.update(verified)
                 if len(verified) == len(pieces):  # killed between its last piece and the rename
                     self._finishing.add(f)
@@ -190,6 +194,14 @@ class ModelPieces:
             finally:
                 os.close(fd)
             os.replace(path, self.model.path / entry.name)
+        except FileNotFoundError:
+            # Another process on this data dir (a `models fetch` beside the daemon) held
+            # the same complete part file and renamed it first: the file is done.
+            with self._lock:
+                self._finishing.discard(file_index)
+                if not self._finished_elsewhere(file_index):
+                    raise
+            return
         except BaseException:
             with self._lock:
                 self._finishing.discard(file_index)
