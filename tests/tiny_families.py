@@ -22,8 +22,8 @@ GEMMA = COMMON | dict(initializer_range=0.02)
 
 
 def _configs():
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     return {  # each takes overrides of its fields (`tiny_config`)
         "llama": lambda o: LlamaConfig(**COMMON | dict(tie_word_embeddings=False, rope_parameters={
@@ -40,10 +40,24 @@ def _configs():
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}) | o),
         "phi3": lambda o: Phi3Config(**COMMON | dict(sliding_window=WINDOW, tie_word_embeddings=False) | o),
+        # Mixtures of experts: 8 experts, 2 a token (every layer sparse), so a 7-token prompt
+        # routes to most of them; gpt-oss alternates sliding and full layers, as its own do.
+        "qwen3_moe": lambda o: Qwen3MoeConfig(**COMMON | dict(
+            tie_word_embeddings=False, moe_intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]) | o),
+        "mixtral": lambda o: MixtralConfig(**COMMON | dict(intermediate_size=32, num_local_experts=EXPERTS,
+                                                           num_experts_per_tok=2, tie_word_embeddings=False) | o),
+        "gpt_oss": lambda o: GptOssConfig(**COMMON | dict(
+            intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2, sliding_window=WINDOW,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            layer_types=["sliding_attention", "full_attention"] * 2) | o),
     }
 
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+EXPERTS = 8
+DENSE_FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+MOE_FAMILY_NAMES = ("qwen3_moe", "mixtral", "gpt_oss")
+FAMILY_NAMES = DENSE_FAMILY_NAMES + MOE_FAMILY_NAMES
 
 
 def tiny_config(family: str, **overrides):

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from compushare.model.catalog import import_path, resolve_model
+from compushare.model.families import FAMILIES
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from helpers import dashboard, local_greedy, wait_until
@@ -28,19 +29,26 @@ SPANS = (("0:2", "a"), ("2:4", "b"), ("2:4", "c"))  # c: a replica of b's span (
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 async def test_three_processes_equal_one_process_in_fp32_and_q4(processes, tmp_path, monkeypatch, family):
+    """A mixture of experts runs in fp32 only on torch (its quantized files are GGUF ones,
+    served on ggml: tests/integration/test_ggml_swarm.py)."""
     monkeypatch.setenv("COMPUSHARE_CACHE", str(tmp_path / "cache"))
     source = make_tiny_family(family, tmp_path / "hf")
     client = tmp_path / "client"
     fp32 = import_path(source, client, alias=family)
-    q4 = resolve_model(f"{family}@q4", client)  # quantized once, into the cache
-    [converted] = [p for p in (tmp_path / "cache" / "converted").iterdir() if not p.name.startswith(".")]
-    # Both swarms' nodes start at once; the q4 nodes hard-link the one conversion.
+    swarms = [("fp32", source, family)]
+    models = [("fp32", fp32)]
+    if not FAMILIES[family].moe:
+        q4 = resolve_model(f"{family}@q4", client)  # quantized once, into the cache
+        [converted] = [p for p in (tmp_path / "cache" / "converted").iterdir() if not p.name.startswith(".")]
+        swarms.append(("q4", converted, f"{family}@q4"))  # the q4 nodes hard-link the one conversion
+        models.append(("q4", q4))
+    # Both swarms' nodes start at once.
     first = {label: processes.node(f"{label}-a", directory, "0:2", alias=alias, wait=False)[0]
-             for label, directory, alias in (("fp32", source, family), ("q4", converted, f"{family}@q4"))}
+             for label, directory, alias in swarms}
     boots = {label: processes.ready(f"{label}-a", proc)["addrs"][:1] for label, proc in first.items()}
     started = [(f"{label}-{name}", processes.node(f"{label}-{name}", directory, blocks, alias=alias,
                                                   bootstrap=boots[label], wait=False)[0])
-               for label, directory, alias in (("fp32", source, family), ("q4", converted, f"{family}@q4"))
+               for label, directory, alias in swarms
                for blocks, name in SPANS[1:]]
     for name, proc in started:
         processes.ready(name, proc)
@@ -52,7 +60,7 @@ async def test_three_processes_equal_one_process_in_fp32_and_q4(processes, tmp_p
                         for serving in peer["serving"] if serving["state"] == "serving" and serving["start"] == 2}) == 2
 
         wait_until(replicated, f"{label}: both servers of blocks 2:4 in the first node's view")
-    for label, model in (("fp32", fp32), ("q4", q4)):
+    for label, model in models:
         with trio.fail_after(120):
             outcome = await run_prompt(client, tuple(boots[label]), RunRequest(
                 model=family if label == "fp32" else f"{family}@q4", prompt=PROMPT, standby=True,

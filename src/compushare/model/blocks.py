@@ -23,7 +23,9 @@ import torch
 from transformers import DynamicCache
 
 from . import gguf_native, kernels
+from ..errors import ModelUnavailable
 from .arch import architecture_of, load_config
+from .experts import stack_experts, stack_model_experts
 from .formats import MIN_SUFFIX, Q4_GROUPS, SCALE_SUFFIX, WeightFormat, base_name
 from .device import CPU
 from .kv_cache import new_cache
@@ -101,6 +103,11 @@ class SpanRunner:
             layer = arch.decoder_layer(self.config, layer_idx=index)
         if index == self.start:  # what records, proofs and Opened name
             self.format_label = "gguf" if gguf_types else self._format_label(layer_state, self.dtype)
+        if self.family.moe:
+            if self.format_label not in ("fp32", "bf16"):
+                raise ModelUnavailable(f"{self.family.title} spans run on torch from fp32 or bf16 checkpoints only; "
+                                       f"a quantized mixture of experts runs on ggml from its GGUF file")
+            layer_state = stack_experts(layer_state, self.family.experts)
         prefix = f"{LAYER_PREFIX}{index}."
         self._load_layer(layer, layer_state, self.dtype, {name[len(prefix):]: kind for name, kind in
                                                           (gguf_types or {}).items() if name.startswith(prefix)},
@@ -343,6 +350,7 @@ def load_full_model(model_dir: Path, dtype=torch.float32):
     with torch.random.fork_rng():  # initialising the skeleton must not move sampling's RNG
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = read_dense_tensors(model_dir, lambda names: names)  # a quantized model dequantized
+    state = stack_model_experts(state, architecture_of(config).family.experts)
     if "lm_head.weight" not in state:  # tied embeddings (SmolLM2)
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
-from .families import family_of_config, family_of_gguf, read_config
+from .families import Family, family_of_config, family_of_gguf, read_config
 from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
 from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
@@ -134,6 +134,15 @@ def check_servable(directory: Path, source: Path) -> None:
         raise UsageError(f"{source} not imported, as no node could serve it: {exc}") from exc
 
 
+def check_format_fits(family: Family, weights: WeightFormat | None, source: Path) -> None:
+    """UsageError for our own quantization of a mixture of experts: the torch runtime
+    quantizes 2-D projections, and an MoE's weight is in its 3-D experts. Quantized MoE
+    files are GGUF ones (llama.cpp's quantizer), served on ggml as they come."""
+    if family.moe and weights is not None and weights.name not in ("fp32", "bf16"):
+        raise UsageError(f"{source}: {family.title} is not converted to {weights.label}: a quantized mixture of "
+                         f"experts is imported as a GGUF file (llama.cpp's llama-quantize makes one) and runs on ggml")
+
+
 def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
                 on_stage: Callable[[str], None] = lambda _stage: None,
                 progress: Callable[[int, int], None] | None = None, fmt: str | None = None) -> StoredModel:
@@ -150,10 +159,15 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
         from .gguf_config import architecture
 
         try:
-            family_of_gguf(architecture(gguf_file))
+            family = family_of_gguf(architecture(gguf_file))
         except ModelUnavailable as exc:
             raise UsageError(f"{gguf_file} not imported, as no node could serve it: {exc}") from exc
     weights: WeightFormat | None = parse_format(fmt) if fmt not in (None, KEEP_GGUF) else None
+    if gguf_file is not None:
+        check_format_fits(family, weights, gguf_file)
+    elif (path / "config.json").exists():
+        check_servable(path, path)
+        check_format_fits(family_of_config(read_config(path)), weights, path)
     if gguf_file is not None:  # streamed, a tensor at a time: kept as they are, or converted to `fmt`
         from .gguf_import import import_gguf_cached
 

@@ -27,6 +27,7 @@ FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+ATTENTION_ONLY = SEPARATE[:4]  # mixtures of experts: the experts' matrices are 3-D, not projections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,15 @@ class Family:
     # general.architecture of its GGUF files (model/gguf_config.py); llama.cpp's converter
     # writes a Mistral as "llama" (without its sliding window).
     gguf_architectures: tuple[str, ...] = ()
+    # A mixture of experts: how its checkpoints on the Hub store the experts (model/experts.py
+    # stacks them into transformers' 3-D parameters): "qwen" (mlp.experts.E.gate_proj/up_proj/
+    # down_proj), "mixtral" (block_sparse_moe.experts.E.w1/w3/w2), "stacked" (already 3-D: gpt-oss).
+    experts: str | None = None
+    attention_sinks: bool = False  # a learned per-head logit each softmax also normalises over (gpt-oss)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
 
     @property
     def fused(self) -> dict[str, tuple[str, ...]]:
@@ -81,6 +91,15 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            sandwich_norms=True, norm_plus_one=True, embed_scale=True, rotary_per_layer_type=True, gguf_architectures=("gemma3",)),
     Family("phi3", "Phi-3", ("Phi3ForCausalLM",), ("phi3",),
            "transformers.models.phi3.modeling_phi3", "Phi3", rms_norm_eps_default=1e-5, projections=FUSED, gguf_architectures=("phi3",)),
+    Family("qwen3_moe", "Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
+           "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", qk_norm="before_transpose",
+           projections=ATTENTION_ONLY, gguf_architectures=("qwen3moe",), experts="qwen"),
+    Family("mixtral", "Mixtral", ("MixtralForCausalLM",), ("mixtral",),
+           "transformers.models.mixtral.modeling_mixtral", "Mixtral", rms_norm_eps_default=1e-5,
+           projections=ATTENTION_ONLY, experts="mixtral"),
+    Family("gpt_oss", "gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",),
+           "transformers.models.gpt_oss.modeling_gpt_oss", "GptOss", attention="eager", rms_norm_eps_default=1e-5,
+           projections=ATTENTION_ONLY, gguf_architectures=("gpt-oss",), experts="stacked", attention_sinks=True),
 )}
 
 

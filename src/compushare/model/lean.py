@@ -89,7 +89,8 @@ def _mlp(mlp, normed: torch.Tensor, lora: LayerLora | None = None) -> torch.Tens
     gate_up = getattr(mlp, "gate_up_proj", None)
     if gate_up is None:
         if lora is None:
-            return mlp(normed)
+            out = mlp(normed)
+            return out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE returns (out, router scores)
         # The family's MLP, step by step (the same operations as its module's forward).
         gate = _adapted(mlp.gate_proj, "mlp.gate_proj", normed, lora)
         up = _adapted(mlp.up_proj, "mlp.up_proj", normed, lora)

@@ -58,6 +58,10 @@ class PrivateLayers:
     def __init__(self, config, state: dict[str, torch.Tensor], project: Project) -> None:
         self.config, self.project = config, project
         arch = architecture_of(config)
+        if arch.family.moe:  # a token's experts would tell whoever serves them which ones it chose
+            raise PrivateModeUnsupported(
+                f"private mode cannot run {arch.family.title}: a mixture of experts' routing is not encrypted "
+                f"(the experts a token reaches would show which were chosen); run it without --private")
         self.family, self.kinds = arch.family, layer_types(config)
         self.rotary = arch.rotary(config=config)
         self.layers: list[torch.nn.Module] = []
