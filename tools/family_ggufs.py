@@ -44,10 +44,18 @@ SMALL = dict(num_hidden_layers=2)  # tiny_families' configs, 2 layers
 # llama.cpp taking hidden / heads for 46 layers (27B) and the head size otherwise.
 FIXTURES = {"llama": (("f32",), SMALL), "qwen2": (("f32", "q8_0"), SMALL), "qwen3": (("f32",), SMALL),
             "mistral": (("f32",), SMALL), "gemma2": (("f32",), SMALL | dict(query_pre_attn_scalar=16)),
-            "gemma3": (("f32",), SMALL | dict(num_hidden_layers=6, layer_types=None)), "phi3": (("f32",), SMALL)}
+            "gemma3": (("f32",), SMALL | dict(num_hidden_layers=6, layer_types=None)), "phi3": (("f32",), SMALL),
+            # Mixtures of experts (4 layers: 3 nodes' spans). Mixtral is written as a "llama" file
+            # with expert tensors; gpt-oss keeps its alternating sliding / full layers.
+            "qwen3_moe": (("f32",), {}), "mixtral": (("f32",), {}), "gpt_oss": (("f32",), {})}
 WORDS = ("the quick brown fox jumps over lazy dog pool model share compute node swarm token layer weight "
          "block peer file").split()
 SPM_VOCAB = 120  # pieces of the SentencePiece model; the converter pads the vocabulary to the config's 256
+# The Qwen3-MoE and gpt-oss converters read only a byte-level BPE tokenizer.json, and refuse
+# one whose pre-tokenizer they do not recognise by hashing a fixed text's tokens: a tiny BPE
+# trained here is no known one, so it is written as the family's own ("qwen2", "gpt-4o"), the
+# one difference from a plain run of the converter (the vocabulary is ours; tests feed ids).
+BPE_FAMILIES = {"qwen3_moe": "qwen2", "gpt_oss": "gpt-4o"}
 # Tokens a family's checkpoint adds beyond the SentencePiece model (added_tokens.json), as
 # its real checkpoints do: llama.cpp's vocabulary loader looks "<|endoftext|>" up in any
 # model named Phi-3 (Phi-3's own has it at 32000) and refuses the file without it.
@@ -83,10 +91,45 @@ def add_sentencepiece_tokenizer(path: Path) -> None:
     (path / "tokenizer.vocab").unlink()
 
 
-def convert(converter: Path, checkpoint: Path, out: Path, outtype: str) -> None:
+def add_bpe_tokenizer(path: Path) -> None:
+    """tokenizer.json (byte-level BPE, <pad> <s> </s> <unk> at 0..3; only the corpus's own
+    characters, so that it fits the tiny configs' 256 ids) beside the checkpoint in `path`,
+    trained on the same fixed corpus: deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(SEED)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=SPM_VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False))
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>")))
+
+
+# Runs the converter with its pre-tokenizer check answered (BPE_FAMILIES), nothing else changed.
+_CONVERT_AS = """
+import runpy, sys
+converter, pre_tokenizer = sys.argv[1], sys.argv[2]
+sys.path.insert(0, converter)
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre_tokenizer
+script = converter + "/convert_hf_to_gguf.py"
+sys.argv = [script] + sys.argv[3:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(converter: Path, checkpoint: Path, out: Path, outtype: str, pre_tokenizer: str | None = None) -> None:
     env = dict(os.environ, PYTHONPATH=str(converter / "gguf-py"))
-    done = subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(checkpoint),
-                           "--outtype", outtype, "--outfile", str(out)], env=env, capture_output=True, text=True)
+    arguments = [str(checkpoint), "--outtype", outtype, "--outfile", str(out)]
+    command = [sys.executable, str(converter / "convert_hf_to_gguf.py"), *arguments]
+    if pre_tokenizer is not None:
+        command = [sys.executable, "-c", _CONVERT_AS, str(converter), pre_tokenizer, *arguments]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"the converter failed on {checkpoint.name} ({outtype}):\n{done.stderr[-4000:]}")
 
@@ -105,12 +148,15 @@ def main() -> None:
         converter = args.llama_cpp or unpack_converter(Path(scratch))
         for family, (outtypes, overrides) in FIXTURES.items():
             checkpoint = make_tiny_family(family, Path(scratch) / family, seed=SEED, **overrides)
-            add_sentencepiece_tokenizer(checkpoint)
+            if family in BPE_FAMILIES:
+                add_bpe_tokenizer(checkpoint)
+            else:
+                add_sentencepiece_tokenizer(checkpoint)
             if family in ADDED_TOKENS:
                 (checkpoint / "added_tokens.json").write_text(json.dumps(ADDED_TOKENS[family]))
             for outtype in outtypes:
                 target = args.out / fixture_name(family, outtype)
-                convert(converter, checkpoint, target, outtype)
+                convert(converter, checkpoint, target, outtype, BPE_FAMILIES.get(family))
                 digest = hashlib.sha256(target.read_bytes()).hexdigest()
                 index[target.name] = dict(family=family, seed=SEED, overrides=overrides, outtype=outtype,
                                           sha256=digest)
