@@ -16,6 +16,17 @@ and drops the rest; llama.cpp's converter writes these, and llama.cpp reads them
   Gemma's query scaling            1 / sqrt(head size), or 1 / sqrt(hidden / heads) for
                                    the 27B models (46 or 62 layers), as llama.cpp has it
 
+Mixtures of experts (transformers reads their sizes wrongly or not at all):
+
+  {arch}.expert_count, {arch}.expert_used_count   experts, and how many a token uses
+  {arch}.expert_feed_forward_length               each expert's hidden size (Qwen3-MoE,
+                                                  gpt-oss; Mixtral's is feed_forward_length)
+  a "llama" file with expert_count > 0            a Mixtral (llama.cpp's converter writes
+                                                  one so); llama.cpp normalises its top-k
+                                                  weights, as Qwen3-MoE's (norm_topk_prob)
+  gpt-oss's sliding window                        every 2nd layer slides unless the file
+                                                  says otherwise, as llama.cpp reads it
+
 Not in any file llama.cpp's converter writes: Mistral's sliding window (a Mistral is
 written as a "llama" file, and llama.cpp runs it without a window).
 """
@@ -32,6 +43,9 @@ from .families import FULL, SLIDING
 
 # GGUF architecture -> (the layer pattern llama.cpp assumes, the layer count of its 27B model)
 GEMMA_DEFAULTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
+# GGUF architecture -> its mixture of experts' model_type, where the file has experts
+MOE_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
+GPT_OSS_PATTERN = 2  # llama.cpp's default: layers 0, 2, 4, ... slide
 # Llama 3.x's low / high frequency factors: the file keeps only the divisors they give.
 LLAMA3_LOW, LLAMA3_HIGH = 1.0, 4.0
 
@@ -61,6 +75,47 @@ def architecture(path: Path) -> str:
     if field is None:
         raise UsageError(f"{path.name} names no general.architecture")
     return str(field.contents())
+
+
+def expert_count(path: Path) -> int:
+    """{arch}.expert_count of a GGUF file (0 for a dense model), from its header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.expert_count")
+    return int(field.contents()) if field is not None else 0
+
+
+def moe_model_type(arch: str, fields: dict) -> str | None:
+    """The model_type of a mixture-of-experts file, None for a dense one."""
+    if not fields.get(f"{arch}.expert_count"):
+        return None
+    if arch not in MOE_MODEL_TYPES:
+        raise UsageError(f"a {arch} file with experts is not served yet: CompuShare serves Qwen3-MoE, Mixtral "
+                         f"and gpt-oss mixtures of experts")
+    return MOE_MODEL_TYPES[arch]
+
+
+def _moe_fields(config: dict, arch: str, get, model_type: str, window: int | None) -> dict:
+    experts, used = int(get("expert_count")), int(get("expert_used_count"))
+    expert_ff = get("expert_feed_forward_length")
+    config = dict(config, model_type=model_type, num_experts_per_tok=used)
+    if model_type == "qwen3_moe":
+        config |= dict(architectures=["Qwen3MoeForCausalLM"], num_experts=experts, moe_intermediate_size=int(expert_ff),
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif model_type == "mixtral":
+        config |= dict(architectures=["MixtralForCausalLM"], num_local_experts=experts,
+                       intermediate_size=int(get("feed_forward_length")))
+    else:  # gpt-oss
+        config |= dict(architectures=["GptOssForCausalLM"], num_local_experts=experts,
+                       intermediate_size=int(expert_ff), sliding_window=window,
+                       layer_types=gemma_layer_types(get("attention.sliding_window_pattern", GPT_OSS_PATTERN),
+                                                     config["num_hidden_layers"], window))
+    for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
+        if key not in config or config.get(key) is None:
+            config.pop(key, None)
+    return config
 
 
 def shortest(value: float) -> float:
@@ -109,6 +164,9 @@ def completed(config: dict, fields: dict, rope_freqs: np.ndarray | None, tensor_
             rope = {FULL: rope, SLIDING: local}
     elif arch == "phi3":
         config["sliding_window"] = window
+    model_type = moe_model_type(arch, fields)
+    if model_type is not None:
+        config = _moe_fields(config, arch, get, model_type, window)
     config["rope_parameters"] = rope
     config.pop("rope_theta", None)
     return config

@@ -67,16 +67,18 @@ class GGUFTensors:
                 continue
             kind = tensor.tensor_type.name
             dims = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest axis first
-            if len(dims) == 2:
+            if len(dims) in (2, 3):  # a matrix, or a mixture's experts' matrices [experts, out, in]
                 if kind not in GGUF_TYPES:
                     raise UsageError(f"{path.name}: {tensor.name} is of ggml type {kind}, which no node reads")
-                spec = StoredSpec("U8", (dims[0], gguf_native.row_bytes(kind, dims[1])))
+                if len(dims) == 3 and not stored.endswith(EXPERT_MATRICES):
+                    raise UsageError(f"{path.name}: {tensor.name} has 3 dimensions")
+                spec = StoredSpec("U8", (*dims[:-1], gguf_native.row_bytes(kind, dims[-1])))
                 self.types[stored] = kind
             elif len(dims) == 1:
                 spec = StoredSpec("F32", dims)
             else:
                 raise UsageError(f"{path.name}: {tensor.name} has {len(dims)} dimensions")
-            if spec.nbytes != int(tensor.n_bytes) and len(dims) == 2:
+            if spec.nbytes != int(tensor.n_bytes) and len(dims) >= 2:
                 raise UsageError(f"{path.name}: {tensor.name} holds {tensor.n_bytes} bytes, not {spec.nbytes}")
             self.specs_by_name[stored] = spec
             self._where[stored] = (tensor.name, kind, int(tensor.data_offset), int(tensor.n_bytes), dims)
@@ -94,8 +96,8 @@ class GGUFTensors:
             raw = gguf_native.read_rows(self.path, offset, (size,))
         except ValueError:
             raise UsageError(f"{self.path.name} ends inside tensor {gguf_name}") from None
-        if len(dims) == 2:
-            rows = raw.reshape(dims[0], -1)
+        if len(dims) >= 2:
+            rows = raw.reshape(*dims[:-1], -1)
             return gguf_native.unpermute(rows, self.heads[name]) if name in self.heads else rows
         values = gguf_native.dequantize(raw.reshape(1, -1), kind).reshape(-1)
         values = self.processor.process(weights=values, name=gguf_name).weights
@@ -131,7 +133,11 @@ def read_metadata(path: Path, staging: Path):
         raise UsageError(f"{path.name}: transformers cannot read this GGUF file's model ({exc})") from None
     if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    config = type(config).from_dict(gguf_config.completed(config.to_dict(), fields, rope_freqs, tensor_names))
+    completed = gguf_config.completed(config.to_dict(), fields, rope_freqs, tensor_names)
+    if completed["model_type"] == config.model_type:
+        config = type(config).from_dict(completed)
+    else:  # a Mixtral, read by transformers as the "llama" file it is written as
+        config = AutoConfig.for_model(**completed)
     try:
         architecture_of(config)  # refused here, before anything is stored
     except ModelUnavailable as exc:
@@ -139,6 +145,61 @@ def read_metadata(path: Path, staging: Path):
     config.save_pretrained(str(staging))
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(staging))
     return config, architecture
+
+
+# A mixture of experts' block tensors: GGUF suffix -> stored name. transformers' GGUF map
+# has no names for their experts (it loads them into 3-D gate_up parameters); the store
+# keeps the file's own 3-D tensors [experts, out, row bytes] as they are, for ggml, whose
+# expert products (mul_mat_id) take them so. The router is "gate" in Qwen3-MoE and
+# Mixtral, "router" in gpt-oss.
+MOE_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_norm.weight": "post_attention_layernorm.weight",  # the MoE's input norm
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # gpt-oss's name for it
+    "ffn_gate_inp.weight": "mlp.{router}.weight", "ffn_gate_inp.bias": "mlp.{router}.bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj", "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias", "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+MOE_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}
+EXPERT_MATRICES = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+
+
+def moe_tensor_names(path: Path, config, gguf_architecture: str):
+    """tensor_names for a mixture of experts: the file's tensors under MOE_BLOCK_NAMES
+    (UsageError for one it cannot place); a Mixtral's q / k rows are stored permuted,
+    as a Llama's."""
+    import gguf
+
+    router = "router" if config.model_type == "gpt_oss" else "gate"
+    names, heads = {}, {}
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.name in MOE_GLOBAL_NAMES:
+            names[tensor.name] = MOE_GLOBAL_NAMES[tensor.name]
+            continue
+        parts = tensor.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in MOE_BLOCK_NAMES:
+            names[tensor.name] = f"model.layers.{parts[1]}.{MOE_BLOCK_NAMES[parts[2]].format(router=router)}"
+            if gguf_architecture == "llama" and parts[2] in ("attn_q.weight", "attn_k.weight"):
+                heads[tensor.name] = config.num_attention_heads if parts[2] == "attn_q.weight" else kv_heads
+    expected = {f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers)
+                for name in (*EXPERT_MATRICES, f"mlp.{router}.weight", "input_layernorm.weight",
+                             "post_attention_layernorm.weight", "self_attn.o_proj.weight")}
+    missing = sorted(expected - set(names.values()))
+    if missing:
+        raise UsageError(f"{path.name} lacks tensors a mixture of experts needs: {', '.join(missing[:4])}")
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
+    return names, heads, TensorProcessor(config=config.to_dict())
 
 
 def tensor_names(config, gguf_architecture: str):
@@ -184,7 +245,10 @@ def import_gguf(path: Path, target: Path, *, fmt: WeightFormat | None = None,
     try:
         on_stage("reading the metadata of")
         config, architecture = read_metadata(path, staging)
-        names, heads, processor = tensor_names(config, architecture)
+        if config.model_type in gguf_config.MOE_MODEL_TYPES.values():
+            names, heads, processor = moe_tensor_names(path, config, architecture)
+        else:
+            names, heads, processor = tensor_names(config, architecture)
         tensors = GGUFTensors(path, names, heads, processor)
         if tensors.skipped:
             log.info("%s: not used by transformers' model: %s", path.name, ", ".join(tensors.skipped))

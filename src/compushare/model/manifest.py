@@ -215,9 +215,9 @@ def parse(raw: bytes, expected_id: str | None = None) -> Manifest:
     files = _parse_files(doc["files"], num_blocks, piece_size)
     if weights is not None and weights.get("types"):  # gguf: each type names a stored byte matrix
         stored = {name: t for f in files for name, t in f.tensors.items()}
-        if not all(name in stored and stored[name].dtype == "U8" and len(stored[name].shape) == 2
+        if not all(name in stored and stored[name].dtype == "U8" and len(stored[name].shape) in (2, 3)
                    for name in weights["types"]):
-            raise _fail("weights.types names a tensor that is not a stored U8 matrix")
+            raise _fail("weights.types names a tensor that is not a stored U8 matrix (or stack of experts)")
     return Manifest(config, piece_size, files, raw, weights=weights)
 
 

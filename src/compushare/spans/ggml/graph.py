@@ -1,8 +1,8 @@
 """One decoder layer as a ggml graph, op for op as llama.cpp builds it.
 
 Read against llama.cpp's src/llama-graph.cpp (build_norm, build_qkv, build_attn_mha
-with flash attention, build_ffn) and src/models/{llama,qwen2,qwen3,gemma2,gemma3,
-phi3}.cpp. The order matters to the last bit: the same ops in the same order on the
+with flash attention, build_ffn, build_moe_ffn) and src/models/{llama,qwen2,qwen3,
+gemma2,gemma3,phi3,qwen3moe,openai-moe}.cpp. The order matters to the last bit: the same ops in the same order on the
 same types is what makes a span's answer equal llama.cpp's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from .lib import ggml
-from .recipe import Recipe
+from .recipe import SOFTMAX_WEIGHT, Recipe
 from .weights import Weights
 
 
@@ -83,6 +83,8 @@ def attention(ctx, graph, w: Weights, p: str, h, r: Recipe, index: int, k_cache,
     out = ggml.ggml_flash_attn_ext(ctx, ggml.ggml_permute(ctx, q, 0, 2, 1, 3), ggml.ggml_permute(ctx, keys, 0, 2, 1, 3),
                                    ggml.ggml_permute(ctx, values, 0, 2, 1, 3), inputs.masks[r.window_for(index)],
                                    r.attention_scale, 0.0, r.softcap)
+    if r.sinks:
+        ggml.ggml_flash_attn_ext_add_sinks(out, w[p + "self_attn.sinks"])
     ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
     out = ggml.ggml_reshape_2d(ctx, out, r.head_dim * r.heads, tokens)
     return product(ctx, w, p + "self_attn.o_proj", out)
@@ -97,6 +99,54 @@ def mlp(ctx, w: Weights, p: str, h, r: Recipe):
     return product(ctx, w, p + "mlp.down_proj", gated)
 
 
+def _biased_id(ctx, w: Weights, name: str, x, selected):
+    bias = w.get(name)
+    return ggml.ggml_add_id(ctx, x, bias, selected) if bias is not None else x
+
+
+def moe(ctx, graph, w: Weights, p: str, h, r: Recipe, tokens: int):
+    """A mixture of experts' MLP, as build_moe_ffn builds it: router logits, the top
+    `used` experts per token, their weights, each chosen expert's SwiGLU by mul_mat_id
+    (which reads only the experts some token chose), weighted, then summed in order."""
+    e = r.experts
+    router = "mlp.router" if r.sinks else "mlp.gate"
+    logits = product(ctx, w, p + router, h)  # [count, tokens]
+    probs = logits if e.gating == SOFTMAX_WEIGHT else ggml.ggml_soft_max(ctx, logits)
+    selected = ggml.ggml_argsort_top_k(ctx, probs, e.used)  # [used, tokens]
+    weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, e.count, tokens), selected)
+    if e.gating == SOFTMAX_WEIGHT:
+        weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, weights, e.used, tokens)),
+                                       1, e.used, tokens)
+    if e.normalise:
+        flat = ggml.ggml_reshape_2d(ctx, weights, e.used, tokens)
+        total = ggml.ggml_clamp(ctx, ggml.ggml_sum_rows(ctx, flat), 6.103515625e-5, float("inf"))
+        weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_div(ctx, flat, total), 1, e.used, tokens)
+    ggml.ggml_build_forward_expand(graph, weights)
+    x = ggml.ggml_reshape_3d(ctx, h, r.hidden, 1, tokens)
+    experts = p + "mlp.experts."
+    up = _biased_id(ctx, w, experts + "up_proj_bias",
+                    ggml.ggml_mul_mat_id(ctx, w[experts + "up_proj"], x, selected), selected)
+    gate = _biased_id(ctx, w, experts + "gate_proj_bias",
+                      ggml.ggml_mul_mat_id(ctx, w[experts + "gate_proj"], x, selected), selected)
+    if e.swiglu_oai:
+        gated = ggml.ggml_swiglu_oai(ctx, gate, up, e.alpha, e.limit)
+    else:
+        gated = ggml.ggml_swiglu_split(ctx, gate, up)
+    out = _biased_id(ctx, w, experts + "down_proj_bias",
+                     ggml.ggml_mul_mat_id(ctx, w[experts + "down_proj"], gated, selected), selected)
+    out = ggml.ggml_mul(ctx, out, weights)  # [hidden, used, tokens]
+    ggml.ggml_build_forward_expand(graph, out)
+    views = [ggml.ggml_view_2d(ctx, out, r.hidden, tokens, out.contents.nb[2], i * out.contents.nb[1])
+             for i in range(e.used)]
+    for view in views:
+        ggml.ggml_build_forward_expand(graph, view)
+    total = views[0]
+    for view in views[1:]:
+        total = ggml.ggml_add(ctx, total, view)
+        ggml.ggml_build_forward_expand(graph, total)
+    return ggml.ggml_cont(ctx, total) if e.used == 1 else total
+
+
 def layer(ctx, graph, w: Weights, r: Recipe, index: int, x, k_cache, v_cache, inputs: Inputs):
     p = f"model.layers.{index}."
     h = rms(ctx, x, w[p + "input_layernorm.weight"], r.eps)
@@ -109,4 +159,5 @@ def layer(ctx, graph, w: Weights, r: Recipe, index: int, x, k_cache, v_cache, in
         return ggml.ggml_add(ctx, out, x)
     x = ggml.ggml_add(ctx, attended, x)
     h = rms(ctx, x, w[p + "post_attention_layernorm.weight"], r.eps)
-    return ggml.ggml_add(ctx, mlp(ctx, w, p, h, r), x)
+    out = moe(ctx, graph, w, p, h, r, inputs.tokens) if r.experts else mlp(ctx, w, p, h, r)
+    return ggml.ggml_add(ctx, out, x)

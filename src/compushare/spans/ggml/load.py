@@ -62,7 +62,8 @@ def random_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1,
             if name.startswith(prefix):
                 kind = types.get(name)
                 yield name[len(prefix):], (
-                    gguf_native.random_rows(kind, shape[0], gguf_native.in_features_of(kind, shape[1]), rng)
+                    gguf_native.random_rows(kind, int(np.prod(shape[:-1])), gguf_native.in_features_of(kind, shape[-1]),
+                                            rng).reshape(shape)
                     if kind else np.ones(shape, dtype=np.float32))
 
     return GgmlSpan(config, start, end, one_layer, types, shapes, threads=threads)

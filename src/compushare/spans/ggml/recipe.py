@@ -20,8 +20,26 @@ ROPE_NORMAL, ROPE_NEOX = 0, 2
 # llama.cpp's rope type for each family (llama_model_rope_type): "normal" for
 # Llama-architecture files (their q/k rows are stored permuted for it), NeoX otherwise.
 ROPE_MODES = {"llama": ROPE_NORMAL, "mistral": ROPE_NORMAL, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX,
-              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "phi3": ROPE_NEOX}
-WINDOWED = ("gemma2", "gemma3")  # llama.cpp's sliding-window families among ours (Phi-3's window it turns off)
+              "gemma2": ROPE_NEOX, "gemma3": ROPE_NEOX, "phi3": ROPE_NEOX, "qwen3_moe": ROPE_NEOX,
+              "mixtral": ROPE_NORMAL, "gpt_oss": ROPE_NEOX}
+# llama.cpp's sliding-window families among ours (Phi-3's window it turns off)
+WINDOWED = ("gemma2", "gemma3", "gpt_oss")
+SOFTMAX, SOFTMAX_WEIGHT = "softmax", "softmax_weight"  # llama.cpp's expert gating functions
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture of experts' routing, as llama.cpp's build_moe_ffn takes it."""
+    count: int
+    used: int
+    # SOFTMAX: softmax over all experts' logits, the top `used` picked, their weights
+    # renormalised to sum 1 (Qwen3-MoE, Mixtral). SOFTMAX_WEIGHT: the top `used` logits
+    # picked, softmax over them (gpt-oss).
+    gating: str = SOFTMAX
+    normalise: bool = True
+    swiglu_oai: bool = False  # gpt-oss's clamped SwiGLU (alpha 1.702, limit 7), else SwiGLU
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +67,8 @@ class Recipe:
     softcap: float = 0.0  # Gemma 2: attention scores soft-capped
     gelu: bool = False  # Gemma: GELU (tanh) gate, else SiLU
     fused: bool = False  # Phi-3: q/k/v one matrix, gate/up one matrix
+    experts: Experts | None = None  # a mixture of experts' MLP
+    sinks: bool = False  # gpt-oss: a learned logit per head in every softmax (flash attention's sinks)
 
     @property
     def kv_dim(self) -> int:
@@ -129,8 +149,16 @@ def recipe_of(config) -> Recipe:
     elif family.name == "phi3":
         q_scale = inverse_sqrt(head_dim)
     softcap = float(_get(config, "attn_logit_softcapping") or 0.0) if family.attention_softcap else 0.0
+    experts = None
+    if family.moe:
+        count = _get(config, "num_experts") or _get(config, "num_local_experts")
+        gpt_oss = family.name == "gpt_oss"
+        experts = Experts(int(count), int(_get(config, "num_experts_per_tok")),
+                          gating=SOFTMAX_WEIGHT if gpt_oss else SOFTMAX, normalise=not gpt_oss, swiglu_oai=gpt_oss,
+                          alpha=float(_get(config, "swiglu_alpha", 1.702) or 1.702),
+                          limit=float(_get(config, "swiglu_limit", 7.0) or 7.0))
     return Recipe(family.name, _get(config, "hidden_size"), heads, _get(config, "num_key_value_heads") or heads,
                   head_dim, float(_get(config, "rms_norm_eps", family.rms_norm_eps_default)),
                   ROPE_MODES[family.name], ropes, windows, qk_norm=family.qk_norm is not None, sandwich=gemma,
                   norm_plus_one=family.norm_plus_one, q_scale=q_scale, softcap=softcap, gelu=gemma,
-                  fused=bool(family.fused))
+                  fused=bool(family.fused), experts=experts, sinks=family.attention_sinks)

@@ -35,7 +35,7 @@ from .recipe import ROPE_NORMAL, recipe_of
 from .weights import Context, Weights
 
 KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
-GRAPH_NODES = 96  # graph nodes per layer at most (a layer uses ~30)
+GRAPH_NODES = 96  # graph nodes per layer at most (a dense layer uses ~30, an MoE one ~45 + its top-k)
 MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recently used dropped first
 # Only graphs of this many tokens at most are kept: decode steps and verify passes,
 # which repeat. A prompt's graph is built, run and freed (its compute buffer grows
@@ -188,11 +188,28 @@ class GgmlSpan:
             p = f"model.layers.{index}."
             for name, shape in expected.items():
                 _expect(self.weights.get(p + name + ".weight"), shape, p + name)
+            if r.experts:
+                self._check_experts(p)
+                continue
             down = self.weights.get(p + "mlp.down_proj.weight")
             _expect(down, (down.contents.ne[0] if down else 0, r.hidden), p + "mlp.down_proj")
             ff = down.contents.ne[0]
             for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
                 _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
+
+    def _check_experts(self, p: str) -> None:
+        r, count = self.recipe, self.recipe.experts.count
+        router = "mlp.router" if r.sinks else "mlp.gate"
+        _expect(self.weights.get(p + router + ".weight"), (r.hidden, count), p + router)
+        down = self.weights.get(p + "mlp.experts.down_proj")
+        ff = down.contents.ne[0] if down else 0
+        _expect(down, (ff, r.hidden, count), p + "mlp.experts.down_proj")
+        for name in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):
+            _expect(self.weights.get(p + name), (r.hidden, ff, count), p + name)
+        for name, rows in (("gate_proj_bias", ff), ("up_proj_bias", ff), ("down_proj_bias", r.hidden)):
+            bias = self.weights.get(p + "mlp.experts." + name)
+            if bias is not None:
+                _expect(bias, (rows, count), p + "mlp.experts." + name)
 
     def _stored(self, index: int, state: Iterable[tuple[str, np.ndarray]]):
         """(full name, array) of layer `index`'s tensors as the file held them."""
@@ -352,12 +369,15 @@ class GgmlSpan:
         return built
 
 
-def _expect(tensor, shape: tuple[int, int], name: str) -> None:
+def _expect(tensor, shape: tuple[int, ...], name: str) -> None:
+    """`tensor`'s ne is `shape` (and 1 beyond it)."""
     if tensor is None:
         raise ValueError(f"{name}: missing from the span's weights")
-    got = (int(tensor.contents.ne[0]), int(tensor.contents.ne[1]))
-    if got != shape:
-        raise ValueError(f"{name} is {got[1]}x{got[0]}, not the {shape[1]}x{shape[0]} the config says")
+    got = tuple(int(tensor.contents.ne[i]) for i in range(4))
+    if got != (*shape, *(1,) * (4 - len(shape))):
+        said = "x".join(str(n) for n in reversed(shape))
+        raise ValueError(f"{name} is {'x'.join(str(n) for n in reversed(got[:len(shape)]))}, not the {said} the config "
+                         "says")
 
 
 def causal_mask(position: int, tokens: int, n_kv: int, window: int | None = None) -> np.ndarray:

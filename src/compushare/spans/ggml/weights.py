@@ -54,15 +54,22 @@ class Context:
             self.ctx = None
 
 
-def _repack_supported(buft: int, kind: int, shape: tuple[int, int]) -> bool:
+def _repack_supported(buft: int, kind: int, shape: tuple[int, ...]) -> bool:
     """Would a product with a weight of this type and shape, held in `buft`, run on
     the CPU device? (llama.cpp's weight_buft_supported: a zero-sized buffer of the
-    type stands in for the weight's.)"""
-    scratch = Context(3)
+    type stands in for the weight's.) A stack of experts [in, out, experts] is asked
+    about the product that reads it, mul_mat_id."""
+    scratch = Context(5)
     try:
-        weight = ggml.ggml_new_tensor_2d(scratch.ctx, kind, shape[0], shape[1])
-        x = ggml.ggml_new_tensor_2d(scratch.ctx, ggml.GGML_TYPE_F32, shape[0], 1)
-        product = ggml.ggml_mul_mat(scratch.ctx, weight, x)
+        if len(shape) == 3:
+            weight = ggml.ggml_new_tensor_3d(scratch.ctx, kind, *shape)
+            x = ggml.ggml_new_tensor_3d(scratch.ctx, ggml.GGML_TYPE_F32, shape[0], 1, 1)
+            ids = ggml.ggml_new_tensor_2d(scratch.ctx, ggml.GGML_TYPE_I32, 1, 1)
+            product = ggml.ggml_mul_mat_id(scratch.ctx, weight, x, ids)
+        else:
+            weight = ggml.ggml_new_tensor_2d(scratch.ctx, kind, shape[0], shape[1])
+            x = ggml.ggml_new_tensor_2d(scratch.ctx, ggml.GGML_TYPE_F32, shape[0], 1)
+            product = ggml.ggml_mul_mat(scratch.ctx, weight, x)
         buffer = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
         try:
             weight.contents.buffer = buffer
@@ -88,7 +95,7 @@ class Weights:
         groups: dict[str, list[tuple[str, tuple[int, ...], str]]] = {"repack": [], "plain": []}
         for name, stored, kind in specs:
             shape = ggml_shape(stored, kind)
-            use_repack = (extra is not None and len(shape) == 2
+            use_repack = (extra is not None and len(shape) in (2, 3)
                           and _repack_supported(extra, ggml_type(kind), shape))
             groups["repack" if use_repack else "plain"].append((name, shape, kind))
         self._contexts: list[Context] = []
@@ -108,7 +115,9 @@ class Weights:
         context = Context(len(members))
         self._contexts.append(context)
         for name, shape, kind in members:
-            if len(shape) == 2:
+            if len(shape) == 3:
+                tensor = ggml.ggml_new_tensor_3d(context.ctx, ggml_type(kind), *shape)
+            elif len(shape) == 2:
                 tensor = ggml.ggml_new_tensor_2d(context.ctx, ggml_type(kind), shape[0], shape[1])
             else:
                 tensor = ggml.ggml_new_tensor_1d(context.ctx, ggml_type(kind), shape[0])
@@ -161,7 +170,8 @@ def filled_weights(entries: Iterable[tuple[str, np.ndarray, str]], *, repack: bo
 
 def ggml_shape(stored: tuple[int, ...], kind: str) -> tuple[int, ...]:
     """ggml's ne (innermost first) of a tensor stored as `stored`: a matrix's raw rows
-    [out, row bytes] are (in_features, out_features); a vector keeps its length."""
-    if len(stored) == 2:
-        return gguf_native.in_features_of(kind, stored[1]), stored[0]
+    [out, row bytes] are (in_features, out_features), a stack of experts' [experts,
+    out, row bytes] (in_features, out_features, experts); a vector keeps its length."""
+    if len(stored) >= 2:
+        return (gguf_native.in_features_of(kind, stored[-1]), *reversed(stored[:-1]))
     return (stored[0],)
