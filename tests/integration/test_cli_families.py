@@ -10,12 +10,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from compushare.model.families import FAMILIES
 from helpers import local_greedy
 from tiny_families import add_word_tokenizer, make_tiny_family
 
 PROMPT = "w17 w42 w99 w30 w200 w7 w8"
+MOE_GGUF = Path(__file__).resolve().parents[1] / "data" / "gguf" / "tiny-qwen3_moe-f32.gguf"
+MOE_PROMPT = "the quick brown fox jumps over"  # words of the corpus its tokenizer was trained on
 TOKENS = 8
 EOS = 2
 
@@ -62,3 +65,35 @@ def test_models_import_refuses_an_unservable_architecture(tmp_path):
     assert all(family.title in message for family in FAMILIES.values())
     listed = cli("models", "list", "--json", "--data-dir", str(tmp_path / "data"), home=tmp_path / "home")
     assert json.loads(listed.stdout) == []
+
+
+def test_import_a_moe_gguf_bring_a_swarm_up_and_run_it(tmp_path):
+    """A mixture of experts as a user meets one: `models import` of a GGUF file (the tiny
+    Qwen3-MoE llama.cpp's converter wrote), `swarm up` of 3 nodes serving it on ggml (the
+    others fetch their blocks from the first by name), `run` through them answering what
+    one process computes (ggml spans, one token a step as `--no-speculate` asks)."""
+    from compushare.model.store import ModelStore
+
+    home = tmp_path / "home"
+    imported = cli("models", "import", str(MOE_GGUF), "--name", "moe", "--json", home=home)
+    assert imported.returncode == 0, imported.stderr
+    up = cli("swarm", "up", "--nodes", "3", "--model", "moe", home=home)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert up.stderr.count("blocks") == 3
+        ran = cli("run", "--model", "moe", "--no-chat-template", "--no-speculate", "--max-tokens", str(TOKENS),
+                  "--verbose", MOE_PROMPT, home=home)
+    finally:
+        down = cli("swarm", "down", home=home)
+    assert down.returncode == 0 and "stopped 3 nodes" in down.stderr, down.stderr
+    assert ran.returncode == 0, ran.stderr
+    assert "3 hops" in ran.stderr
+    from transformers import AutoTokenizer
+
+    stored = ModelStore(home).get("moe")
+    tokenizer = AutoTokenizer.from_pretrained(str(stored.path))
+    expected = local_greedy(stored.path, tokenizer.encode(MOE_PROMPT, add_special_tokens=False), TOKENS)
+    if EOS in expected:
+        expected = expected[:expected.index(EOS)]
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    assert len(expected) > 2 and text in ran.stdout, (text, ran.stdout)

@@ -98,7 +98,7 @@ def show_id(data_dir: Path = DATA_DIR) -> None:
 @swarm_app.command("up")
 def swarm_up_cmd(
     nodes: int = typer.Option(3, help="Number of node processes."),
-    model: str = typer.Option("smollm2-135m"),
+    model: str = typer.Option("smollm2-135m", help="A catalog name, or a name `models import` gave."),
     home: Path = typer.Option(None, help="Directory holding the nodes' data dirs (default <data dir>/swarm)."),
     memory_budget_mb: int = typer.Option(None, help="Each node's memory in all (MB): a node whose share of the "
                                                     "blocks does not fit refuses to start."),
@@ -106,8 +106,9 @@ def swarm_up_cmd(
     threads: int = typer.Option(None, help="Threads each node's forwards compute with (default 1)."),
     runtime: str = typer.Option(None, help="What computes the spans: ggml, torch or auto (the default)."),
 ) -> None:
-    """Start N nodes on 127.0.0.1 splitting the model's blocks between them. The first
-    node holds the model; the others fetch their blocks from it through the swarm."""
+    """Start N nodes on 127.0.0.1 splitting the model's blocks between them (a catalog
+    name, or one `models import` stored). The first node holds the model; the others
+    fetch their blocks from it through the swarm."""
     from .progress import Progress
     from .swarm import swarm_up
 
@@ -119,7 +120,8 @@ def swarm_up_cmd(
 
     def up():
         with Progress() as shown:  # the model converted first
-            swarm = swarm_up(target, nodes, model, extra, on_stage=shown.stage, progress=shown.update)
+            swarm = swarm_up(target, nodes, model, extra, on_stage=shown.stage, progress=shown.update,
+                             imported_in=resolve_data_dir(None))
         for n in swarm["nodes"]:
             err.print(f"node pid {n['pid']:>7}  blocks {n['blocks']:>6}  {n['peer_id']}")
         err.print(f"bootstrap: {swarm['bootstrap'][0]}")

@@ -111,16 +111,22 @@ def read_swarm(home: Path) -> dict | None:
 
 
 def swarm_up(home: Path, nodes: int, model: str, extra_args: list[str] | None = None, *,
-             on_stage=lambda _stage: None, progress=None) -> dict:
+             on_stage=lambda _stage: None, progress=None, imported_in: Path | None = None) -> dict:
     """Start `nodes` node processes splitting `model` (obtained first: `on_stage` and
-    `progress` follow its conversion, as for catalog.resolve_model)."""
+    `progress` follow its conversion, as for catalog.resolve_model). A model the user
+    imported (`models import`, held in the store at `imported_in`) is hard-linked into
+    the first node's; the others fetch it from the swarm by name, as a user's would."""
     home = home.resolve()
     existing = read_swarm(home)
     if existing and any(is_our_node(n["pid"]) for n in existing["nodes"]):
         raise UsageError(f"a swarm is already running in {home}; `compushare swarm down` first")
     dirs = [home / f"node-{i}" for i in range(nodes)]
     from ..model.catalog import resolve_model
+    from ..model.store import ModelStore
 
+    imported = ModelStore(imported_in).get(model) if imported_in is not None else None
+    if imported is not None and ModelStore(dirs[0]).get(model) is None:
+        ModelStore(dirs[0]).import_dir(imported.path, alias=model, laid_out=True)
     stored = resolve_model(model, dirs[0], on_stage=on_stage, progress=progress)  # converted once, in the cache
     spans = split_blocks(stored.num_blocks, nodes)
     procs: list[subprocess.Popen] = []
