@@ -22,6 +22,9 @@ class Inputs:
     masks: dict  # window (None: full) -> F16 [n_kv, tokens]
     n_kv: int  # cache rows attention reads
     tokens: int
+    # Each MoE layer's chosen experts (I32 [used, tokens]), kept as outputs: what the
+    # span reads of its experts is counted from them (GgmlSpan.reads).
+    routes: list = dataclasses.field(default_factory=list)
 
 
 def rms(ctx, x, weight, eps: float):
@@ -104,7 +107,7 @@ def _biased_id(ctx, w: Weights, name: str, x, selected):
     return ggml.ggml_add_id(ctx, x, bias, selected) if bias is not None else x
 
 
-def moe(ctx, graph, w: Weights, p: str, h, r: Recipe, tokens: int):
+def moe(ctx, graph, w: Weights, p: str, h, r: Recipe, tokens: int, routes: list):
     """A mixture of experts' MLP, as build_moe_ffn builds it: router logits, the top
     `used` experts per token, their weights, each chosen expert's SwiGLU by mul_mat_id
     (which reads only the experts some token chose), weighted, then summed in order."""
@@ -113,6 +116,8 @@ def moe(ctx, graph, w: Weights, p: str, h, r: Recipe, tokens: int):
     logits = product(ctx, w, p + router, h)  # [count, tokens]
     probs = logits if e.gating == SOFTMAX_WEIGHT else ggml.ggml_soft_max(ctx, logits)
     selected = ggml.ggml_argsort_top_k(ctx, probs, e.used)  # [used, tokens]
+    ggml.ggml_set_output(selected)
+    routes.append((p, selected))
     weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, e.count, tokens), selected)
     if e.gating == SOFTMAX_WEIGHT:
         weights = ggml.ggml_reshape_3d(ctx, ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, weights, e.used, tokens)),
@@ -159,5 +164,5 @@ def layer(ctx, graph, w: Weights, r: Recipe, index: int, x, k_cache, v_cache, in
         return ggml.ggml_add(ctx, out, x)
     x = ggml.ggml_add(ctx, attended, x)
     h = rms(ctx, x, w[p + "post_attention_layernorm.weight"], r.eps)
-    out = moe(ctx, graph, w, p, h, r, inputs.tokens) if r.experts else mlp(ctx, w, p, h, r)
+    out = moe(ctx, graph, w, p, h, r, inputs.tokens, inputs.routes) if r.experts else mlp(ctx, w, p, h, r)
     return ggml.ggml_add(ctx, out, x)

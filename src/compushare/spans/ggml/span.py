@@ -112,6 +112,7 @@ class _Graph:
     x: object
     inputs: Inputs
     out: object
+    layers: list[str]  # the prefixes of the layers it runs
 
     def free(self) -> None:
         if self.allocator:
@@ -159,6 +160,7 @@ class GgmlSpan:
             self.weights.free()
             raise
         self.weight_bytes = self.weights.nbytes
+        self.reads = WeightReads(*self._layer_bytes())
         self.format_label = "gguf"
         self.backend = ggml.ggml_backend_cpu_init()
         if not self.backend:
@@ -196,6 +198,21 @@ class GgmlSpan:
             ff = down.contents.ne[0]
             for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
                 _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
+
+    def _layer_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """({layer prefix: bytes every forward reads}, {layer prefix: bytes of one expert})."""
+        dense: dict[str, int] = {}
+        expert: dict[str, int] = {}
+        for name, tensor in self.weights.tensors.items():
+            if not name.startswith("model.layers."):
+                continue
+            prefix = name[:name.index(".", len("model.layers.")) + 1]
+            size = int(ggml.ggml_nbytes(tensor))
+            if ".mlp.experts." in name and not name.endswith("_bias"):  # a stack: one expert is 1 / count of it
+                expert[prefix] = expert.get(prefix, 0) + size // int(tensor.contents.ne[2])
+            else:
+                dense[prefix] = dense.get(prefix, 0) + size
+        return dense, expert
 
     def _check_experts(self, p: str) -> None:
         r, count = self.recipe, self.recipe.experts.count
@@ -344,6 +361,7 @@ class GgmlSpan:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
         out = np.empty((tokens, self.recipe.hidden), dtype=np.float32)
         ggml.ggml_backend_tensor_get(graph.out, out.ctypes.data, 0, out.nbytes)
+        self.reads.count(graph.layers, graph.inputs.routes, tokens)
         return out
 
     def _build(self, cache: KVCache, start: int, end: int, tokens: int, n_kv: int) -> _Graph:
@@ -362,11 +380,40 @@ class GgmlSpan:
         ggml.ggml_set_output(cur)
         ggml.ggml_build_forward_expand(graph, cur)
         allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())
-        built = _Graph(context, allocator, graph, x, inputs, cur)
+        built = _Graph(context, allocator, graph, x, inputs, cur, [f"model.layers.{i}." for i in range(start, end)])
         if not ggml.ggml_gallocr_alloc_graph(allocator, graph):
             built.free()
             raise MemoryError("ggml could not allocate the span's graph")
         return built
+
+
+class WeightReads:
+    """What the span's forwards read of its weights: every dense tensor of each layer
+    run, and of a mixture of experts only the experts some token of the forward chose
+    (ggml's mul_mat_id reads an expert once for all the rows routed to it, and skips the
+    rest), counted from each forward's routes."""
+
+    def __init__(self, dense: dict[str, int], expert: dict[str, int]) -> None:
+        self.dense, self.expert = dense, expert
+        self.bytes = 0  # read by every forward so far
+        self.tokens = 0  # the tokens those forwards carried
+        self.forwards = 0
+        self.last = 0  # read by the last forward
+
+    def count(self, layers: list[str], routes: list, tokens: int) -> None:
+        """One forward through `layers` (prefixes) whose MoE layers chose `routes`."""
+        read = sum(self.dense[prefix] for prefix in layers)
+        for prefix, selected in routes:
+            used, rows = int(selected.contents.ne[0]), int(selected.contents.ne[1])
+            chosen = np.empty((rows, used), dtype=np.int32)
+            ggml.ggml_backend_tensor_get(selected, chosen.ctypes.data, 0, chosen.nbytes)
+            read += len(np.unique(chosen)) * self.expert[prefix]
+        self.bytes, self.tokens, self.forwards, self.last = self.bytes + read, self.tokens + tokens, \
+            self.forwards + 1, read
+
+    def active_bytes(self, used: int) -> int:
+        """Bytes of the span's active parameters: every dense tensor and `used` experts a layer."""
+        return sum(self.dense.values()) + used * sum(self.expert.values())
 
 
 def _expect(tensor, shape: tuple[int, ...], name: str) -> None:
