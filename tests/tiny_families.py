@@ -49,7 +49,9 @@ def _configs():
                                                            num_experts_per_tok=2, tie_word_embeddings=False) | o),
         "gpt_oss": lambda o: GptOssConfig(**COMMON | dict(
             intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=2, sliding_window=WINDOW,
-            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            tie_word_embeddings=False, rope_parameters={  # YaRN, as gpt-oss's own, over a short original context
+                "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0},
             layer_types=["sliding_attention", "full_attention"] * 2) | o),
     }
 

@@ -29,6 +29,9 @@ F32 = sorted(name for name, entry in INDEX.items() if entry["outtype"] == "f32")
 # What llama.cpp's converter cannot write, and so no file of it holds: Mistral is written
 # as a "llama" file without its sliding window (llama.cpp runs it without one).
 DROPPED = {"mistral": dict(architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=None)}
+# What llama.cpp computes otherwise than transformers: YaRN's correction range rounded out to
+# whole dimensions (gpt-oss's own config says not to round; llama.cpp rounds for every file).
+ROUNDED = {"gpt_oss": lambda config: config | {"rope_parameters": config["rope_parameters"] | {"truncate": True}}}
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +64,7 @@ def test_a_converted_file_serves_what_transformers_computes(name, tmp_path):
     model = import_path(DATA / name, tmp_path / "data", alias=family)
     ours, theirs = model.manifest.config, json.loads((source / "config.json").read_text())
     theirs |= DROPPED.get(family, {})
+    theirs = ROUNDED.get(family, lambda config: config)(theirs)
     assert family_of_config(ours) is family_of_config(theirs)
     assert layer_types(ours) == layer_types(theirs) and ours.get("sliding_window") == theirs.get("sliding_window")
     assert rope(ours) == rope(theirs)
@@ -71,7 +75,7 @@ def test_a_converted_file_serves_what_transformers_computes(name, tmp_path):
                 "attn_logit_softcapping", "query_pre_attn_scalar", "bos_token_id", "eos_token_id"):
         assert ours.get(key) == theirs.get(key), key
     # The same computation: spans and head bit-identical to transformers' whole model.
-    if family in DROPPED:
+    if family in DROPPED or family in ROUNDED:
         (source / "config.json").write_text(json.dumps(theirs))
     reference = transformers_model(source)
     cache = __import__("transformers").DynamicCache(config=reference.config)
@@ -101,10 +105,9 @@ def test_a_converted_file_serves_what_transformers_computes(name, tmp_path):
 
 # A mixture of experts' f32 file on ggml against transformers' whole model: ggml's kernels
 # and summation order, and llama.cpp's float16 KV cache. Measured over every step: at most
-# 2.4e-3 (Mixtral), 3.1e-3 (Qwen3-MoE), 1.2e-2 (gpt-oss, whose clamped SwiGLU at these
-# random weights' spread sits near its clamps); the tokens are transformers' all the same,
-# and llama.cpp's exactly (tests/slow/test_ggml_llamacpp.py).
-MOE_GGML_TOLERANCE = 2e-2
+# 2.4e-3 (Mixtral), 3.1e-3 (Qwen3-MoE), 4.5e-3 (gpt-oss); the tokens are transformers' all
+# the same, and llama.cpp's exactly (tests/slow/test_ggml_llamacpp.py).
+MOE_GGML_TOLERANCE = 1e-2
 
 
 class GgmlSplit(Split):

@@ -10,7 +10,8 @@ and drops the rest; llama.cpp's converter writes these, and llama.cpp reads them
                                    flag per layer, or every n-th layer global), else
                                    Gemma 2's every 2nd and Gemma 3's every 6th layer global
   {arch}.rope.freq_base_swa        the sliding layers' rope base (Gemma 3)
-  {arch}.rope.scaling.*            linear rope scaling (Gemma 3's global layers)
+  {arch}.rope.scaling.*            linear rope scaling (Gemma 3's global layers), YaRN
+                                   (gpt-oss: factor, original context, betas)
   rope_freqs.weight (a tensor)     Llama 3.x's rope scaling, as per-frequency divisors
   {arch}.attn_logit_softcapping, {arch}.final_logit_softcapping   Gemma's soft-capping
   Gemma's query scaling            1 / sqrt(head size), or 1 / sqrt(hidden / heads) for
@@ -57,7 +58,9 @@ def read_fields(path: Path) -> tuple[dict, np.ndarray | None, set[str]]:
 
     reader = gguf.GGUFReader(str(path))
     fields = {key: field.contents() for key, field in reader.fields.items()
-              if not key.startswith(("tokenizer.", "GGUF."))}
+              if not key.startswith(("tokenizer.", "GGUF.")) or key in TOKEN_IDS}
+    if "tokenizer.ggml.tokens" in reader.fields:  # the vocabulary's size, not its tokens
+        fields["tokenizer.ggml.tokens.count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     rope_freqs = next((np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"),
                       None)
     return fields, rope_freqs, {tensor.name for tensor in reader.tensors}
@@ -75,6 +78,30 @@ def architecture(path: Path) -> str:
     if field is None:
         raise UsageError(f"{path.name} names no general.architecture")
     return str(field.contents())
+
+
+TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id")
+
+
+def moe_base_config(fields: dict) -> dict:
+    """A mixture of experts' config.json fields read off the metadata alone, for
+    `completed` to finish: transformers' GGUF reader fails on some of these files
+    (a gpt-oss file's YaRN keys) and misreads others' sizes."""
+    arch = fields["general.architecture"]
+
+    def get(key, default=None):
+        return fields.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    config = {"hidden_size": int(get("embedding_length")), "num_hidden_layers": int(get("block_count")),
+              "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+              "max_position_embeddings": int(get("context_length")), "vocab_size": int(fields["tokenizer.ggml.tokens.count"]),
+              "intermediate_size": int(get("feed_forward_length", get("expert_feed_forward_length")))}
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{name}" in fields:
+            config[key] = int(fields[f"tokenizer.ggml.{name}"])
+    return config
 
 
 def expert_count(path: Path) -> int:
@@ -141,6 +168,14 @@ def completed(config: dict, fields: dict, rope_freqs: np.ndarray | None, tensor_
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         rope = rope | {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling == "yarn":  # gpt-oss: llama.cpp's defaults where the file names no betas
+        rope = rope | {"rope_type": "yarn", "factor": shortest(get("rope.scaling.factor")),
+                       "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                       "beta_fast": shortest(get("rope.scaling.yarn_beta_fast", 32.0)),
+                       "beta_slow": shortest(get("rope.scaling.yarn_beta_slow", 1.0)),
+                       # llama.cpp rounds YaRN's correction range out to whole dimensions
+                       # (transformers' gpt-oss does not: truncate False), and runs every file so.
+                       "truncate": True}
     elif scaling not in (None, "none"):
         raise UsageError(f"rope scaling {scaling!r} in a GGUF file is not served yet")
     if rope_freqs is not None:

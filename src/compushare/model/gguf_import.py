@@ -127,23 +127,31 @@ def read_metadata(path: Path, staging: Path):
 
     fields, rope_freqs, tensor_names = gguf_config.read_fields(path)
     architecture = fields["general.architecture"]  # gguf-py's, which transformers may rename (gemma3_text)
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        raise UsageError(f"{path.name}: transformers cannot read this GGUF file's model ({exc})") from None
-    if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    completed = gguf_config.completed(config.to_dict(), fields, rope_freqs, tensor_names)
-    if completed["model_type"] == config.model_type:
-        config = type(config).from_dict(completed)
-    else:  # a Mixtral, read by transformers as the "llama" file it is written as
+    if gguf_config.moe_model_type(architecture, fields) is not None:  # read off the metadata alone
+        completed = gguf_config.completed(gguf_config.moe_base_config(fields), fields, rope_freqs, tensor_names)
         config = AutoConfig.for_model(**completed)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        except (ValueError, KeyError, NotImplementedError) as exc:
+            raise UsageError(f"{path.name}: transformers cannot read this GGUF file's model ({exc})") from None
+        if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config = type(config).from_dict(gguf_config.completed(config.to_dict(), fields, rope_freqs, tensor_names))
     try:
         architecture_of(config)  # refused here, before anything is stored
     except ModelUnavailable as exc:
         raise UsageError(f"{path.name}: no node could serve it: {exc}") from None
     config.save_pretrained(str(staging))
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(staging))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except TypeError:
+        # transformers' GGUF reader fails on a gpt-oss file's YaRN keys while choosing the
+        # tokenizer's class from the config; the vocabulary itself converts as for any file.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(staging))
     return config, architecture
 
 

@@ -58,6 +58,10 @@ def _qkv(ctx, w: Weights, p: str, h, r: Recipe, tokens: int):
 
 def _rope(ctx, x, inputs: Inputs, r: Recipe, index: int, factors):
     rope = r.ropes[index]
+    if rope.yarn is not None:
+        y = rope.yarn
+        return ggml.ggml_rope_ext(ctx, x, inputs.positions, factors, r.head_dim, r.rope_mode, y.original_context,
+                                  rope.base, rope.scale, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)
     return ggml.ggml_rope_ext(ctx, x, inputs.positions, factors, r.head_dim, r.rope_mode, 0, rope.base, rope.scale,
                               0.0, 1.0, 32.0, 1.0)
 

@@ -43,10 +43,21 @@ class Experts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN's arguments to ggml_rope_ext, as llama.cpp's context computes them."""
+    original_context: int
+    attn_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Rope:
     base: float
-    scale: float = 1.0  # llama.cpp's freq_scale: 1 / a linear scaling's factor
+    scale: float = 1.0  # llama.cpp's freq_scale: 1 / a linear or YaRN scaling's factor
     factors: tuple[float, ...] | None = None  # per-frequency divisors (Llama 3.x)
+    yarn: Yarn | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +93,16 @@ class Recipe:
         return self.windows[index]
 
 
+def yarn_attn_factor(freq_scale: float) -> float:
+    """llama.cpp's YaRN attention factor, in its float32 operations: YaRN's magnitude
+    scale 0.1 ln(factor) + 1, times the inverse of the one ggml's rope applies itself
+    (so the two cancel up to rounding)."""
+    f32 = np.float32
+    factor = f32(1.0) / f32(freq_scale)
+    mscale = f32(0.1) * np.log(factor, dtype=np.float32) + f32(1.0) if factor > 1 else f32(1.0)
+    return float(mscale * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(factor, dtype=np.float32))))
+
+
 def inverse_sqrt(value: float) -> float:
     """1 / sqrt(value) in float32 operations, as llama.cpp's C computes its scales
     (1.0f / sqrtf(x)): the double's rounding can be an ulp away."""
@@ -101,6 +122,11 @@ def rope_of(parameters: dict, head_dim: int) -> Rope:
         return Rope(base, 1.0 / float(parameters["factor"]))
     if kind == "llama3":
         return Rope(base, 1.0, tuple(llama3_factors(parameters, base, head_dim).tolist()))
+    if kind == "yarn":
+        scale = float(np.float32(1.0) / np.float32(parameters["factor"]))
+        return Rope(base, scale, yarn=Yarn(int(parameters["original_max_position_embeddings"]), yarn_attn_factor(scale),
+                                           float(parameters.get("beta_fast") or 32.0),
+                                           float(parameters.get("beta_slow") or 1.0)))
     raise NotImplementedError(f"rope scaling {kind!r} does not run on ggml yet: serve the model with --runtime torch")
 
 
