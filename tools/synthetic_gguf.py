@@ -43,10 +43,21 @@ SHAPES = {
     # The same file layout at a size a test writes in a second.
     "tiny": dict(layers=4, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=49408,
                  context=2048, rope_base=10000.0, eps=1e-5),
+    # gpt-oss-20b's config.json: 24 layers of 32 experts (4 a token), sliding-window layers
+    # (128 tokens) alternating with full ones, attention sinks, YaRN over a 4,096-token context.
+    "gpt-oss-20b": dict(arch="gpt-oss", layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088,
+                        context=131072, rope_base=150000.0, eps=1e-5, experts=32, used=4, expert_ff=2880, window=128,
+                        yarn_factor=32.0, yarn_context=4096),
+    "tiny-gpt-oss": dict(arch="gpt-oss", layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, vocab=49408,
+                         context=4096, rope_base=150000.0, eps=1e-5, experts=8, used=2, expert_ff=128, window=8,
+                         yarn_factor=32.0, yarn_context=64),
 }
 BLOCK = 32
 WEIGHT_STD = 0.02
-TYPES = ("Q4_0", "Q4_K_M")  # layouts written here (what both sides keep as stored)
+# Layouts written here (what both sides keep as stored). MXFP4: gpt-oss's own as people
+# download it: experts in MXFP4, the other matrices Q8_0, router, biases, sinks and norms F32.
+TYPES = ("Q4_0", "Q4_K_M", "MXFP4")
+DEFAULT_TYPES = {"llama": "Q4_0", "gpt-oss": "MXFP4"}
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -58,9 +69,11 @@ def use_more_bits(layer: int, layers: int) -> bool:
 def tensor_type(layout: str, name: str, layers: int) -> str:
     """The ggml type of a matrix in `layout`: all Q4_0; or as llama.cpp's quantizer lays
     out Q4_K_M: Q4_K, with Q6_K for the output matrix and for attn_v and ffn_down in
-    the layers use_more_bits picks."""
+    the layers use_more_bits picks; or MXFP4 experts beside Q8_0 (gpt-oss)."""
     if layout == "Q4_0":
         return "Q4_0"
+    if layout == "MXFP4":
+        return "MXFP4" if name.endswith("_exps.weight") else "Q8_0"
     if name == "output.weight":
         return "Q6_K"
     if name.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), layers):
@@ -88,8 +101,28 @@ def q4_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return out.reshape(rows, blocks * 18)
 
 
+def gpt_oss_plan(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """tensor_plan for gpt-oss (llama.cpp's openai-moe tensors)."""
+    h, q, kv, e, ff = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["experts"], s["expert_ff"]
+    plan = [("token_embd.weight", (s["vocab"], h), "Q"), ("output_norm.weight", (h,), "F32"),
+            ("output.weight", (s["vocab"], h), "Q")]
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", (h,), "F32"), (b + "post_attention_norm.weight", (h,), "F32")]
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
+            plan += [(b + name + ".weight", (rows, cols), "Q"), (b + name + ".bias", (rows,), "BIAS")]
+        plan += [(b + "attn_sinks.weight", (s["heads"],), "BIAS"), (b + "ffn_gate_inp.weight", (e, h), "F32_2D"),
+                 (b + "ffn_gate_inp.bias", (e,), "BIAS")]
+        for name, rows, cols in (("ffn_gate_exps", ff, h), ("ffn_up_exps", ff, h), ("ffn_down_exps", h, ff)):
+            plan += [(b + name + ".weight", (e, rows, cols), "Q"), (b + name + ".bias", (e, rows), "BIAS")]
+    return plan
+
+
 def tensor_plan(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, numpy shape [rows, cols], "F32" or "Q") in llama.cpp's order."""
+    """(GGUF name, numpy shape [rows, cols] ([experts, rows, cols] for a stack), "F32"
+    (a norm), "BIAS", "F32_2D" or "Q" (a quantized matrix)) in llama.cpp's order."""
+    if s.get("arch") == "gpt-oss":
+        return gpt_oss_plan(s)
     head_dim = s["hidden"] // s["heads"]
     plan = [("token_embd.weight", (s["vocab"], s["hidden"]), "Q"), ("output_norm.weight", (s["hidden"],), "F32"),
             ("output.weight", (s["vocab"], s["hidden"]), "Q")]
@@ -135,26 +168,40 @@ def _tokenizer_fields(vocab: int) -> dict:
 def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
     import gguf
 
-    if kind not in TYPES:
-        raise SystemExit(f"--type must be one of {TYPES}")
     s = SHAPES[shape]
+    arch = s.get("arch", "llama")
+    if kind not in TYPES or (kind == "MXFP4") != (arch == "gpt-oss"):
+        raise SystemExit(f"--type must be one of {TYPES} (MXFP4 for gpt-oss, and only for it)")
     plan = tensor_plan(s)
     tok = _tokenizer_fields(s["vocab"])
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    writer = gguf.GGUFWriter(str(part), "llama")
+    writer = gguf.GGUFWriter(str(part), arch)
     writer.add_name(f"synthetic {shape} {kind} seed {seed}")
     writer.add_context_length(s["context"])
     writer.add_embedding_length(s["hidden"])
     writer.add_block_count(s["layers"])
-    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_feed_forward_length(s.get("intermediate", s.get("expert_ff")))
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
     writer.add_rope_freq_base(s["rope_base"])
     writer.add_layer_norm_rms_eps(s["eps"])
-    writer.add_rope_dimension_count(s["hidden"] // s["heads"])
+    head_dim = s.get("head_dim", s["hidden"] // s["heads"])
+    writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(s["vocab"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if kind == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    if arch == "gpt-oss":  # what llama.cpp's converter writes for gpt-oss
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(s["experts"])
+        writer.add_expert_used_count(s["used"])
+        writer.add_expert_feed_forward_length(s["expert_ff"])
+        writer.add_sliding_window(s["window"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(s["yarn_factor"])
+        writer.add_rope_scaling_orig_ctx_len(s["yarn_context"])
+    file_types = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                  "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE}
+    writer.add_file_type(file_types[kind])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(tok["pre"])
     writer.add_token_list(tok["tokens"])
@@ -167,13 +214,13 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
     from compushare.model.gguf_native import random_rows, row_bytes
 
     for name, shape_, dtype in plan:
-        if dtype == "F32":
-            writer.add_tensor_info(name, shape_, np.dtype(np.float32), 4 * shape_[0])
+        if dtype != "Q":
+            writer.add_tensor_info(name, shape_, np.dtype(np.float32), 4 * int(np.prod(shape_)))
         else:
-            rows, cols = shape_
+            cols = shape_[-1]
             kind_of = tensor_type(kind, name, s["layers"])
             width = row_bytes(kind_of, cols)
-            writer.add_tensor_info(name, (rows, width), np.dtype(np.uint8), rows * width,
+            writer.add_tensor_info(name, (*shape_[:-1], width), np.dtype(np.uint8), int(np.prod(shape_[:-1])) * width,
                                    raw_dtype=gguf.GGMLQuantizationType[kind_of])
     try:
         writer.write_header_to_file()
@@ -184,10 +231,14 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
         for done, (name, shape_, dtype) in enumerate(plan, 1):
             if dtype == "F32":
                 data = (1.0 + 0.05 * rng.standard_normal(shape_[0], dtype=np.float32)).astype(np.float32)
+            elif dtype in ("BIAS", "F32_2D"):
+                data = (WEIGHT_STD * rng.standard_normal(shape_, dtype=np.float32)).astype(np.float32)
             elif kind == "Q4_0":
                 data = q4_0_rows(rng, *shape_)
             else:
-                data = random_rows(tensor_type(kind, name, s["layers"]), *shape_, rng, std=WEIGHT_STD)
+                rows = int(np.prod(shape_[:-1]))
+                data = random_rows(tensor_type(kind, name, s["layers"]), rows, shape_[-1], rng, std=WEIGHT_STD)
+                data = data.reshape(*shape_[:-1], -1)
             writer.write_tensor_data(data)
             if done % 20 == 0 or done == total:
                 log(f"  {done}/{total} tensors, {time.monotonic() - began:.0f} s")
@@ -198,13 +249,14 @@ def write(path: Path, shape: str, kind: str, seed: int, *, log=print) -> Path:
     return path
 
 
-def ensure(shape: str = "llama-3.1-8b", kind: str = "Q4_0", seed: int = 0, out: Path | None = None,
+def ensure(shape: str = "llama-3.1-8b", kind: str | None = None, seed: int = 0, out: Path | None = None,
            *, log=print) -> Path:
     """The file's path, writing it first if it is not there yet (under a lock: two
     callers write it once)."""
     from compushare.config import resolve_cache_dir
     from compushare.model.sources import file_lock
 
+    kind = kind or DEFAULT_TYPES[SHAPES[shape].get("arch", "llama")]
     path = out or default_path(shape, kind, seed)
     if path.exists():
         return path
@@ -218,7 +270,7 @@ def ensure(shape: str = "llama-3.1-8b", kind: str = "Q4_0", seed: int = 0, out: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
-    parser.add_argument("--type", default="Q4_0", choices=TYPES)
+    parser.add_argument("--type", default=None, choices=TYPES, help="default: Q4_0, MXFP4 for gpt-oss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

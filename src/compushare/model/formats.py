@@ -46,7 +46,8 @@ FORMATS = ("fp32", "bf16", "int8", "q4", "gguf")
 QUANTIZED = ("int8", "q4", "gguf")
 # ggml types a gguf model may name (what gguf-py reads; model/kernels.py says which kernel runs each)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0")
+              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+              "MXFP4")
 DEFAULT_Q4_GROUP = 64
 Q4_GROUPS = (32, 64, 128)
 QUANTIZER_VERSION = 2  # model/quantize.py's; in cached derivations' names: bump when its bytes change

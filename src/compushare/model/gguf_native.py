@@ -155,6 +155,7 @@ def affine_groups(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
 # f16 fields d and (if any) m / dmin sit, m / dmin in units of d). m / dmin is chosen so
 # that a weight's mean is ~0, as a trained model's is (a shared mean would give every
 # row one direction and every prompt the same next token).
+MXFP4_RMS = float(np.sqrt(np.mean(np.square([0, 1, 2, 3, 4, 6, 8, 12]))))  # ggml's doubled E2M1 values
 _RANDOM = {"Q4_0": (4.6, 0, None, 0), "Q4_1": (4.6, 0, 2, -7.5), "Q5_0": (9.2, 0, None, 0),
            "Q5_1": (9.2, 0, 2, -15.5), "Q8_0": (74.0, 0, None, 0), "Q4_K": (36 * 4.6, 0, 2, 7.5),
            "Q5_K": (36 * 9.2, 0, 2, 15.5), "Q6_K": (74 * 18.5, 208, None, 0)}
@@ -172,6 +173,10 @@ def random_rows(kind: str, rows: int, in_features: int, rng: np.random.Generator
         return values.astype(DENSE_TYPES[kind]).view(np.uint8).reshape(rows, -1)
     _, size = block_geometry(kind)
     blocks = rng.integers(0, 256, size=(rows, row_bytes(kind, in_features) // size, size), dtype=np.uint8)
+    if kind == "MXFP4":  # an E8M0 exponent, then 32 FP4 (E2M1) codes: ggml's values +-{0 .. 12} x 2^(e - 128)
+        exponent = 128 + np.log2(std / MXFP4_RMS)
+        blocks[..., 0] = np.round(exponent + rng.random(blocks.shape[:2]) - 0.5).astype(np.uint8)
+        return blocks.reshape(rows, -1)
     spread, at_d, at_m, m_in_d = _RANDOM[kind]
     d = (std / spread) * (0.5 + rng.random(blocks.shape[:2], dtype=np.float32))
     blocks[..., at_d:at_d + 2] = d.astype(np.float16)[..., None].view(np.uint8)
