@@ -1,13 +1,17 @@
-"""A model no node holds: Llama-3.1-8B's shapes across 3 nodes, beside llama.cpp on the same file.
+"""A model no node holds: Llama-3.1-8B's or gpt-oss-20b's shapes across 3 nodes, beside llama.cpp on the same file.
 
-    .venv/bin/python bench/big_model.py [--tokens 64] [--type Q4_K_M] [--threads 1,2] [--runtime auto]
-                                        [--results bench/results/big_model.jsonl]
+    .venv/bin/python bench/big_model.py [--shape llama-3.1-8b | gpt-oss-20b] [--tokens 64] [--type Q4_K_M]
+                                        [--threads 1,2] [--runtime auto] [--results bench/results/big_model.jsonl]
 
-file      tools/synthetic_gguf.py: Llama-3.1-8B's exact shapes (32 layers, hidden 4096,
-          intermediate 14336, 32/8 heads, 128,256 tokens; 8.0 B parameters) with
-          deterministic random weights, laid out as llama.cpp's quantizer lays out
-          Q4_K_M (Q4_K; Q6_K for the output matrix and for v and down in the layers
-          it gives more bits) or all Q4_0 (--type), written once into the cache.
+file      tools/synthetic_gguf.py: the shape's exact sizes with deterministic random
+          weights, written once into the cache. llama-3.1-8b: 32 layers, hidden 4096,
+          intermediate 14336, 32/8 heads, 128,256 tokens (8.0 B parameters), laid out
+          as llama.cpp's quantizer lays out Q4_K_M (Q4_K; Q6_K for the output matrix
+          and for v and down in the layers it gives more bits) or all Q4_0 (--type).
+          gpt-oss-20b: 24 layers of 32 experts, 4 a token (20.9 B parameters, 4.2 B
+          active with both embedding matrices), hidden 2880, 64/8 heads of 64, sliding windows of 128 on every
+          other layer, attention sinks, YaRN, 201,088 tokens; MXFP4 experts and Q8_0
+          matrices, as the file people download.
 runtime   what the nodes and the one-process reference compute with (--runtime: auto
           is ggml for a GGUF on CPU; torch the previous runs' runtime); the consumer's
           head likewise. Each of --threads runs the swarm, the reference and llama.cpp
@@ -36,8 +40,11 @@ llamacpp  bench/llamacpp_ref.py's build on the very same file, the same threads,
           (median of 3 trials); `identical_to_llamacpp`: the swarm's tokens are its.
 memory    each node's peak RSS (VmHWM) against its budget and against its span's file
           bytes (`max_rss_over_span_mb`), after the run;
-          bandwidth: one token reads every block's weights once, so a copy of that
-          many bytes (measured here, 1 thread) bounds the decode rate.
+          bandwidth: one token reads every block's weights once (of a mixture of
+          experts, the dense tensors and the experts it chose: `bytes_per_token_gb`,
+          counted by the one-process reference's ggml span from each step's routes,
+          against `active_gb`, the active parameters' bytes), and the LM head; a copy
+          of that many bytes (measured here, 1 thread) bounds the decode rate.
 
 Human-readable lines first; the last line is one JSON object.
 """
@@ -63,7 +70,8 @@ import synthetic_gguf  # noqa: E402
 import llamacpp_ref  # noqa: E402
 from compushare.config import resolve_cache_dir  # noqa: E402
 
-NAME = "big8b"
+NAMES = {"llama-3.1-8b": "big8b", "gpt-oss-20b": "big-gpt-oss-20b"}  # what `models import` names it
+NAME = NAMES["llama-3.1-8b"]
 NODES = 3
 MAX_SHARE = 0.4  # no node may hold more than this share of the blocks
 HELD_FLOOR_MB = 300  # no node process holds less than this before its span (torch, libp2p; ~320 MB on ggml)
@@ -116,13 +124,22 @@ def settled_state(data_dir: Path, timeout: float = 60.0) -> dict:
         time.sleep(0.2)
 
 
-def parameters(config: dict) -> int:
-    """A Llama-shaped model's parameter count, from its config (stored tensors may be packed)."""
+def parameters(config: dict, *, active: bool = False) -> int:
+    """A model's parameter count from its config (stored tensors may be packed): a Llama's,
+    or a gpt-oss's (biases, sinks and router included); `active`: with only the experts a
+    token uses."""
     hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads") or heads
-    block = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:  # gpt-oss: q/k/v/o biases, sinks, a biased router, biased experts
+        used = config["num_experts_per_tok"] if active else experts
+        block = (attention + heads * head_dim + 2 * kv * head_dim + hidden + heads + experts * (hidden + 1)
+                 + used * (3 * hidden * inter + 2 * inter + hidden) + 2 * hidden)
+    else:
+        block = attention + 3 * hidden * inter + 2 * hidden
     heads_out = 1 if config.get("tie_word_embeddings") else 2
     return layers * block + heads_out * config["vocab_size"] * hidden + hidden
 
@@ -166,12 +183,17 @@ loaded = time.perf_counter() - began
 cache = runner.new_cache()
 hidden = runner.forward(head.embed_tokens(prompt), cache, 0)
 tokens, times = [int(torch.argmax(head.logits(hidden)))], [time.perf_counter()]
+reads = getattr(runner, "reads", None)  # ggml: the weight bytes each forward read
+before = reads.bytes if reads else 0
 while len(tokens) < count:
     hidden = runner.forward(head.embed_tokens(tokens[-1:]), cache, len(prompt) + len(tokens) - 1)
     tokens.append(int(torch.argmax(head.logits(hidden))))
     times.append(time.perf_counter())
+experts = getattr(runner, "recipe", None) and runner.recipe.experts
 print(json.dumps({"tokens": tokens, "load_s": loaded, "runtime": getattr(runner, "runtime", "torch"),
-                  "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}))
+                  "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+                  "span_bytes_per_token": (reads.bytes - before) / (len(tokens) - 1) if reads and count > 1 else None,
+                  "span_active_bytes": reads.active_bytes(experts.used if experts else 0) if reads else None}))
 """
 
 
@@ -243,9 +265,12 @@ def run_swarm(swarm_home: Path, budget_mb: int, kv_tokens: int, threads: int, ru
 
 
 def main() -> None:
+    global NAME
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(NAMES))
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--type", default="Q4_K_M", choices=synthetic_gguf.TYPES)
+    parser.add_argument("--type", default=None, choices=synthetic_gguf.TYPES,
+                        help="default: Q4_K_M for Llama, MXFP4 (its experts) for gpt-oss")
     parser.add_argument("--threads", default="1,2", help="Threads per process, comma-separated: a run each.")
     parser.add_argument("--runtime", default="auto", choices=("auto", "ggml", "torch"))
     parser.add_argument("--results", default=str(REPO / "bench" / "results" / "big_model.jsonl"))
@@ -253,7 +278,9 @@ def main() -> None:
     args = parser.parse_args()
     thread_counts = [int(t) for t in args.threads.split(",")]
 
-    gguf_path = synthetic_gguf.ensure(kind=args.type, log=log)
+    NAME = NAMES[args.shape]
+    kind = args.type or ("MXFP4" if args.shape.startswith("gpt-oss") else "Q4_K_M")
+    gguf_path = synthetic_gguf.ensure(args.shape, kind, log=log)
     log(f"file: {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB)")
     root = Path(tempfile.mkdtemp(prefix="big-model-", dir=resolve_cache_dir().parent))
     # A cache of their own: the import must convert, not hard-link an earlier run's conversion.
@@ -277,7 +304,13 @@ def main() -> None:
 
         stored = ModelStore(node0).get(NAME)
         runtime = runtime_for(stored.path, args.runtime)
-        params_b = parameters(stored.manifest.config) / 1e9
+        config = stored.manifest.config
+        params_b = parameters(config) / 1e9
+        active_b = parameters(config, active=True) / 1e9
+        experts = config.get("num_local_experts") or config.get("num_experts")
+        if experts:
+            log(f"model: {params_b:.1f} B parameters, {active_b:.1f} B active ({experts} experts, "
+                f"{config['num_experts_per_tok']} a token)")
         kv_tokens = 8192
         cost = block_cost(stored, kv_tokens, runtime)
         most = int(MAX_SHARE * stored.num_blocks)
@@ -315,18 +348,25 @@ def main() -> None:
                 "consumer_peak_rss_mb": round(outcome["peak_rss_mb"]),
                 "spans": [f"{st['start']}:{st['end']}" for st in swarm["states"]],
                 "fetched_gb": round(sum(f["bytes"] for f in swarm["fetched"]) / 1e9, 2),
-                "direct_steps": outcome["direct_steps"]})
+                "direct_steps": outcome["direct_steps"], "span_bytes_per_token": ref.get("span_bytes_per_token"),
+                "span_active_bytes": ref.get("span_active_bytes")})
 
         files = stored.manifest.files
         head = {name: t for f in files if f.role == "head" for name, t in f.tensors.items()}
         lm_head = head.get("lm_head.weight") or head["model.embed_tokens.weight"]  # tied: the embedding
-        token_bytes = sum(f.size for f in files if f.role == "block") + lm_head.end - lm_head.begin
+        blocks_bytes = sum(f.size for f in files if f.role == "block")
+        measured_reads = runs[0]["span_bytes_per_token"]  # ggml counts what each step read (MoE: chosen experts)
+        token_bytes = (measured_reads or blocks_bytes) + lm_head.end - lm_head.begin
+        active_bytes = (runs[0]["span_active_bytes"] or blocks_bytes) + lm_head.end - lm_head.begin
         copy = copy_gb_s()
         bound = copy * 1e9 / token_bytes
-        log(f"bound: {token_bytes / 1e9:.2f} GB read per token, copy at {copy:.1f} GB/s -> {bound:.2f} tok/s "
-            f"(1 thread)")
+        log(f"bound: {token_bytes / 1e9:.2f} GB read per token (active parameters: {active_bytes / 1e9:.2f} GB; "
+            f"every block: {blocks_bytes / 1e9:.2f} GB), copy at {copy:.1f} GB/s -> {bound:.2f} tok/s (1 thread)")
         result = {
-            "runtime": runtime, "type": args.type, "threads": thread_counts, "params_b": round(params_b, 2),
+            "shape": args.shape, "experts": {"count": experts, "used": config["num_experts_per_tok"]} if experts else None,
+            "active_params_b": round(active_b, 2), "bytes_per_token_gb": round(token_bytes / 1e9, 3),
+            "active_gb": round(active_bytes / 1e9, 3),
+            "runtime": runtime, "type": kind, "threads": thread_counts, "params_b": round(params_b, 2),
             "import_s": round(import_s, 1), "import_peak_rss_mb": round(import_rss),
             "swarm_vs_llamacpp": min(r["swarm_vs_llamacpp"] for r in runs),
             "one_process_vs_llamacpp": min(r["one_process_vs_llamacpp"] for r in runs),
