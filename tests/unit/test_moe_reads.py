@@ -44,3 +44,18 @@ def test_a_decode_step_reads_at_most_the_active_parameters_and_a_prompt_each_exp
         steps.append(reads.last)
     assert all(step == reads.active_bytes(used) for step in steps)  # one token: exactly `used` distinct experts
     assert reads.forwards == 9 and reads.tokens == len(PROMPT) + 8
+
+
+def test_the_norms_file_holds_no_experts(tmp_path, monkeypatch):
+    """The norms file (what a private-mode consumer fetches with the head) keeps a block's
+    small tensors; a mixture's expert stacks and biases are most of its bytes and stay in
+    the block files only."""
+    from compushare.model.manifest import NORMS_FILE
+
+    monkeypatch.setenv("COMPUSHARE_CACHE", str(tmp_path / "cache"))
+    model = import_path(DATA / "tiny-gpt_oss-f32.gguf", tmp_path / "data", alias="oss")
+    [norms] = [f for f in model.manifest.files if f.name == NORMS_FILE]
+    assert norms.tensors and not [name for name in norms.tensors if ".mlp.experts." in name]
+    assert "model.layers.0.self_attn.sinks" in norms.tensors
+    blocks = {name for f in model.manifest.files if f.role == "block" for name in f.tensors}
+    assert "model.layers.0.mlp.experts.gate_proj_bias" in blocks and "model.layers.3.mlp.experts.down_proj" in blocks

@@ -51,9 +51,10 @@ def block_of(tensor_name: str) -> int | None:
 
 def is_norms_tensor(tensor_name: str) -> bool:
     """A block's tensor other than its weight matrices (a `*_proj.weight` and its
-    quantized parts): what NORMS_FILE holds and a private-mode consumer runs with."""
+    quantized parts) and a mixture's experts (their 3-D stacks and biases, most of the
+    model's bytes): what NORMS_FILE holds and a private-mode consumer runs with."""
     base = base_name(tensor_name)
-    return block_of(base) is not None and not base.endswith("_proj.weight")
+    return block_of(base) is not None and not base.endswith("_proj.weight") and ".mlp.experts." not in base
 
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
