@@ -1,7 +1,10 @@
 """ggml spans among node processes: spot checks catch a lying ggml server (one that
 lies by less than the format's tolerance too: two servers of one ggml build computing
-the same forwards answer bit for bit), and a chain that mixes ggml and torch spans of
-one GGUF model passes them."""
+the same forwards answer bit for bit), a chain that mixes ggml and torch spans of
+one GGUF model passes them, and mixtures of experts' chains pass them bit for bit."""
+
+import json
+from pathlib import Path
 
 import pytest
 import trio
@@ -101,3 +104,40 @@ async def test_a_chain_mixing_ggml_and_torch_spans_passes_its_spot_checks(proces
     assert outcome.exact_checks == 0  # torch against ggml: the format's tolerance
     assert {h.peer_id for h in outcome.route} & {b["peer_id"], c["peer_id"]}
     assert not (tmp_path / "client" / "reports").exists() or not list((tmp_path / "client" / "reports").iterdir())
+
+
+MOE_FIXTURES = Path(__file__).resolve().parents[1] / "data" / "gguf"
+RECORDED = json.loads((MOE_FIXTURES / "llamacpp_tokens.json").read_text())["files"]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_moe-f32.gguf", "tiny-gpt_oss-f32.gguf"])
+async def test_a_moe_chain_with_a_replica_gives_llamacpps_tokens_checked_bit_for_bit(processes, tmp_path,
+                                                                                     monkeypatch, name):
+    """A mixture of experts on ggml spans, as users run one: 0:2 and two servers of 2:4
+    (the replica checks every other step bit for bit and stands by, fed every step), the
+    unchecked steps going straight through; the tokens are llama.cpp's own. Then the
+    same chain with speculation: verify passes of several tokens, checked in the same
+    forwards, still exact."""
+    monkeypatch.setenv("COMPUSHARE_CACHE", str(tmp_path / "cache"))
+    path = MOE_FIXTURES / name
+    import_path(path, tmp_path / "client", alias="moe")
+    _, first = processes.node("a", path, "0:2", alias="moe")
+    boot = first["addrs"][:1]
+    b, c = (processes.node(node, path, "2:4", alias="moe", bootstrap=boot, wait=False)[0] for node in "bc")
+    processes.ready("b", b), processes.ready("c", c)
+    expected = RECORDED[name]
+    for speculate in (False, True):
+        async with Consumer.connect(tmp_path / "client", tuple(boot), "moe", text_prompts=False,
+                                    spot_check_rate=0.5) as consumer:
+            with trio.fail_after(120):
+                outcome = await consumer.generate(RunRequest(
+                    model="moe", prompt=expected["prompt"], speculate=speculate, standby=True,
+                    params=SamplingParams(max_new_tokens=TOKENS, stop_at_eos=False)))
+        assert outcome.failovers == [] and outcome.reports == []
+        assert outcome.checks > 0 and outcome.exact_checks == outcome.checks  # one build, the same forwards
+        assert [(h.start, h.end) for h in outcome.route] == [(0, 2), (2, 4)]
+        if not speculate:
+            assert outcome.tokens == expected["tokens"][:TOKENS]
+            assert outcome.direct_steps > 0
+        else:
+            assert len(outcome.tokens) == TOKENS
