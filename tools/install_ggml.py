@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.0.45"
+BUILD = "2"  # cmake_args' revision, in the cached wheel's key (2: llamafile's sgemm on)
 LLAMA_CPP_PYTHON = "0.3.36"  # whose vendored ggml the wheel is built over...
 GGML = "0.25.3"  # ...this one
 BUILD_TOOLS = ("scikit-build-core==1.1.2", "cmake==4.4.5", "ninja==1.13.2")
@@ -60,12 +61,16 @@ def cpu_key() -> str:
                       if line.startswith("model name")), "")
     except OSError:
         pass
-    text = "|".join([VERSION, LLAMA_CPP_PYTHON, platform.machine(), model, *sorted(cpu_flags())])
+    text = "|".join([VERSION, LLAMA_CPP_PYTHON, BUILD, platform.machine(), model, *sorted(cpu_flags())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cmake_args(variant: str) -> str:
-    common = ["-DGGML_OPENMP=OFF", "-DGGML_CCACHE=OFF"]
+    # GGML_LLAMAFILE: llama.cpp's own build turns on llamafile's sgemm (its CMake sets the
+    # default; ggml built alone leaves it off), which computes multi-row products of
+    # Q8_0 / Q4_0 / F16 / F32 weights: without it a prompt through a Q8_0 matrix rounds
+    # otherwise than llama.cpp (measured: gpt-oss's Q8_0 attention, logits 0.04 apart).
+    common = ["-DGGML_OPENMP=OFF", "-DGGML_CCACHE=OFF", "-DGGML_LLAMAFILE=ON"]
     if variant == "native":
         return " ".join(["-DGGML_NATIVE=ON", *common])
     flags = cpu_flags()

@@ -27,19 +27,27 @@ def stored_shapes(model_dir: Path, start: int, end: int) -> dict[str, tuple[int,
     return shapes
 
 
+NUMPY_DTYPES = {"U8": np.uint8, "F32": np.float32}  # what a gguf model's block files hold
+
+
 def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, config=None) -> GgmlSpan:
     """`config`: the model's own unless given (tests give one that lies)."""
     config = config if config is not None else config_fields(model_dir)
     types = dict(stored_format(model_dir).types)
-
-    files = tensor_files(model_dir)
+    manifest = parse((Path(model_dir) / MANIFEST_FILE).read_bytes())
 
     def one_layer(index: int):
+        # A tensor at a time, read straight into one array from the byte range the
+        # manifest gives (safetensors' reader holds a tensor twice: an MoE's expert stack
+        # is 141 MB), so what loading holds beyond the span is one matrix.
         prefix = f"model.layers.{index}."
-        for path in files:  # a tensor at a time: what loading holds beyond the span is one matrix
-            with safe_open(str(path), framework="numpy") as handle:
-                for name in span_tensor_names(list(handle.keys()), index, index + 1):
-                    yield name[len(prefix):], handle.get_tensor(name)
+        for entry in manifest.files:
+            if entry.role != "block" or entry.block != index:
+                continue
+            for name in span_tensor_names(list(entry.tensors), index, index + 1):
+                tensor = entry.tensors[name]
+                raw = gguf_native.read_rows(Path(model_dir) / entry.name, tensor.begin, (tensor.end - tensor.begin,))
+                yield name[len(prefix):], raw.view(NUMPY_DTYPES[tensor.dtype]).reshape(tensor.shape)
 
     return GgmlSpan(config, start, end, one_layer, types, stored_shapes(model_dir, start, end), threads=threads)
 
