@@ -172,3 +172,13 @@ def test_an_unsupported_architecture_is_refused_before_conversion(tmp_path, monk
             import_path(path, tmp_path / "data", alias="nope", fmt=fmt)
         assert all(family.title in str(refused.value) for family in FAMILIES.values())
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral-f32.gguf", "tiny-qwen3_moe-f32.gguf"])
+@pytest.mark.parametrize("fmt", ["q4", "fp32"])
+def test_a_moe_file_is_kept_as_it_comes(name, fmt, tmp_path):
+    """A mixture of experts' GGUF (a Mixtral's written as a "llama" file with experts) is
+    not converted: its experts run on ggml as stored, and nothing is written."""
+    with pytest.raises(UsageError, match="mixture of experts' GGUF file is kept as it comes"):
+        import_path(DATA / name, tmp_path / "data", alias="moe", fmt=fmt)
+    assert not (tmp_path / "cache").exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config import resolve_cache_dir
 from ..errors import ModelUnavailable, UsageError
 from . import sources
-from .families import Family, family_of_config, family_of_gguf, read_config
+from .families import FAMILIES, Family, family_of_config, family_of_gguf, read_config
 from .formats import QUANTIZER_VERSION, WeightFormat, parse_format
 from .layout import lay_out
 from .store import MANIFEST_FILE, ModelStore, StoredModel
@@ -137,7 +137,11 @@ def check_servable(directory: Path, source: Path) -> None:
 def check_format_fits(family: Family, weights: WeightFormat | None, source: Path) -> None:
     """UsageError for our own quantization of a mixture of experts: the torch runtime
     quantizes 2-D projections, and an MoE's weight is in its 3-D experts. Quantized MoE
-    files are GGUF ones (llama.cpp's quantizer), served on ggml as they come."""
+    files are GGUF ones (llama.cpp's quantizer), served on ggml as they come, and kept
+    so (the torch runtime reads an MoE from a Hugging Face checkpoint only)."""
+    if family.moe and weights is not None and source.suffix == ".gguf":
+        raise UsageError(f"{source}: a mixture of experts' GGUF file is kept as it comes (its experts run on ggml); "
+                         f"--format {weights.label} converts only dense models' files")
     if family.moe and weights is not None and weights.name not in ("fp32", "bf16"):
         raise UsageError(f"{source}: {family.title} is not converted to {weights.label}: a quantized mixture of "
                          f"experts is imported as a GGUF file (llama.cpp's llama-quantize makes one) and runs on ggml")
@@ -156,12 +160,14 @@ def import_path(path: Path, data_dir: Path, alias: str | None = None, *,
     if fmt == KEEP_GGUF and gguf_file is None:
         raise UsageError("--format gguf keeps a GGUF file's own tensors: give a .gguf file")
     if gguf_file is not None:  # refused from its header, before any conversion
-        from .gguf_config import architecture
+        from .gguf_config import architecture, expert_count
 
         try:
             family = family_of_gguf(architecture(gguf_file))
         except ModelUnavailable as exc:
             raise UsageError(f"{gguf_file} not imported, as no node could serve it: {exc}") from exc
+        if not family.moe and expert_count(gguf_file):  # a Mixtral is written as a "llama" file with experts
+            family = FAMILIES["mixtral"]
     weights: WeightFormat | None = parse_format(fmt) if fmt not in (None, KEEP_GGUF) else None
     if gguf_file is not None:
         check_format_fits(family, weights, gguf_file)

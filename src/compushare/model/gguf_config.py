@@ -139,9 +139,6 @@ def _moe_fields(config: dict, arch: str, get, model_type: str, window: int | Non
                        intermediate_size=int(expert_ff), sliding_window=window,
                        layer_types=gemma_layer_types(get("attention.sliding_window_pattern", GPT_OSS_PATTERN),
                                                      config["num_hidden_layers"], window))
-    for key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
-        if key not in config or config.get(key) is None:
-            config.pop(key, None)
     return config
 
 
