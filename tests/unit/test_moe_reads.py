@@ -59,3 +59,15 @@ def test_the_norms_file_holds_no_experts(tmp_path, monkeypatch):
     assert "model.layers.0.self_attn.sinks" in norms.tensors
     blocks = {name for f in model.manifest.files if f.role == "block" for name in f.tensors}
     assert "model.layers.0.mlp.experts.gate_proj_bias" in blocks and "model.layers.3.mlp.experts.down_proj" in blocks
+
+
+@pytest.mark.parametrize("used", [0, 9, "2"])
+def test_a_config_asking_for_experts_it_lacks_is_refused_before_ggml(used):
+    """ggml aborts the process on a top-k past its experts: the recipe refuses such a
+    config (one a publisher wrote) with an error instead."""
+    from compushare.spans.ggml.recipe import recipe_of
+    from tiny_families import tiny_config
+
+    bad = tiny_config("qwen3_moe").to_dict() | {"num_experts_per_tok": used}
+    with pytest.raises(ValueError, match="experts a token of"):
+        recipe_of(bad)

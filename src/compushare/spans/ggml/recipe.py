@@ -178,6 +178,10 @@ def recipe_of(config) -> Recipe:
     experts = None
     if family.moe:
         count = _get(config, "num_experts") or _get(config, "num_local_experts")
+        used = _get(config, "num_experts_per_tok")
+        if not (isinstance(count, int) and isinstance(used, int) and 1 <= used <= count):
+            # ggml would abort the process on a top-k past its experts: a config comes from its publisher
+            raise ValueError(f"{used!r} experts a token of {count!r}: not a mixture of experts ggml can run")
         gpt_oss = family.name == "gpt_oss"
         experts = Experts(int(count), int(_get(config, "num_experts_per_tok")),
                           gating=SOFTMAX_WEIGHT if gpt_oss else SOFTMAX, normalise=not gpt_oss, swiglu_oai=gpt_oss,
