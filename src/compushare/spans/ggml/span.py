@@ -160,7 +160,7 @@ class GgmlSpan:
             self.weights.free()
             raise
         self.weight_bytes = self.weights.nbytes
-        self.reads = WeightReads(*self._layer_bytes())
+        self.reads = WeightReads.of(self.weights)
         self.format_label = "gguf"
         self.backend = ggml.ggml_backend_cpu_init()
         if not self.backend:
@@ -191,42 +191,13 @@ class GgmlSpan:
             for name, shape in expected.items():
                 _expect(self.weights.get(p + name + ".weight"), shape, p + name)
             if r.experts:
-                self._check_experts(p)
+                check_experts(self.weights, r, p)
                 continue
             down = self.weights.get(p + "mlp.down_proj.weight")
             _expect(down, (down.contents.ne[0] if down else 0, r.hidden), p + "mlp.down_proj")
             ff = down.contents.ne[0]
             for name in ("mlp.gate_up_proj",) if r.fused else ("mlp.gate_proj", "mlp.up_proj"):
                 _expect(self.weights.get(p + name + ".weight"), (r.hidden, 2 * ff if r.fused else ff), p + name)
-
-    def _layer_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
-        """({layer prefix: bytes every forward reads}, {layer prefix: bytes of one expert})."""
-        dense: dict[str, int] = {}
-        expert: dict[str, int] = {}
-        for name, tensor in self.weights.tensors.items():
-            if not name.startswith("model.layers."):
-                continue
-            prefix = name[:name.index(".", len("model.layers.")) + 1]
-            size = int(ggml.ggml_nbytes(tensor))
-            if ".mlp.experts." in name and not name.endswith("_bias"):  # a stack: one expert is 1 / count of it
-                expert[prefix] = expert.get(prefix, 0) + size // int(tensor.contents.ne[2])
-            else:
-                dense[prefix] = dense.get(prefix, 0) + size
-        return dense, expert
-
-    def _check_experts(self, p: str) -> None:
-        r, count = self.recipe, self.recipe.experts.count
-        router = "mlp.router" if r.sinks else "mlp.gate"
-        _expect(self.weights.get(p + router + ".weight"), (r.hidden, count), p + router)
-        down = self.weights.get(p + "mlp.experts.down_proj")
-        ff = down.contents.ne[0] if down else 0
-        _expect(down, (ff, r.hidden, count), p + "mlp.experts.down_proj")
-        for name in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):
-            _expect(self.weights.get(p + name), (r.hidden, ff, count), p + name)
-        for name, rows in (("gate_proj_bias", ff), ("up_proj_bias", ff), ("down_proj_bias", r.hidden)):
-            bias = self.weights.get(p + "mlp.experts." + name)
-            if bias is not None:
-                _expect(bias, (rows, count), p + "mlp.experts." + name)
 
     def _stored(self, index: int, state: Iterable[tuple[str, np.ndarray]]):
         """(full name, array) of layer `index`'s tensors as the file held them."""
@@ -400,6 +371,23 @@ class WeightReads:
         self.forwards = 0
         self.last = 0  # read by the last forward
 
+    @classmethod
+    def of(cls, weights) -> WeightReads:
+        """From a span's weights: each layer's dense bytes, and one expert's (a stack's
+        bytes over its experts)."""
+        dense: dict[str, int] = {}
+        expert: dict[str, int] = {}
+        for name, tensor in weights.tensors.items():
+            if not name.startswith("model.layers."):
+                continue
+            prefix = name[:name.index(".", len("model.layers.")) + 1]
+            size = int(ggml.ggml_nbytes(tensor))
+            if ".mlp.experts." in name and not name.endswith("_bias"):
+                expert[prefix] = expert.get(prefix, 0) + size // int(tensor.contents.ne[2])
+            else:
+                dense[prefix] = dense.get(prefix, 0) + size
+        return cls(dense, expert)
+
     def count(self, layers: list[str], routes: list, tokens: int) -> None:
         """One forward through `layers` (prefixes) whose MoE layers chose `routes`."""
         read = sum(self.dense[prefix] for prefix in layers)
@@ -414,6 +402,22 @@ class WeightReads:
     def active_bytes(self, used: int) -> int:
         """Bytes of the span's active parameters: every dense tensor and `used` experts a layer."""
         return sum(self.dense.values()) + used * sum(self.expert.values())
+
+
+def check_experts(weights, r, p: str) -> None:
+    """Layer `p`'s router, expert stacks and biases are the shapes recipe `r` says."""
+    count = r.experts.count
+    router = "mlp.router" if r.sinks else "mlp.gate"
+    _expect(weights.get(p + router + ".weight"), (r.hidden, count), p + router)
+    down = weights.get(p + "mlp.experts.down_proj")
+    ff = down.contents.ne[0] if down else 0
+    _expect(down, (ff, r.hidden, count), p + "mlp.experts.down_proj")
+    for name in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):
+        _expect(weights.get(p + name), (r.hidden, ff, count), p + name)
+    for name, rows in (("gate_proj_bias", ff), ("up_proj_bias", ff), ("down_proj_bias", r.hidden)):
+        bias = weights.get(p + "mlp.experts." + name)
+        if bias is not None:
+            _expect(bias, (rows, count), p + "mlp.experts." + name)
 
 
 def _expect(tensor, shape: tuple[int, ...], name: str) -> None:
