@@ -333,9 +333,9 @@ def test_head_refuses_an_unsupported_architecture(tmp_path):
 
     path = make_tiny_llama(tmp_path / "other", layers=1)
     config = json.loads((path / "config.json").read_text())
-    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    config.update(architectures=["FalconForCausalLM"], model_type="falcon")
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelUnavailable, match="unsupported architecture MixtralForCausalLM: CompuShare serves "
+    with pytest.raises(ModelUnavailable, match="unsupported architecture FalconForCausalLM: CompuShare serves "
                                                "Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 2"):
         ConsumerHead.load(path)
 

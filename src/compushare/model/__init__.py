@@ -15,6 +15,7 @@
   tokenizer.py a stored model's tokenizer, its end-of-sequence ids, prompts encoded
   private_layers.py  private mode: every decoder layer on the consumer, projections asked of others
   families.py  pure: the model families served (one table) and what differs in each
+  experts.py   a mixture of experts' per-expert Hub matrices stacked as transformers' modules hold them
   arch.py      a family's transformers classes; configs loaded for them
   manifest.py  pure: what a model is made of, piece by piece (its hash is the model id)
   layout.py    a Hugging Face directory laid out the way the store and the swarm hold it, streamed

@@ -5,7 +5,7 @@ Mixtral: block_sparse_moe.experts.E.w1); transformers' modules hold each layer's
 as two 3-D parameters, gate and up rows stacked ([E, 2 I, H]) and down ([E, H, I]), and
 convert on load. A span reads its layers itself (model/blocks.py), so it converts the
 same way here: stack in expert order, gate rows before up rows, values unchanged. gpt-oss
-checkpoints store the 3-D form already. Pure: torch tensors in, torch tensors out.
+checkpoints store the 3-D form already. Torch tensors in, torch tensors out (no I/O).
 """
 
 from __future__ import annotations
