@@ -26,7 +26,7 @@ from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.pipeline.private_wire import KEYS_CHUNK, MAX_FRAME_BYTES, PRIVATE_PROTOCOL
 from compushare.proofs.private import PrivateFailureReport
-from helpers import reference_greedy
+from helpers import dashboard, reference_greedy, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -234,6 +234,13 @@ async def test_private_failover_and_a_lying_provider(processes, tiny_model, tmp_
     honest = [processes.node(name, tiny_model, "2:4", bootstrap=boot, wait=False)[0] for name in ("c", "d")]
     liar_state = processes.ready("liar", liar)
     honest_states = [processes.ready(name, p) for name, p in zip(("c", "d"), honest)]
+    servers = {liar_state["peer_id"]} | {state["peer_id"] for state in honest_states}
+
+    def all_three_in_view() -> bool:  # A's view, which the consumer learns: a liar not in it is never asked
+        return servers <= {peer["peer_id"] for peer in dashboard(processes.root / "a", a)["peers"]
+                           for serving in peer["serving"] if serving["state"] == "serving" and serving["start"] == 2}
+
+    wait_until(all_three_in_view, "A's view shows the liar and both honest servers of 2:4 serving")
     client = tmp_path / "client"
     import_path(tiny_model, client, alias="tiny")
     prompt = [1, 9, 8, 7, 6]
