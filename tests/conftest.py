@@ -73,6 +73,21 @@ def worded_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+    """Qwen2.5's tokenizer (151,665 tokens) and chat template (tests/data/tokenizers)."""
+    from helpers import unpack_qwen_tokenizer
+
+    return unpack_qwen_tokenizer(tmp_path_factory.mktemp("qwen-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
 def other_tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "model", seed=1)
 

@@ -61,6 +61,23 @@ def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = TINY_LAYERS, tie
     return path
 
 
+QWEN_TOKENIZER = Path(__file__).resolve().parent / "data" / "tokenizers" / "qwen2.5"
+QWEN_VOCAB = 151936  # Qwen2.5's models: the tokenizer's 151,665 tokens, padded
+
+
+def unpack_qwen_tokenizer(path: Path) -> Path:
+    """Qwen2.5's tokenizer files in `path` (tokenizer.json is kept compressed)."""
+    import lzma
+    import shutil
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(QWEN_TOKENIZER / name, path / name)
+    with lzma.open(QWEN_TOKENIZER / "tokenizer.json.xz", "rb") as packed:
+        (path / "tokenizer.json").write_bytes(packed.read())
+    return path
+
+
 def reference_model(model_dir: Path, **kwargs):
     """transformers' float32 model of a checkpoint, its weights in storage of their own:
     torch's float32 products round by the weights' alignment, and a checkpoint's mapped

@@ -34,6 +34,7 @@ from ...torrent.service import Torrent
 from .chain import Failover, open_chain
 from .discovery import name_from_swarm, peer_ids_of
 from .generate import GenerateStats, Scoring, generate
+from .grammar import Constraint, check_grammar, grammar_tokenizer
 from .planner import SwarmPlanner
 from .produced import Piece, Produced
 from .routing import Hop
@@ -64,6 +65,7 @@ class RunRequest:
     adapter: Path | None = None  # a LoRA adapter (PEFT directory or .safetensors) every server applies
     stop: tuple[str, ...] = ()  # the reply ends before the first of these (produced.py)
     logprobs: int | None = None  # each token's log-probability, with this many likeliest alternatives
+    grammar: str | None = None  # llguidance's grammar the output must follow (grammar.py)
 
 
 @dataclasses.dataclass
@@ -190,8 +192,12 @@ def private_fetch(model) -> dict | None:
     return None if model.holds(blocks=blocks) else {"blocks": blocks}
 
 
-def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, request: RunRequest) -> RunOutcome:
+def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, request: RunRequest,
+               constraint: Constraint | None = None) -> RunOutcome:
     times, private = produced.times, request.private
+    finish_reason = produced.finish_reason(request.params.max_new_tokens)
+    if constraint is not None and not constraint.complete:
+        finish_reason = "length"  # ended inside an unfinished structure (a stop sequence, the limit)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     core = None if private else chain.core
     return RunOutcome(
@@ -210,14 +216,15 @@ def outcome_of(chain, produced: Produced, began: float, stats: GenerateStats, re
         exact_checks=0 if core is None else core.exact_checks,
         standby_takeovers=0 if core is None else core.standby_takeovers,
         passes=stats.passes, drafted=stats.drafted, accepted=stats.accepted,
-        finish_reason=produced.finish_reason(request.params.max_new_tokens), logprobs=produced.logprobs,
+        finish_reason=finish_reason, logprobs=produced.logprobs,
     )
 
 
-def output_hooks(request: RunRequest, produced: Produced) -> dict:
-    """generate()'s hooks for what `request` asks of the output: stop sequences, log-probabilities."""
+def output_hooks(request: RunRequest, produced: Produced, constraint: Constraint | None) -> dict:
+    """generate()'s hooks for what `request` asks of the output: stop sequences,
+    log-probabilities, a grammar."""
     scoring = None if request.logprobs is None else Scoring(request.logprobs, produced.score)
-    return {"until": produced.stopped if request.stop else None, "scoring": scoring}
+    return {"until": produced.stopped if request.stop else None, "scoring": scoring, "constraint": constraint}
 
 
 class Consumer:
@@ -236,6 +243,7 @@ class Consumer:
         self.karma = KarmaBook()  # shared too: scores are rechecked at most once a minute
         self.reports: list[Report] = []
         self._private: dict | None = None  # private mode's keys and local layers, made on first use
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made on first use
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -260,6 +268,7 @@ class Consumer:
         adapter = None if request.adapter is None else self.load_adapter(request.adapter, private=request.private)
         prompt_ids = prompt_ids_of(tokenizer, request)
         produced = Produced(tokenizer, on_token, on_text, stops=request.stop, on_piece=on_piece)
+        constraint = None if request.grammar is None else await self.constraint(request.grammar)
         max_tokens = len(prompt_ids) + request.params.max_new_tokens + MAX_DRAFT
         stats = GenerateStats()
         planner = SwarmPlanner(self.host, self.dht, model.model_id, model.num_blocks, needed_tokens=max_tokens,
@@ -273,7 +282,7 @@ class Consumer:
             nursery.start_soon(planner.refresh_loop)  # candidates stay fresh for failovers
             nursery.start_soon(planner.karma_loop)
             if request.private:
-                chain = await self._generate_private(route, planner, prompt_ids, request, produced)
+                chain = await self._generate_private(route, planner, prompt_ids, request, produced, constraint)
             else:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
@@ -282,14 +291,31 @@ class Consumer:
                                       fast_replay=request.fast_replay) as chain:
                     await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                                    on_token=produced.add, speculate=request.speculate, stats=stats,
-                                   **output_hooks(request, produced))
+                                   **output_hooks(request, produced, constraint))
             nursery.cancel_scope.cancel()
         produced.finish()
         if chain.route != route:
             on_route(chain.route)
         for report in chain.reports:
             await self._keep_report(report)
-        return outcome_of(chain, produced, began, stats, request)
+        return outcome_of(chain, produced, began, stats, request, constraint)
+
+    async def grammar_tokenizer(self):
+        """llguidance's view of this model's tokenizer (built once, off the event loop)."""
+        if self._grammar_tokenizer is None:
+            # The LM head's rows: a model's vocabulary may be padded beyond its tokenizer's.
+            vocab = max(int(self.model.manifest.config.get("vocab_size") or 0), len(self.tokenizer))
+            self._grammar_tokenizer = await trio.to_thread.run_sync(grammar_tokenizer, self.tokenizer, vocab,
+                                                                    self.eos)
+        return self._grammar_tokenizer
+
+    async def check_grammar(self, grammar: str) -> None:
+        """Raise UsageError where `grammar` cannot be enforced (before anything is sent)."""
+        check_grammar(grammar, await self.grammar_tokenizer())
+
+    async def constraint(self, grammar: str) -> Constraint:
+        tokenizer = await self.grammar_tokenizer()
+        return await trio.to_thread.run_sync(Constraint, tokenizer, grammar)
 
     def load_adapter(self, path: Path, *, private: bool = False) -> Adapter:
         """The LoRA adapter at `path`, refused (UsageError) unless made for this model
@@ -300,7 +326,7 @@ class Consumer:
         return adapter_file.load(path, model_id=self.model.model_id, config=load_config(self.model.path))
 
     async def _generate_private(self, route: list[Hop], planner: SwarmPlanner, prompt_ids: list[int],
-                                request: RunRequest, produced: Produced):
+                                request: RunRequest, produced: Produced, constraint: Constraint | None):
         from .private_chain import PrivateChain  # noqa: PLC0415  (transformers' layers: seconds)
 
         chain = PrivateChain(self.host, route, self.model.model_id, self._private["layers"],
@@ -310,7 +336,7 @@ class Consumer:
             await chain.open()
             await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                            on_token=produced.add, max_step_tokens=PRIVATE_STEP_TOKENS,
-                           **output_hooks(request, produced))
+                           **output_hooks(request, produced, constraint))
         finally:
             await chain.close()
         return chain

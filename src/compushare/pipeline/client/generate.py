@@ -10,6 +10,7 @@ import trio
 
 from ...model.head import ConsumerHead
 from .chain import InferenceChain
+from .grammar import Constraint, drafts_allowed
 from .sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 from .speculative import DraftLength, NgramDrafter, accept_greedy, accept_sampled
 
@@ -65,29 +66,34 @@ class _Output:
     limit, or `until` saying so: a stop sequence seen in the text)."""
 
     def __init__(self, params: SamplingParams, eos_ids: frozenset[int], on_token: Callable[[int], None] | None,
-                 until: Callable[[], bool] | None = None):
+                 until: Callable[[], bool] | None = None, constraint: Constraint | None = None):
         self.params, self.eos_ids, self.on_token, self.until = params, eos_ids, on_token, until
+        self.constraint = constraint
         self.produced: list[int] = []
 
     def emit(self, token: int) -> bool:
         """Hand `token` out; whether the generation is over."""
+        if self.constraint is not None:
+            self.constraint.take(token)
         self.produced.append(token)
         if self.on_token is not None:
             self.on_token(token)
         return ((self.params.stop_at_eos and token in self.eos_ids) or len(self.produced) >= self.params.max_new_tokens
-                or (self.until is not None and self.until()))
+                or (self.until is not None and self.until())
+                or (self.constraint is not None and self.constraint.finished))
 
 
 async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[int], params: SamplingParams,
                    *, eos_ids: frozenset[int] = frozenset(), max_step_tokens: int = 2048,
                    on_token: Callable[[int], None] | None = None, speculate: bool = False,
                    stats: GenerateStats | None = None, drafter=None, scoring: Scoring | None = None,
-                   until: Callable[[], bool] | None = None) -> list[int]:
+                   until: Callable[[], bool] | None = None, constraint: Constraint | None = None) -> list[int]:
     """Generate after `prompt_ids`. With `speculate` (a chain that can rewind), each
     pass verifies drafted tokens (speculative.py): the same tokens greedily, the same
     distribution when sampling, fewer passes where the text repeats itself. The
     drafter (`extend(tokens)`, `draft(k)`) is prompt lookup unless one is given.
-    `until` is asked after each token whether to stop there."""
+    `until` is asked after each token whether to stop there. A `constraint` masks the
+    logits before every choice, a verify pass's rows too (grammar.py)."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     sampler = Sampler(params)
@@ -97,13 +103,16 @@ async def generate(chain: InferenceChain, head: ConsumerHead, prompt_ids: list[i
     for offset in range(0, len(prompt_ids), max_step_tokens):  # chunked prefill
         chunk = prompt_ids[offset:offset + max_step_tokens]
         hidden = await chain.step(head.embed_tokens(chunk))
-    out = _Output(params, eos_ids, on_token, until)
+    out = _Output(params, eos_ids, on_token, until, constraint)
 
     def pick(h) -> int:
         logits = head.logits(h)
+        scored = logits.clone() if scoring is not None and constraint is not None else logits
+        if constraint is not None:
+            constraint.mask_(logits)
         token = sampler.choose(logits)
-        if scoring is not None:
-            scoring.emit(logprobs_of(logits[None], [token], scoring.top))
+        if scoring is not None:  # the model's own log-probabilities, before the mask
+            scoring.emit(logprobs_of(scored[None], [token], scoring.top))
         return token
 
     token = await run_head(pick, hidden)
@@ -136,12 +145,16 @@ async def _speculate(chain: InferenceChain, head: ConsumerHead, run_head: _Head,
 
         def verify(h, drafts=drafts) -> tuple[list[int], int]:
             rows = head.logits_rows(h)
+            scored = rows.clone() if scoring is not None and out.constraint is not None else rows
+            # Drafts the grammar forbids are rejected: the rows are masked as the
+            # one-token steps' logits would be, so the output is the same.
+            allowed = drafts if out.constraint is None else drafts_allowed(rows, drafts, out.constraint)
             if sampler.greedy:
-                emitted, kept = accept_greedy(rows, drafts)
+                emitted, kept = accept_greedy(rows, allowed)
             else:
-                emitted, kept = accept_sampled(sampler.distribution(rows), drafts, sampler.generator)
+                emitted, kept = accept_sampled(sampler.distribution(rows), allowed, sampler.generator)
             if scoring is not None:
-                scoring.emit(logprobs_of(rows, emitted, scoring.top))
+                scoring.emit(logprobs_of(scored, emitted, scoring.top))
             return emitted, kept
 
         emitted, kept = await run_head(verify, hidden)
