@@ -114,6 +114,8 @@ def test_messages_accept_text_parts_and_the_developer_role():
     with pytest.raises(UsageError, match="text content"):
         messages_to_ids(Words(), [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     with pytest.raises(UsageError, match="role"):
+        messages_to_ids(Words(), [{"role": "robot", "content": "x"}])
+    with pytest.raises(UsageError, match="no chat template"):  # a tool's result needs a template to be read
         messages_to_ids(Words(), [{"role": "tool", "content": "x"}])
 
 

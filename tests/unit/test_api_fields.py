@@ -28,12 +28,17 @@ ACCEPTED = {
     "logprobs": (True, {}), "top_logprobs": (2, {"logprobs": True}), "options": ({"temperature": 0}, {}),
     "system": ("be brief", {}), "raw": (True, {}), "private": (True, {}), "standby": (True, {}),
     "fast_replay": (True, {}), "adapter": ("style", {}), "route": (True, {}),
+    "response_format": ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}, {}),
+    "format": ({"type": "object"}, {}), "tools": ([{"type": "function", "function": {"name": "f"}}], {}),
+    "tool_choice": ("required", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    "parallel_tool_calls": (False, {}),
 }
+# A bad value of each accepted field that shapes the reply, refused naming the field.
+BAD_SHAPES = {"response_format": {"type": "yaml"}, "format": "xml", "tools": [{"type": "function"}],
+              "tool_choice": "sometimes", "parallel_tool_calls": "yes"}
 REFUSED = {"n": 2, "best_of": 3, "echo": True, "suffix": "end", "frequency_penalty": 0.5, "presence_penalty": 1,
-           "logit_bias": {"5": 1}, "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-           "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
-           "audio": {"voice": "x"}, "prediction": {"type": "content"}, "web_search_options": {}, "format": "json",
-           "think": True, "template": "{{ .Prompt }}", "context": [1, 2], "images": ["aGk="], "width": 64,
+           "logit_bias": {"5": 1}, "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["audio"],
+           "audio": {"voice": "x"}, "prediction": {"type": "content"}, "web_search_options": {}, "think": True, "template": "{{ .Prompt }}", "context": [1, 2], "images": ["aGk="], "width": 64,
            "height": 64, "steps": 4}
 
 
@@ -51,6 +56,10 @@ def test_each_field_does_what_the_table_says(api_name):
             if api_name == "POST /v1/completions" and field.name == "logprobs":
                 value = 2  # the legacy endpoint's integer
             parse(dict(base, **companions, **{field.name: value}))
+            if field.name in BAD_SHAPES:
+                with pytest.raises(BadField) as refused:
+                    parse(dict(base, **{field.name: BAD_SHAPES[field.name]}))
+                assert refused.value.param == field.name, (field.name, refused.value.param)
         elif field.handling == "ignored":
             assert parse(dict(base, **{field.name: "anything"})) == plain, field.name
         else:
@@ -70,6 +79,19 @@ def test_options_do_what_the_table_says():
             assert api.ollama_chat(body) == api.ollama_chat(BASE["POST /api/chat"]), field.name
         else:
             api.ollama_chat(body)
+
+
+def test_a_schema_and_tools_the_model_may_call_are_refused_together():
+    schema = {"type": "json_object"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(BadField, match="cannot be combined") as refused:
+        api.openai_chat(dict(BASE["POST /v1/chat/completions"], response_format=schema, tools=tools))
+    assert refused.value.param == "response_format"
+    shaped = api.openai_chat(dict(BASE["POST /v1/chat/completions"], response_format=schema, tools=tools,
+                                  tool_choice="none"))
+    assert shaped.shape.schema == {"type": "object"} and not shaped.shape.calls
+    with pytest.raises(BadField):
+        api.ollama_chat(dict(BASE["POST /api/chat"], format="json", tools=tools))
 
 
 def test_unknown_fields_are_refused_by_openai_and_ignored_by_ollama():

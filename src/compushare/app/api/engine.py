@@ -23,35 +23,55 @@ from ...pipeline.client.consumer import Consumer, RunOutcome, RunRequest
 from ...pipeline.client.produced import Piece
 from ...pipeline.client.routing import Hop
 from ...pipeline.client.spotcheck import DEFAULT_RATE
+from ...pipeline.client.grammar import json_schema_grammar
 from .requests import BadField, Generation
+from .structured import Shape
+from .tools import CallFormat, Tool, call_format, check_tool_request, template_messages, tools_grammar
 
 log = logging.getLogger(__name__)
 
 ADAPTERS_DIR = "adapters"  # in the data dir: the adapters API requests may name
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a file's name there: never a path
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name for system
 MAX_MESSAGES = 256
 
 
-def messages_to_ids(tokenizer, messages: object) -> list[int]:
-    """The model's chat template over OpenAI-style messages (raises UsageError)."""
+def messages_to_ids(tokenizer, messages: object, tools: tuple[Tool, ...] = ()) -> list[int]:
+    """The model's chat template over OpenAI-style messages, with the `tools` offered
+    (raises UsageError)."""
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
         raise UsageError(f"'messages' must be a list of 1..{MAX_MESSAGES} messages")
     clean = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(content, list):  # content parts: only text ones can be read by this model
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise UsageError("only text content parts are supported")
             content = "".join(p["text"] for p in content)
+        if content is None and calls and message.get("role") == "assistant":
+            content = ""  # a reply that only called tools
         if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(content, str):
             raise UsageError(f"each message needs a 'role' in {ROLES} and a string 'content'")
         role = "system" if message["role"] == "developer" else message["role"]
-        clean.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        if calls:
+            if not isinstance(calls, list) or role != "assistant":
+                raise UsageError("'tool_calls' must be a list, on assistant messages")
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name", "tool_name"):
+            if role == "tool" and isinstance(message.get(key), str):
+                entry[key] = message[key]
+        clean.append(entry)
+    clean = template_messages(clean)
     if tokenizer.chat_template:
-        encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=True)
+        extra = {"tools": [tool.spec for tool in tools]} if tools else {}
+        encoded = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **extra)
         return list(encoded["input_ids"])
+    if any(m["role"] == "tool" or "tool_calls" in m for m in clean):
+        raise UsageError("this model has no chat template: it cannot read tool calls or their results")
     return tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in clean) + "\nassistant:")
 
 
@@ -88,19 +108,23 @@ def adapters_for(data_dir: Path, model_id: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A generation made ready: the model's consumer, the prompt's tokens, the adapter."""
+    """A generation made ready: the model's consumer, the prompt's tokens, the adapter,
+    the grammar the reply follows and the format its tool calls come in."""
 
     consumer: Consumer
     model: str  # the name the request used (echoed in replies)
     prompt: list[int]
     adapter: Path | None = None
+    grammar: str | None = None
+    calls: CallFormat | None = None  # the reply is parsed for tool calls in this format
 
 
 def prompt_of(tokenizer, gen: Generation) -> list[int]:
-    """The prompt's tokens: chat messages through the template; a completion's text as
-    it is; Ollama's generate through the template (with its system message) unless raw."""
+    """The prompt's tokens: chat messages through the template (with the tools the
+    model may call); a completion's text as it is; Ollama's generate through the
+    template (with its system message) unless raw."""
     if gen.messages is not None:
-        return messages_to_ids(tokenizer, gen.messages)
+        return messages_to_ids(tokenizer, gen.messages, gen.shape.tools if gen.shape.calls else ())
     if isinstance(gen.prompt, list):
         if max(gen.prompt) >= len(tokenizer):
             raise BadField("prompt", f"token ids must be below the vocabulary's {len(tokenizer)}")
@@ -208,18 +232,40 @@ class ChatEngine:
         against the model (raises before any generation)."""
         name = gen.model or self.default_model
         consumer = await self.consumer(name)
+        shape = gen.shape
+        calls = call_format(consumer.tokenizer.chat_template) if shape.calls else None
+        try:
+            check_tool_request(calls, shape.tools, shape.choice)
+        except UsageError as exc:
+            raise BadField("tools", str(exc)) from None
         prompt = prompt_of(consumer.tokenizer, gen)
         path = None if gen.adapter is None else adapter_path(self.data_dir, gen.adapter)
         if path is not None:
             await trio.to_thread.run_sync(consumer.load_adapter, path)
-        return Prepared(consumer, name, prompt, path)
+        grammar = await self._grammar(consumer, shape, calls)
+        return Prepared(consumer, name, prompt, path, grammar, calls)
+
+    @staticmethod
+    async def _grammar(consumer: Consumer, shape: Shape, calls: CallFormat | None) -> str | None:
+        """The grammar the reply must follow, checked against the model's tokenizer."""
+        param = "tools" if calls is not None else shape.param
+        try:
+            if calls is not None:
+                grammar = tools_grammar(calls, shape.tools, shape.choice, shape.parallel)
+            else:
+                grammar = None if shape.schema is None else json_schema_grammar(shape.schema)
+            if grammar is not None:
+                await consumer.check_grammar(grammar)
+        except (UsageError, ValueError) as exc:
+            raise BadField(param, str(exc)) from None
+        return grammar
 
     async def run(self, prepared: Prepared, gen: Generation, on_piece: Callable[[Piece], None] = lambda _p: None,
                   on_route: Callable[[list[Hop]], None] = lambda _r: None) -> RunOutcome:
         request = RunRequest(model=prepared.model, prompt=prepared.prompt, params=gen.params, chat_template=False,
                              private=gen.private, standby=gen.standby, fast_replay=gen.fast_replay,
                              adapter=prepared.adapter, stop=gen.stop,
-                             logprobs=gen.logprobs)
+                             logprobs=gen.logprobs, grammar=prepared.grammar)
         return await prepared.consumer.generate(request, on_piece=on_piece, on_route=on_route)
 
 

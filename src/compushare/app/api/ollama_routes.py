@@ -27,6 +27,7 @@ from .engine import ChatEngine, Prepared, reply_extension, token_text
 from .openai_routes import failure, read_json
 from .requests import OLLAMA_DEFAULT_TAG, BadField, Generation, ollama_chat, ollama_generate
 from .streaming import answer
+from .tools import CallStream, ToolCall, call_format
 
 
 def ollama_error(exc: BaseException) -> JSONResponse:
@@ -80,35 +81,56 @@ class OllamaReply:
                               "top_logprobs": [{"token": token_text(tokenizer, t), "logprob": lp}
                                                for t, lp in s.top]} for s in scored]}
 
-    def message(self, text: str, scored: list[TokenLogprob], done: bool) -> dict:
+    def message(self, text: str, scored: list[TokenLogprob], done: bool, calls: list[ToolCall] = (),
+                first_call: int = 0) -> dict:
         body: dict = {"model": self.prepared.model, "created_at": _now()}
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
+            if calls:
+                body["message"]["tool_calls"] = [call.ollama(first_call + i) for i, call in enumerate(calls)]
         else:
             body["response"] = text
         return {**body, "done": done, **self.logprobs(scored)}
 
     def body(self, outcome: RunOutcome) -> dict:
         """The whole reply, not streamed."""
-        return self.final(outcome, outcome.text, outcome.logprobs)
+        text, calls = outcome.text, []
+        if self.prepared.calls is not None:
+            text, calls = self.prepared.calls.parse(outcome.text, self.gen.shape.tools)
+        return self.final(outcome, text, outcome.logprobs, calls)
 
-    def final(self, outcome: RunOutcome, text: str, scored: list[TokenLogprob]) -> dict:
+    def final(self, outcome: RunOutcome, text: str, scored: list[TokenLogprob], calls: list[ToolCall] = ()) -> dict:
         total = time.perf_counter_ns() - self.began
         first = int(outcome.first_token_s * 1e9)
-        body = dict(self.message(text, scored, True),
+        body = dict(self.message(text, scored, True, calls),
                     done_reason=outcome.finish_reason, total_duration=total, load_duration=0,
                     prompt_eval_count=len(self.prepared.prompt), prompt_eval_duration=first,
                     eval_count=len(outcome.tokens), eval_duration=max(0, total - first))
         return body | reply_extension(self.prepared, self.gen, outcome)
 
     async def produce(self, to_client: trio.MemorySendChannel[bytes]) -> None:
+        stream = None if self.prepared.calls is None else CallStream(self.prepared.calls, self.gen.shape.tools)
+        sent = 0  # calls handed out: Ollama streams each call whole, once complete
+
+        def send(events: list[tuple], scored: list[TokenLogprob]) -> None:
+            nonlocal sent
+            text = "".join(event[1] for event in events if event[0] == "content")
+            calls = stream.calls[sent:] if stream is not None else []
+            if text or calls or scored:
+                to_client.send_nowait(_line(self.message(text, scored, False, calls, sent)))
+            sent += len(calls)
+
         def on_piece(piece: Piece) -> None:
-            if piece.text or piece.logprob is not None:
-                to_client.send_nowait(_line(self.message(piece.text, [piece.logprob] if piece.logprob else [],
-                                                         False)))
+            scored = [piece.logprob] if piece.logprob else []
+            if stream is not None:
+                send(stream.feed(piece.text), scored)
+            elif piece.text or piece.logprob is not None:
+                to_client.send_nowait(_line(self.message(piece.text, scored, False)))
 
         try:
             outcome = await self.run(on_piece)
+            if stream is not None:
+                send(stream.finish()[0], [])
             to_client.send_nowait(_line(self.final(outcome, "", [])))
         except Exception as exc:  # the status line is sent already: the error goes in the stream
             to_client.send_nowait(ollama_error(exc).body + b"\n")
@@ -178,10 +200,17 @@ async def show(engine: ChatEngine, request: Request) -> Response:
     template = ""
     with contextlib.suppress(OSError, ValueError):
         template = json.loads((model.path / "tokenizer_config.json").read_text()).get("chat_template") or ""
+    with contextlib.suppress(OSError):  # transformers 5 keeps it in a file of its own
+        template = template or (model.path / "chat_template.jinja").read_text()
     return JSONResponse({"modelfile": f"# served by CompuShare: model {model.model_id}\n", "parameters": "",
                          "template": template if isinstance(template, str) else "", "details": _details(model),
-                         "model_info": info, "capabilities": ["completion"],
+                         "model_info": info, "capabilities": _capabilities(template),
                          "modified_at": _now()})
+
+
+def _capabilities(template: object) -> list[str]:
+    """Ollama's capabilities of a model: "tools" where its template shows tool calls."""
+    return ["completion"] + (["tools"] if isinstance(template, str) and call_format(template) else [])
 
 
 async def version(engine: ChatEngine, request: Request) -> Response:

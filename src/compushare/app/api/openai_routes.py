@@ -26,6 +26,7 @@ from ...pipeline.client.produced import Piece
 from ...pipeline.client.sampling import TokenLogprob
 from .engine import ChatEngine, Prepared, describe_hops, reply_extension, token_text
 from .requests import BadField, Generation, openai_chat, openai_completion
+from .tools import CallStream
 from .streaming import answer
 
 log = logging.getLogger(__name__)
@@ -111,21 +112,31 @@ class OpenAIReply:
                 "top_logprobs": [{token_text(self.tokenizer, t): lp for t, lp in s.top} for s in scored],
                 "text_offset": offsets}
 
+    def finish_reason(self, outcome: RunOutcome, calls: list) -> str:
+        return "tool_calls" if calls and outcome.finish_reason == "stop" else outcome.finish_reason
+
     def body(self, outcome: RunOutcome) -> dict:
         """The whole reply, not streamed."""
-        choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": self.logprobs(outcome.logprobs)}
+        calls = []
+        choice = {"index": 0, "logprobs": self.logprobs(outcome.logprobs)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": outcome.text}
+            content, calls = outcome.text, []
+            if self.prepared.calls is not None:
+                content, calls = self.prepared.calls.parse(outcome.text, self.gen.shape.tools)
+            choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = [call.openai() for call in calls]
         else:
             choice["text"] = outcome.text
+        choice["finish_reason"] = self.finish_reason(outcome, calls)
         return {**self._head(), "choices": [choice], "usage": self.usage(outcome), **self.extension(outcome)}
 
     def chunk(self, text: str | None, scored: list[TokenLogprob], reason: str | None = None,
-              extra: dict | None = None, role: bool = False) -> bytes:
+              extra: dict | None = None, role: bool = False, delta: dict | None = None) -> bytes:
         choice: dict = {"index": 0, "logprobs": self.logprobs(scored, [text or ""]) if scored else None,
                         "finish_reason": reason}
         if self.chat:
-            choice["delta"] = ({"role": "assistant", "content": ""} if role else
+            choice["delta"] = (delta if delta is not None else {"role": "assistant", "content": ""} if role else
                                {} if text is None else {"content": text})
         else:
             choice["text"] = text or ""
@@ -133,10 +144,33 @@ class OpenAIReply:
         head = dict(self._head(), object="chat.completion.chunk" if self.chat else "text_completion")
         return _event({**head, "choices": [choice], **usage, **(extra or {})})
 
+    def call_chunks(self, events: list[tuple], scored: list[TokenLogprob]) -> list[bytes]:
+        """A tool-call stream's events as chunks: content, a call's start, its arguments."""
+        chunks = []
+        for event in events:
+            if event[0] == "content":
+                delta: dict = {"content": event[1]}
+            elif event[0] == "call":
+                call = event[2].openai()
+                delta = {"tool_calls": [{"index": event[1], **call}]}
+            else:
+                delta = {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
+            chunks.append(self.chunk(None, scored, delta=delta))
+            scored = []
+        if scored:
+            chunks.append(self.chunk(None, scored, delta={}))
+        return chunks
+
     async def produce(self, to_client: trio.MemorySendChannel[bytes]) -> None:
+        stream = None if self.prepared.calls is None else CallStream(self.prepared.calls, self.gen.shape.tools)
+
         def on_piece(piece: Piece) -> None:
-            if piece.text or piece.logprob is not None:
-                to_client.send_nowait(self.chunk(piece.text, [piece.logprob] if piece.logprob else []))
+            scored = [piece.logprob] if piece.logprob else []
+            if stream is not None:
+                for chunk in self.call_chunks(stream.feed(piece.text), scored):
+                    to_client.send_nowait(chunk)
+            elif piece.text or piece.logprob is not None:
+                to_client.send_nowait(self.chunk(piece.text, scored))
 
         def on_route(route) -> None:
             if self.gen.route:
@@ -147,7 +181,13 @@ class OpenAIReply:
             to_client.send_nowait(self.chunk(None, [], role=True))
         try:
             outcome = await self.run(on_piece, on_route)
-            to_client.send_nowait(self.chunk(None, [], outcome.finish_reason, self.extension(outcome)))
+            calls = []
+            if stream is not None:
+                events, _, calls = stream.finish()
+                for chunk in self.call_chunks(events, []):
+                    to_client.send_nowait(chunk)
+            reason = self.finish_reason(outcome, calls)
+            to_client.send_nowait(self.chunk(None, [], reason, self.extension(outcome)))
             if self.gen.include_usage:
                 head = dict(self._head(), object="chat.completion.chunk" if self.chat else "text_completion")
                 to_client.send_nowait(_event({**head, "choices": [], "usage": self.usage(outcome)}))

@@ -17,20 +17,13 @@ import math
 from ...errors import UsageError
 from ...pipeline.client.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from ...pipeline.client.stops import MAX_STOP_CHARS, MAX_STOPS
+from .structured import BadField, Shape, ollama_shape, openai_shape
 
 MAX_NEW_TOKENS = 4096
 DEFAULT_NEW_TOKENS = 256  # OpenAI endpoints without max_tokens
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' integer `logprobs`
 OLLAMA_TEMPERATURE, OLLAMA_TOP_P = 0.8, 0.9  # Ollama's defaults, for clients that rely on them
 OLLAMA_DEFAULT_TAG = ":latest"  # Ollama's clients add it to a bare name; CompuShare's names have no tags
-
-
-class BadField(UsageError):
-    """A request field with a wrong value: a 400 naming the field (OpenAI's `param`)."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +61,23 @@ _OPENAI_COMMON = (
     ("logit_bias", "refused", "anything but empty: logits are not biased"),
 )
 _TOOLS = (
-    ("tools", "refused", "anything but empty: no tool calling"),
-    ("tool_choice", "refused", "anything but \"none\": no tool calling"),
-    ("parallel_tool_calls", "ignored", "no tool calling"),
-    ("functions", "refused", "anything but empty: no function calling"),
-    ("function_call", "refused", "anything but \"none\": no function calling"),
+    ("tools", "accepted", "functions the model may call, shown to it by its chat template (Qwen2.5/Qwen3/Hermes "
+                          "<tool_call> or Llama 3.x JSON); calls come back as tool_calls"),
+    ("tool_choice", "accepted", "\"auto\" (default with tools), \"none\", \"required\" or a named function: "
+                                "the last two enforced by a grammar, valid against the parameters' schema"),
+    ("parallel_tool_calls", "accepted", "default true: several calls in one reply; false: one"),
+    ("functions", "refused", "anything but empty: the deprecated form of tools"),
+    ("function_call", "refused", "anything but \"none\": the deprecated form of tool_choice"),
 )
 OPENAI_CHAT = _table(
     *_OPENAI_COMMON,
-    ("messages", "accepted", "system/developer, user and assistant messages; text content or text parts"),
+    ("messages", "accepted", "system/developer, user, assistant (with tool_calls) and tool messages; text content "
+                             "or text parts"),
     ("max_completion_tokens", "accepted", "the same as max_tokens (it wins when both are given)"),
     ("logprobs", "accepted", "true: each token's log-probability under the model (temperature 1)"),
     ("top_logprobs", "accepted", f"0..{MAX_TOP_LOGPROBS} likeliest tokens per position; needs logprobs"),
-    ("response_format", "refused", "anything but {\"type\": \"text\"}: no structured output"),
+    ("response_format", "accepted", "json_object, or json_schema (strict or not): a grammar makes the reply valid "
+                                    "JSON, against the schema"),
     *_TOOLS,
     ("modalities", "refused", "anything but [\"text\"]: text only"),
     ("audio", "refused", "any value: text only"),
@@ -109,7 +106,7 @@ _OLLAMA_COMMON = (
     ("model", "accepted", "a name as `compushare models` shows it (\":latest\" dropped), or a model id"),
     ("stream", "accepted", "default true: NDJSON objects, the last with done: true and the counts"),
     ("options", "accepted", "see the options table"),
-    ("format", "refused", "anything but empty: no JSON mode or schemas"),
+    ("format", "accepted", "\"json\" (an object) or a JSON schema: a grammar makes the reply valid against it"),
     ("keep_alive", "ignored", "a model stays ready while the node runs"),
     ("think", "refused", "true (or a level): the models served do not think aloud"),
     ("logprobs", "accepted", "true: each token's log-probability"),
@@ -118,8 +115,8 @@ _OLLAMA_COMMON = (
 )
 OLLAMA_CHAT = _table(
     *_OLLAMA_COMMON,
-    ("messages", "accepted", "system, user and assistant messages (content text; no images or tool calls)"),
-    ("tools", "refused", "anything but empty: no tool calling"),
+    ("messages", "accepted", "system, user, assistant (with tool_calls) and tool messages (text; no images)"),
+    ("tools", "accepted", "functions the model may call (as OpenAI's tools); calls come back as message.tool_calls"),
 )
 OLLAMA_GENERATE = _table(
     *_OLLAMA_COMMON,
@@ -162,9 +159,8 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 # A refused field may be sent with its neutral value (clients often send defaults).
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "n": (1,), "best_of": (1,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-    "function_call": ("none",), "modalities": (["text"],), "echo": (False,), "suffix": ("",),
-    "format": ("",), "think": (False,), "template": ("",), "context": ([],), "images": ([],),
+    "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "echo": (False,), "suffix": ("",),
+    "think": (False,), "template": ("",), "context": ([],), "images": ([],),
 }
 
 
@@ -188,6 +184,7 @@ class Generation:
     fast_replay: bool = False
     adapter: str | None = None
     route: bool = False
+    shape: Shape = Shape()  # a JSON schema, tools (structured.py)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -290,7 +287,7 @@ def openai_chat(body: object) -> Generation:
     if not isinstance(messages, list):
         raise BadField("messages", "'messages' must be a list of messages")
     return Generation(api=api, messages=messages, logprobs=(top or 0) if logprobs else None,
-                      **_openai_common(body, "max_completion_tokens"))
+                      shape=openai_shape(body), **_openai_common(body, "max_completion_tokens"))
 
 
 def openai_completion(body: object) -> Generation:
@@ -352,10 +349,11 @@ def ollama_chat(body: object) -> Generation:
     if not isinstance(messages, list):
         raise BadField("messages", "'messages' must be a list of messages")
     for message in messages:
-        if isinstance(message, dict) and (message.get("images") or message.get("tool_calls")):
-            raise BadField("messages", "messages carry text only: no images or tool calls")
-    clean = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in messages]
-    return Generation(api=api, messages=clean, **_ollama_common(body))
+        if isinstance(message, dict) and message.get("images"):
+            raise BadField("messages", "messages carry text only: no images")
+    kept = ("role", "content", "tool_calls", "tool_name")
+    clean = [{k: m[k] for k in kept if k in m} if isinstance(m, dict) else m for m in messages]
+    return Generation(api=api, messages=clean, shape=ollama_shape(body, chat=True), **_ollama_common(body))
 
 
 def ollama_generate(body: object) -> Generation:
@@ -363,4 +361,5 @@ def ollama_generate(body: object) -> Generation:
     body = _screen(body, api, unknown_refused=False)
     prompt = _string(body, "prompt", "")
     system = _string(body, "system")
-    return Generation(api=api, prompt=prompt, system=system, raw=_flag(body, "raw"), **_ollama_common(body))
+    return Generation(api=api, prompt=prompt, system=system, raw=_flag(body, "raw"),
+                      shape=ollama_shape(body, chat=False), **_ollama_common(body))
