@@ -88,6 +88,14 @@ def qwen_tokenizer(qwen_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def tool_model(qwen_tokenizer_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-shaped model that calls tools of its own accord (helpers.make_tool_model)."""
+    from helpers import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "model", qwen_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def other_tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-other") / "model", seed=1)
 

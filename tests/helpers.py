@@ -284,3 +284,69 @@ def signed_claim(key_pair, output: bytes, *, model: str, start: int, end: int, p
                           step_digest(dtype, output, tokens), runtime, forwards)
     return StepClaim(peer or ID.from_pubkey(key_pair.public_key).to_base58(), dtype, output,
                      statement.sign(key_pair), runtime, forwards)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tool_conversations() -> list[tuple[list[dict], str]]:
+    """What the tool-trained tiny model learnt to answer, by heart: (messages, reply).
+    A question about one city's weather is a call; about two, two calls; a tool's
+    result, an answer."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    return [
+        (asked, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+        ([{"role": "user", "content": "Weather in Paris and in Rome?"}],
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+        (asked + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}],
+         "It is 18 C and sunny in Paris."),
+    ]
+
+
+def make_tool_model(path: Path, tokenizer_dir: Path, *, steps: int = 150) -> Path:
+    """A tiny Qwen2.5-shaped model (4 layers, hidden 64, Qwen2.5's tokenizer, vocabulary
+    and chat template) trained until it answers tool_conversations() greedily: a model
+    that calls tools of its own accord, as no small tool-trained checkpoint is at hand.
+    The loss is taken at the replies' positions only, so a step costs milliseconds."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from compushare.app.api.engine import messages_to_ids
+    from compushare.app.api.tools import parse_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tools = parse_tools([WEATHER_TOOL])
+    sequences = []
+    for messages, reply in tool_conversations():
+        prompt = messages_to_ids(tokenizer, messages, tools)
+        target = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        sequences.append((prompt, target))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=TINY_LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config)
+    # The embedding (and the tied LM head) stays as drawn: the blocks learn to point at
+    # its rows. Updating 151,936 rows each step would cost seconds, not milliseconds.
+    model.model.embed_tokens.weight.requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for prompt, target in sequences:
+            ids = torch.tensor([prompt + target[:-1]])
+            hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1:]
+            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(target))
+            loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path

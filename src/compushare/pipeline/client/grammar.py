@@ -77,7 +77,8 @@ class Constraint:
         forbidden = torch.from_numpy(~allowed)
         if forbidden.shape[-1] < logits.shape[-1]:
             forbidden = torch.nn.functional.pad(forbidden, (0, logits.shape[-1] - forbidden.shape[-1]), value=True)
-        return logits.masked_fill_(forbidden, float("-inf"))
+        with torch.inference_mode():  # the head's logits are inference tensors
+            return logits.masked_fill_(forbidden, float("-inf"))
 
     def take(self, token: int) -> None:
         """Advance past a token the mask allowed."""

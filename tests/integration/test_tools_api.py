@@ -1,0 +1,189 @@
+"""Tool calls and structured output through the official `openai` and `ollama`
+packages, against 2 real node processes serving a tiny Qwen2.5-shaped model trained to
+call tools (Qwen2.5's tokenizer and chat template; helpers.make_tool_model): a call, a
+tool's result, the final answer, streamed and not; parallel calls; a required call
+valid against its schema; JSON schemas for the reply."""
+
+import json
+
+import pytest
+
+from compushare.app.api.auth import TOKEN_FILE
+from helpers import WEATHER_TOOL, tool_conversations
+
+pytestmark = pytest.mark.integration
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+REPLY_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+    "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23}, "maxItems": 3},
+    "wind": {"type": "object", "properties": {"knots": {"type": "integer", "minimum": 0, "maximum": 60}},
+             "required": ["knots"], "additionalProperties": False}},
+    "required": ["city", "sky", "hours", "wind"], "additionalProperties": False}
+ASKED, PARALLEL, ANSWERED = tool_conversations()
+
+
+@pytest.fixture
+def node(processes, tool_model):
+    _, first = processes.node("a", tool_model, "0:2", alias="toolie", extra=["--api-port", "0", "--ad-period", "1"])
+    processes.node("b", tool_model, "2:4", alias="toolie", bootstrap=first["addrs"][:1],
+                   extra=["--api-port", "0", "--ad-period", "1"])
+    token = (processes.root / "a" / TOKEN_FILE).read_text().strip()
+    return first, token
+
+
+def _openai(node):
+    from openai import OpenAI
+
+    state, token = node
+    return OpenAI(base_url=f"{state['api']}/v1", api_key=token, timeout=120, max_retries=0)
+
+
+def _streamed_message(stream) -> tuple[str, list[dict], str]:
+    """Content, calls and finish reason of an OpenAI stream, put together as clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] += (call.function.name or "") if call.function else ""
+                entry["arguments"] += (call.function.arguments or "") if call.function else ""
+            reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def test_openai_tools_round_trip_streamed_and_not(node):
+    client = _openai(node)
+    ask = {"model": "toolie", "messages": ASKED[0], "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 60}
+    reply = client.chat.completions.create(**ask)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+    content, calls, reason = _streamed_message(client.chat.completions.create(**ask, stream=True))
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("call_")
+
+    # The next turn: the call as the reply gave it, the tool's result, the final answer.
+    turn = ASKED[0] + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    final = client.chat.completions.create(**dict(ask, messages=turn))
+    assert final.choices[0].message.content == ANSWERED[1] and final.choices[0].finish_reason == "stop"
+    assert not final.choices[0].message.tool_calls
+    content, calls, reason = _streamed_message(client.chat.completions.create(**dict(ask, messages=turn),
+                                                                              stream=True))
+    assert (content, calls, reason) == (ANSWERED[1], [], "stop")
+
+    # Two cities: two calls in one reply, streamed and not.
+    both = dict(ask, messages=PARALLEL[0])
+    calls = client.chat.completions.create(**both).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    assert len({c.id for c in calls}) == 2
+    _, streamed, reason = _streamed_message(client.chat.completions.create(**both, stream=True))
+    assert [json.loads(c["arguments"])["city"] for c in streamed] == ["Paris", "Rome"] and reason == "tool_calls"
+
+    # tool_choice "none": no call, whatever the model was taught.
+    plain = client.chat.completions.create(**dict(ask, tool_choice="none", max_tokens=8))
+    assert not plain.choices[0].message.tool_calls and plain.choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_required_calls_are_valid_against_their_schema(node):
+    import jsonschema
+
+    client = _openai(node)
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]  # never taught: the grammar decides
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        for stream in (False, True):
+            ask = dict(model="toolie", messages=question, tools=[WEATHER_TOOL, ADD_TOOL], tool_choice=choice,
+                       temperature=0, max_tokens=120, parallel_tool_calls=False)
+            if stream:
+                _, calls, reason = _streamed_message(client.chat.completions.create(**ask, stream=True))
+            else:
+                reply = client.chat.completions.create(**ask).choices[0]
+                calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in reply.message.tool_calls]
+                reason = reply.finish_reason
+            assert reason == "tool_calls" and len(calls) == 1, (choice, stream)
+            tool = ADD_TOOL if calls[0]["name"] == "add" else WEATHER_TOOL
+            assert choice == "required" or calls[0]["name"] == "add"
+            jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+
+
+def test_openai_response_format_json_schema_and_json_object(node):
+    import jsonschema
+
+    client = _openai(node)
+    for prompt in ("Weather in Paris?", "Describe Rome.", "Hello"):
+        for stream in (False, True):
+            ask = dict(model="toolie", messages=[{"role": "user", "content": prompt}], temperature=0,
+                       max_tokens=150, response_format={"type": "json_schema", "json_schema": {
+                           "name": "weather", "schema": REPLY_SCHEMA, "strict": True}})
+            if stream:
+                text, _, reason = _streamed_message(client.chat.completions.create(**ask, stream=True))
+            else:
+                reply = client.chat.completions.create(**ask).choices[0]
+                text, reason = reply.message.content, reply.finish_reason
+            assert reason == "stop", (prompt, text)
+            jsonschema.validate(json.loads(text), REPLY_SCHEMA)
+    anything = client.chat.completions.create(model="toolie", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=150, response_format={"type": "json_object"}, seed=1,
+                                              temperature=1.0)
+    assert anything.choices[0].finish_reason in ("stop", "length")
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_bad_schemas_and_tools_are_refused_with_the_field_named(node):
+    import openai
+
+    client = _openai(node)
+    question = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="toolie", messages=question, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}})
+    assert refused.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="toolie", messages=question, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert refused.value.body["param"] == "tool_choice"
+
+
+def test_the_ollama_client_calls_tools_and_follows_a_format(node):
+    import jsonschema
+    import ollama
+
+    state, token = node
+    client = ollama.Client(host=state["api"], headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    assert "tools" in client.show("toolie").capabilities
+    options = {"temperature": 0, "num_predict": 60}
+    reply = client.chat(model="toolie", messages=ASKED[0], tools=[WEATHER_TOOL], options=options)
+    [call] = reply.message.tool_calls
+    assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    parts = list(client.chat(model="toolie", messages=ASKED[0], tools=[WEATHER_TOOL], options=options,
+                             stream=True))
+    streamed = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [("get_weather", {"city": "Paris"})]
+    assert parts[-1].done
+
+    turn = ASKED[0] + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C, sunny", "tool_name": "get_weather"}]
+    final = client.chat(model="toolie", messages=turn, tools=[WEATHER_TOOL], options=options)
+    assert final.message.content == ANSWERED[1] and not final.message.tool_calls
+
+    for stream in (False, True):
+        shaped = client.chat(model="toolie", messages=[{"role": "user", "content": "Weather in Rome?"}],
+                             format=REPLY_SCHEMA, options=dict(options, num_predict=150), stream=stream)
+        text = "".join(p.message.content for p in shaped) if stream else shaped.message.content
+        jsonschema.validate(json.loads(text), REPLY_SCHEMA)
+    generated = client.generate(model="toolie", prompt="Say hi", format="json", options=dict(options, num_predict=150))
+    assert isinstance(json.loads(generated.response), dict)
