@@ -187,3 +187,32 @@ def test_the_ollama_client_calls_tools_and_follows_a_format(node):
         jsonschema.validate(json.loads(text), REPLY_SCHEMA)
     generated = client.generate(model="toolie", prompt="Say hi", format="json", options=dict(options, num_predict=150))
     assert isinstance(json.loads(generated.response), dict)
+
+
+def test_run_json_schema_prints_a_valid_document(node, tool_model, tmp_path):
+    """`compushare run --json-schema FILE`: the streamed answer is valid against it; a
+    file that is no schema is refused before anything runs."""
+    import os
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    from compushare.model.catalog import import_path
+
+    state, _ = node
+    client = tmp_path / "client"
+    import_path(tool_model, client, alias="toolie")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(REPLY_SCHEMA))
+    command = [sys.executable, "-m", "compushare", "run", "--model", "toolie", "--data-dir", str(client),
+               "--bootstrap", state["addrs"][0], "--max-tokens", "150"]
+    env = dict(os.environ, COMPUSHARE_HOME=str(tmp_path / "home"))
+    out = subprocess.run(command + ["--json-schema", str(schema), "Weather in Oslo?"], capture_output=True,
+                         text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    jsonschema.validate(json.loads(out.stdout), REPLY_SCHEMA)
+    schema.write_text("[1, 2]")
+    refused = subprocess.run(command + ["--json-schema", str(schema), "hi"], capture_output=True, text=True,
+                             timeout=180, env=env)
+    assert refused.returncode == 2 and "JSON schema is an object" in refused.stderr

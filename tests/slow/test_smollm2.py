@@ -309,3 +309,60 @@ def test_openai_stream_abandoned_by_its_client_stops_the_generation(smol_swarm):
     # The prompt (~40 tokens with the template) and a few steps, not 400 tokens more.
     assert after - at_start < 150, after - at_start
     assert status(first)["tokens_served"] == after  # nothing more was computed for the abandoned reply
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 30},
+    "country": {"type": "string", "maxLength": 30},
+    "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
+    "temperature": {"type": "object", "properties": {
+        "value": {"type": "integer", "minimum": -60, "maximum": 60}, "unit": {"enum": ["C", "F"]}},
+        "required": ["value", "unit"], "additionalProperties": False},
+    "activities": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 3}},
+    "required": ["city", "country", "sky", "temperature", "activities"], "additionalProperties": False}
+CITIES = ["Paris", "Rome", "Oslo", "Cairo", "Lima", "Tokyo", "Delhi", "Nairobi", "Madrid", "Berlin", "Quito",
+          "Sydney", "Toronto", "Hanoi", "Dakar", "Vienna", "Lisbon", "Seoul", "Bogota", "Athens"]
+
+
+def test_openai_json_schema_replies_are_valid_on_smollm2(smol_swarm):
+    """response_format with a schema of nested objects, arrays and enums, through the
+    official client: 20 prompts on the real SmolLM2, each reply valid against it."""
+    import jsonschema
+
+    _, swarm = smol_swarm
+    client = _openai_client(swarm["nodes"][0])
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA,
+                                                              "strict": True}}
+    for city in CITIES:
+        reply = client.chat.completions.create(
+            model="smollm2-135m", temperature=0, max_tokens=256, response_format=response_format,
+            messages=[{"role": "user", "content": f"Describe today's weather in {city} as JSON."}])
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (city, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), WEATHER_SCHEMA)
+
+
+async def test_the_grammar_with_speculation_on_and_off_gives_the_same_tokens(smol_swarm, tmp_path):
+    """The mask on, temperature 0: speculation (drafts the grammar forbids rejected,
+    the rest verified under the mask) gives the tokens one-token steps give."""
+    import jsonschema
+
+    from compushare.pipeline.client.grammar import json_schema_grammar
+
+    _, swarm = smol_swarm
+    grammar = json_schema_grammar(WEATHER_SCHEMA)
+    example = {"city": "Paris", "country": "France", "sky": "sunny", "temperature": {"value": 21, "unit": "C"},
+               "activities": ["walking", "reading"]}
+    accepted = 0
+    for prompt in (f"Copy this JSON exactly: {json.dumps(example)}", "Describe the weather in Rome as JSON.",
+                   f"Here is Paris: {json.dumps(example)}. Now write the same for Lyon."):
+        outcomes = {}
+        for speculate in (False, True):
+            outcomes[speculate] = await run_prompt(tmp_path / str(speculate), tuple(swarm["bootstrap"]), RunRequest(
+                model="smollm2-135m", prompt=prompt, params=SamplingParams(max_new_tokens=200), grammar=grammar,
+                speculate=speculate))
+        assert outcomes[True].tokens == outcomes[False].tokens, prompt
+        jsonschema.validate(json.loads(outcomes[True].text), WEATHER_SCHEMA)
+        assert outcomes[True].finish_reason == "stop"
+        accepted += outcomes[True].accepted
+    assert accepted > 0  # drafts from the copied JSON were kept under the mask

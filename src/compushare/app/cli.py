@@ -215,6 +215,9 @@ def run(
                                                 "listen on the LAN address so that hole punching can reach you."),
     adapter: Path = ADAPTER,
     stop: list[str] = typer.Option(None, help="End the answer before this text (repeatable; never printed)."),
+    json_schema: Path = typer.Option(None, "--json-schema", exists=True, dir_okay=False,
+                                     help="A JSON schema file: the answer is a JSON document valid against it "
+                                          "(a grammar allows only tokens that keep it so)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -231,7 +234,7 @@ def run(
     def main_run():
         request = RunRequest(model=model, prompt=prompt, chat_template=chat_template, private=private,
                              direct=direct, speculate=speculate, standby=standby, adapter=adapter,
-                             stop=tuple(stop or ()), fast_replay=fast_replay,
+                             stop=tuple(stop or ()), fast_replay=fast_replay, grammar=_schema_grammar(json_schema),
                              params=SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
                                                    max_new_tokens=max_tokens))
         boot = bootstrap_for(home, bootstrap, swarm_home)
@@ -241,9 +244,29 @@ def run(
                                                   spot_check_rate=spot_check, listen=tuple(listen or ()),
                                                   hooks=ProgressHooks(shown.stage, shown.update)))
         sys.stdout.write("\n")
+        if json_schema is not None and outcome.finish_reason == "length":
+            err.print("[yellow]the answer was cut before its JSON was complete: raise --max-tokens[/yellow]")
         _report(outcome, verbose)
 
     run_or_exit(main_run)
+
+
+def _schema_grammar(path: Path | None) -> str | None:
+    """`run --json-schema`'s grammar (UsageError for a file that is not a JSON schema)."""
+    if path is None:
+        return None
+    import json
+
+    from ..errors import UsageError
+    from ..pipeline.client.grammar import json_schema_grammar
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--json-schema {path}: not a JSON file ({exc})") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {path}: a JSON schema is an object")
+    return json_schema_grammar(schema)
 
 
 def _show_route(route, *, private: bool, verbose: bool) -> None:
