@@ -216,3 +216,64 @@ def test_run_json_schema_prints_a_valid_document(node, tool_model, tmp_path):
     refused = subprocess.run(command + ["--json-schema", str(schema), "hi"], capture_output=True, text=True,
                              timeout=180, env=env)
     assert refused.returncode == 2 and "JSON schema is an object" in refused.stderr
+
+
+def test_the_chat_page_shows_tool_calls_and_json_replies(node):
+    """In Chromium: tools set in the page's settings, the model's call shown as
+    name(arguments), the next message sent as the tool's result, the model's answer;
+    then a JSON schema reply, shown indented. Screenshot: tests/artifacts/chat_tools.png."""
+    import shutil
+    from pathlib import Path
+
+    import jsonschema
+    from playwright.sync_api import sync_playwright
+
+    state, token = node
+    artifacts = Path(__file__).resolve().parents[1] / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    last = "#messages .msg.assistant:last-child"
+
+    def fill(page, selector: str, value: str) -> None:
+        page.eval_on_selector(selector, """(e, v) => { e.value = v; e.dispatchEvent(new Event("input"));
+                                                       e.dispatchEvent(new Event("change")); }""", value)
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(60_000)
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"{state['api']}/chat#token={token}")
+            page.wait_for_function("[...document.querySelectorAll('#model option')].some(o => o.value == 'toolie')")
+            page.select_option("#model", "toolie")
+            fill(page, "#temperature", "0")
+            fill(page, "#tools", json.dumps([WEATHER_TOOL]))
+            page.fill("#prompt", ASKED[0][0]["content"])
+            page.press("#prompt", "Enter")
+            page.wait_for_selector(f"{last}[data-state=done] .tool-calls .call")
+            call = page.text_content(f"{last} .tool-calls")
+            placeholder = page.get_attribute("#prompt", "placeholder")
+            page.fill("#prompt", "18 C, sunny")
+            page.press("#prompt", "Enter")
+            page.wait_for_function(f"document.querySelector('{last}') && "
+                                   f"document.querySelector('{last}').dataset.state == 'done' && "
+                                   "document.querySelectorAll('#messages .msg').length == 4")
+            answer = page.text_content(f"{last} .content")
+            roles = page.eval_on_selector_all("#messages .msg", "ms => ms.map(m => m.className)")
+            fill(page, "#tools", "")
+            fill(page, "#reply-format", "json_schema")
+            fill(page, "#schema", json.dumps(REPLY_SCHEMA))
+            page.click("#new-chat")
+            page.fill("#prompt", "Weather in Rome?")
+            page.press("#prompt", "Enter")
+            page.wait_for_selector(f"{last}[data-state=done]")
+            shaped = page.text_content(f"{last} .content")
+            page.screenshot(path=str(artifacts / "chat_tools.png"), full_page=True)
+        finally:
+            browser.close()
+    assert call == 'calls get_weather({ "city": "Paris" })', call
+    assert "get_weather" in placeholder
+    assert answer == ANSWERED[1] and roles == ["msg user", "msg assistant", "msg tool", "msg assistant"]
+    assert shaped.startswith("{\n  ") and errors == []  # indented
+    jsonschema.validate(json.loads(shaped), REPLY_SCHEMA)

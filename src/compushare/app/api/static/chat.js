@@ -10,6 +10,7 @@ const TOKEN = new URLSearchParams(location.hash.slice(1)).get("token") || "";
 const STORE_KEY = "compushare.chats";
 const CURRENT_KEY = "compushare.chat.current";
 const SETTINGS_KEY = "compushare.chat.settings";
+const PROMPT_HINT = "Message (Enter to send, Shift+Enter for a new line)";
 const $ = (id) => document.getElementById(id);
 
 function el(tag, text, cls) {
@@ -144,9 +145,30 @@ function statsText(meta) {
   return parts.join(" · ");
 }
 
+// A reply that is a JSON document (a reply format asked for one), indented; else its text.
+function shownContent(message) {
+  if (message.role !== "assistant" || !(message.meta && message.meta.format)) return message.content;
+  try { return JSON.stringify(JSON.parse(message.content), null, 2); } catch (e) { return message.content; }
+}
+
+// Tool calls as a person reads them: name(arguments), one per line.
+function renderCalls(box, calls) {
+  box.replaceChildren();
+  for (const call of calls || []) {
+    let args = call.function.arguments;
+    try { args = JSON.stringify(JSON.parse(args), null, 1).replace(/\n\s*/g, " "); } catch (e) { /* as streamed so far */ }
+    box.append(el("div", "calls " + call.function.name + "(" + args + ")", "call"));
+  }
+  box.hidden = !(calls && calls.length);
+}
+
 function messageNode(message) {
   const node = el("div", undefined, "msg " + message.role);
-  node.append(el("div", message.content, "content"));
+  if (message.role === "tool") node.append(el("div", "result of " + (message.name || "the tool"), "status"));
+  node.append(el("div", shownContent(message), "content" + (message.meta && message.meta.format ? " json" : "")));
+  const calls = el("div", undefined, "tool-calls");
+  renderCalls(calls, message.tool_calls);
+  node.append(calls);
   if (message.role === "assistant") {
     const meta = message.meta || {};
     node.dataset.state = meta.state || "done";
@@ -262,7 +284,9 @@ async function loadModels() {
 function loadSettings() {
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}") || {}; } catch (e) { saved = {}; }
-  for (const id of ["temperature", "top-p", "max-tokens"]) if (saved[id] != null) $(id).value = saved[id];
+  for (const id of ["temperature", "top-p", "max-tokens", "reply-format", "schema", "tools"]) {
+    if (saved[id] != null) $(id).value = saved[id];
+  }
   for (const id of ["private", "standby"]) $(id).checked = Boolean(saved[id]);
   showSettings();
 }
@@ -271,17 +295,31 @@ function showSettings() {
   $("temperature-value").textContent = Number($("temperature").value).toFixed(2);
   $("top-p-value").textContent = Number($("top-p").value).toFixed(2);
   const saved = {};
-  for (const id of ["temperature", "top-p", "max-tokens"]) saved[id] = $(id).value;
+  for (const id of ["temperature", "top-p", "max-tokens", "reply-format", "schema", "tools"]) saved[id] = $(id).value;
   for (const id of ["private", "standby"]) saved[id] = $(id).checked;
   localStorage.setItem(SETTINGS_KEY, JSON.stringify(saved));
+}
+
+// The message as the API takes it: an assistant's tool calls, a tool result's call id.
+function apiMessage(m) {
+  const out = {role: m.role, content: m.content};
+  if (m.tool_calls && m.tool_calls.length) out.tool_calls = m.tool_calls;
+  if (m.tool_call_id) out.tool_call_id = m.tool_call_id;
+  return out;
+}
+
+// The JSON of a settings field (tools, a schema), or an error naming it.
+function jsonSetting(id, what) {
+  try { return JSON.parse($(id).value); } catch (e) { throw new Error(what + " is not JSON: " + e.message); }
 }
 
 function requestBody(chat) {
   const body = {
     model: $("model").value || undefined,
     // A failed or empty reply is not part of what the model is asked to go on from.
-    messages: chat.messages.filter((m) => m.role === "user" || (m.content && !(m.meta && m.meta.error)))
-      .map((m) => ({role: m.role, content: m.content})),
+    messages: chat.messages.filter((m) => m.role !== "assistant" ||
+                                          ((m.content || (m.tool_calls || []).length) && !(m.meta && m.meta.error)))
+      .map(apiMessage),
     stream: true, route: true,
     temperature: Number($("temperature").value), top_p: Number($("top-p").value),
     max_tokens: Math.max(1, Math.min(4096, Math.round(Number($("max-tokens").value) || 256))),
@@ -289,7 +327,20 @@ function requestBody(chat) {
   if ($("private").checked) body.private = true;
   if ($("standby").checked) body.standby = true;
   if ($("adapter").value) body.adapter = $("adapter").value;
+  const format = $("reply-format").value;
+  if (format === "json_object") body.response_format = {type: "json_object"};
+  if (format === "json_schema") {
+    body.response_format = {type: "json_schema", json_schema: {name: "reply", schema: jsonSetting("schema", "The JSON schema")}};
+  }
+  if ($("tools").value.trim()) body.tools = jsonSetting("tools", "The tools");
   return body;
+}
+
+// The calls of the last reply that no tool message answers yet (the next message answers the first).
+function unansweredCall(chat) {
+  const answered = new Set(chat.messages.filter((m) => m.role === "tool").map((m) => m.tool_call_id));
+  const last = [...chat.messages].reverse().find((m) => m.role === "assistant");
+  return ((last && last.tool_calls) || []).find((c) => !answered.has(c.id));
 }
 
 // -- streaming a reply ---------------------------------------------------------------------
@@ -314,14 +365,18 @@ async function* events(response) {
 }
 
 async function streamReply(chat) {
-  const body = JSON.stringify(requestBody(chat));
+  let request;
+  try { request = requestBody(chat); } catch (e) { showError(e.message); return; }
+  const body = JSON.stringify(request);
   const message = {role: "assistant", content: "",
-                   meta: {state: "streaming", model: $("model").value, route: [], page: {}}};
+                   meta: {state: "streaming", model: $("model").value, route: [], page: {},
+                          format: request.response_format ? request.response_format.type : undefined}};
   chat.messages.push(message);
   touch(chat);
   render();
   const node = $("messages").lastElementChild;
   const content = node.querySelector(".content");
+  const callsBox = node.querySelector(".tool-calls");
   const status = node.querySelector(".status");
   const route = node.querySelector(".route");
   const stats = node.querySelector(".stats");
@@ -353,6 +408,15 @@ async function streamReply(chat) {
       }
       if (extension && extension.stats) meta.stats = extension.stats;
       const choice = (chunk.choices || [])[0];
+      for (const delta of (choice && choice.delta && choice.delta.tool_calls) || []) {
+        message.tool_calls = message.tool_calls || [];
+        const call = message.tool_calls[delta.index] = message.tool_calls[delta.index] ||
+          {id: delta.id, type: "function", function: {name: "", arguments: ""}};
+        if (delta.function && delta.function.name) call.function.name += delta.function.name;
+        if (delta.function && delta.function.arguments) call.function.arguments += delta.function.arguments;
+        renderCalls(callsBox, message.tool_calls);
+        if (first === null) { first = performance.now(); status.textContent = ""; }
+      }
       const text = choice && choice.delta && choice.delta.content;
       if (text) {
         last = performance.now();
@@ -368,6 +432,9 @@ async function streamReply(chat) {
     }
     meta.state = "done";
     status.textContent = meta.finish_reason === "length" ? "stopped at max tokens" : "";
+    content.textContent = shownContent(message);
+    const call = meta.finish_reason === "tool_calls" && unansweredCall(chat);
+    if (call) $("prompt").placeholder = "The result of " + call.function.name + " (sent as the tool's answer)";
   } catch (e) {
     if (controller.signal.aborted) {
       meta.state = "stopped";
@@ -396,8 +463,11 @@ async function send(event) {
   const chat = currentChat() || newChat();
   if (!chat.messages.length) chat.title = text.length > 48 ? text.slice(0, 47) + "…" : text;
   chat.model = $("model").value;
-  chat.messages.push({role: "user", content: text});
+  const call = unansweredCall(chat);  // a reply that called a tool: this message is its result
+  chat.messages.push(call ? {role: "tool", content: text, tool_call_id: call.id, name: call.function.name}
+                          : {role: "user", content: text});
   $("prompt").value = "";
+  $("prompt").placeholder = PROMPT_HINT;
   await streamReply(chat);
 }
 
@@ -425,7 +495,7 @@ function start() {
   $("regenerate").addEventListener("click", regenerate);
   $("new-chat").addEventListener("click", () => { if (!state.controller) { newChat(); render(); } });
   $("model").addEventListener("change", modelChanged);
-  for (const id of ["temperature", "top-p", "max-tokens", "private", "standby"]) {
+  for (const id of ["temperature", "top-p", "max-tokens", "private", "standby", "reply-format", "schema", "tools"]) {
     $(id).addEventListener("input", showSettings);
     $(id).addEventListener("change", showSettings);
   }
