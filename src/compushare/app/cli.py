@@ -61,6 +61,9 @@ DEVICE = typer.Option(None, help="Where the span computes: cuda (weights, KV cac
                                  "default).")
 THREADS = typer.Option(None, help="Threads one forward computes with, either runtime (default 1; config.toml's "
                                   "[node] torch_threads).")
+JSON_SCHEMA = typer.Option(None, "--json-schema", exists=True, dir_okay=False, help="A JSON schema file: the "
+                           "answer is one JSON document valid against it (a grammar allows only tokens keeping it so).")
+SPOT_CHECK = typer.Option(0.05, min=0.0, max=1.0, help="Share of each span's steps also computed by a second server.")
 RUNTIME = typer.Option(None, help="What computes the span: ggml (a GGUF model's weights as stored, on llama.cpp's "
                                   "engine), torch, or auto (ggml for a GGUF model on CPU, torch otherwise; the default).")
 
@@ -196,8 +199,7 @@ def run(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(None),
     chat_template: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
-    spot_check: float = typer.Option(0.05, min=0.0, max=1.0,
-                                     help="Share of each span's steps also computed by a second server."),
+    spot_check: float = SPOT_CHECK,
     private: bool = typer.Option(False, "--private", help="Private mode: providers compute on CKKS ciphertexts "
                                                           "and never see the prompt's activations (much slower)."),
     direct: bool = typer.Option(True, "--direct/--no-direct",
@@ -215,9 +217,7 @@ def run(
                                                 "listen on the LAN address so that hole punching can reach you."),
     adapter: Path = ADAPTER,
     stop: list[str] = typer.Option(None, help="End the answer before this text (repeatable; never printed)."),
-    json_schema: Path = typer.Option(None, "--json-schema", exists=True, dir_okay=False,
-                                     help="A JSON schema file: the answer is a JSON document valid against it "
-                                          "(a grammar allows only tokens that keep it so)."),
+    json_schema: Path = JSON_SCHEMA,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the route and timings."),
     log_level: str = typer.Option("warning"),
 ) -> None:
@@ -244,9 +244,7 @@ def run(
                                                   spot_check_rate=spot_check, listen=tuple(listen or ()),
                                                   hooks=ProgressHooks(shown.stage, shown.update)))
         sys.stdout.write("\n")
-        if json_schema is not None and outcome.finish_reason == "length":
-            err.print("[yellow]the answer was cut before its JSON was complete: raise --max-tokens[/yellow]")
-        _report(outcome, verbose)
+        _report(outcome, verbose, shaped=json_schema is not None)
 
     run_or_exit(main_run)
 
@@ -284,8 +282,11 @@ def _show_route(route, *, private: bool, verbose: bool) -> None:
             err.print(f"  {line}", highlight=False, markup=False)
 
 
-def _report(outcome, verbose: bool) -> None:
-    """`run`'s stderr, once the answer is out: failovers and failed spot checks; timings with -v."""
+def _report(outcome, verbose: bool, shaped: bool = False) -> None:
+    """`run`'s stderr, once the answer is out: an unfinished JSON answer, failovers and
+    failed spot checks; timings with -v."""
+    if shaped and outcome.finish_reason == "length":
+        err.print("[yellow]the answer was cut before its JSON was complete: raise --max-tokens[/yellow]")
     for failover in outcome.failovers:
         err.print(f"failover: blocks {failover.start}:{failover.end} moved from {failover.peer_id[-8:]} "
                   f"({failover.reason}) to {', '.join(p[-8:] for p in failover.replacements)} in "

@@ -3,6 +3,8 @@ dashboard and a small control API, behind a token kept in the node's data dir.
 
   auth.py     the token (created on first use, mode 0600) and its check
   requests.py every request field of the generation endpoints: accepted, ignored or refused (pure)
+  structured.py  what a request asks of the reply's shape: a JSON schema, tools, tool_choice (pure)
+  tools.py    tool calls: the formats chat templates teach, their grammars, replies parsed whole or streamed (pure)
   engine.py   generations for HTTP clients: one Consumer per model, on the node's host
   streaming.py  streamed replies (SSE, NDJSON) that a client's disconnect cancels
   openai_routes.py  /v1/chat/completions and /v1/completions

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ...errors import UsageError
 from ...pipeline.client.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from ...pipeline.client.stops import MAX_STOP_CHARS, MAX_STOPS
 from .structured import BadField, Shape, ollama_shape, openai_shape

@@ -46,9 +46,8 @@ def openai_response_format(value: object) -> dict | None:
         return None
     if kind == "json_object":
         return ANY_OBJECT
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema", ANY_OBJECT) if isinstance(spec, dict) else None
+    if kind == "json_schema" and isinstance(value, dict) and isinstance(value.get("json_schema"), dict):
+        schema = value["json_schema"].get("schema", ANY_OBJECT)
         if isinstance(schema, dict):
             return schema
     raise BadField("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": "

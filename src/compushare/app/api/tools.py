@@ -273,7 +273,7 @@ class CallStream:
                 arguments = arguments.rstrip()[:-1].rstrip()
             else:  # neither a tail that may begin "</tool_call>" nor the braces before it
                 arguments = arguments[:len(arguments) - _partial_suffix(arguments, HERMES_CLOSE, 0)]
-                arguments = arguments[:len(arguments) - len(re.search(r"[\s}]*$", arguments).group(0))]
+                arguments = arguments.rstrip("} \t\r\n")
             if len(arguments) > self._open["sent"]:
                 events.append(("arguments", index, arguments[self._open["sent"]:]))
                 self._open["sent"] = len(arguments)

@@ -23,6 +23,7 @@
   generate.py       the generation loop (embeddings and LM head stay local)
   speculative.py    lossless speculative decoding: drafts, their verification, draft length (pure)
   sampling.py       greedy / temperature / top-p sampling with a seeded generator
+  grammar.py        constrained decoding: a grammar's mask over the vocabulary (llguidance), drafts it forbids
   detokenize.py     streaming text from tokens
   stops.py          stop sequences over streamed text, across token boundaries (pure)
   produced.py       what a generation hands out: tokens, their text, log-probabilities, why it ended
