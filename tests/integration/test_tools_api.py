@@ -9,9 +9,10 @@ import json
 import pytest
 
 from compushare.app.api.auth import TOKEN_FILE
-from helpers import WEATHER_TOOL, tool_conversations
+from helpers import WEATHER_TOOL, Processes, tool_conversations
 
-pytestmark = pytest.mark.integration
+# The module's tests share one pair of nodes, on one worker.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("tool_nodes")]
 
 ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -26,13 +27,17 @@ REPLY_SCHEMA = {"type": "object", "properties": {
 ASKED, PARALLEL, ANSWERED = tool_conversations()
 
 
-@pytest.fixture
-def node(processes, tool_model):
-    _, first = processes.node("a", tool_model, "0:2", alias="toolie", extra=["--api-port", "0", "--ad-period", "1"])
-    processes.node("b", tool_model, "2:4", alias="toolie", bootstrap=first["addrs"][:1],
-                   extra=["--api-port", "0", "--ad-period", "1"])
-    token = (processes.root / "a" / TOKEN_FILE).read_text().strip()
-    return first, token
+@pytest.fixture(scope="module")
+def node(tool_model, tmp_path_factory):
+    processes = Processes(tmp_path_factory.mktemp("tool-nodes"))
+    try:
+        _, first = processes.node("a", tool_model, "0:2", alias="toolie",
+                                  extra=["--api-port", "0", "--ad-period", "1"])
+        processes.node("b", tool_model, "2:4", alias="toolie", bootstrap=first["addrs"][:1],
+                       extra=["--api-port", "0", "--ad-period", "1"])
+        yield first, (processes.root / "a" / TOKEN_FILE).read_text().strip()
+    finally:
+        processes.close()
 
 
 def _openai(node):

@@ -95,6 +95,10 @@ def test_streamed_text_without_calls_is_all_content():
     assert _streamed(Hermes(), ["Hello <tool_c"]) == ("Hello <tool_c", [])
     assert _streamed(Llama3(), ['{"name": "add", ', '"parameters": {"a": 1, "b": 2}}']) == (
         "", [("add", {"a": 1, "b": 2})])
+    stream = CallStream(Llama3(), TOOLS)
+    assert stream.feed(" It") == [("content", " It")] and stream.feed(" is {") == [("content", " is {")]
+    assert stream.finish() == ([], " It is {", [])
+    assert _streamed(Llama3(), ['{"name": "add"', " oops"]) == ('{"name": "add" oops', [])
 
 
 def test_template_messages_turn_argument_strings_into_objects():

@@ -203,7 +203,8 @@ class CallStream:
     OpenAI's streaming order; `finish()` the last ones, and the reply's content and
     calls (what the events add up to). Text that may begin a call is held back until
     it is known not to; text after the calls is not content (Qwen ends with a newline).
-    A Llama 3 reply is held whole: it is a call only if all of it is one."""
+    A Llama 3 reply that begins with "{" is held whole (it is a call only if all of it
+    is one); any other streams as text."""
 
     def __init__(self, fmt: CallFormat, tools: tuple[Tool, ...]) -> None:
         self.fmt, self.tools = fmt, tools
@@ -215,9 +216,17 @@ class CallStream:
 
     def feed(self, piece: str) -> list[tuple]:
         self.text += piece
-        return self._hermes() if isinstance(self.fmt, Hermes) else []
+        if isinstance(self.fmt, Hermes):
+            return self._hermes()
+        if self.content or (self.text.strip() and not self.text.lstrip().startswith("{")):
+            events = self._content(self.text[self._done:])  # not a call: streamed as text
+            self._done = len(self.text)
+            return events
+        return []
 
     def finish(self) -> tuple[list[tuple], str, list[ToolCall]]:
+        if isinstance(self.fmt, Llama3) and self.content:  # streamed as text already
+            return self._content(self.text[self._done:]), self.content, []
         if isinstance(self.fmt, Llama3):
             self.content, self.calls = self.fmt.parse(self.text, self.tools)
             events: list[tuple] = [("content", self.content)] if self.content else []
