@@ -140,3 +140,32 @@ def test_a_schema_that_cannot_be_enforced_is_refused(llg_tokenizer):
     with pytest.raises(UsageError, match="cannot be enforced"):
         check_grammar(json_schema_grammar({"type": "object", "properties": {"a": {"type": "frobnicate"}}}),
                       llg_tokenizer)
+
+
+def test_the_llama3_format_renders_tools_and_enforces_its_call(qwen_tokenizer, llg_tokenizer):
+    """Llama 3.1's template (tests/data/tokenizers) over tools, a call and its result;
+    its call grammar: one JSON object naming a tool, with valid parameters."""
+    import copy
+    from pathlib import Path
+
+    from compushare.app.api.engine import messages_to_ids
+    from compushare.app.api.tools import Llama3, call_format
+    from helpers import WEATHER_TOOL
+
+    tokenizer = copy.copy(qwen_tokenizer)  # any tokenizer renders the template's text
+    tokenizer.chat_template = (Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "llama3.1.jinja"
+                               ).read_text()
+    tools = parse_tools([WEATHER_TOOL])
+    assert isinstance(call_format(tokenizer.chat_template), Llama3)
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    text = tokenizer.decode(messages_to_ids(tokenizer, messages, tools))
+    assert '"name": "get_weather"' in text and '"parameters": {"city": "Oslo"}' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"-3 C"<|eot_id|>' in text
+    constraint = Constraint(llg_tokenizer, Llama3().calls_grammar(tools, parallel=False))
+    good = qwen_tokenizer.encode('{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert constraint.matcher.validate_tokens(good) == len(good)
+    bad = qwen_tokenizer.encode('{"name": "get_time", "parameters": {}}')
+    assert constraint.matcher.validate_tokens(bad) < len(bad)
