@@ -8,9 +8,9 @@ float32. torchao's CPU weight-only paths call these same kernels: a dependency (
 torch-version coupling) without speed, so they are called here directly.
 
 Each device type registers its kernels in KERNELS under its name: "cuda" runs every
-quantized format through torch's `_weight_int4pack_mm` (see the CUDA section below);
-a device type with none ("mps": `_weight_int4pack_mm_with_scales_and_zeros` would
-be its) gets DequantizedLinear, which is correct everywhere and fast nowhere.
+quantized format through torch's `_weight_int4pack_mm` (the CUDA section below); a
+device type with none gets DequantizedLinear, correct everywhere and fast nowhere. The
+CPU kernels' backward (the input's gradient: weights stay frozen) is kernel_grads.py's.
 
 A gguf model's matrices (raw ggml blocks, model/gguf_native.py) run on the kernel of
 their ggml type, registered below as ("cpu", "gguf:TYPE"): Q4_0, Q4_1 and Q4_K on the
@@ -40,6 +40,7 @@ import torch
 
 from . import gguf_native
 from .formats import MIN_SUFFIX, SCALE_SUFFIX
+from .kernel_grads import Int4Rows, Int8Rows
 from .quantize import dequantize, unpack_nibbles
 
 log = logging.getLogger(__name__)
@@ -52,25 +53,24 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().clone() if tensor.data_ptr() % 64 else tensor.contiguous()
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(Int8Rows):
     """y = x @ (q * scale).T with per-row scales, through `_weight_int8pack_mm`."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        # A copy of its own: a tensor read from a safetensors file may start at any
-        # byte, and the kernel's multi-row path faults on int8 weights that are not
-        # 64-byte aligned (seen: 8 bytes off, segfault at 5 rows, fine at 1).
+        # A copy of its own: a file's tensor may start at any byte, and the kernel's multi-row
+        # path faults on int8 weights not 64-byte aligned (seen: 8 bytes off, 5 rows).
         self.register_buffer("q", aligned(q))
         self.register_buffer("scale", aligned(scale.to(ACTIVATION)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
         out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-class Int4CpuLinear(torch.nn.Module):
+class Int4CpuLinear(Int4Rows):
     """y = x @ (q * scale + min).T in groups, through `_weight_int4pack_mm_for_cpu`,
     whose weights are (q - 8) * scale + zero: so zero = min + 8 * scale."""
 
@@ -83,7 +83,7 @@ class Int4CpuLinear(torch.nn.Module):
         self.register_buffer("packed", pack_int4(codes))
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -111,7 +111,7 @@ def _q4_cpu(parts: dict[str, torch.Tensor]) -> torch.nn.Module:
     return Int4CpuLinear(parts[""], parts[SCALE_SUFFIX], parts[MIN_SUFFIX])
 
 
-class GroupedInt4Linear(torch.nn.Module):
+class GroupedInt4Linear(Int4Rows):
     """y = x @ W.T for W in affine groups of 32 (a GGUF type, gguf_native.affine_groups:
     w = scale * code + min) through `_weight_int4pack_mm_for_cpu`, whose weights are
     (c - 8) * scale + zero with scale and zero held in bfloat16. Codes of 4 bits go in
@@ -128,7 +128,7 @@ class GroupedInt4Linear(torch.nn.Module):
         super().__init__()
         self.out_features = raw.shape[0]
         self.in_features = gguf_native.in_features_of(kind, raw.shape[1])
-        self.planes = 1 if gguf_native.AFFINE_BITS[kind] <= 4 else 2
+        self.planes, self.group_size = 1 if gguf_native.AFFINE_BITS[kind] <= 4 else 2, GGUF_GROUP
         width = self.in_features * self.planes  # codes a row, both planes side by side
         self.register_buffer("packed", torch.empty(self.out_features, width // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros", torch.empty(width // GGUF_GROUP, self.out_features, 2,
@@ -143,7 +143,7 @@ class GroupedInt4Linear(torch.nn.Module):
         codes, scales_and_zeros = int4_planes(codes, scale, minimum, self.planes)
         return pack_int4(codes), scales_and_zeros
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
         if self.planes == 2:
             flat = torch.cat([flat, flat], dim=-1)
@@ -366,7 +366,7 @@ class CudaInt4Linear(torch.nn.Module):
         self.register_buffer("packed", packed[0] if len(packed) == 1 else torch.cat(packed))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(device).contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(ACTIVATION)
         if self.planes == 2:
             flat = torch.cat([flat, flat], dim=-1)
