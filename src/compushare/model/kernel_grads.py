@@ -45,6 +45,12 @@ class FrozenProduct(torch.nn.Module):
         return 4 * min(TILE_ROWS, self.out_features) * self.in_features * 2  # the values and their codes
 
 
+def backward_transient_bytes(layers) -> int:
+    """The most a backward through `layers` (modules) holds of dequantized rows at once."""
+    return max((m.transient_bytes() for layer in layers for m in layer.modules() if isinstance(m, FrozenProduct)),
+               default=0)
+
+
 class _Backward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, module: FrozenProduct) -> torch.Tensor:  # type: ignore[override]

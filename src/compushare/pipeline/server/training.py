@@ -22,6 +22,7 @@ import torch
 import trio
 
 from ...errors import FrameError, PeerMisbehaved
+from ...model.kernel_grads import backward_transient_bytes
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
 from ...proofs.training import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
@@ -45,7 +46,14 @@ MAX_BATCH = 64  # sequences in one microbatch
 SESSION_IDLE_S = 600.0
 BACKWARD_COST = 3  # a backward recomputes the forward, then runs the backward: about 3 forwards
 BUDGET_WAIT_S = 30.0
-TRAINABLE_FORMATS = ("fp32", "bf16")  # a request waits this long for training memory held by others
+TRAINABLE_RUNTIMES = ("torch",)  # every weight format on torch (model/kernel_grads.py); ggml has no backward yet
+
+
+def _tiles_bytes(runner) -> int:
+    """A span's dequantized tile in a backward (counted once per runner: a move makes a new one)."""
+    if not hasattr(runner, "tiles_bytes"):
+        runner.tiles_bytes = backward_transient_bytes(runner.layers.values())
+    return runner.tiles_bytes
 
 
 def activation_bytes(config, tokens: int, seq_len: int, blocks: int) -> int:
@@ -154,10 +162,9 @@ class TrainingServer:
             raise Rejected(protocol.WRONG_MODEL, f"this server serves model {server.model_id}")
         if not (runner.start <= request.start < request.end <= runner.end):
             raise Rejected(protocol.BAD_SPAN, f"{request.start}:{request.end} is not within {runner.start}:{runner.end}")
-        if runner.format_label not in TRAINABLE_FORMATS:
-            # torch's weight-only kernels have no backward: a quantized span cannot give gradients yet.
-            raise Rejected(protocol.BAD_REQUEST, f"this span computes in {runner.format_label}; training goes "
-                                                 f"through {' or '.join(TRAINABLE_FORMATS)} spans only")
+        if runner.runtime not in TRAINABLE_RUNTIMES:
+            raise Rejected(protocol.BAD_REQUEST, f"this span computes on {runner.runtime}; training goes through "
+                                                 f"spans on {' or '.join(TRAINABLE_RUNTIMES)} only")
         self._expire(time.monotonic())
         if request.session in self.sessions:
             raise Rejected(protocol.SESSION_EXISTS, "a training session with this id is open")
@@ -199,7 +206,9 @@ class TrainingServer:
                                                                       self.adapters, peer)
         rows, tokens = hidden.shape[0], hidden.shape[0] * hidden.shape[1]
         blocks = end - start
-        needed = activation_bytes(runner.config, tokens, hidden.shape[1], blocks) if backward else 0
+        # A backward holds its activations and, through a quantized span, a tile of dequantized rows.
+        needed = activation_bytes(runner.config, tokens, hidden.shape[1], blocks) + _tiles_bytes(runner) \
+            if backward else 0
         with await self.memory.hold(needed, BUDGET_WAIT_S):
             if backward:
                 compute = functools.partial(_backward, runner, hidden, grad, adapter, start, end)
