@@ -188,10 +188,11 @@ class Processes:
     def ready(self, name: str, proc) -> dict:
         return wait_ready(proc, self.root / name, timeout=120)
 
-    def nodes(self, specs, model_dir: Path, *, bootstrap=(), alias: str = "tiny", extra=None) -> list[dict]:
+    def nodes(self, specs, model_dir: Path, *, bootstrap=(), alias: str = "tiny", extra=None,
+              fmt: str | None = None) -> list[dict]:
         """Start several nodes at once (names and block spans), then wait for all."""
         started = [(name, self.node(name, model_dir, blocks, alias=alias, bootstrap=bootstrap, extra=extra,
-                                    wait=False)[0]) for name, blocks in specs]
+                                    wait=False, fmt=fmt)[0]) for name, blocks in specs]
         return [self.ready(name, proc) for name, proc in started]
 
     def close(self) -> None:

@@ -48,10 +48,11 @@ def microbatches(vocab: int, count: int = 2, rows: int = 2, length: int = 12):
     return out
 
 
-def peft_gradients(model_dir, adapter: Adapter, batches) -> tuple[float, dict[str, torch.Tensor]]:
-    """The same loss and gradients in one process: transformers' model with PEFT's LoRA."""
-    model = get_peft_model(reference_model(model_dir), LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha,
-                                                                  target_modules=list(SPEC.targets), lora_dropout=0.0))
+def peft_gradients(model_dir, adapter: Adapter, batches, base=None) -> tuple[float, dict[str, torch.Tensor]]:
+    """The same loss and gradients in one process: transformers' model (or `base`) with PEFT's LoRA."""
+    base = reference_model(model_dir) if base is None else base
+    model = get_peft_model(base, LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha, target_modules=list(SPEC.targets),
+                                            lora_dropout=0.0))
     model.load_state_dict({"base_model.model." + k.replace(".weight", ".default.weight"): v
                            for k, v in adapter.tensors.items()}, strict=False)
     total = sum(int((labels != IGNORE).sum()) for _, labels in batches)
@@ -102,6 +103,44 @@ async def test_swarm_gradients_equal_one_process(processes, tiny_model, tmp_path
         assert stats.step == 1 and abs(stats.loss - expected_loss) <= 1e-5
         receipts = [r for stage in trainer.stages for hop in stage.hops for r in hop.receipts]
         assert len(receipts) == 3 and all(r.tokens > 0 for r in receipts)  # karma for the training work
+        await trainer.close()
+
+
+def per_projection(a: dict, b: dict) -> dict[str, float]:
+    """The largest relative difference of `a` from `b` over each projection's factors."""
+    out: dict[str, float] = {}
+    for name in b:
+        projection = name.split(".")[-3]  # ...layers.N.self_attn.q_proj.lora_A.weight
+        error = ((a[name] - b[name]).abs().max() / b[name].abs().max().clamp_min(1e-12)).item()
+        out[projection] = max(out.get(projection, 0.0), error)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q4", "int8"])
+async def test_gradients_through_quantized_spans_equal_one_process_on_their_weights(processes, tiny_model, tmp_path,
+                                                                                   fmt):
+    """Three node processes serving q4 (int8) spans give the LoRA gradients one process
+    computes with PEFT over the same weights dequantized, within the bfloat16 rounding of
+    the kernels' activations (measured per projection)."""
+    from compushare.model.blocks import load_full_model
+
+    _, first = processes.node("a", tiny_model, "0:1", fmt=fmt)
+    boot = first["addrs"][:1]
+    processes.nodes([("b", "1:3"), ("c", "3:4")], tiny_model, bootstrap=boot, fmt=fmt)
+    client = tmp_path / "client"
+    stored = import_path(tiny_model, client, alias="tiny", fmt=fmt)
+    async with Consumer.connect(client, tuple(boot), "tiny", text_prompts=False) as consumer:
+        trainer = await trainer_for(consumer, spot_check_rate=0.0)
+        batches = microbatches(load_config(tiny_model).vocab_size)
+        reference = load_full_model(stored.path)
+        expected_loss, expected = peft_gradients(tiny_model, trainer.state.adapter(), batches, base=reference)
+        loss, _, grads = await trainer.gradients(batches)
+        errors = per_projection(grads, expected)
+        print(f"{fmt}: loss {loss:.6f} against {expected_loss:.6f}; gradients, relative, per projection: {errors}")
+        assert abs(loss - expected_loss) <= 1e-2 * abs(expected_loss)
+        assert max(errors.values()) <= 5e-2, errors
+        stats = await trainer.step(batches)
+        assert stats.step == 1
         await trainer.close()
 
 
