@@ -224,3 +224,44 @@ def liar_and_honest_nodes(processes, model_dir, *, liar_noise: str | None):
     c = processes.node("c", model_dir, "2:4", bootstrap=boot, extra=["--debug-slowdown", "30"] + fast_ads,
                        wait=False)[0]
     return a, processes.ready("b", b), processes.ready("c", c)
+
+
+# Measured (this file's test): the largest relative difference per projection from
+# PEFT over the file's weights dequantized to float32. The kernels' bfloat16
+# activations and scales account for it (the f32 file: 1e-6).
+GGUF_TOLERANCE = {"tiny-qwen2-f32.gguf": 1e-4, "tiny-qwen2-q8_0.gguf": 0.25}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_TOLERANCE))
+async def test_gradients_through_ggml_spans_equal_one_process_on_the_files_weights(processes, tmp_path, name):
+    """Two node processes serving a GGUF on ggml train through it: each layer on torch
+    from the same file, one at a time (model/span_training.py). The gradients equal one
+    process's on the same kernels (LocalTrainer), and PEFT's over the file's weights
+    dequantized within GGUF_TOLERANCE (printed per projection)."""
+    from pathlib import Path
+
+    from compushare.model.blocks import SpanRunner, load_full_model
+    from compushare.model.local_training import LocalTrainer
+
+    gguf = Path(__file__).resolve().parents[1] / "data" / "gguf" / name
+    _, first = processes.node("a", gguf, "0:1", fmt="gguf")
+    processes.node("b", gguf, "1:2", fmt="gguf", bootstrap=first["addrs"][:1])
+    client = tmp_path / "client"
+    stored = import_path(gguf, client, alias="tiny", fmt="gguf")
+    async with Consumer.connect(client, tuple(first["addrs"][:1]), "tiny", text_prompts=False) as consumer:
+        trainer = await trainer_for(consumer, spot_check_rate=0.0)
+        assert [(s.start, s.end) for s in trainer.stages] == [(0, 1), (1, 2)]
+        batches = microbatches(load_config(stored.path).vocab_size)
+        loss, _, grads = await trainer.gradients(batches)
+        local = LocalTrainer(SpanRunner.load(stored.path, 0, 2), consumer.head, trainer.state)
+        local_loss, _, local_grads = local.gradients(batches)
+        assert abs(loss - local_loss) <= 1e-5 * abs(local_loss)
+        assert max(per_projection(grads, local_grads).values()) <= 1e-4
+        expected_loss, expected = peft_gradients(stored.path, trainer.state.adapter(), batches,
+                                                 base=load_full_model(stored.path))
+        errors = per_projection(grads, expected)
+        print(f"{name} on ggml: loss {loss:.6f} against {expected_loss:.6f}; per projection: {errors}")
+        assert abs(loss - expected_loss) <= 1e-3 * abs(expected_loss)
+        assert max(errors.values()) <= GGUF_TOLERANCE[name], errors
+        assert (await trainer.step(batches)).step == 1
+        await trainer.close()

@@ -9,6 +9,7 @@
   formats.py   pure: weight formats (fp32, bf16, int8, q4/gN, gguf), what each stores
   quantize.py  the quantizer: deterministic int8 and q4 from float weights
   kernels.py   the matrix products of each format and device, behind `linear(...)`
+  kernel_grads.py  the input's gradient through a frozen quantized kernel (grad · W, a tile of rows at a time)
   kv_cache.py  the KV cache that grows in blocks, written in place
   device.py    hidden states across a span's edges: CPU (the wire) to and from its device, pinned
   head.py      ConsumerHead: embeddings, final norm and LM head
@@ -26,7 +27,7 @@
   selfbench.py how fast this node decodes one block: a short benchmark, cached
   lora.py      LoRA adapters: the update every projection of a span adds, per session row
   adapter_file.py  adapters in PEFT's format (a directory or one .safetensors), read and written
-  span_training.py  a span's stateless training forward and recomputing backward (the server's)
+  span_training.py  a span's stateless training forward and recomputing backward (the server's; ggml spans' on torch)
   train_head.py  the consumer's ends of a training pass: embeddings in, loss and its gradient out
   train_data.py  fine-tuning data (text, or JSONL prompt/response) into sequences, a split, batches
   training_state.py  the trainable state: adapter parameters, AdamW, checkpoints that resume exactly

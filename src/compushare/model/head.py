@@ -70,8 +70,10 @@ class ConsumerHead:
             head = LM_HEAD if LM_HEAD in gguf_types else EMBED  # tied: the embedding's own blocks
             if lm_head is not None:
                 self.projector = lm_head(state[head], gguf_types[head], state["model.norm.weight"], spec)
+            # On torch's kernel now, or (ggml computing the logits) when training first asks.
+            self._torch_head = lambda: kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
             if self.projector is None:
-                self.lm_head_module = kernels.linear({"": state[head]}, gguf_type=gguf_types[head])
+                self.lm_head_module = self._torch_head()
         elif self.quantized:  # int8 / q4 models: the embedding's rows dequantized, the LM head a kernel
             self.embed_parts = {name[len(EMBED):]: t for name, t in state.items() if base_name(name) == EMBED}
             head_parts = {name[len(LM_HEAD):]: t for name, t in state.items() if base_name(name) == LM_HEAD}
@@ -118,6 +120,8 @@ class ConsumerHead:
         return norm(hidden.to(self.dtype), self.norm_weight, self.rms_norm_eps)
 
     def _project(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.quantized and not hasattr(self, "lm_head_module"):  # training through a ggml-computed head
+            self.lm_head_module = self._torch_head()
         logits = self.lm_head_module(rows) if self.quantized else rows @ self.lm_head.T
         cap = self.spec.final_softcap
         if cap is not None:  # Gemma 2's final soft-capping, in transformers' order

@@ -111,10 +111,8 @@ class Int4Rows(FrozenProduct):
 def unpacked_rows(packed: torch.Tensor, start: int, end: int, width: int) -> torch.Tensor | None:
     """Rows start:end of uint8 codes [N, width] packed by kernels.pack_int4, or None
     where the layout is not one decoded here (a torch release that changed it)."""
-    from .kernels import _shuffle_matches_converter  # noqa: PLC0415  (kernels imports this module)
-
     rows = packed.shape[0]
-    if rows % 64 == 0 and _shuffle_matches_converter():  # tiles of 64 rows: byte (k, i) = rows i and i + 32
+    if rows % 64 == 0 and shuffle_matches_converter():  # tiles of 64 rows: byte (k, i) = rows i and i + 32
         if start % 64 or (end % 64 and end != rows):
             return None
         tiles = packed[start:end].reshape(-1, width, 32).transpose(1, 2)
@@ -126,6 +124,16 @@ def unpacked_rows(packed: torch.Tensor, start: int, end: int, width: int) -> tor
     block = packed.reshape(-1)[start * width // 2:end * width // 2].reshape(-1, width // 4, 4, 16)
     both = torch.stack([block & 0x0F, block >> 4], dim=3)  # [blocks, k / 4, 4, low/high, 16 rows]
     return both.permute(0, 3, 4, 1, 2).reshape(end - start, width)
+
+
+@functools.cache
+def shuffle_matches_converter() -> bool:
+    """Whether kernels.pack_int4's byte shuffle gives torch's converter's very bytes
+    (releases differ: then the converter packs, and its layout is read back here)."""
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tiles = codes.reshape(2, 2, 32, 64)
+    shuffled = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(128, 32)
+    return torch.equal(shuffled, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 @functools.cache

@@ -40,7 +40,7 @@ import torch
 
 from . import gguf_native
 from .formats import MIN_SUFFIX, SCALE_SUFFIX
-from .kernel_grads import Int4Rows, Int8Rows
+from .kernel_grads import Int4Rows, Int8Rows, shuffle_matches_converter
 from .quantize import dequantize, unpack_nibbles
 
 log = logging.getLogger(__name__)
@@ -185,18 +185,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     i + 32's high), which loading an 8B model's span does hundreds of times: the
     shuffle is used where it is checked, once, to give the converter's very bytes."""
     rows, cols = codes.shape
-    if rows % 64 or not _shuffle_matches_converter():
+    if rows % 64 or not shuffle_matches_converter():
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     tiles = codes.reshape(rows // 64, 2, 32, cols)
     return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(rows, cols // 2).contiguous()
-
-
-@functools.cache
-def _shuffle_matches_converter() -> bool:
-    codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    tiles = codes.reshape(2, 2, 32, 64)
-    shuffled = (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(128, 32)
-    return torch.equal(shuffled, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
 
 
 class DenseLinear(torch.nn.Module):

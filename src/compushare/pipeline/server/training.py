@@ -22,7 +22,7 @@ import torch
 import trio
 
 from ...errors import FrameError, PeerMisbehaved
-from ...model.kernel_grads import backward_transient_bytes
+from ...model.kernel_grads import TILE_ROWS, backward_transient_bytes
 from ...net.serve import GuardedHandler
 from ...net.tensors import decode_tensor
 from ...proofs.training import INPUT_PART, OUTPUT_PART, TrainStatement, train_input_digest, train_output_digest
@@ -46,13 +46,19 @@ MAX_BATCH = 64  # sequences in one microbatch
 SESSION_IDLE_S = 600.0
 BACKWARD_COST = 3  # a backward recomputes the forward, then runs the backward: about 3 forwards
 BUDGET_WAIT_S = 30.0
-TRAINABLE_RUNTIMES = ("torch",)  # every weight format on torch (model/kernel_grads.py); ggml has no backward yet
+TRAINABLE_RUNTIMES = ("torch", "ggml")  # ggml: each layer on torch from the same file (model/span_training.py)
 
 
 def _tiles_bytes(runner) -> int:
-    """A span's dequantized tile in a backward (counted once per runner: a move makes a new one)."""
+    """What a backward holds beyond its activations: a dequantized tile of rows, and on
+    a span without a backward of its own (ggml) one layer's torch copy (counted once per
+    runner: a move makes a new one)."""
     if not hasattr(runner, "tiles_bytes"):
-        runner.tiles_bytes = backward_transient_bytes(runner.layers.values())
+        if runner.runtime != "torch":  # a layer repacked for torch: about its stored bytes, and its tile
+            layer = runner.weight_bytes // (runner.end - runner.start)
+            runner.tiles_bytes = layer + 4 * TILE_ROWS * getattr(runner.config, "intermediate_size", 0) * 2
+        else:
+            runner.tiles_bytes = backward_transient_bytes(runner.layers.values())
     return runner.tiles_bytes
 
 

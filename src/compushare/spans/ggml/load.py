@@ -49,7 +49,9 @@ def load_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, c
                 raw = gguf_native.read_rows(Path(model_dir) / entry.name, tensor.begin, (tensor.end - tensor.begin,))
                 yield name[len(prefix):], raw.view(NUMPY_DTYPES[tensor.dtype]).reshape(tensor.shape)
 
-    return GgmlSpan(config, start, end, one_layer, types, stored_shapes(model_dir, start, end), threads=threads)
+    span = GgmlSpan(config, start, end, one_layer, types, stored_shapes(model_dir, start, end), threads=threads)
+    span.model_dir = Path(model_dir)  # training builds its layers on torch from there (model/span_training.py)
+    return span
 
 
 def random_ggml_span(model_dir: Path, start: int, end: int, *, threads: int = 1, seed: int = 0) -> GgmlSpan:

@@ -245,12 +245,12 @@ class GgmlSpan:
                           between_layers)
         return torch.from_numpy(out).unsqueeze(0)
 
-    def slowed(self, compute: Callable, *args):
-        """`compute(*args)`, taking `slowdown` times as long (fault injection, as the torch runtime's)."""
+    def slowed(self, compute: Callable, *args, **kwargs):
+        """`compute(*args, **kwargs)`, taking `slowdown` times as long (fault injection, as the torch runtime's)."""
         if self.slowdown <= 1.0:
-            return compute(*args)
+            return compute(*args, **kwargs)
         began = time.perf_counter()
-        out = compute(*args)
+        out = compute(*args, **kwargs)
         time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
         return out
 
