@@ -1,8 +1,11 @@
 """Fine-tuning through the swarm against the same training in one process.
 
-    .venv/bin/python bench/finetune.py [--steps 20] [--seq-len 64] [--batch-size 4] [--accumulate 2]
+    .venv/bin/python bench/finetune.py [--format fp32|q4|gguf] [--steps 20] [--seq-len 64] [--batch-size 4]
+                                       [--accumulate 2]
 
-LoRA (rank 8, alpha 16, on every projection of every block) on SmolLM2-135M, fp32,
+LoRA (rank 8, alpha 16, on every projection of every block) on SmolLM2-135M in
+--format (fp32 by default; q4: our 4-bit format on torch; gguf: its GGUF file's own
+Q4_1 tensors, served on ggml, trained on torch a layer at a time),
 trained on bench/data/pd_english.txt (public domain: bench/data/README.md) cut
 into sequences of --seq-len tokens, a tenth held out for evaluation (the split of
 `compushare finetune`, model/train_data.py), the same batches in the same order
@@ -75,9 +78,14 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def model_name(fmt: str) -> str:
+    return MODEL if fmt == "fp32" else f"{MODEL}@{fmt}"
+
+
 async def run(args, root: Path, swarm: LocalSwarm) -> dict:
     client_dir = root / "client"
-    model = resolve_model(MODEL, client_dir)
+    name = model_name(args.format)
+    model = resolve_model(name, client_dir)
     config = load_config(model.path)
     examples = load_examples(DATA, load_tokenizer(model), args.seq_len)
     train, held = split_examples(examples, seed=SEED)
@@ -88,7 +96,7 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
     local = LocalTrainer(SpanRunner.load(model.path, 0, config.num_hidden_layers), ConsumerHead.load(model.path),
                          TrainingState(initial, settings))
     bootstrap = tuple(swarm.addrs()[:1])
-    async with Consumer.connect(client_dir, bootstrap, MODEL) as consumer:
+    async with Consumer.connect(client_dir, bootstrap, name) as consumer:
         planner = SwarmPlanner(consumer.host, consumer.dht, model.model_id, model.num_blocks,
                                penalties=consumer.penalties, view=consumer.view, karma=consumer.karma,
                                fmt=model.format.label)
@@ -114,10 +122,13 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
         adapter_path = root / "adapter.safetensors"
         adapter_file.save(trainer.state.adapter(), adapter_path, base_model=MODEL)
         await trainer.close()
+        if args.format == "gguf":  # ggml spans serve no adapter yet: no generation to compare
+            log("generation with the adapter: not served on ggml spans yet")
+            return summary(args, rows, train, held, before, after, local_after, adapter_path, None)
         # The trained adapter in use: greedy tokens through the swarm (every server applying
         # it in its KV-cached path) against the same adapter in this process.
         prompt = "Alice was beginning to get very tired of"
-        request = RunRequest(model=MODEL, prompt=prompt, chat_template=False, adapter=adapter_path,
+        request = RunRequest(model=name, prompt=prompt, chat_template=False, adapter=adapter_path,
                              params=SamplingParams(max_new_tokens=GENERATED, stop_at_eos=False))
         outcome = await consumer.generate(request)
         plain = await consumer.generate(dataclasses.replace(request, adapter=None))
@@ -125,11 +136,15 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
                                                  adapter_file.load(adapter_path))
         log(f"greedy with the adapter, swarm: {outcome.text!r}")
         log(f"without it: {plain.text!r}")
+    return summary(args, rows, train, held, before, after, local_after, adapter_path, (outcome, plain, expected))
+
+
+def summary(args, rows, train, held, before, after, local_after, adapter_path, generated) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     swarm_tok_s = tokens / sum(r["swarm_s"] for r in rows)
     local_tok_s = tokens / sum(r["local_s"] for r in rows)
-    return {
-        "bench": "finetune", "model": MODEL, "format": "fp32", "nodes": 3, "rank": SPEC.rank,
+    result = {
+        "bench": "finetune", "model": MODEL, "format": args.format, "nodes": 3, "rank": SPEC.rank,
         "targets": list(SPEC.targets), "seq_len": args.seq_len, "batch_size": args.batch_size,
         "accumulate": args.accumulate, "lr": LR, "steps": args.steps, "train_sequences": len(train),
         "held_out_sequences": len(held),
@@ -142,9 +157,30 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
         "eval_ratio": round(after / before, 3), "local_eval_loss_after": round(local_after, 4),
         "adapter_bytes": adapter_path.stat().st_size,
         "first_loss": rows[0]["swarm_loss"], "last_loss": rows[-1]["swarm_loss"],
-        "adapter_generation_identical": outcome.tokens == expected, "adapter_changes_generation":
-            outcome.tokens != plain.tokens, "generated_tokens": len(outcome.tokens),
+        "adapter_loads_in_peft": _loads_in_peft(adapter_path),
     }
+    if generated is not None:
+        outcome, plain, expected = generated
+        result.update(adapter_generation_identical=outcome.tokens == expected,
+                      adapter_changes_generation=outcome.tokens != plain.tokens, generated_tokens=len(outcome.tokens))
+    return result
+
+
+def _loads_in_peft(path: Path) -> bool:
+    """Whether PEFT takes the trained adapter's tensors as a LoRA state dict of its own."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from compushare.model.catalog import resolve_model as resolve
+
+    config = AutoConfig.from_pretrained(str(resolve(MODEL, path.parent / "peft-check").path))
+    with torch.random.fork_rng():
+        model = AutoModelForCausalLM.from_config(config)
+    peft_model = get_peft_model(model, LoraConfig(r=SPEC.rank, lora_alpha=SPEC.alpha,
+                                                  target_modules=list(SPEC.targets), lora_dropout=0.0))
+    tensors = adapter_file.load(path).tensors
+    result = set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in tensors.items()})
+    return not [k for k in result.unexpected_keys if "lora_" in k]
 
 
 def local_greedy(local: LocalTrainer, prompt_ids: list[int], adapter: Adapter) -> list[int]:
@@ -161,6 +197,7 @@ def local_greedy(local: LocalTrainer, prompt_ids: list[int], adapter: Adapter) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--format", choices=("fp32", "q4", "gguf"), default="fp32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -171,10 +208,10 @@ def main() -> int:
     torch.set_num_threads(1)  # as every node process computes
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
     root = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
-    swarm = LocalSwarm(root / "nodes", MODEL, {"a": (0, 10), "b": (10, 20), "c": (20, 30)})
+    swarm = LocalSwarm(root / "nodes", model_name(args.format), {"a": (0, 10), "b": (10, 20), "c": (20, 30)})
     try:
         began = time.perf_counter()
-        resolve_model(MODEL, root / "client")  # converted once into the shared cache, then linked
+        resolve_model(model_name(args.format), root / "client")  # converted once into the shared cache, then linked
         swarm.start_all()
         log(f"swarm up in {time.perf_counter() - began:.1f}s")
         result = trio.run(run, args, root, swarm)
