@@ -110,5 +110,6 @@ def _twins_backward(twins: LayerTwins, hidden: torch.Tensor, grad_output: torch.
     for index in reversed(range(start, end)):
         grad, layer_grads = span_backward(twins.layer(index), inputs[index - start], grad, adapter, index, index + 1,
                                           between_layers=between_layers)
-        grads.update(layer_grads)
+        for name, value in layer_grads.items():  # every tensor of the adapter: zero outside this layer
+            grads[name] = grads[name] + value if name in grads else value
     return grad, grads
