@@ -117,10 +117,9 @@ class OpenAIReply:
 
     def body(self, outcome: RunOutcome) -> dict:
         """The whole reply, not streamed."""
-        calls = []
+        content, calls = outcome.text, []
         choice = {"index": 0, "logprobs": self.logprobs(outcome.logprobs)}
         if self.chat:
-            content, calls = outcome.text, []
             if self.prepared.calls is not None:
                 content, calls = self.prepared.calls.parse(outcome.text, self.gen.shape.tools)
             choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}

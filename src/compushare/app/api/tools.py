@@ -157,15 +157,13 @@ class Hermes(CallFormat):
         start = text.find(HERMES_OPEN)
         if start < 0:
             return text, []
-        calls, rest = [], text[start:]
-        for block in re.finditer(r"\s*<tool_call>(.*?)</tool_call>\s*", rest, re.DOTALL):
-            call = self._call(block.group(1), tools)
-            if call is None:
-                return text, []
-            calls.append(call)
-        if not calls or "".join(m.group(0) for m in re.finditer(r"\s*<tool_call>(.*?)</tool_call>\s*", rest,
-                                                                  re.DOTALL)) != rest:
+        rest = text[start:]
+        blocks = list(re.finditer(r"\s*<tool_call>(.*?)</tool_call>\s*", rest, re.DOTALL))
+        if "".join(block.group(0) for block in blocks) != rest:
             return text, []  # an unfinished call, or text between calls
+        calls = [call for block in blocks if (call := self._call(block.group(1), tools)) is not None]
+        if len(calls) != len(blocks):  # a malformed call
+            return text, []
         return text[:start].rstrip(), calls
 
 
