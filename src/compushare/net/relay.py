@@ -12,9 +12,11 @@ three overrides, each asking net/relay_quota.RelayLedger first:
   _handle_connect   a circuit only within the circuit and byte quotas, refused with
                     RESOURCE_LIMIT_EXCEEDED (NO_RESERVATION when the target holds none)
   _relay_data       every chunk accounted before it is passed on; over the circuit's
-                    bytes or duration the circuit is reset. It closes only its own
-                    circuit's streams (py-libp2p's closes whatever circuit last
-                    registered under the same peer) and passes a half-close on.
+                    bytes or duration the circuit is reset, both directions at once
+                    (its quota is free then, not at its duration's end). It closes
+                    only its own circuit's streams (py-libp2p's closes whatever
+                    circuit last registered under the same peer) and passes a
+                    half-close on.
 
 and a fourth, `_handle_hop_stream`, that never leaves a HOP stream open after it.
 """
@@ -54,6 +56,7 @@ class QuotaRelay(CircuitV2Protocol):
         self._circuit_of: dict[int, int] = {}  # id(source stream) -> ledger circuit id
         self._directions: dict[int, list[trio.CancelScope]] = {}  # circuit -> its two relaying directions
         self._half_closed: set[int] = set()  # circuits one end of which has closed its side
+        self._ended: set[int] = set()  # circuits one direction of which was refused or failed
 
     async def _handle_hop_stream(self, stream: INetStream) -> None:
         # py-libp2p's handler leaves the stream open when it stops on a malformed
@@ -114,6 +117,7 @@ class QuotaRelay(CircuitV2Protocol):
             self._circuit_of.pop(id(stream), None)
             self._directions.pop(opened, None)
             self._half_closed.discard(opened)
+            self._ended.discard(opened)
             self.ledger.close(opened)
             # py-libp2p's own _relay_data (replaced here) was the only one to forget
             # the circuits its _handle_connect registers: each held a dead connection.
@@ -143,7 +147,7 @@ class QuotaRelay(CircuitV2Protocol):
                             watch.cancel_scope.cancel()
                 if refusal is HALF_CLOSED:
                     return  # the other direction goes on
-            if scope.cancelled_caught and circuit not in self._half_closed:
+            if scope.cancelled_caught and circuit not in self._half_closed | self._ended:
                 refusal = self.ledger.carry(circuit, 0, trio.current_time())  # counts the duration refusal
         except Exception as exc:  # a reset or closed end, a stalled writer: the circuit is over
             log.debug("circuit from %s ends: %s", peer_id, exc)
@@ -152,6 +156,11 @@ class QuotaRelay(CircuitV2Protocol):
                 self._directions.get(circuit, []).remove(scope)
         if refusal is not None:
             log.warning("relay: circuit from %s closed: %s (%s quota)", peer_id, refusal.reason, refusal.kind)
+        # The circuit is over: its other direction, waiting on a read that a reset does
+        # not always end in py-libp2p, stops now, and the circuit's quota is free at once.
+        self._ended.add(circuit)
+        for other in self._directions.get(circuit, ()):
+            other.cancel()
         await _reset(src_stream, dst_stream)
 
     async def _carry(self, circuit: int, scope: trio.CancelScope, src_stream: INetStream,
