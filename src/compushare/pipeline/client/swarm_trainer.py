@@ -108,6 +108,7 @@ class SwarmTrainer:
         self.failovers, self.checks = 0, 0
         self.reports: list[TrainFailureReport] = []
         self.mismatches: list[str] = []  # peers a check found wrong
+        self.compared: list[tuple[str, str, float]] = []  # every check's (peer, peer, relative error)
 
     async def open(self) -> None:
         route = await self.planner.first_route()
@@ -238,16 +239,16 @@ class SwarmTrainer:
         the answer to use (the agreeing one)."""
         tol = tolerance(first.mode, first.end - first.start)
         second = await self._recompute(first, {first.peer_id}, again)
-        if second is None or _error(first, second) <= tol:
+        if second is None or self._error(first, second) <= tol:
             return first
         third = await self._recompute(first, {first.peer_id, second.peer_id}, again)
         if third is None:
             log.warning("%s and %s disagree on blocks %d:%d; no third server to decide", first.peer_id,
                         second.peer_id, first.start, first.end)
             return first
-        if _error(third, second) <= tol:
+        if self._error(third, second) <= tol:
             bad, good = first, second
-        elif _error(third, first) <= tol:
+        elif self._error(third, first) <= tol:
             bad, good = second, first
         else:
             log.warning("three servers disagree on blocks %d:%d; keeping the first answer", first.start, first.end)
@@ -301,7 +302,8 @@ class SwarmTrainer:
                 exclude = exclude | {candidate.peer_id}
         return None
 
-
-def _error(a: Answer, b: Answer) -> float:
-    return parts_error(a.parts, b.parts)
+    def _error(self, a: Answer, b: Answer) -> float:
+        error = parts_error(a.parts, b.parts)
+        self.compared.append((a.peer_id, b.peer_id, error))
+        return error
 
