@@ -106,3 +106,73 @@ def _byte_symbols() -> list[str]:
     extra = [b for b in range(256) if b not in printable]
     table = dict(zip(printable + extra, printable + [256 + n for n in range(len(extra))]))
     return [chr(table[b]) for b in range(256)]
+
+
+# llama.cpp's fallbacks for a row that is no whole number of 256-weight super-blocks
+# (llama_tensor_get_type): SmolLM2's 576-wide rows take them.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def q4_k_m_type(name: str, layers: int, columns: int) -> str | None:
+    """The type llama.cpp's Q4_K_M gives a layer matrix (None: kept as it is): Q4_K,
+    Q6_K for attn_v and ffn_down in the layers given more bits (the first and last
+    eighth, and every third between), each with its fallback for a short row."""
+    parts = name.split(".")
+    if parts[0] != "blk" or not name.endswith(".weight") or parts[2].endswith("norm"):
+        return None
+    layer = int(parts[1])
+    more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    kind = "Q6_K" if parts[2] in ("attn_v", "ffn_down") and more_bits else "Q4_K"
+    return K_FALLBACK[kind] if columns % 256 else kind
+
+
+def ggml_quantize(values: np.ndarray, kind: str) -> np.ndarray:
+    """[rows, cols] float32 -> [rows, bytes] of `kind`, by ggml's own quantizer (every
+    type, the K-quants too, unlike gguf-py's)."""
+    import ctypes
+
+    import gguf
+
+    from compushare.spans.ggml.lib import ggml
+
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    rows, cols = values.shape
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    out = np.empty((rows, cols // block * size), dtype=np.uint8)
+    kind_id = getattr(ggml, f"GGML_TYPE_{kind}")
+    written = ggml.ggml_quantize_chunk(kind_id, values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                       out.ctypes.data_as(ctypes.c_void_p), 0, rows, cols, None)
+    assert written == out.nbytes, (written, out.nbytes)
+    return out
+
+
+def requantize(source: Path, target: Path, choose=q4_k_m_type) -> Path:
+    """`source` with every layer matrix dequantized and quantized again to the type
+    `choose(name, layers, columns)` names (Q4_K_M's mix by default), as llama-quantize
+    would from the same weights; metadata, norms and the embedding kept as they are."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    layers = reader.fields[f"{arch}.block_count"].contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        columns = int(tensor.shape[0])  # ggml's ne: the row's length first
+        kind = choose(tensor.name, layers, columns)
+        if kind is None:
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+            continue
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(-1, columns)
+        writer.add_tensor(tensor.name, ggml_quantize(values, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

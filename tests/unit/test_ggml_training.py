@@ -9,22 +9,28 @@ import torch
 from compushare.model.arch import load_config
 from compushare.model.catalog import import_path
 from compushare.model.lora import Adapter, LoraSpec
-from compushare.model.span_training import span_backward, span_forward
+from compushare.model.span_training import LayerTwins, span_backward, span_forward
 from compushare.spans import load_span
 
 GGUF = Path(__file__).resolve().parents[1] / "data" / "gguf" / "tiny-qwen2-q8_0.gguf"
 
 
-def test_a_ggml_span_trains_as_a_torch_span_of_the_same_file(tmp_path):
-    stored = import_path(GGUF, tmp_path / "home", alias="q8", fmt="gguf")
-    on_ggml, on_torch = load_span(stored.path, 0, 2), load_span(stored.path, 0, 2, runtime="torch")
-    assert on_ggml.runtime == "ggml" and on_torch.runtime == "torch"
+def small_adapter(stored) -> Adapter:
     adapter = Adapter.initialised(LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj")), load_config(stored.path),
                                   range(2), seed=1, model_id=stored.model_id)
     generator = torch.Generator().manual_seed(2)
     for name, tensor in adapter.tensors.items():
         if "lora_B" in name:  # not zero: every factor gets a gradient
             tensor.normal_(0, 0.05, generator=generator)
+    return adapter
+
+
+def test_a_ggml_span_trains_as_a_torch_span_of_the_same_file(tmp_path):
+    stored = import_path(GGUF, tmp_path / "home", alias="q8", fmt="gguf")
+    on_ggml, on_torch = load_span(stored.path, 0, 2), load_span(stored.path, 0, 2, runtime="torch")
+    assert on_ggml.runtime == "ggml" and on_torch.runtime == "torch"
+    adapter = small_adapter(stored)
+    generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 7, on_torch.hidden_size, generator=generator)
     grad_output = torch.randn(2, 7, on_torch.hidden_size, generator=generator)
     assert torch.equal(span_forward(on_ggml, hidden, adapter, 0, 2), span_forward(on_torch, hidden, adapter, 0, 2))
@@ -35,3 +41,23 @@ def test_a_ggml_span_trains_as_a_torch_span_of_the_same_file(tmp_path):
     for name in adapter_torch:  # both layers' factors: none lost between the layers' backwards
         assert torch.equal(adapter_ggml[name], adapter_torch[name]), name
         assert adapter_torch[name].abs().max() > 0, name
+
+
+def test_twins_kept_within_their_bytes_are_not_built_again_and_change_nothing(tmp_path):
+    stored = import_path(GGUF, tmp_path / "home", alias="q8", fmt="gguf")
+    span = load_span(stored.path, 0, 2)
+    adapter = small_adapter(stored)
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, 5, span.hidden_size, generator=generator)
+    grad_output = torch.randn(1, 5, span.hidden_size, generator=generator)
+    fresh = span_backward(span, hidden, grad_output, adapter, 0, 2)  # no twins kept: every layer built, twice
+    one_layer = LayerTwins(span).layer(0).weight_bytes
+    span.twins = LayerTwins(span, keep_bytes=one_layer)  # room for the first layer built, not for both
+    first = span_backward(span, hidden, grad_output, adapter, 0, 2)
+    assert list(span.twins.kept) == [0] and span.twins.kept_bytes == one_layer <= span.twins.keep_bytes
+    assert span.twins.built == 3  # forward: layers 0 (kept) and 1; backward: layer 1 again
+    again = span_backward(span, hidden, grad_output, adapter, 0, 2)
+    assert span.twins.built == 5  # layer 1, twice: never kept, never evicting layer 0
+    for result in (first, again):
+        assert torch.equal(result[0], fresh[0])
+        assert all(torch.equal(result[1][name], fresh[1][name]) for name in fresh[1])

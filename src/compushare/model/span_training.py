@@ -13,8 +13,10 @@ changes none of them. Synchronous: callers put it in a worker thread.
 
 A span on ggml has no graph to differentiate: its training passes run each layer on
 torch, built from the same stored weights (a GGUF's types on torch's kernels, whose
-backward is kernel_grads.py's) one layer at a time and dropped after it
-(`LayerTwins`), so a pass holds one layer's torch copy beyond the span. The
+backward is kernel_grads.py's) one layer at a time (`LayerTwins`). Twins are kept,
+first come, while their bytes fit what the training server set aside for them
+(half its training budget); the others are built for each pass and dropped after,
+so a pass holds at most one layer's torch copy beyond those kept. The
 backward runs the layers forward keeping each one's input, then each backward in
 turn. Their numerics are torch's on the GGUF (bfloat16 activations into the
 kernels), not ggml's: within the tolerance between the two runtimes
@@ -23,6 +25,7 @@ kernels), not ggml's: within the tolerance between the two runtimes
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -42,16 +45,42 @@ def _layers(runner, hidden: torch.Tensor, adapter: Adapter | None, start: int, e
 
 
 class LayerTwins:
-    """A span's layers on torch, one at a time, for a span whose runtime has no backward
-    (ggml): built from the model's stored weights (`runner.model_dir`) when asked."""
+    """A span's layers on torch, for a span whose runtime has no backward (ggml):
+    built from the model's stored weights (`runner.model_dir`) when asked, and kept,
+    first come, while their bytes fit `keep_bytes` (a fixed set, never evicted: a
+    pass visits every layer in turn, and a least-recently-used cache smaller than
+    the span would miss every time)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, keep_bytes: int = 0) -> None:
         self.model_dir = runner.model_dir
+        self.keep_bytes = keep_bytes
+        self.kept: dict[int, object] = {}
+        self.kept_bytes = 0
+        self.built = 0  # layers built, kept or not (tests, benchmarks)
+        self._lock = threading.Lock()  # training passes run in worker threads
 
     def layer(self, index: int):
         from .blocks import SpanRunner  # noqa: PLC0415  (transformers' layers)
 
-        return SpanRunner.load(self.model_dir, index, index + 1)
+        with self._lock:
+            twin = self.kept.get(index)
+        if twin is not None:
+            return twin
+        with torch.inference_mode(False):  # a kept twin built in a forward serves backwards too
+            twin = SpanRunner.load(self.model_dir, index, index + 1)
+        with self._lock:
+            self.built += 1
+            if index not in self.kept and self.kept_bytes + twin.weight_bytes <= self.keep_bytes:
+                self.kept[index] = twin
+                self.kept_bytes += twin.weight_bytes
+        return twin
+
+
+def twins_of(runner) -> LayerTwins:
+    """The runner's twins (`runner.twins`, set by the training server with what it
+    may keep), or ones that keep nothing."""
+    twins = getattr(runner, "twins", None)
+    return twins if twins is not None else LayerTwins(runner)
 
 
 def needs_twins(runner) -> bool:
@@ -65,7 +94,7 @@ def span_forward(runner, hidden: torch.Tensor, adapter: Adapter | None, start: i
     with torch.inference_mode():
         if not needs_twins(runner):
             return _layers(runner, hidden, adapter, start, end, between_layers).float()
-        twins = LayerTwins(runner)
+        twins = twins_of(runner)
         for index in range(start, end):
             hidden = _layers(twins.layer(index), hidden, adapter, index, index + 1, between_layers).float()
         return hidden
@@ -77,7 +106,7 @@ def span_backward(runner, hidden: torch.Tensor, grad_output: torch.Tensor, adapt
     """(d loss / d hidden, {adapter tensor name: d loss / d it}) for layers start..end-1,
     given d loss / d output: the forward recomputed with its graph, then backward."""
     if needs_twins(runner):
-        return _twins_backward(LayerTwins(runner), hidden, grad_output, adapter, start, end, between_layers)
+        return _twins_backward(twins_of(runner), hidden, grad_output, adapter, start, end, between_layers)
     with torch.enable_grad():
         # A copy: `hidden` may be an inference tensor (span_forward's output), which can never require grad.
         leaf = hidden.detach().to(runner.dtype, copy=True).requires_grad_(True)

@@ -135,6 +135,7 @@ class TrainingServer:
         self.sessions: dict[bytes, TrainingSession] = {}
         self.adapters = adapters or AdapterCache()
         self.memory = MemoryBudget(memory_bytes)
+        self._twins_runner, self._twins_reserved = None, 0  # a ggml span's kept torch twins: whose, how much
         self.requests = 0  # forwards and backwards answered
         limits = server.limits
         self.rpc_train = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits),
@@ -215,6 +216,7 @@ class TrainingServer:
         # A backward holds its activations and, through a quantized span, a tile of dequantized rows.
         needed = activation_bytes(runner.config, tokens, hidden.shape[1], blocks) + _tiles_bytes(runner) \
             if backward else 0
+        self._keep_twins(runner)
         with await self.memory.hold(needed, BUDGET_WAIT_S):
             if backward:
                 compute = functools.partial(_backward, runner, hidden, grad, adapter, start, end)
@@ -242,6 +244,22 @@ class TrainingServer:
         if not backward:
             return ForwardResult(request.id, encoded[0][1], seconds * 1000, signature)
         return BackwardResult(request.id, encoded[0][1], dict(encoded[1:]), seconds * 1000, signature)
+
+    def _keep_twins(self, runner) -> None:
+        """A span on ggml trains on torch twins of its layers (model/span_training.py):
+        up to half the training budget (and at most twice the span's stored bytes) is
+        set aside from it for the twins kept between requests, while `runner` serves."""
+        if runner.runtime == "torch" or getattr(runner, "twins", None) is not None:
+            return
+        from ...model.span_training import LayerTwins  # noqa: PLC0415  (see _forward)
+
+        if self._twins_runner is not None:  # a move: the old span's twins go, their share comes back
+            self._twins_runner.twins = None
+            self.memory.total += self._twins_reserved
+        keep = min(self.memory.total // 2, 2 * runner.weight_bytes)
+        self.memory.total -= keep
+        runner.twins = LayerTwins(runner, keep)
+        self._twins_runner, self._twins_reserved = runner, keep
 
     def _noisy(self, tensor: torch.Tensor) -> torch.Tensor:
         """Fault injection (a lying server, tests and benchmarks): the inference server's noise."""

@@ -32,9 +32,17 @@ def rms(ctx, x, weight, eps: float):
 
 
 def product(ctx, weights: Weights, name: str, x):
+    """W x (+ bias), and with an adapter's factors for `name` (adapter.AdaptedWeights)
+    + s · B (A x) after them, as PEFT adds its update to the layer's output."""
     out = ggml.ggml_mul_mat(ctx, weights[name + ".weight"], x)
     bias = weights.get(name + ".bias")
-    return ggml.ggml_add(ctx, out, bias) if bias is not None else out
+    out = ggml.ggml_add(ctx, out, bias) if bias is not None else out
+    factors = weights.lora(name)
+    if factors is None:
+        return out
+    a, b, scale = factors
+    update = ggml.ggml_mul_mat(ctx, b, ggml.ggml_mul_mat(ctx, a, x))
+    return ggml.ggml_add(ctx, out, ggml.ggml_scale(ctx, update, scale))
 
 
 def _qkv(ctx, w: Weights, p: str, h, r: Recipe, tokens: int):

@@ -29,6 +29,7 @@ import torch
 
 from ...errors import UsageError
 from ...model.gguf_native import permute
+from .adapter import AdaptedWeights
 from .graph import Inputs, layer
 from .lib import build_id, ggml
 from .recipe import ROPE_NORMAL, recipe_of
@@ -37,6 +38,7 @@ from .weights import Context, Weights
 KV_PAD = 256  # the cache view grows by this many tokens (llama.cpp's padding with flash attention)
 GRAPH_NODES = 96  # graph nodes per layer at most (a dense layer uses ~30, an MoE one ~45 + its top-k)
 MAX_GRAPHS = 8  # built graphs kept (each with its compute buffer), least recently used dropped first
+MAX_ADAPTERS = 4  # sessions' adapters kept uploaded (with their graphs), least recently used dropped first
 # Only graphs of this many tokens at most are kept: decode steps and verify passes,
 # which repeat. A prompt's graph is built, run and freed (its compute buffer grows
 # with its tokens: an 8B layer's for 2,048 tokens is hundreds of MB).
@@ -168,6 +170,7 @@ class GgmlSpan:
         self.threads = threads
         ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()  # least recent first
+        self._adapters: collections.OrderedDict[int, AdaptedWeights] = collections.OrderedDict()  # by id(adapter)
         self._lock = threading.Lock()
         self.slowdown = 1.0
         self.batchable = False
@@ -237,12 +240,10 @@ class GgmlSpan:
         tensor, as the torch runtime takes) whose first token sits at `position`;
         appends to `cache`; returns float32 [1, n, H]. With `between_layers`, a
         prompt of several tokens runs a graph per layer and the callback runs before
-        each, outside the span's lock (a paused prompt lets a decode step through)."""
-        if adapter is not None:
-            raise UsageError("LoRA adapters are not served on ggml spans: the torch runtime serves them "
-                             "(start the node with --runtime torch)")
+        each, outside the span's lock (a paused prompt lets a decode step through).
+        `adapter`: a LoRA adapter (model/lora.py) applied to its projections (adapter.py)."""
         out = self.slowed(self._forward, hidden[0].detach().to(torch.float32).numpy(), cache, position, start, end,
-                          between_layers)
+                          between_layers, adapter)
         return torch.from_numpy(out).unsqueeze(0)
 
     def slowed(self, compute: Callable, *args, **kwargs):
@@ -255,7 +256,7 @@ class GgmlSpan:
         return out
 
     def _forward(self, hidden: np.ndarray, cache: KVCache, position: int, start: int | None, end: int | None,
-                 between_layers: Callable[[], None] | None) -> np.ndarray:
+                 between_layers: Callable[[], None] | None, adapter=None) -> np.ndarray:
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not (self.start <= start < end <= self.end):
@@ -272,10 +273,10 @@ class GgmlSpan:
             for index in range(start, end):
                 between_layers()
                 with self._lock:
-                    hidden = self._run(hidden, cache, position, index, index + 1)
+                    hidden = self._run(hidden, cache, position, index, index + 1, self._adapted(adapter))
         else:
             with self._lock:
-                hidden = self._run(hidden, cache, position, start, end)
+                hidden = self._run(hidden, cache, position, start, end, self._adapted(adapter))
         cache.length = position + tokens
         return hidden
 
@@ -289,6 +290,9 @@ class GgmlSpan:
             for graph in self._graphs.values():
                 graph.free()
             self._graphs.clear()
+            for adapted in self._adapters.values():
+                adapted.free()
+            self._adapters.clear()
         if self.backend:
             ggml.ggml_backend_free(self.backend)
             self.backend = None
@@ -296,18 +300,42 @@ class GgmlSpan:
 
     def forget_graphs(self, cache: KVCache) -> None:
         """Drop the graphs over `cache`'s tensors (reallocated or freed). Callers hold the lock."""
-        for key in [k for k in self._graphs if k[-1] == cache.serial]:
+        self._forget(lambda key: key[5] == cache.serial)
+
+    def _forget(self, which: Callable[[tuple], bool]) -> None:
+        for key in [k for k in self._graphs if which(k)]:
             self._graphs.pop(key).free()
+
+    def _adapted(self, adapter) -> AdaptedWeights | None:
+        """`adapter`'s factors in ggml tensors: uploaded on its first use, kept among the
+        last MAX_ADAPTERS (an evicted one's graphs go with it). Callers hold the lock."""
+        if adapter is None:
+            return None
+        adapted = self._adapters.get(id(adapter))
+        if adapted is None or adapted.adapter is not adapter:
+            if adapted is not None:  # another adapter at a dead one's address
+                self._drop_adapter(id(adapter))
+            while len(self._adapters) >= MAX_ADAPTERS:
+                self._drop_adapter(next(iter(self._adapters)))
+            adapted = self._adapters[id(adapter)] = AdaptedWeights(self.weights, adapter, self.recipe, self.start,
+                                                                   self.end)
+        self._adapters.move_to_end(id(adapter))
+        return adapted
+
+    def _drop_adapter(self, key: int) -> None:
+        self._forget(lambda graph_key: graph_key[6] == key)
+        self._adapters.pop(key).free()
 
     # -- the graph ---------------------------------------------------------------------
 
-    def _run(self, hidden: np.ndarray, cache: KVCache, position: int, start: int, end: int) -> np.ndarray:
+    def _run(self, hidden: np.ndarray, cache: KVCache, position: int, start: int, end: int,
+             adapted: AdaptedWeights | None = None) -> np.ndarray:
         tokens = hidden.shape[0]
         n_kv = min(cache.capacity, -(-(position + tokens) // KV_PAD) * KV_PAD)
-        key = (start, end, tokens, n_kv, cache.generation, cache.serial)
+        key = (start, end, tokens, n_kv, cache.generation, cache.serial, 0 if adapted is None else id(adapted.adapter))
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._build(cache, start, end, tokens, n_kv)
+            graph = self._build(cache, start, end, tokens, n_kv, adapted)
             if tokens > KEPT_GRAPH_TOKENS:
                 try:
                     return self._compute(graph, hidden, position, n_kv)
@@ -335,8 +363,10 @@ class GgmlSpan:
         self.reads.count(graph.layers, graph.inputs.routes, tokens)
         return out
 
-    def _build(self, cache: KVCache, start: int, end: int, tokens: int, n_kv: int) -> _Graph:
+    def _build(self, cache: KVCache, start: int, end: int, tokens: int, n_kv: int,
+               adapted: AdaptedWeights | None = None) -> _Graph:
         r = self.recipe
+        weights = self.weights if adapted is None else adapted
         nodes = GRAPH_NODES * (end - start) + 64
         context = Context.for_graph(nodes)
         ctx = context.ctx
@@ -347,7 +377,13 @@ class GgmlSpan:
                         {window: _input(ctx, ggml.GGML_TYPE_F16, n_kv, tokens) for window in windows}, n_kv, tokens)
         cur = x
         for index in range(start, end):
-            cur = layer(ctx, graph, self.weights, r, index, cur, cache.k[index], cache.v[index], inputs)
+            cur = layer(ctx, graph, weights, r, index, cur, cache.k[index], cache.v[index], inputs)
+        if adapted is not None:
+            try:
+                adapted.check_applied(start, end)
+            except UsageError:
+                context.free()
+                raise
         ggml.ggml_set_output(cur)
         ggml.ggml_build_forward_expand(graph, cur)
         allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_cpu_buffer_type())

@@ -151,6 +151,10 @@ class Weights:
     def get(self, name: str):
         return self.tensors.get(name)
 
+    def lora(self, projection: str):
+        """No adapter's factors here (adapter.AdaptedWeights has them)."""
+        return None
+
     def free(self) -> None:
         for buffer in self._buffers:
             ggml.ggml_backend_buffer_free(buffer)
