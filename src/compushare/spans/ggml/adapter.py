@@ -12,6 +12,9 @@ and their outputs come out as the permuted weights' do.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 import numpy as np
 
 from ...errors import UsageError
@@ -70,3 +73,43 @@ class AdaptedWeights:
 
     def free(self) -> None:
         self.factors.free()
+
+
+class KeptAdapters:
+    """The adapters a span keeps uploaded, by id(adapter), the least recently used
+    dropped first past `limit`; `on_drop(key)` lets the span free the graphs built
+    over a dropped one. Callers hold the span's lock."""
+
+    def __init__(self, limit: int, upload: Callable[[Adapter], AdaptedWeights], on_drop: Callable[[int], None]
+                 ) -> None:
+        self.limit, self.upload, self.on_drop = limit, upload, on_drop
+        self._kept: collections.OrderedDict[int, AdaptedWeights] = collections.OrderedDict()
+
+    def get(self, adapter: Adapter | None) -> AdaptedWeights | None:
+        """`adapter`'s factors in ggml tensors, uploaded on first use (None: no adapter)."""
+        if adapter is None:
+            return None
+        key = id(adapter)
+        adapted = self._kept.get(key)
+        if adapted is None or adapted.adapter is not adapter:
+            if adapted is not None:  # another adapter at a dead one's address
+                self._drop(key)
+            while len(self._kept) >= self.limit:
+                self._drop(next(iter(self._kept)))
+            adapted = self._kept[key] = self.upload(adapter)
+        self._kept.move_to_end(key)
+        return adapted
+
+    def _drop(self, key: int) -> None:
+        self.on_drop(key)
+        self._kept.pop(key).free()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._kept
+
+    def free(self) -> None:
+        for key in list(self._kept):
+            self._drop(key)

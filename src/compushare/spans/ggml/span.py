@@ -29,7 +29,7 @@ import torch
 
 from ...errors import UsageError
 from ...model.gguf_native import permute
-from .adapter import AdaptedWeights
+from .adapter import AdaptedWeights, KeptAdapters
 from .graph import Inputs, layer
 from .lib import build_id, ggml
 from .recipe import ROPE_NORMAL, recipe_of
@@ -170,7 +170,9 @@ class GgmlSpan:
         self.threads = threads
         ggml.ggml_backend_cpu_set_n_threads(self.backend, threads)
         self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()  # least recent first
-        self._adapters: collections.OrderedDict[int, AdaptedWeights] = collections.OrderedDict()  # by id(adapter)
+        self._adapters = KeptAdapters(  # sessions' adapters uploaded, with the graphs over them
+            MAX_ADAPTERS, lambda a: AdaptedWeights(self.weights, a, self.recipe, start, end),
+            lambda key: self._forget(lambda graph_key: graph_key[6] == key))
         self._lock = threading.Lock()
         self.slowdown = 1.0
         self.batchable = False
@@ -273,10 +275,10 @@ class GgmlSpan:
             for index in range(start, end):
                 between_layers()
                 with self._lock:
-                    hidden = self._run(hidden, cache, position, index, index + 1, self._adapted(adapter))
+                    hidden = self._run(hidden, cache, position, index, index + 1, self._adapters.get(adapter))
         else:
             with self._lock:
-                hidden = self._run(hidden, cache, position, start, end, self._adapted(adapter))
+                hidden = self._run(hidden, cache, position, start, end, self._adapters.get(adapter))
         cache.length = position + tokens
         return hidden
 
@@ -290,9 +292,7 @@ class GgmlSpan:
             for graph in self._graphs.values():
                 graph.free()
             self._graphs.clear()
-            for adapted in self._adapters.values():
-                adapted.free()
-            self._adapters.clear()
+            self._adapters.free()
         if self.backend:
             ggml.ggml_backend_free(self.backend)
             self.backend = None
@@ -305,26 +305,6 @@ class GgmlSpan:
     def _forget(self, which: Callable[[tuple], bool]) -> None:
         for key in [k for k in self._graphs if which(k)]:
             self._graphs.pop(key).free()
-
-    def _adapted(self, adapter) -> AdaptedWeights | None:
-        """`adapter`'s factors in ggml tensors: uploaded on its first use, kept among the
-        last MAX_ADAPTERS (an evicted one's graphs go with it). Callers hold the lock."""
-        if adapter is None:
-            return None
-        adapted = self._adapters.get(id(adapter))
-        if adapted is None or adapted.adapter is not adapter:
-            if adapted is not None:  # another adapter at a dead one's address
-                self._drop_adapter(id(adapter))
-            while len(self._adapters) >= MAX_ADAPTERS:
-                self._drop_adapter(next(iter(self._adapters)))
-            adapted = self._adapters[id(adapter)] = AdaptedWeights(self.weights, adapter, self.recipe, self.start,
-                                                                   self.end)
-        self._adapters.move_to_end(id(adapter))
-        return adapted
-
-    def _drop_adapter(self, key: int) -> None:
-        self._forget(lambda graph_key: graph_key[6] == key)
-        self._adapters.pop(key).free()
 
     # -- the graph ---------------------------------------------------------------------
 
