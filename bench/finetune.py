@@ -5,7 +5,8 @@
 
 LoRA (rank 8, alpha 16, on every projection of every block) on SmolLM2-135M in
 --format (fp32 by default; q4: our 4-bit format on torch; gguf: its GGUF file's own
-Q4_1 tensors, served on ggml, trained on torch a layer at a time),
+Q4_1 tensors, served on ggml, trained on torch a layer at a time, its adapter applied
+on ggml),
 trained on bench/data/pd_english.txt (public domain: bench/data/README.md) cut
 into sequences of --seq-len tokens, a tenth held out for evaluation (the split of
 `compushare finetune`, model/train_data.py), the same batches in the same order
@@ -58,6 +59,7 @@ from compushare.model.lora import Adapter, LoraSpec  # noqa: E402
 from compushare.model.tokenizer import load_tokenizer  # noqa: E402
 from compushare.model.train_data import batches, load_examples, split_examples  # noqa: E402
 from compushare.model.training_state import OptimizerSettings, TrainingState  # noqa: E402
+from compushare.spans import load_span  # noqa: E402
 from compushare.pipeline.client.consumer import Consumer, RunRequest, prompt_ids_of  # noqa: E402
 from compushare.pipeline.client.sampling import SamplingParams  # noqa: E402
 from compushare.pipeline.client.finetune import step_batches  # noqa: E402
@@ -122,18 +124,17 @@ async def run(args, root: Path, swarm: LocalSwarm) -> dict:
         adapter_path = root / "adapter.safetensors"
         adapter_file.save(trainer.state.adapter(), adapter_path, base_model=MODEL)
         await trainer.close()
-        if args.format == "gguf":  # ggml spans serve no adapter yet: no generation to compare
-            log("generation with the adapter: not served on ggml spans yet")
-            return summary(args, rows, train, held, before, after, local_after, adapter_path, None)
         # The trained adapter in use: greedy tokens through the swarm (every server applying
-        # it in its KV-cached path) against the same adapter in this process.
+        # it in its KV-cached path) against the same adapter in this process (on ggml, as
+        # the servers, for a GGUF: their runtime's rounding is not torch's).
         prompt = "Alice was beginning to get very tired of"
         request = RunRequest(model=name, prompt=prompt, chat_template=False, adapter=adapter_path,
                              params=SamplingParams(max_new_tokens=GENERATED, stop_at_eos=False))
         outcome = await consumer.generate(request)
         plain = await consumer.generate(dataclasses.replace(request, adapter=None))
-        expected = await trio.to_thread.run_sync(local_greedy, local, prompt_ids_of(consumer.tokenizer, request),
-                                                 adapter_file.load(adapter_path))
+        runner = load_span(model.path, 0, config.num_hidden_layers) if args.format == "gguf" else local.runner
+        expected = await trio.to_thread.run_sync(local_greedy, runner, consumer.head,
+                                                 prompt_ids_of(consumer.tokenizer, request), adapter_file.load(adapter_path))
         log(f"greedy with the adapter, swarm: {outcome.text!r}")
         log(f"without it: {plain.text!r}")
     return summary(args, rows, train, held, before, after, local_after, adapter_path, (outcome, plain, expected))
@@ -183,9 +184,8 @@ def _loads_in_peft(path: Path) -> bool:
     return not [k for k in result.unexpected_keys if "lora_" in k]
 
 
-def local_greedy(local: LocalTrainer, prompt_ids: list[int], adapter: Adapter) -> list[int]:
+def local_greedy(runner, head, prompt_ids: list[int], adapter: Adapter) -> list[int]:
     """Greedy tokens in this process: every block with the adapter, the head beside it."""
-    runner, head = local.runner, local.head
     cache = runner.new_cache()
     hidden = runner.forward(head.embed_tokens(prompt_ids), cache, 0, adapter=adapter)
     tokens = []

@@ -131,13 +131,19 @@ def random_adapter(config, layers=range(TINY_LAYERS), *, seed: int = 0, rank: in
     return adapter
 
 
-def local_adapted_greedy(model_dir, adapter, prompt: list[int], new_tokens: int) -> list[int]:
+def local_adapted_greedy(model_dir, adapter, prompt: list[int], new_tokens: int, *, layers: int = TINY_LAYERS,
+                         ggml: bool = False) -> list[int]:
     """Greedy tokens with `adapter` applied in one process: every block in one
-    SpanRunner, the head beside it (what a swarm applying the adapter must reproduce)."""
+    SpanRunner (with `ggml`, a GGUF's span and head on ggml), the head beside it (what
+    a swarm applying the adapter must reproduce)."""
     from compushare.model.blocks import SpanRunner
     from compushare.model.head import ConsumerHead
+    from compushare.spans import GGML, load_head, load_span
 
-    runner, head = SpanRunner.load(model_dir, 0, TINY_LAYERS), ConsumerHead.load(model_dir)
+    if ggml:
+        runner, head = load_span(model_dir, 0, layers, runtime=GGML), load_head(model_dir)
+    else:
+        runner, head = SpanRunner.load(model_dir, 0, layers), ConsumerHead.load(model_dir)
     cache = runner.new_cache()
     hidden = runner.forward(head.embed_tokens(prompt), cache, 0, adapter=adapter)
     tokens = []

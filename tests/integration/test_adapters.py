@@ -5,6 +5,7 @@ for another model is refused before anything is sent."""
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import trio
@@ -66,6 +67,26 @@ async def test_an_adapter_through_the_swarm_gives_its_local_greedy_tokens(proces
         await generate(client_dir, boot, other, direct=True, speculate=False)
     (error,) = leaves(refused.value)
     assert isinstance(error, UsageError) and "an adapter only applies to its own model" in str(error), error
+
+
+async def test_an_adapter_on_ggml_spans_gives_its_one_process_tokens_on_ggml(processes, tmp_path):
+    """Two nodes serving a Llama GGUF on ggml (its q / k rows permuted for ggml's rotary
+    layout, and so the adapter's B rows) apply the adapter: greedy tokens through them
+    equal one process's on ggml with the same adapter."""
+    gguf = Path(__file__).resolve().parents[1] / "data" / "gguf" / "tiny-llama-f32.gguf"
+    _, first = processes.node("a", gguf, "0:1", fmt="gguf")
+    boot = first["addrs"][:1]
+    processes.node("b", gguf, "1:2", fmt="gguf", bootstrap=boot)
+    client_dir = tmp_path / "client"
+    stored = import_path(gguf, client_dir, alias="tiny", fmt="gguf")
+    adapter = random_adapter(load_config(stored.path), range(2), seed=11, model_id=stored.model_id,
+                             targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    path = adapter_file.save(adapter, tmp_path / "adapter.safetensors", base_model="tiny")
+    expected = local_adapted_greedy(stored.path, adapter, PROMPT, NEW, layers=2, ggml=True)
+    assert expected != local_adapted_greedy(stored.path, None, PROMPT, NEW, layers=2, ggml=True)
+    outcome = await generate(client_dir, boot, path, direct=False, speculate=False)
+    assert outcome.tokens == expected
+    assert [(h.start, h.end) for h in outcome.route] == [(0, 1), (1, 2)] and outcome.chain_breaks == 0
 
 
 def leaves(exc: BaseException) -> list[BaseException]:

@@ -15,6 +15,8 @@ on the span's device. What it costs, chosen here:
 
 So adapters pin at most TOTAL_BYTES for sessions plus the cache's bound, however many
 sessions and peers come; the frame limit (16 MiB) bounds one `open`'s bytes anyway.
+A span on ggml uploads a copy of the factors of the adapters its forwards last used,
+at most 4 (spans/ggml/adapter.py): at most 4 × PEER_BYTES more.
 """
 
 from __future__ import annotations
@@ -58,9 +60,6 @@ class SessionAdapters:
     def admit(self, wire: dict, runner, start: int, end: int, peer: str) -> Held:
         """The adapter an `open` names, decoded and within the bounds; FrameError
         (bad_adapter, unknown_adapter) or Rejected (busy). Nothing is held until `keep`."""
-        if getattr(runner, "runtime", "torch") != "torch":
-            raise FrameError(BAD_ADAPTER, f"this span runs on {runner.runtime}, which serves no LoRA adapters: "
-                                          "nodes started with --runtime torch serve them")
         if "tensors" in wire:
             decoded = decode_adapter(wire, runner.config, start, end, None, peer)  # checks the digest
             digest = wire["digest"]
