@@ -83,3 +83,14 @@ def per_projection(a: dict, b: dict) -> dict[str, float]:
         error = ((a[name] - b[name]).abs().max() / b[name].abs().max().clamp_min(1e-12)).item()
         out[projection] = max(out.get(projection, 0.0), error)
     return out
+
+
+def norm_per_projection(a: dict, b: dict) -> dict[str, float]:
+    """||a - b|| / ||b|| over all of each projection's factors (every layer's A and B)."""
+    errors: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for name in b:
+        projection = name.split(".")[-3]
+        errors[projection] = errors.get(projection, 0.0) + float((a[name] - b[name]).pow(2).sum())
+        totals[projection] = totals.get(projection, 0.0) + float(b[name].pow(2).sum())
+    return {k: (errors[k] / max(totals[k], 1e-30)) ** 0.5 for k in errors}
