@@ -61,3 +61,21 @@ def test_twins_kept_within_their_bytes_are_not_built_again_and_change_nothing(tm
     for result in (first, again):
         assert torch.equal(result[0], fresh[0])
         assert all(torch.equal(result[1][name], fresh[1][name]) for name in fresh[1])
+
+
+def test_with_every_twin_kept_a_backward_is_one_graph_and_the_same(tmp_path):
+    stored = import_path(GGUF, tmp_path / "home", alias="q8", fmt="gguf")
+    span = load_span(stored.path, 0, 2)
+    adapter = small_adapter(stored)
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 6, span.hidden_size, generator=generator)
+    grad_output = torch.randn(2, 6, span.hidden_size, generator=generator)
+    layer_at_a_time = span_backward(span, hidden, grad_output, adapter, 0, 2)
+    span.twins = LayerTwins(span, keep_bytes=1 << 30)
+    span_forward(span, hidden, adapter, 0, 2)  # builds both layers: both kept
+    assert span.twins.holds(0, 2) and span.twins.built == 2
+    one_graph = span_backward(span, hidden, grad_output, adapter, 0, 2)
+    assert span.twins.built == 2  # nothing built again
+    assert torch.allclose(one_graph[0], layer_at_a_time[0], rtol=0, atol=1e-6 * layer_at_a_time[0].abs().max())
+    for name, expected in layer_at_a_time[1].items():
+        assert torch.allclose(one_graph[1][name], expected, rtol=0, atol=1e-6 * expected.abs().max()), name

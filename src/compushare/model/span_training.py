@@ -13,12 +13,13 @@ changes none of them. Synchronous: callers put it in a worker thread.
 
 A span on ggml has no graph to differentiate: its training passes run each layer on
 torch, built from the same stored weights (a GGUF's types on torch's kernels, whose
-backward is kernel_grads.py's) one layer at a time (`LayerTwins`). Twins are kept,
+backward is kernel_grads.py's), a layer at a time (`LayerTwins`). Twins are kept,
 first come, while their bytes fit what the training server set aside for them
 (half its training budget); the others are built for each pass and dropped after,
-so a pass holds at most one layer's torch copy beyond those kept. The
-backward runs the layers forward keeping each one's input, then each backward in
-turn. Their numerics are torch's on the GGUF (bfloat16 activations into the
+so a pass holds at most one layer's torch copy beyond those kept. With every layer
+of the request kept, the backward is the torch span's: one graph over the twins.
+Otherwise it runs the layers forward keeping each one's input, then each layer's
+backward in turn (a layer's forward computed twice). Their numerics are torch's on the GGUF (bfloat16 activations into the
 kernels), not ggml's: within the tolerance between the two runtimes
 (proofs.inference.ACROSS_RUNTIMES), and equal to a torch server's on the same file.
 """
@@ -58,6 +59,11 @@ class LayerTwins:
         self.kept_bytes = 0
         self.built = 0  # layers built, kept or not (tests, benchmarks)
         self._lock = threading.Lock()  # training passes run in worker threads
+
+    def holds(self, start: int, end: int) -> bool:
+        """Whether every layer start..end-1 is kept (a backward may then hold them all)."""
+        with self._lock:
+            return all(index in self.kept for index in range(start, end))
 
     def layer(self, index: int):
         from .blocks import SpanRunner  # noqa: PLC0415  (transformers' layers)
@@ -104,18 +110,27 @@ def span_backward(runner, hidden: torch.Tensor, grad_output: torch.Tensor, adapt
                   end: int, *, between_layers: Callable[[], None] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(d loss / d hidden, {adapter tensor name: d loss / d it}) for layers start..end-1,
-    given d loss / d output: the forward recomputed with its graph, then backward."""
+    given d loss / d output: the forward recomputed with its graph, then backward. A
+    span on ggml whose twins are all kept does the same over them; otherwise it goes
+    a layer at a time (_twins_backward)."""
     if needs_twins(runner):
-        return _twins_backward(twins_of(runner), hidden, grad_output, adapter, start, end, between_layers)
+        twins = twins_of(runner)
+        if not twins.holds(start, end):
+            return _twins_backward(twins, hidden, grad_output, adapter, start, end, between_layers)
+        segments = [(twins.kept[index], index, index + 1) for index in range(start, end)]
+    else:
+        segments = [(runner, start, end)]
     with torch.enable_grad():
         # A copy: `hidden` may be an inference tensor (span_forward's output), which can never require grad.
-        leaf = hidden.detach().to(runner.dtype, copy=True).requires_grad_(True)
+        leaf = hidden.detach().to(segments[0][0].dtype, copy=True).requires_grad_(True)
         params: dict[str, torch.Tensor] = {}
         trained = None
         if adapter is not None:
             params = {name: t.detach().clone().requires_grad_(True) for name, t in adapter.tensors.items()}
             trained = Adapter(adapter.spec, params, adapter.model_id)
-        output = _layers(runner, leaf, trained, start, end, between_layers)
+        output = leaf
+        for segment, first, last in segments:
+            output = _layers(segment, output, trained, first, last, between_layers)
         names = [name for name in params if params[name] is not None]
         grads = torch.autograd.grad(output, [leaf, *(params[n] for n in names)],
                                     grad_outputs=grad_output.to(output.dtype), allow_unused=True)
