@@ -166,7 +166,10 @@ def main() -> None:
         from compushare.app.swarm import stop_pids
 
         stop_pids([int(p.read_text()) for p in swarm_home.glob("node-*/node.pid") if p.read_text().strip().isdigit()])
-        shutil.rmtree(root, ignore_errors=True)
+        if failed:
+            log(f"failed: its logs and data dirs are kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     if failed:
         raise SystemExit(1)
     raise SystemExit(finish(result, args.results or None))

@@ -121,3 +121,19 @@ async def test_silent_and_oversized_streams_are_ended(server, autojump_clock):
     assert silent.was_reset and silent.replies == [] and trio.current_time() - began >= 5.0
     assert [r["code"] for r in huge.replies] == ["frame_too_large"] and huge.closed and huge.was_reset
     assert not server.rpc_infer.open
+
+
+async def test_a_training_stream_may_idle_as_long_as_a_training_session(server, autojump_clock):
+    """A consumer's stream to a training stage waits, between a microbatch's forward
+    and its backward, for every later stage: past the infer streams' idle limit (5 s
+    here), up to a training session's (SESSION_IDLE_S), then it is reset."""
+    from compushare.pipeline.server.training import SESSION_IDLE_S, TrainingServer
+
+    training = TrainingServer(server, memory_bytes=1 << 30)
+    stream = Stream("a")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(training.rpc_train, stream)
+        began = trio.current_time()
+        await trio.sleep(server.limits.stream_idle_timeout_s * 4)
+        assert not stream.was_reset  # an infer stream would be gone by now
+    assert stream.was_reset and trio.current_time() - began >= SESSION_IDLE_S

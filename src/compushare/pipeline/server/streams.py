@@ -1,7 +1,8 @@
 """An infer stream on the serving side: frames in, in order, one reply each.
 
 A stream that sends nothing for the stream idle timeout (or stalls mid-frame) is
-reset. The sessions opened on a stream end with it (`ended`): their KV caches do
+reset (`idle_timeout_s`: a protocol whose consumer waits between two requests for
+longer, as training's, says its own). The sessions opened on a stream end with it (`ended`): their KV caches do
 not outlive a consumer that went away. A frame that does not decode gets an error reply and the stream goes on,
 except an oversized one, whose remaining bytes cannot be skipped safely: the stream
 is closed after its error reply. The per-peer stream cap is net/serve.GuardedHandler's.
@@ -33,15 +34,17 @@ Handle = Callable[[dict, str, int, set[bytes]], Awaitable["dict | None"]]
 
 
 async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimits,
-                       ended: Callable[[set[bytes]], None] = lambda _opened: None) -> None:
+                       ended: Callable[[set[bytes]], None] = lambda _opened: None,
+                       idle_timeout_s: float | None = None) -> None:
     """One stream's frames, in order (task boundary: logs and swallows unexpected errors)."""
     framed, peer = FramedStream(stream, limits.max_frame_bytes), peer_of(stream)
+    idle_s = limits.stream_idle_timeout_s if idle_timeout_s is None else idle_timeout_s
     opened: set[bytes] = set()
     try:
         while True:
             try:
                 # A stalled or silent stream (half a frame, then nothing) is closed.
-                with trio.move_on_after(limits.stream_idle_timeout_s) as idle:
+                with trio.move_on_after(idle_s) as idle:
                     message = await framed.receive()
             except FrameError as exc:
                 await _reply(framed, protocol.error(exc.code, exc.message))
@@ -53,7 +56,7 @@ async def serve_stream(stream: INetStream, *, handle: Handle, limits: ServerLimi
                     return await _quiet_reset(framed)
                 continue
             if idle.cancelled_caught:
-                log.info("closing an infer stream of %s: idle for %.0f s", peer, limits.stream_idle_timeout_s)
+                log.info("closing a stream of %s: idle for %.0f s", peer, idle_s)
                 return await _quiet_reset(framed)
             if message is None:
                 return await framed.close()

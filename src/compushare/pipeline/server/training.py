@@ -138,7 +138,11 @@ class TrainingServer:
         self._twins_runner, self._twins_reserved = None, 0  # a ggml span's kept torch twins: whose, how much
         self.requests = 0  # forwards and backwards answered
         limits = server.limits
-        self.rpc_train = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits),
+        # A consumer's stream to one stage waits, between a microbatch's forward and its
+        # backward, for every later stage: minutes on a big model. It may idle as long
+        # as a session may (the per-peer stream cap bounds what is parked).
+        self.rpc_train = GuardedHandler(functools.partial(serve_stream, handle=self.handle, limits=limits,
+                                                          idle_timeout_s=SESSION_IDLE_S),
                                         per_peer=limits.max_streams_per_peer,
                                         refuse=functools.partial(refuse_stream, limits=limits))
 
