@@ -194,3 +194,22 @@ def test_any_message_gets_a_reply(training, messages):
         training.sessions.clear()
 
     trio.run(drive)
+
+
+async def test_a_request_past_a_frame_is_refused_by_the_consumer_before_it_is_sent():
+    """The server would end the stream on a frame over 16 MiB (an opaque reset): the
+    consumer says what is too large instead, and sends nothing."""
+    import types
+
+    from compushare.errors import UsageError
+    from compushare.model.lora import LoraSpec
+    from compushare.pipeline.client.train_hop import TrainHop
+
+    rank, width = 256, 8192  # one projection's factors: 2 x 256 x 8192 float32 = 16 MiB
+    spec = LoraSpec(rank, 16.0, ("q_proj",))
+    big = Adapter(spec, {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(rank, width),
+                         "model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(width, rank)})
+    hop = TrainHop(None, types.SimpleNamespace(peer_id="p", start=0, end=1), "m")
+    with pytest.raises(UsageError, match="exceed a frame's 16 MiB: adapt fewer projections"):
+        await hop.forward(torch.zeros(1, 4, width), big)
+    assert hop.requests == 0

@@ -23,7 +23,7 @@ from libp2p.abc import IHost
 from libp2p.network.stream.exceptions import StreamError
 
 from ... import wire
-from ...errors import BAD_REPLY, CLOSED, CONNECTION_LOST, TIMEOUT, FrameError, HopFailed, PeerMisbehaved
+from ...errors import BAD_REPLY, CLOSED, CONNECTION_LOST, TIMEOUT, FrameError, HopFailed, PeerMisbehaved, UsageError
 from ...karma.receipts import Receipt, parse_receipt, sign_receipt
 from ...model.lora import Adapter
 from ...net.codec import DEFAULT_MAX_FRAME
@@ -43,6 +43,7 @@ from .routing import Hop
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+FRAME_HEADROOM = 64 * 1024  # a request's fields and names beside its tensors' bytes
 FIRST_DEADLINE_S = 120.0  # before anything is measured: a first backward on a slow CPU
 DEADLINE_FACTOR = 4.0  # a request may take this many times its predicted time...
 MIN_DEADLINE_S = 5.0  # ... and at least this much more
@@ -172,13 +173,19 @@ class TrainHop:
             raise HopFailed(self.peer_id, reply.code, f"{self._where()}: {reply.message}")
         return reply
 
-    async def _compute(self, kind: str, build, tokens: int, adapter: Adapter | None):
-        """Send a forward or backward, with the adapter's tensors only if this server
-        lacks them (sent again after an `unknown_adapter`: it may have dropped them)."""
+    async def _compute(self, kind: str, build, tokens: int, adapter: Adapter | None, payload: int):
+        """Send a forward or backward (`payload`: its tensors' bytes), with the adapter's
+        tensors only if this server lacks them (sent again after an `unknown_adapter`:
+        it may have dropped them)."""
         async with self.lock:
             for attempt in range(2):
                 digest = adapter.digest() if adapter is not None else b""
                 with_tensors = adapter is not None and (self._held != digest or attempt > 0)
+                if with_tensors and adapter.nbytes + payload > DEFAULT_MAX_FRAME - FRAME_HEADROOM:
+                    raise UsageError(
+                        f"the adapter's factors for blocks {self.start}:{self.end} ({adapter.nbytes / 2**20:.1f} MiB) "
+                        f"and the microbatch ({payload / 2**20:.1f} MiB) exceed a frame's "
+                        f"{DEFAULT_MAX_FRAME >> 20} MiB: adapt fewer projections or use a lower rank")
                 shipped = None if adapter is None else adapter_to_wire(adapter, with_tensors=with_tensors)
                 began = time.perf_counter()
                 try:
@@ -203,7 +210,7 @@ class TrainHop:
     async def forward(self, hidden: torch.Tensor, adapter: Adapter | None) -> Answer:
         sent = wire_tensor(hidden)
         reply = await self._compute("forward", lambda i, a: TrainForward(i, self.session, sent, a),
-                                    hidden.shape[0] * hidden.shape[1], adapter)
+                                    hidden.shape[0] * hidden.shape[1], adapter, len(sent.data))
         assert isinstance(reply, ForwardResult)
         try:
             output = _tensor(reply.hidden, tuple(hidden.shape), "forward output")
@@ -215,7 +222,7 @@ class TrainHop:
     async def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, adapter: Adapter | None) -> Answer:
         sent, grad = wire_tensor(hidden), wire_tensor(grad_output)
         reply = await self._compute("backward", lambda i, a: TrainBackward(i, self.session, sent, grad, a),
-                                    hidden.shape[0] * hidden.shape[1], adapter)
+                                    hidden.shape[0] * hidden.shape[1], adapter, len(sent.data) + len(grad.data))
         assert isinstance(reply, BackwardResult)
         expected = {} if adapter is None else {name: tuple(t.shape) for name, t in adapter.tensors.items()}
         try:  # each gradient of the shape it must have
