@@ -40,7 +40,7 @@ import torch
 
 from . import gguf_native
 from .formats import MIN_SUFFIX, SCALE_SUFFIX
-from .kernel_grads import Int4Rows, Int8Rows, shuffle_matches_converter
+from .kernel_grads import FrozenProduct, Int4Rows, Int8Rows, shuffle_matches_converter
 from .quantize import dequantize, unpack_nibbles
 
 log = logging.getLogger(__name__)
@@ -191,11 +191,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).reshape(rows, cols // 2).contiguous()
 
 
-class DenseLinear(torch.nn.Module):
+class DenseLinear(FrozenProduct):
     """A dense matrix computed in its own dtype, float32 out: a GGUF's F32, F16 and BF16
     matrices, and its types without a kernel dequantized to float16 (Q6_K, whose scale
     per 16 weights the int4 kernel cannot take: float16 keeps 11 bits, more than its 6).
-    A float16 product overflows past 65504: one that does is computed again in float32."""
+    A float16 product overflows past 65504: one that does is computed again in float32.
+    Its backward is float32 tiles of its rows (a CPU's float16 matmul is slow)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()

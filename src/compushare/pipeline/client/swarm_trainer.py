@@ -109,6 +109,7 @@ class SwarmTrainer:
         self.reports: list[TrainFailureReport] = []
         self.mismatches: list[str] = []  # peers a check found wrong
         self.compared: list[tuple[str, str, float]] = []  # every check's (peer, peer, relative error)
+        self._head_limiter = trio.CapacityLimiter(1)
 
     async def open(self) -> None:
         route = await self.planner.first_route()
@@ -208,7 +209,9 @@ class SwarmTrainer:
     async def _microbatch(self, i: int, ids: torch.Tensor, labels: torch.Tensor, total: int, adapter: Adapter,
                           results: list) -> None:
         inputs = await self._forward(embed_batch(self.head, ids), adapter)
-        loss, grad = loss_and_grad(self.head, inputs[-1], labels, total)
+        # Off the event loop (a 128k-token vocabulary's head is seconds of CPU), one at a time.
+        loss, grad = await trio.to_thread.run_sync(loss_and_grad, self.head, inputs[-1], labels, total,
+                                                   limiter=self._head_limiter)
         grads: dict[str, torch.Tensor] = {}
         for index in reversed(range(len(self.stages))):
             x, g_out = inputs[index], grad
