@@ -203,12 +203,15 @@ class DenseLinear(FrozenProduct):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         out = torch.nn.functional.linear(flat.to(self.weight.dtype), self.weight)
         if self.weight.dtype == torch.float16 and not bool(torch.isfinite(out).all()):
             out = torch.nn.functional.linear(flat.float(), self.weight.float())
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def held_rows(self, start: int, end: int) -> torch.Tensor:
+        return self.weight[start:end].float()
 
 
 GGUF_GROUP = gguf_native.GROUP
