@@ -6,6 +6,7 @@ own tensor library the way llama.cpp builds its graphs.
   recipe.py    what a family's graph needs of its config, as llama.cpp reads it
   graph.py     one decoder layer as a ggml graph, op for op as llama.cpp builds it
   span.py      GgmlSpan: a span's layers, its sessions' float16 KV caches, graphs kept and reused
+  adapter.py   sessions' LoRA adapters on the span: factors in float32 tensors, the last few kept uploaded
   load.py      a stored GGUF model's span onto ggml, a layer at a time
   head.py      the consumer's final norm and LM head on ggml, in the file's own type
 """
