@@ -39,6 +39,33 @@ def wait_until(check, what: str, timeout: float = WAIT_S, interval: float = 0.1)
         time.sleep(interval)
 
 
+STALL_S = 90.0
+PROGRESS_LIMIT_S = 600.0
+
+
+async def advance_to(measure, goal: int, what: str, *, stall_s: float = STALL_S,
+                     limit_s: float = PROGRESS_LIMIT_S) -> None:
+    """In trio: wait until `measure()` (an int, or an awaitable of one) reaches `goal`,
+    failing only once it stops advancing for `stall_s`, or after `limit_s` in all. For
+    floods and the like, whose pace is the machine's: a loaded machine is slower (a
+    fixed 90 s failed once, CI stop 61), a stuck one makes no progress."""
+    import inspect
+    import trio
+
+    async def now() -> int:
+        value = measure()
+        return await value if inspect.isawaitable(value) else value
+
+    best, last_gain = -1, trio.current_time()
+    with trio.fail_after(limit_s):
+        while (reached := await now()) < goal:
+            if reached > best:
+                best, last_gain = reached, trio.current_time()
+            elif trio.current_time() - last_gain > stall_s:
+                raise AssertionError(f"{what}: stuck at {best} of {goal} for {stall_s:.0f} s")
+            await trio.sleep(0.5)
+
+
 def dashboard(data_dir: Path, state: dict) -> dict:
     """A node's /control/dashboard (its view of the swarm) through its control API."""
     from compushare.app.api.client import call

@@ -34,12 +34,11 @@ from compushare.net.gossip import MAX_VIEW_ADS, MAX_VIEW_FRAME, VIEW_PROTOCOL, f
 from compushare.net.host import open_host
 from compushare.net.signed import signer_of
 from compushare.net.view import MAX_PEERS, NEWCOMER_SLOTS, SwarmView
-from helpers import vm_rss_mb, wait_until
+from helpers import advance_to, vm_rss_mb, wait_until
 from hostile.sybil import attack
 
 FLOOD = 5000
 RECORDS = FLOOD  # Sybil DHT records alongside, where tools/hostile/sybil_records.py exists
-FLOOD_TIMEOUT_S = 90.0
 SETTLE_TIMEOUT_S = 30.0  # for B to be in T's view and reply, once it is up
 RSS_GROWTH_LIMIT_MB = 50.0
 
@@ -77,6 +76,7 @@ def dashboard_peers_within(state: dict, data_dir: Path, timeout: float = 90.0) -
 
 
 READ_TIMEOUT_S = 90.0  # for one read of T's view while it is taking in the flood
+
 
 
 async def _within(read, what: str, timeout: float = READ_TIMEOUT_S):
@@ -136,16 +136,14 @@ async def flood_and_join(processes, tiny_model, monkeypatch, *, policy: bool) ->
             began = trio.current_time()
             nursery.start_soon(functools.partial(attack, attacker, target, target["model_id"], counts,
                                                  records=RECORDS))
-            with trio.fail_after(FLOOD_TIMEOUT_S):
-                while counts["sybil_ads"] < FLOOD:
-                    await trio.sleep(0.5)
+            await advance_to(lambda: counts["sybil_ads"], FLOOD, "the Sybil ads sent")
             out["flood_s"] = round(trio.current_time() - began, 1)
             # T has taken in the flood: its view is full of Sybils (the newcomers' slots
             # with the policy on; the whole view without it, which then refuses B).
             full = NEWCOMER_SLOTS if policy else MAX_PEERS
-            with trio.fail_after(FLOOD_TIMEOUT_S):
-                while len(await trio.to_thread.run_sync(polled_peers, target, processes.root / "t")) < full:
-                    await trio.sleep(0.5)
+            async def in_view() -> int:
+                return len(await trio.to_thread.run_sync(polled_peers, target, processes.root / "t"))
+            await advance_to(in_view, full, "the peers in T's view")
             # A new real server joins through T while the Sybils stay advertised.
             _, b = await trio.to_thread.run_sync(lambda: processes.node("b", tiny_model, "2:4", bootstrap=boot))
             out["b"] = b["peer_id"]
