@@ -7,7 +7,8 @@ that it documents exactly these. Constants only: no imports, the lowest layer.
 # Stream protocols (versioned: a new version is a new id).
 INFER = "/compushare/infer/1.5.0"
 TRAIN = "/compushare/train/1.0.0"
-PRIVATE = "/compushare/private/2.0.0"
+PRIVATE = "/compushare/private/2.1.0"
+PRIVATE_V2_0 = "/compushare/private/2.0.0"  # still answered: its consumers send no `wait`, get no `busy`
 PIECES = "/compushare/pieces/1.0.0"
 KARMA = "/compushare/karma/1.0.0"
 VIEW = "/compushare/view/1.0.0"
@@ -72,7 +73,8 @@ NOT_SERVED = "not_served"  # the model or span (a session error), or a layer out
 BAD_KEYS = "bad_keys"
 BAD_CIPHERTEXT = "bad_ciphertext"
 WORKER_CRASHED = "worker_crashed"
-PRIVATE_ERRORS = (MALFORMED, BAD_PARAMS, NOT_SERVED, BAD_KEYS, BAD_CIPHERTEXT, WORKER_CRASHED)
+IDLE = "idle"  # 2.1.0: the session heard nothing within what its consumer announced (it ends)
+PRIVATE_ERRORS = (MALFORMED, BAD_PARAMS, NOT_SERVED, BAD_KEYS, BAD_CIPHERTEXT, WORKER_CRASHED, IDLE)
 
 # Codes of /compushare/pieces: a seeder's `error` (then it closes) and `reject` (one request).
 UNKNOWN_MODEL = "unknown_model"

@@ -68,9 +68,28 @@ def _decrypt(secret, plan, tokens, reply) -> np.ndarray:
     return plan.reduce(np.stack([secret.decrypt(ct) for group in reply["cts"] for ct in group]), tokens)
 
 
+class _Answers:
+    """A private stream whose receive skips the provider's `busy` frames (2.1.0: said
+    every 10 s while it works, e.g. pre-encoding its span on a loaded machine)."""
+
+    def __init__(self, framed: FramedStream) -> None:
+        self.framed = framed
+
+    async def send(self, message: dict) -> None:
+        await self.framed.send(message)
+
+    async def receive(self):
+        while (message := await self.framed.receive()) is not None and message.get("type") == "busy":
+            pass
+        return message
+
+    async def close(self) -> None:
+        await self.framed.close()
+
+
 async def _session(host, state, model_id, secret, keys, *, start=0, end=2, params=None):
     info = await dial(host, state["peer_id"], state["addrs"], timeout=10)
-    framed = FramedStream(await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL]), MAX_FRAME_BYTES)
+    framed = _Answers(FramedStream(await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL]), MAX_FRAME_BYTES))
     await framed.send({"type": "open", "model_id": model_id, "start": start, "end": end,
                        "params": params or secret.params.name, "keys_digest": hashlib.sha256(keys).hexdigest(),
                        "keys_size": len(keys)})

@@ -122,7 +122,7 @@ class _Framed:
 def test_a_private_session_refuses_a_reply_without_its_providers_signature(sig):
     """PrivateSession.project: a bad signature is a bad reply (PrivateProtocolError,
     which the chain fails over like a malformed one)."""
-    from compushare.pipeline.client.private_chain import PrivateSession, Request  # noqa: PLC0415  (torch)
+    from compushare.pipeline.client.private_session import PrivateSession, Request  # noqa: PLC0415
 
     hop = type("H", (), {"peer_id": PEERS[0]})()
     plan = type("P", (), {"groups": lambda self, tokens: len(TRUE)})()  # one group a token

@@ -1,4 +1,4 @@
-"""pipeline/private_wire.py: the decoders of /compushare/private/1.0.0 take any
+"""pipeline/private_wire.py: the decoders of /compushare/private/2.1.0 take any
 message a peer can send (any msgpack map, valid ones mutated) and raise only
 PrivateProtocolError (decode_projected also PrivateRemoteError, for an error
 reply), or return what a valid message holds; valid messages round-trip."""
@@ -18,16 +18,16 @@ from hypothesis import strategies as st
 from compushare.errors import PeerMisbehaved
 from compushare.he.groups import GROUPS
 from compushare.pipeline.private_wire import (KEYS_CHUNK, MAX_CIPHERTEXT_BYTES, MAX_CTS_PER_REQUEST, MAX_KEYS_BYTES,
-                                              MAX_TOKENS_PER_REQUEST, Open, PrivateProtocolError,
+                                              MAX_TOKENS_PER_REQUEST, MAX_WAIT_S, Open, PrivateProtocolError,
                                               PrivateRemoteError, Project, decode_keys_chunk, decode_open,
-                                              decode_project, decode_projected, error)
+                                              decode_project, decode_projected, decode_wait, error, wait)
 
 pytestmark = pytest.mark.unit
 
 DIGEST = hashlib.sha256(b"keys").hexdigest()
 FIELDS = ["type", "model_id", "start", "end", "params", "keys_digest", "keys_size", "data", "layer", "group", "tokens",
-          "cts", "compute_s", "code", "message"]
-TYPES = ["open", "keys", "project", "projected", "error", "opened", "keys_ok"]
+          "cts", "compute_s", "code", "message", "s"]
+TYPES = ["open", "keys", "project", "projected", "error", "opened", "keys_ok", "wait", "busy"]
 
 # What msgpack can carry (ints within 64 bits, as the wire allows), edge cases included.
 INTS = st.one_of(st.integers(-3, 70000), st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 1, 2**16, 2**16 + 1]))
@@ -219,3 +219,24 @@ def test_an_error_reply_is_a_remote_error():
         decode_projected(error("bad_ciphertext", "x" * 2000), 1)
     assert raised.value.code == "bad_ciphertext" and len(str(raised.value)) < 600
     assert issubclass(PrivateProtocolError, PeerMisbehaved)
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_input)
+def test_decode_wait_takes_any_input(message):
+    try:
+        seconds = decode_wait(message)
+    except PrivateProtocolError:
+        return
+    assert isinstance(seconds, float) and 1.0 <= seconds <= MAX_WAIT_S
+
+
+@pytest.mark.parametrize("seconds", [1, 1.5, 60, MAX_WAIT_S])
+def test_a_wait_round_trips(seconds):
+    assert decode_wait(wire(wait(seconds))) == float(seconds)
+
+
+@pytest.mark.parametrize("s", [0, 0.5, MAX_WAIT_S + 1, math.inf, math.nan, -5, True, "60", None, [60]])
+def test_a_wait_outside_its_bounds_is_refused(s):
+    with pytest.raises(PrivateProtocolError):
+        decode_wait({"type": "wait", "s": s})

@@ -18,7 +18,8 @@ class FaultInjection:
     forge_push: bool = False  # pushes carry other bytes than the signed output
     claim_format: str = ""  # name this weight format in records, ads and sessions, not the model's
     # "FIRST:COUNT:SECONDS": the server's steps FIRST..FIRST+COUNT-1 (counted from 0 over
-    # all its sessions, prefills included) each wait SECONDS before computing.
+    # all its sessions, prefills included) each wait SECONDS before computing; so do its
+    # private `project` requests FIRST..FIRST+COUNT-1 (counted apart, the same way).
     slow_steps: str = ""
 
     def __post_init__(self) -> None:

@@ -43,7 +43,6 @@ from ..net.traversal import Traversal
 from ..net.view import MAX_PEERS, SwarmView, relay_candidates
 from ..pipeline.server.announce import announce_loop
 from ..he.ckks import DEFAULT_PARAMETERS
-from ..pipeline.private_wire import PRIVATE_PROTOCOL
 from ..pipeline.protocol import INFER_PROTOCOL
 from ..pipeline.server.private import PrivateServer
 from ..pipeline.server.private_pool import HEWorker
@@ -256,9 +255,9 @@ class Node:
             return
         worker = HEWorker(model.path, params=DEFAULT_PARAMETERS, preencode=config.private_preencode,
                           workers=config.limits.compute_threads, budget_bytes=private_budget, noise=self.faults.noise)
-        self.private = PrivateServer(provider, worker, self.key_pair)
+        self.private = PrivateServer(provider, worker, self.key_pair, slow_steps=self.faults.slow_steps_plan())
         provider.private_rate = self.private.rate
-        self.swarm.host.set_stream_handler(PRIVATE_PROTOCOL, self.private.handler)
+        self.private.serve_on(self.swarm.host)
 
     async def _announce(self, nursery: trio.Nursery, provider: Provider) -> dict:
         """Announce: the span's server and seed records, rebalancing, node.json."""

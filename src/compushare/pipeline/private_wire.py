@@ -11,11 +11,20 @@ One stream is one private session (protocol.md, "Private sessions"):
                                           <-   keys_ok {bytes}
     project {layer, group, tokens, cts}   ->
                                           <-   projected {cts, compute_s}
+    wait {s} (between requests, 2.1.0)    ->
     ... (any number)
     close the stream
 
 Any request may instead get `error {code, message}`; a session error (bad keys,
 wrong span) ends the stream, a request error (one bad ciphertext) does not.
+
+Both sides say what they are waiting on (2.1.0), so that no wait is bounded by a
+constant tuned on one machine: a consumer whose next request to this hop waits for
+the other hops' work sends `wait {s}` ("my next message comes within s seconds"),
+and a provider still working on an answer (a turn in its queue, its HE workers,
+installing keys) sends `busy` every BUSY_PERIOD_S. A stream silent past what it
+announced is closed (the provider says `error idle` first); under 2.0.0, which is
+still answered, neither is sent and the fixed limits hold.
 Ciphertexts are SEAL's serialisation (he/ckks.py checks them); everything else
 is msgpack, like every CompuShare protocol.
 """
@@ -30,6 +39,7 @@ from ..errors import PeerMisbehaved, RemoteError
 from ..he.groups import GROUPS
 
 PRIVATE_PROTOCOL = wire.PRIVATE
+PRIVATE_PROTOCOLS = (wire.PRIVATE, wire.PRIVATE_V2_0)  # a consumer's proposal, newest first
 KEYS_CHUNK = 1 << 20  # Galois keys travel in chunks of 1 MiB (a frame holds at most 16 MiB)
 MAX_KEYS_BYTES = 128 << 20  # all of a session's Galois keys (SmolLM2 needs 13.5 MB)
 MAX_TOKENS_PER_REQUEST = 64
@@ -37,6 +47,9 @@ MAX_CTS_PER_REQUEST = 128  # input ciphertexts (groups x chunks)
 MAX_OUTPUTS_PER_REPLY = 96  # output ciphertexts (groups x outputs): 96 x 128 KiB fit a 16 MiB frame
 MAX_CIPHERTEXT_BYTES = 256 << 10
 MAX_FRAME_BYTES = 16 << 20
+MAX_WAIT_S = 600.0  # the most one `wait` announces
+BUSY_PERIOD_S = 10.0  # a provider working on an answer says `busy` this often
+BUSY = {"type": "busy"}
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -103,6 +116,20 @@ def decode_keys_chunk(message: dict) -> bytes:
     if not isinstance(data, bytes) or not 0 < len(data) <= KEYS_CHUNK:
         raise PrivateProtocolError(f"keys data must be 1..{KEYS_CHUNK} bytes")
     return data
+
+
+def wait(seconds: float) -> dict:
+    return {"type": "wait", "s": float(seconds)}
+
+
+def decode_wait(message: dict) -> float:
+    """A `wait`'s announced seconds (within 1..MAX_WAIT_S)."""
+    if not isinstance(message, dict) or message.get("type") != "wait":
+        raise PrivateProtocolError("expected a wait message")
+    value = message.get("s")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 1.0 <= value <= MAX_WAIT_S:
+        raise PrivateProtocolError(f"a wait's s must be a number of seconds in [1, {MAX_WAIT_S:.0f}], got {value!r}")
+    return float(value)
 
 
 def decode_project(message: dict) -> Project:

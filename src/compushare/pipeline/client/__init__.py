@@ -28,6 +28,7 @@
   stops.py          stop sequences over streamed text, across token boundaries (pure)
   produced.py       what a generation hands out: tokens, their text, log-probabilities, why it ended
   private_chain.py  private mode: every layer here, its products encrypted on the providers
+  private_session.py  one provider's private session: handshake, requests, the waits of 2.1.0
   private_reports.py  private mode's signed replies checked, a mismatch's failure report (pure)
   train_hop.py      one training session's stream to a server: forwards, backwards, signed answers, receipts
   swarm_trainer.py  SwarmTrainer: a step's microbatches pipelined through the spans, failover, spot checks

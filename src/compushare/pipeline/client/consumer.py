@@ -282,7 +282,8 @@ class Consumer:
             nursery.start_soon(planner.refresh_loop)  # candidates stay fresh for failovers
             nursery.start_soon(planner.karma_loop)
             if request.private:
-                chain = await self._generate_private(route, planner, prompt_ids, request, produced, constraint)
+                chain = await self._generate_private(route, planner, prompt_ids, request, produced, constraint,
+                                                     nursery)
             else:
                 async with open_chain(self.host, route, model.model_id, max_tokens=max_tokens,
                                       hidden_size=model.hidden_size, planner=planner,
@@ -326,7 +327,8 @@ class Consumer:
         return adapter_file.load(path, model_id=self.model.model_id, config=load_config(self.model.path))
 
     async def _generate_private(self, route: list[Hop], planner: SwarmPlanner, prompt_ids: list[int],
-                                request: RunRequest, produced: Produced, constraint: Constraint | None):
+                                request: RunRequest, produced: Produced, constraint: Constraint | None,
+                                nursery: trio.Nursery):
         from .private_chain import PrivateChain  # noqa: PLC0415  (transformers' layers: seconds)
 
         chain = PrivateChain(self.host, route, self.model.model_id, self._private["layers"],
@@ -334,6 +336,7 @@ class Consumer:
                              spot_check_rate=self.spot_check_rate)
         try:
             await chain.open()
+            nursery.start_soon(chain.keep_alive)  # its hops wait while the others compute; cancelled with `nursery`
             await generate(chain, self.head, prompt_ids, request.params, eos_ids=self.eos,
                            on_token=produced.add, max_step_tokens=PRIVATE_STEP_TOKENS,
                            **output_hooks(request, produced, constraint))

@@ -9,6 +9,14 @@ answer decrypted and summed in the thread again. A provider holds no state of th
 session but its Galois keys (the KV cache is the consumer's), so a provider that
 fails is replaced and the product asked again: nothing to replay.
 
+Waits follow the work (protocol 2.1.0), not constants tuned on one machine: while
+the other hops compute, `keep_alive` tells each quiet session when to expect its
+next request (`wait`), and a provider working on an answer says `busy`, so only
+silence (a provider stopped, a consumer gone) ends a session. A session that its
+provider closed after this consumer really was quiet past what it announced (a
+2.0.0 provider's fixed 60 s, or a keep-alive starved) is opened again on the same
+provider, unpenalised: the fault was ours.
+
 Spot checks: with probability `spot_check_rate` per step, one product of the step
 (a random layer and group) is also asked of another provider holding that layer
 (one at random),
@@ -26,7 +34,6 @@ one found wrong, witnessed by the other, kept in `reports` like InferenceChain's
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
@@ -36,122 +43,22 @@ import numpy as np
 import torch
 import trio
 
-from ...errors import CLOSED, FAILED, MISMATCH, HopFailed, RouteError
+from ...errors import FAILED, MISMATCH, HopFailed, RouteError
 from ...he.ckks import HEError, SecretContext, keys_digest
 from ...he.groups import group_shapes
-from ...he.plan import Plan, choose, request_tokens
-from ...net.dial import dial
-from ...net.framing import FramedStream
+from ...he.plan import choose, request_tokens
 from ...proofs.private import PrivateFailureReport
-from ..private_wire import (KEYS_CHUNK, MAX_CTS_PER_REQUEST, MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY,
-                            MAX_TOKENS_PER_REQUEST, PRIVATE_PROTOCOL, Open, Project, PrivateProtocolError,
-                            PrivateRemoteError, decode_projected)
+from ..private_wire import MAX_CTS_PER_REQUEST, MAX_OUTPUTS_PER_REPLY, MAX_TOKENS_PER_REQUEST, PrivateProtocolError
 from .chain_plan import Failover
-from .private_reports import Signed, mismatch_report, signed_reply
+from .private_reports import Signed, mismatch_report
+from .private_session import KEEPALIVE_CHECK_S, PrivateSession, PrivateStats, Request
 from .routing import Hop
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 15.0
-KEYS_TIMEOUT_S = 120.0
-REQUEST_TIMEOUT_S = 30.0
-REQUEST_TIMEOUT_PER_TOKEN_S = 5.0
 MAX_FAILOVERS = 4
 PIPELINE_CHUNK = 12  # a prefill longer than this runs as a pipeline of 12-token chunks over the hops
 CHECK_TOLERANCE = 1e-4  # relative L2 difference two honest providers stay under (measured: ~1e-7)
-
-
-@dataclasses.dataclass
-class PrivateStats:
-    """Where a private step's time goes (seconds, summed over the generation)."""
-
-    encrypt_s: float = 0.0
-    decrypt_s: float = 0.0  # decrypt, decode and the window sums
-    roundtrip_s: float = 0.0  # from sending a product to its answer
-    provider_s: float = 0.0  # the providers' own compute, as they report it
-    local_s: float = 0.0  # everything else of the layers here: norms, attention, SiLU
-    products: int = 0  # group products (4 a layer) times tokens
-    projections: int = 0  # weight projections (7 a layer) times tokens
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    keys_bytes: int = 0
-    keys_sent: int = 0  # sessions that had to receive the keys (the others had them cached)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One `project` request: its tokens, their plan and input ciphertexts."""
-
-    tokens: int
-    plan: Plan
-    cts: tuple[bytes, ...]
-
-
-class PrivateSession:
-    """One provider's private session: its stream, opened with our key digest."""
-
-    def __init__(self, hop: Hop, framed: FramedStream, signed: tuple[str, str, str]) -> None:
-        self.hop, self.framed = hop, framed
-        self.signed = signed  # (model_id, params, keys digest): what every reply's statement names
-
-    @classmethod
-    async def open(cls, host, hop: Hop, model_id: str, params: str, keys: bytes, digest: str,
-                   stats: PrivateStats) -> PrivateSession:
-        with trio.fail_after(CONNECT_TIMEOUT_S):
-            info = await dial(host, hop.peer_id, hop.record.addrs, timeout=CONNECT_TIMEOUT_S)
-            stream = await host.new_stream(info.peer_id, [PRIVATE_PROTOCOL])
-        session = cls(hop, FramedStream(stream, MAX_FRAME_BYTES), (model_id, params, digest))
-        try:
-            await session._handshake(model_id, params, keys, digest, stats)
-        except BaseException:
-            await session.close()
-            raise
-        return session
-
-    async def _handshake(self, model_id, params, keys, digest, stats) -> None:
-        framed = self.framed
-        with trio.fail_after(CONNECT_TIMEOUT_S):
-            await framed.send(Open(model_id, self.hop.start, self.hop.end, params, digest, len(keys)).to_wire())
-            reply = await framed.receive()
-        _check(reply, "opened", self.hop.peer_id)
-        if reply.get("need_keys"):
-            with trio.fail_after(KEYS_TIMEOUT_S):
-                for offset in range(0, len(keys), KEYS_CHUNK):
-                    await framed.send({"type": "keys", "data": keys[offset:offset + KEYS_CHUNK]})
-                reply = await framed.receive()
-            _check(reply, "keys_ok", self.hop.peer_id)
-            stats.keys_sent += 1
-            stats.bytes_sent += len(keys)
-
-    async def project(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], float, Signed]:
-        with trio.fail_after(REQUEST_TIMEOUT_S + REQUEST_TIMEOUT_PER_TOKEN_S * request.tokens):
-            await self.framed.send(Project(layer, group, request.tokens, request.cts).to_wire())
-            reply = await self.framed.receive()
-        if reply is None:
-            raise HopFailed(self.hop.peer_id, CLOSED, f"{self.hop.peer_id[-8:]} closed the private session")
-        outs, compute_s = decode_projected(reply, request.plan.groups(request.tokens))
-        return outs, compute_s, await trio.to_thread.run_sync(  # hashing ~10 MB: off the event loop
-            signed_reply, self.hop.peer_id, self.signed, layer, group, request.tokens, request.cts, outs,
-            reply.get("sig"))
-
-    async def close(self) -> None:
-        with trio.move_on_after(2):
-            try:
-                await self.framed.close()
-            except Exception:
-                pass
-
-
-def _check(reply, expected: str, peer_id: str) -> None:
-    if reply is None:
-        raise HopFailed(peer_id, CLOSED, "the provider closed the private session")
-    if reply.get("type") == "error":
-        raise PrivateRemoteError(str(reply.get("code")), str(reply.get("message"))[:500])
-    if reply.get("type") != expected:
-        raise PrivateProtocolError(f"expected {expected}, got {reply.get('type')!r}")
 
 
 class PrivateChain:
@@ -197,6 +104,17 @@ class PrivateChain:
             await session.close()
         self.sessions.clear()
 
+    async def keep_alive(self) -> None:
+        """Run beside the generation (until cancelled): every quiet session hears when
+        to expect its next request, so a hop waiting for the others is not closed."""
+        while True:
+            await trio.sleep(KEEPALIVE_CHECK_S)
+            for session in list(self.sessions.values()):
+                try:
+                    await session.keep_alive()
+                except Exception as exc:  # its next request fails and is failed over as any other
+                    log.info("private session with %s: keep-alive not sent: %r", session.hop.peer_id[-8:], exc)
+
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[1]
         if self.spot_check_rate > 0 and self.rng.random() < self.spot_check_rate:
@@ -208,7 +126,7 @@ class PrivateChain:
         for attempt in range(MAX_FAILOVERS + 1):
             try:
                 if n > PIPELINE_CHUNK and len(stages) > 1:
-                    out = await self._pipelined(hidden, stages)
+                    out = await pipelined(self._forward, hidden, stages, self.position)
                 else:
                     out = await trio.to_thread.run_sync(self._forward, hidden, self.position, 0, None)
                 break
@@ -227,40 +145,6 @@ class PrivateChain:
             surplus = layer.get_seq_length() - self.position if layer.is_initialized else 0
             if surplus > 0:
                 layer.crop(-surplus)
-
-    async def _pipelined(self, hidden: torch.Tensor, stages: list[tuple[int, int]]) -> torch.Tensor:
-        """A prefill in chunks of PIPELINE_CHUNK tokens through the route's layer
-        ranges as a pipeline: while one provider computes chunk c's products for its
-        layers, the one before it computes chunk c + 1's. Each range takes its chunks
-        in order, so every layer's KV cache grows as in a plain forward."""
-        chunks = [hidden[:, i:i + PIPELINE_CHUNK] for i in range(0, hidden.shape[1], PIPELINE_CHUNK)]
-        outputs: list[torch.Tensor | None] = [None] * len(chunks)
-        channels = [trio.open_memory_channel(len(chunks)) for _ in range(len(stages) + 1)]
-
-        async def stage(index: int, start: int, end: int) -> None:
-            receive, send = channels[index][1], channels[index + 1][0]
-            async with send:
-                async for which, h, position in receive:
-                    out = await trio.to_thread.run_sync(self._forward, h, position, start, end)
-                    await send.send((which, out, position))
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for index, (start, end) in enumerate(stages):
-                    nursery.start_soon(stage, index, start, end)
-                async with channels[0][0] as first:
-                    offset = self.position
-                    for which, chunk in enumerate(chunks):
-                        await first.send((which, chunk, offset))
-                        offset += chunk.shape[1]
-                async for which, out, _ in channels[-1][1]:
-                    outputs[which] = out
-        except BaseExceptionGroup as group:  # one stage failed (a redo, a failed hop): that error, unwrapped
-            leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-            if len(leaves) == 1:
-                raise leaves[0] from None
-            raise
-        return torch.cat(outputs, dim=1)
 
     def _forward(self, hidden: torch.Tensor, position: int, start: int, end: int | None) -> torch.Tensor:
         """One forward of layers start..end in this worker thread; what of it was not
@@ -309,6 +193,7 @@ class PrivateChain:
         return torch.from_numpy(result).to(x.dtype)
 
     async def _roundtrip(self, layer: int, group: str, request: Request) -> tuple[list[list[bytes]], Signed]:
+        reopened = False
         for attempt in range(MAX_FAILOVERS + 1):
             index = hop_index(self._route, layer)
             try:
@@ -318,8 +203,21 @@ class PrivateChain:
             except Exception as exc:  # py-libp2p's stream and dial errors have no common base
                 if attempt == MAX_FAILOVERS:
                     raise
+                session = self.sessions.get(index)
+                if session is not None and session.late and not reopened:
+                    reopened = True  # we were quiet past what it expected: its close is no fault
+                    await self._reopen(index, exc)
+                    continue
                 await self._fail_over(index, exc)
         raise AssertionError("unreachable")
+
+    async def _reopen(self, index: int, exc: BaseException) -> None:
+        """A new session on the same provider, unpenalised (its keys are cached there)."""
+        session = self.sessions.pop(index)
+        log.info("private session with %s ended after we were quiet past what it expected (%s): opening "
+                 "another", session.hop.peer_id[-8:], exc)
+        await session.close()
+        self.stats.reopened += 1
 
     async def _ask(self, session: PrivateSession, layer: int, group: str, request: Request) -> tuple[list, Signed]:
         began = time.perf_counter()
@@ -400,6 +298,42 @@ class PrivateChain:
         except Exception as exc:
             log.info("private spot check of layer %d by %s did not complete: %s", layer, hop.peer_id[-8:], exc)
             return None, None
+
+
+async def pipelined(forward, hidden: torch.Tensor, stages: list[tuple[int, int]], position: int) -> torch.Tensor:
+    """A prefill in chunks of PIPELINE_CHUNK tokens through the route's layer
+    ranges as a pipeline: while one provider computes chunk c's products for its
+    layers, the one before it computes chunk c + 1's. Each range takes its chunks
+    in order, so every layer's KV cache grows as in a plain forward. `forward(h,
+    position, start, end)` runs layers start..end on a chunk, in a worker thread."""
+    chunks = [hidden[:, i:i + PIPELINE_CHUNK] for i in range(0, hidden.shape[1], PIPELINE_CHUNK)]
+    outputs: list[torch.Tensor | None] = [None] * len(chunks)
+    channels = [trio.open_memory_channel(len(chunks)) for _ in range(len(stages) + 1)]
+
+    async def stage(index: int, start: int, end: int) -> None:
+        receive, send = channels[index][1], channels[index + 1][0]
+        async with send:
+            async for which, h, position in receive:
+                out = await trio.to_thread.run_sync(forward, h, position, start, end)
+                await send.send((which, out, position))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for index, (start, end) in enumerate(stages):
+                nursery.start_soon(stage, index, start, end)
+            async with channels[0][0] as first:
+                offset = position
+                for which, chunk in enumerate(chunks):
+                    await first.send((which, chunk, offset))
+                    offset += chunk.shape[1]
+            async for which, out, _ in channels[-1][1]:
+                outputs[which] = out
+    except BaseExceptionGroup as group:  # one stage failed (a redo, a failed hop): that error, unwrapped
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+    return torch.cat(outputs, dim=1)
 
 
 def encrypt_requests(secret: SecretContext, rows: int, cols: int, step: int, values: np.ndarray) -> list[Request]:

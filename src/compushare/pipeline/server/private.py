@@ -17,7 +17,13 @@ and how much of its compute a peer gets, is bounded like the rest of the server:
   one plaintext steps use), costed at PRIVATE_TOKEN_COST tokens per token and
   product, so a peer's private work counts against its one fair share; it then
   runs on the node's HE workers (private_pool.py: one per compute thread);
-- answers: a request whose answer would not fit a frame is refused.
+- answers: a request whose answer would not fit a frame is refused;
+- time: a session waits IDLE_TIMEOUT_S for its next message, or what its
+  consumer's last `wait` announced (2.1.0: its other hops are computing) plus
+  WAIT_GRACE_S, and never more than MAX_QUIET_S without a request in all, so a
+  consumer that is gone or stuck frees its session and key set within a bounded
+  time; while this node works on an answer it says `busy` (2.1.0), so the
+  consumer's patience follows this node's pace, not a constant.
 
 Every `projected` reply is signed with the node's key over the request's and the
 reply's ciphertext digests (proofs/private.py), so a failed private spot check
@@ -42,8 +48,9 @@ from ...he.plan import choose
 from ...net.framing import FramedStream
 from ...net.serve import GuardedHandler, peer_of
 from ...proofs.private import PrivateStatement
-from ..private_wire import (MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY, PrivateProtocolError, decode_keys_chunk,
-                            decode_open, decode_project, error)
+from ..private_wire import (BUSY, BUSY_PERIOD_S, MAX_FRAME_BYTES, MAX_OUTPUTS_PER_REPLY, PRIVATE_PROTOCOLS,
+                            PrivateProtocolError, decode_keys_chunk, decode_open, decode_project, decode_wait,
+                            error)
 from .private_pool import HEWorker, WorkerCrashed
 
 log = logging.getLogger(__name__)
@@ -51,13 +58,17 @@ log = logging.getLogger(__name__)
 PRIVATE_TOKEN_COST = 8  # fair-queue tokens per token of one encrypted product (~50 ms vs ~5 ms a plaintext block)
 OPEN_TIMEOUT_S = 30.0
 KEYS_CHUNK_TIMEOUT_S = 30.0
-IDLE_TIMEOUT_S = 60.0  # a session waits at most this long for its next request
+IDLE_TIMEOUT_S = 60.0  # a session waits this long for its next message, unless its consumer announced more
+WAIT_GRACE_S = 15.0  # beyond a `wait`'s announcement: transfer and scheduling on a loaded machine
+MAX_QUIET_S = 1800.0  # the most a session stays open without a request, whatever was announced
 KEY_UPLOADS = 2  # sessions receiving keys at once, all peers together (each buffers its keys)
 
 
 class PrivateServer:
-    def __init__(self, provider, worker: HEWorker, key_pair) -> None:
+    def __init__(self, provider, worker: HEWorker, key_pair, *,
+                 slow_steps: tuple[int, int, float] | None = None) -> None:
         self.key_pair = key_pair  # signs every product (libp2p KeyPair)
+        self.slow_steps = slow_steps  # fault injection (app/debug.py): requests FIRST.. wait SECONDS first
         self.provider = provider  # its span and server (with the fair scheduler) may change: read them per request
         self.worker = worker
         self.handler = GuardedHandler(self._serve, per_peer=2, total=16, defence="stream_caps")
@@ -72,6 +83,10 @@ class PrivateServer:
         self._keys_bound: dict[str, int] = {}  # per parameter set: the most key bytes this model needs
         self.worker_slots = parameter_set(worker.params).slots
 
+    def serve_on(self, host) -> None:
+        for protocol in PRIVATE_PROTOCOLS:  # 2.1.0 and the 2.0.0 it extends
+            host.set_stream_handler(protocol, self.handler)
+
     def rate(self) -> float:
         """Encrypted layer-steps per second to advertise (0 until the worker measured some)."""
         if self.products == 0 or self.compute_s <= 0:
@@ -82,11 +97,12 @@ class PrivateServer:
     async def _serve(self, stream) -> None:
         peer = peer_of(stream)
         framed = FramedStream(stream, MAX_FRAME_BYTES)
+        talk = _Talk(framed, announces=stream.get_protocol() != wire.PRIVATE_V2_0)
         try:
-            await self._session(framed, peer)
+            await self._session(talk, peer)
         except (PeerMisbehaved, FrameError, PrivateProtocolError) as exc:
             self.refused["malformed"] += 1
-            await self._say(framed, error(wire.MALFORMED, str(exc)))
+            await talk.say(error(wire.MALFORMED, str(exc)))
         except trio.TooSlowError:
             self.refused["timeout"] += 1
         except Exception as exc:  # the task boundary: never raise into py-libp2p
@@ -98,14 +114,8 @@ class PrivateServer:
                 except Exception:
                     pass
 
-    async def _say(self, framed: FramedStream, message: dict) -> None:
-        with trio.move_on_after(5):
-            try:
-                await framed.send(message)
-            except Exception:
-                pass
-
-    async def _session(self, framed: FramedStream, peer: str) -> None:
+    async def _session(self, talk: _Talk, peer: str) -> None:
+        framed = talk.framed
         with trio.fail_after(OPEN_TIMEOUT_S):
             message = await framed.receive()
         if message is None:
@@ -113,29 +123,46 @@ class PrivateServer:
         opened = decode_open(message)
         self._in_use[opened.keys_digest] += 1  # an open session's key set is never evicted
         try:
-            span_key = await self._open(framed, peer, opened)
+            span_key = await self._open(talk, peer, opened)
             if span_key is None:
                 return
             self.sessions += 1
-            while True:
-                with trio.fail_after(IDLE_TIMEOUT_S):
-                    message = await framed.receive()
-                if message is None:
-                    return
-                request = decode_project(message)
-                if not opened.start <= request.layer < opened.end:
-                    await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
-                                                             f"{opened.start}:{opened.end}"))
-                    continue
-                reply = await self._project(peer, span_key, opened.keys_digest, request)
-                await framed.send(await self._signed(opened, request, reply))
+            await self._requests(talk, peer, opened, span_key)
         finally:
             self._in_use[opened.keys_digest] -= 1
             if not self._in_use[opened.keys_digest]:
                 del self._in_use[opened.keys_digest]
 
-    async def _open(self, framed: FramedStream, peer: str, opened) -> tuple[int, int] | None:
-        """Answer an `open`: the span's key, or None when it was refused (said on `framed`)."""
+    async def _requests(self, talk: _Talk, peer: str, opened, span_key: tuple[int, int]) -> None:
+        """Answer `project` requests until the consumer closes, or stays silent past what
+        it announced (IDLE_TIMEOUT_S without a `wait`; MAX_QUIET_S in all)."""
+        framed = talk.framed
+        last_request = trio.current_time()
+        patience = IDLE_TIMEOUT_S
+        while True:
+            with trio.move_on_after(min(patience, last_request + MAX_QUIET_S - trio.current_time())) as quiet:
+                message = await framed.receive()
+            if quiet.cancelled_caught:
+                self.refused["idle"] += 1
+                await talk.say(error(wire.IDLE, f"nothing heard within {patience:.0f} s (or {MAX_QUIET_S:.0f} s "
+                                                f"without a request): the session is closed"))
+                return
+            if message is None:
+                return
+            if isinstance(message, dict) and message.get("type") == "wait":
+                patience = max(IDLE_TIMEOUT_S, decode_wait(message) + WAIT_GRACE_S)
+                continue
+            request = decode_project(message)
+            if not opened.start <= request.layer < opened.end:
+                await framed.send(error(wire.NOT_SERVED, f"layer {request.layer} is outside the session's "
+                                                         f"{opened.start}:{opened.end}"))
+                continue
+            await framed.send(await talk.busy_while(self._answer, peer, span_key, opened, request))
+            last_request, patience = trio.current_time(), IDLE_TIMEOUT_S
+
+    async def _open(self, talk: _Talk, peer: str, opened) -> tuple[int, int] | None:
+        """Answer an `open`: the span's key, or None when it was refused (said on the stream)."""
+        framed = talk.framed
         span = self.provider.span
         model_id = self.provider.model.model_id
         try:
@@ -157,29 +184,43 @@ class PrivateServer:
             await framed.send(error(wire.BAD_KEYS, f"{opened.keys_size} bytes of keys announced; this model's "
                                                    f"rotations need at most {bound}"))
             return None
-        await framed.send({"type": "opened", "need_keys": need, "max_keys_bytes": bound})
-        if need and not await self._take_keys(framed, peer, opened, span_key, bound):
-            return None
-        return span_key
+        answer = {"type": "opened", "need_keys": need, "max_keys_bytes": bound}
+        if not need:
+            await framed.send(answer)
+            return span_key
+        # The keys are buffered here until the worker holds them: KEY_UPLOADS sessions at
+        # once. Under 2.1.0 the slot is taken (saying busy) before the consumer is asked to
+        # send, so its chunks never wait unread; a 2.0.0 consumer is answered first, as before.
+        if talk.announces:
+            await talk.busy_while(self._uploads.acquire)
+            await framed.send(answer)
+        else:
+            await framed.send(answer)
+            await self._uploads.acquire()
+        try:
+            taken = await self._take_keys(talk, peer, opened, span_key, bound)
+        finally:
+            self._uploads.release()
+        return span_key if taken else None
 
-    async def _take_keys(self, framed: FramedStream, peer: str, opened, span_key: tuple[int, int],
-                         bound: int) -> bool:
+    async def _take_keys(self, talk: _Talk, peer: str, opened, span_key: tuple[int, int], bound: int) -> bool:
         """Receive, check and install the consumer's Galois keys; whether they were taken."""
-        async with self._uploads:  # the keys are buffered here until the worker holds them
-            data = await self._receive_keys(framed, opened.keys_size)
-            if hashlib.sha256(data).hexdigest() != opened.keys_digest:
-                self.refused["keys"] += 1
-                await framed.send(error(wire.BAD_KEYS, "the keys do not match their digest"))
-                return False
-            try:
-                # SEAL's header first, here: junk costs no worker start nor span encoding.
-                check_header(data, max_size=bound, what="Galois keys")
-                await self.worker.add_keys(span_key, opened.keys_digest, data, keep=set(self._in_use))
-            except (HEError, WorkerCrashed) as exc:
-                self.refused["keys"] += 1
-                await framed.send(error(wire.BAD_KEYS, str(exc)))
-                return False
-            del data
+        framed = talk.framed
+        data = await self._receive_keys(framed, opened.keys_size)
+        if hashlib.sha256(data).hexdigest() != opened.keys_digest:
+            self.refused["keys"] += 1
+            await framed.send(error(wire.BAD_KEYS, "the keys do not match their digest"))
+            return False
+        try:
+            # SEAL's header first, here: junk costs no worker start nor span encoding.
+            check_header(data, max_size=bound, what="Galois keys")
+            # The first session also has the worker load (and pre-encode) the span: seconds to minutes.
+            await talk.busy_while(self.worker.add_keys, span_key, opened.keys_digest, data, keep=set(self._in_use))
+        except (HEError, WorkerCrashed) as exc:
+            self.refused["keys"] += 1
+            await framed.send(error(wire.BAD_KEYS, str(exc)))
+            return False
+        del data
         previous = self._peer_keys.get(peer)
         if previous is not None and previous != opened.keys_digest and previous not in self._in_use:
             await self.worker.forget_keys(previous)  # one key set per peer
@@ -212,6 +253,9 @@ class PrivateServer:
             data += chunk
         return bytes(data)
 
+    async def _answer(self, peer: str, span_key: tuple[int, int], opened, request) -> dict:
+        return await self._signed(opened, request, await self._project(peer, span_key, opened.keys_digest, request))
+
     async def _project(self, peer: str, span_key: tuple[int, int], digest: str, request) -> dict:
         self.requests += 1
         server = self.provider.server
@@ -221,6 +265,7 @@ class PrivateServer:
             return error(wire.BAD_CIPHERTEXT, refused)
         cost = request.tokens * PRIVATE_TOKEN_COST
         began = time.perf_counter()
+        await self._maybe_slow()
         try:
             async with server.compute.turn(peer, cost) if server is not None else contextlib.nullcontext():
                 outs, seconds = await self.worker.project(span_key, digest, request.layer, request.group,
@@ -237,6 +282,12 @@ class PrivateServer:
         log.debug("private %s layer %d x%d: %.3fs compute, %.3fs in all", request.group, request.layer,
                   len(request.cts), seconds, time.perf_counter() - began)
         return {"type": "projected", "cts": outs, "compute_s": seconds}
+
+    async def _maybe_slow(self) -> None:
+        """Fault injection (--debug-slow-steps): requests FIRST..FIRST+COUNT-1 of this
+        node, counted over all sessions from 0, wait SECONDS before computing."""
+        if self.slow_steps is not None and 0 <= self.requests - 1 - self.slow_steps[0] < self.slow_steps[1]:
+            await trio.sleep(self.slow_steps[2])
 
     def _too_large(self, request) -> str | None:
         """Why a request's answer would not fit a frame (its plan's outputs), or None."""
@@ -264,3 +315,38 @@ class PrivateServer:
                 "compute_s": round(self.compute_s, 3), "worker_restarts": self.worker.restarts,
                 "held_mb": round(self.worker.held_bytes / 1e6, 1)}
 
+
+
+class _Talk:
+    """One session's stream as both sides of 2.1.0 use it: `busy` said while this node
+    works on an answer, so the consumer's patience follows this node's pace. A 2.0.0
+    consumer (`announces` False) hears nothing it did not ask for."""
+
+    def __init__(self, framed: FramedStream, *, announces: bool) -> None:
+        self.framed, self.announces = framed, announces
+
+    async def busy_while(self, work, *args, **kwargs):
+        """`await work(*args, **kwargs)`, saying `busy` every BUSY_PERIOD_S meanwhile."""
+        if not self.announces:
+            return await work(*args, **kwargs)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._beat)
+            try:
+                return await work(*args, **kwargs)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _beat(self) -> None:
+        while True:
+            await trio.sleep(BUSY_PERIOD_S)
+            # Shielded: a frame cut off by the work's end would break the stream's framing.
+            with trio.CancelScope(shield=True), trio.move_on_after(BUSY_PERIOD_S):
+                await self.framed.send(BUSY)
+
+    async def say(self, message: dict) -> None:
+        """Send a last word, if the consumer still reads within 5 s."""
+        with trio.move_on_after(5):
+            try:
+                await self.framed.send(message)
+            except Exception:
+                pass
