@@ -144,8 +144,9 @@ class PrivateServer:
                 message = await framed.receive()
             if quiet.cancelled_caught:
                 self.refused["idle"] += 1
-                await talk.say(error(wire.IDLE, f"nothing heard within {patience:.0f} s (or {MAX_QUIET_S:.0f} s "
-                                                f"without a request): the session is closed"))
+                if talk.announces:  # 2.0.0 has no such code: its session just ends
+                    await talk.say(error(wire.IDLE, f"nothing heard within {patience:.0f} s (or {MAX_QUIET_S:.0f} "
+                                                    f"s without a request): the session is closed"))
                 return
             if message is None:
                 return
