@@ -49,6 +49,7 @@ from compushare.net.host import open_host, parse_peer_addr
 from compushare.pipeline.client.consumer import RunRequest, run_prompt
 from compushare.pipeline.private_wire import PRIVATE_PROTOCOL
 from compushare.pipeline.protocol import INFER_PROTOCOL
+from compushare.wire import PRIVATE_V2_0
 from compushare.wire import TRAIN as TRAIN_PROTOCOL
 from compushare.pipeline.client.sampling import SamplingParams
 from compushare.torrent.protocol import PIECES_PROTOCOL
@@ -63,7 +64,8 @@ HOLD_LIMIT_S = 240.0  # stalled streams are held at most this long (until the ge
 GENERATION_TIMEOUT_S = 120.0
 FLOOD_STREAMS = 16  # stalled streams per protocol at once (more than py-libp2p's 12 DHT handlers)
 
-FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL, TRAIN_PROTOCOL)
+FRAMED = (INFER_PROTOCOL, PIECES_PROTOCOL, VIEW_PROTOCOL, KARMA_PROTOCOL, PRIVATE_PROTOCOL, PRIVATE_V2_0,
+          TRAIN_PROTOCOL)
 # NAT traversal (revision 14): AutoNAT, circuit relay v2's hop and stop, DCUtR.
 VARINT = (KAD_PROTOCOL, GOSSIP_PROTOCOL, IDENTIFY_PUSH_PROTOCOL, AUTONAT_PROTOCOL, HOP_PROTOCOL, STOP_PROTOCOL,
           DCUTR_PROTOCOL)
