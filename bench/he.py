@@ -24,7 +24,9 @@ swarm     for each --threads value t: 3 provider processes on 127.0.0.1 (blocks 
           processes), and this process as the consumer, greedy, no spot checks. A
           warm-up private generation (the HE workers load and pre-encode), then a
           --prompt-tokens prompt (a public-domain paragraph, cut to that many
-          tokens) with --new-tokens, privately, then the same in plaintext.
+          tokens; fewer where this machine's layer time says the runs would not fit the
+          20-minute limit: fitted_prompt) with --new-tokens, privately, then the same in
+          plaintext.
           prefill_s_per_token  the first token's time over the prompt's tokens
                    (the prompt pipelined over the hops in chunks);
           decode_s_per_token   first token to last over the decode steps;
@@ -90,8 +92,12 @@ PARAGRAPH = ("It is a truth universally acknowledged, that a single man in posse
 LAYER = 0  # the layer whose products the product and layer benchmarks use
 WARMUP_PROMPT_TOKENS = 4
 TARGETS = {"speedup_vs_naive": 100.0, "rel_err": 1e-3, "prefill_s_per_token": 1.0, "decode_s_per_token_2threads": 3.0}
-TIME_BUDGET_S = 1140  # what the swarm runs may take, so that the whole run stays under LIMIT_S
 LIMIT_S = 1200  # every benchmark finishes within 20 minutes
+SLACK_S = 30.0  # kept back from LIMIT_S: the report, stopping the nodes
+SWARM_RUN_S = 180.0  # a swarm run besides its prefill: nodes started, warm-up (pre-encoding), decode, plaintext
+FETCH_S = 90.0  # the first swarm run's fetch benchmark (two fresh consumers fetch the head)
+PROMPT_CHUNK = 12  # the private prefill's pipeline chunk (pipeline/client/private_chain.py)
+MIN_PROMPT_TOKENS = 36  # three chunks: the pipeline is full for one
 WORKER_MARK = b"private_worker"
 QWEN05 = dict(vocab_size=256, hidden_size=896, intermediate_size=4864, num_hidden_layers=3, num_attention_heads=14,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.02,
@@ -621,6 +627,20 @@ def summary(p: dict, layer: dict, runs: dict, qwen: dict) -> dict:
     return result
 
 
+def fitted_prompt(wanted: int, layer: dict, runs: int, left_s: float) -> int:
+    """The swarm runs' prompt length: `wanted`, or fewer where this machine's measured
+    layer time says the runs' prefills would not fit `left_s` (a slower machine than
+    the one the default was set on: a 2-vCPU Xeon needs about 1,600 s for 128). A
+    prefill token costs each run about LAYERS x one worker's layer time a prompt token
+    (the three providers share the cores; measured 0.7-0.8 of it on 2 vCPUs)."""
+    if runs == 0:
+        return wanted
+    per_token = LAYERS * layer["layer_prompt_s_per_token_1thread"] * runs
+    spare = left_s - runs * SWARM_RUN_S - FETCH_S
+    fits = int(max(0.0, spare) / per_token) // PROMPT_CHUNK * PROMPT_CHUNK
+    return max(MIN_PROMPT_TOKENS, min(wanted, fits))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="runs of the packed product (the median)")
@@ -636,6 +656,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(f"load average at the start: {load_before:.2f} on {os.cpu_count()} CPUs", flush=True)
     runs: dict[int, dict] = {}
+    unfinished: list[int] = []
     qwen: dict = {}
     found_workers: set[int] = set()
     swarms: list[LocalSwarm] = []
@@ -652,21 +673,35 @@ def main() -> None:
             print("product benchmark (576 x 576, one token)", flush=True)
             product = product_bench(state, config, x32, secret, keys, args)
             product.update(context_mb=len(keys_bytes) / 1e6, rotation_steps=len(steps))
-            print("layer benchmark (4 products, decode and prompt plans, 1 and 2 workers)", flush=True)
+            print(f"[{time.monotonic() - began:.0f} s] layer benchmark (4 products, decode and prompt plans, "
+                  "1 and 2 workers)", flush=True)
             layer = layer_bench(state, config, secret, keys)
             del state, secret, keys
-            for threads in ([] if args.no_swarm else [int(t) for t in args.threads.split(",")]):
+            if not args.no_qwen:  # first: a check of private mode past the slots, whatever time is left after
+                print(f"[{time.monotonic() - began:.0f} s] Qwen2.5-0.5B-shaped model, privately", flush=True)
+                qwen = trio.run(qwen_bench, root / "qwen", found_workers)
+            thread_runs = [] if args.no_swarm else [int(t) for t in args.threads.split(",")]
+            wanted = args.prompt_tokens
+            args.prompt_tokens = fitted_prompt(wanted, layer, len(thread_runs),
+                                               LIMIT_S - SLACK_S - (time.monotonic() - began))
+            if args.prompt_tokens < wanted:
+                print(f"  prompt cut to {args.prompt_tokens} tokens (of {wanted}): this machine's layer time says "
+                      f"{wanted} would not fit {LIMIT_S} s", flush=True)
+            for threads in thread_runs:
+                print(f"[{time.monotonic() - began:.0f} s] swarm, {threads} HE worker(s) a provider", flush=True)
                 swarm = start_swarm(root / f"t{threads}", MODEL, SPANS, threads, found_workers)
                 swarms.append(swarm)
 
                 async def bounded(swarm=swarm, threads=threads):
-                    with trio.fail_after(max(60.0, TIME_BUDGET_S - (time.monotonic() - began))):
+                    with trio.fail_after(max(60.0, LIMIT_S - SLACK_S - (time.monotonic() - began))):
                         return await swarm_bench(args, swarm, client_dir, threads, found_workers, fetch=not runs)
 
-                runs[threads] = trio.run(bounded)
+                try:
+                    runs[threads] = trio.run(bounded)
+                except trio.TooSlowError:  # what was measured is still reported, this run marked missing
+                    print(f"  swarm run with {threads} worker(s) stopped: past the {LIMIT_S} s limit", flush=True)
+                    unfinished.append(threads)
                 swarm.close()
-            if not args.no_qwen:
-                qwen = trio.run(qwen_bench, root / "qwen", found_workers)
         finally:
             for swarm in swarms:
                 for proc in swarm.procs.values():
@@ -685,6 +720,8 @@ def main() -> None:
     result = summary(product, layer, runs, qwen)
     result["load_avg"] = [round(load_before, 2), round(load_after, 2)]
     result["total_s"] = round(time.monotonic() - began, 1)
+    result["prompt_tokens_wanted"] = wanted if not args.no_swarm else None
+    result["unfinished_runs"] = unfinished
     result["within_limit"] = result["total_s"] <= LIMIT_S
     print(json.dumps(result))
 
