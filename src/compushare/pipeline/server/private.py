@@ -285,8 +285,7 @@ class PrivateServer:
         return {"type": "projected", "cts": outs, "compute_s": seconds}
 
     async def _maybe_slow(self) -> None:
-        """Fault injection (--debug-slow-steps): requests FIRST..FIRST+COUNT-1 of this
-        node, counted over all sessions from 0, wait SECONDS before computing."""
+        """--debug-slow-steps: requests FIRST.. (counted over all sessions) wait SECONDS first."""
         if self.slow_steps is not None and 0 <= self.requests - 1 - self.slow_steps[0] < self.slow_steps[1]:
             await trio.sleep(self.slow_steps[2])
 
