@@ -6,7 +6,7 @@ While it works, the first hop waits 80 s and more for its next request, past the
 a provider waits unannounced: the consumer's `wait` keeps its session, the slow
 provider's `busy` keeps the consumer waiting on it. No session is closed, no
 provider is failed over or penalised, and the tokens equal plaintext's. (A session
-whose consumer truly went quiet is closed: tests/unit/test_private_waits.py, on a
+whose consumer truly went quiet is closed: tests/unit/test_private_session_waits.py, on a
 virtual clock.)
 """
 
