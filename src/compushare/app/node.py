@@ -178,7 +178,7 @@ class Node:
         host, dht = self.swarm.host, self.swarm.dht
         await nursery.start(self.traversal.run)
         await nursery.start(self.gossip.run)  # before dialling: pubsub learns peers from connections
-        await self.swarm.join(retry=True)
+        await self.swarm.join(attempts=None)
         # Dialable and seeding from here on: `swarm up` starts the others now, to fetch their spans meanwhile.
         write_json(self.config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": self.me,
                                                         "addrs": advertised_addrs(host)})

@@ -71,7 +71,7 @@ async def seed_forever(data_dir, *, listen, bootstrap, models: list[str] | None 
         torrent.start_seeding()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_on_signal, nursery.cancel_scope)
-            await swarm.join(retry=True)
+            await swarm.join(attempts=None)
             nursery.start_soon(routing_sync_loop, host, dht)
             await nursery.start(torrent.announce_loop)  # ready means findable
             state = {"pid": os.getpid(), "peer_id": host.get_id().to_string(), "addrs": full_addrs(host),

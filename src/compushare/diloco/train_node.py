@@ -71,7 +71,7 @@ async def take_part(config: TrainConfig, *, run_id: str | None = None, new: NewR
     async with open_swarm_host(key_pair, server=True, validators=karma_validators() | run_validators(),
                                listen=config.listen, bootstrap=config.bootstrap, join=False) as swarm:
         if config.bootstrap:
-            await swarm.join(retry=True)
+            await swarm.join(attempts=None)
         host, dht = swarm.host, swarm.dht
         write_json(config.data_dir / LISTEN_FILE, {"pid": os.getpid(), "peer_id": host.get_id().to_string(),
                                                    "addrs": advertised_addrs(host)})

@@ -32,7 +32,7 @@ from .host import open_host
 
 log = logging.getLogger(__name__)
 
-BOOTSTRAP_RETRY_S = (0.5, 5.0)  # first and longest wait between attempts of join(retry=True) (doubling)
+BOOTSTRAP_RETRY_S = (0.5, 5.0)  # first and longest wait between attempts of join() (doubling)
 # py-libp2p caps ADD_PROVIDER at 10 per 10 s per peer; a provider announcing a span of
 # 30 blocks sends 31. Every long-running node (server mode) raises the cap for its peers.
 PROVIDER_RATE_MAX = 200
@@ -46,17 +46,19 @@ class SwarmHost:
     dht: KadDHT
     bootstrap: tuple[str, ...]
 
-    async def join(self, *, retry: bool = False) -> int:
+    async def join(self, *, attempts: int | None = 1) -> int:
         """Dial the bootstrap peers concurrently; return how many answered (0 with no
-        bootstrap peers: the first node of a swarm). None answering raises
-        SwarmUnreachable, or with `retry` is tried again, waiting longer each time (a
-        swarm may come up in any order)."""
+        bootstrap peers: the first node of a swarm). None answering within `attempts`
+        tries (None: until one does, as a swarm may come up in any order), waiting
+        longer between each, raises SwarmUnreachable."""
         wait, longest = BOOTSTRAP_RETRY_S
+        tried = 0
         while True:
             try:
                 return await connect_bootstrap(self.host, self.dht, self.bootstrap)
             except SwarmUnreachable as exc:
-                if not retry:
+                tried += 1
+                if attempts is not None and tried >= attempts:
                     raise
                 log.warning("%s; retrying in %.1fs", exc, wait)
                 await trio.sleep(wait)

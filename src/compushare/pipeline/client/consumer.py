@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 PRIVATE_STEP_TOKENS = 256  # a private prefill goes in steps of this many tokens, each pipelined over the hops
 REPORT_SUBMIT_TIMEOUT_S = 5.0
 REPORT_SUBMIT_ATTEMPTS = 3  # a second after the first failure, two after the second
+JOIN_ATTEMPTS = 3  # a dial that timed out on a busy machine is not yet an unreachable swarm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +143,21 @@ class LocalParts:
         """Join the swarm while the local parts load (both take seconds), then get from
         the swarm what is not here."""
         unreachable: SwarmUnreachable | None = None
+        loading = not self.from_swarm and not self.by_name
         async with trio.open_nursery() as nursery:
-            if not self.from_swarm and not self.by_name:
+            if loading:
                 nursery.start_soon(trio.to_thread.run_sync, self.load)
             try:
+                await swarm.join(attempts=JOIN_ATTEMPTS)
+            except SwarmUnreachable as exc:
+                unreachable = exc
+        if unreachable is not None and loading and self.error is None:
+            # The dials ran alongside this machine's own loading (importing and
+            # hashing a model's files, say), which can starve them past their
+            # timeout: once more, now that it is done.
+            try:
                 await swarm.join()
+                unreachable = None
             except SwarmUnreachable as exc:
                 unreachable = exc
         if unreachable is not None and self.by_name:  # no swarm to ask: a local problem is reported first
