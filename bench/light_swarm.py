@@ -215,7 +215,7 @@ async def light_node(index: int, args, hardware, counters: Counters, record, dia
             await nursery.start(gossip.run)
             counters.count_push(gossip.pubsub)
             counters.count_control(gossip.pubsub.router)
-            await swarm.join(retry=True)
+            await swarm.join(attempts=None)
             nursery.start_soon(routing_sync_loop, host, dht)
             if provides:
                 nursery.start_soon(light_announce, dht, host, key_pair, model_id)
