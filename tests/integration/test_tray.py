@@ -41,7 +41,23 @@ def _pixels(display: str, colour: tuple[int, int, int]) -> int:
     return sum(1 for pixel in shot.getdata() if all(abs(a - b) <= 8 for a, b in zip(pixel, colour)))
 
 
-def _wait_for_pixels(display: str, colour, timeout: float = 30.0) -> int:
+def _wait_for_tray_host(display: str, timeout: float = 60.0) -> None:
+    """Until the tray host owns the XEmbed tray selection (where pystray docks)."""
+    from Xlib import X
+    from Xlib.display import Display
+
+    connection = Display(display)
+    try:
+        selection = connection.intern_atom(f"_NET_SYSTEM_TRAY_S{connection.get_default_screen()}")
+        deadline = time.monotonic() + timeout
+        while connection.get_selection_owner(selection) == X.NONE:
+            assert time.monotonic() < deadline, f"trayer did not take the tray selection within {timeout:.0f} s"
+            time.sleep(0.1)
+    finally:
+        connection.close()
+
+
+def _wait_for_pixels(display: str, colour, timeout: float = 60.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         count = _pixels(display, colour)
@@ -67,12 +83,16 @@ def test_tray_icon_shows_state_under_xvfb_with_a_tray_host(processes, tiny_model
         started.append(subprocess.Popen(["trayer", "--edge", "top", "--align", "right", "--widthtype", "request",
                                          "--height", "48", "--SetDockType", "true", "--transparent", "false"],
                                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(1.0)
+        _wait_for_tray_host(display)
         assert _pixels(display, COLOURS["contributing"]) == 0  # nothing green before the icon
-        started.append(subprocess.Popen([sys.executable, "-m", "compushare", "tray", "--data-dir", str(data_dir)],
-                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        tray_log = tmp_path / "tray.log"
+        with tray_log.open("wb") as sink:  # a file, not a pipe nobody reads (pystray logs each failed dock)
+            started.append(subprocess.Popen([sys.executable, "-m", "compushare", "tray", "--data-dir", str(data_dir)],
+                                            env=env, stdout=sink, stderr=subprocess.STDOUT))
         green = _wait_for_pixels(display, COLOURS["contributing"])
-        assert green >= 100, f"no green tray icon on the screen ({green} pixels)"
+        assert green >= 100, (f"no green tray icon on the screen ({green} pixels; "
+                              f"{_pixels(display, COLOURS['error'])} red); the tray said:\n"
+                              f"{tray_log.read_text(errors='replace')[-3000:]}")
 
         token = (data_dir / TOKEN_FILE).read_text().strip()
         request = urllib.request.Request(f"{node['api']}/control/pause", method="POST",
